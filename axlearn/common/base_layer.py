@@ -1,0 +1,255 @@
+"""BaseLayer: a module with parameters.
+
+A layer declares its own parameters in `_create_layer_parameter_specs()`; the tree of
+specs (`create_parameter_specs_recursively()`) gives every parameter's shape, dtype,
+partition spec over logical mesh axes, initializer, fan axes and weight-decay scale,
+without allocating anything. `initialize_parameters_recursively(prng_key)` creates the
+arrays, one PRNG key per parameter folded in from its path, so a parameter's initial
+value does not depend on what else the model holds.
+"""
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
+
+from axlearn.common.config import ConfigError, InstantiableConfig, config_class, maybe_instantiate
+from axlearn.common.module import Module, Tensor, child_prng_key
+from axlearn.common.param_init import DefaultInitializer, FanAxes, Initializer
+
+# A partition spec as configs write it: one entry per tensor dim, each None, a mesh axis
+# name, or a tuple of names.
+MeshAxes = Sequence[Optional[Union[str, Sequence[str]]]]
+
+
+@dataclasses.dataclass
+class ParameterSpec:
+    """Everything about one parameter except its value."""
+
+    shape: Sequence[int]
+    dtype: Optional[jnp.dtype] = None  # None: the layer's dtype.
+    mesh_axes: Optional[MeshAxes] = None  # None: replicated.
+    initializer: Optional[Initializer] = None  # None: the layer's param_init.
+    fan_axes: Optional[FanAxes] = None
+    weight_decay_scale: Optional[float] = None  # None: 1.
+    # For factored optimizers (Adafactor): which axes to factor, or None.
+    factorization: Optional[Sequence[Optional[str]]] = None
+
+    @property
+    def partition_spec(self) -> PartitionSpec:
+        axes = self.mesh_axes if self.mesh_axes is not None else (None,) * len(self.shape)
+        return PartitionSpec(*[tuple(a) if isinstance(a, list) else a for a in axes])
+
+    def shape_dtype_struct(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(tuple(self.shape), self.dtype)
+
+
+def is_parameter_spec(x: Any) -> bool:
+    return isinstance(x, ParameterSpec)
+
+
+def flatten_with_paths(tree: Any, separator: str = "/", is_leaf=None) -> list[tuple[str, Any]]:
+    """[(path, leaf)] for a nested dict tree, paths joined by `separator`."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [(separator.join(_key_str(k) for k in path), leaf) for path, leaf in leaves]
+
+
+def tree_paths(tree: Any, separator: str = "/", is_leaf=None) -> Any:
+    """A tree of the same structure whose leaves are their own paths."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: separator.join(_key_str(k) for k in path), tree, is_leaf=is_leaf
+    )
+
+
+def _key_str(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def save_and_offload_only_these_names_regex(
+    *,
+    names_which_can_be_saved: Optional[str],
+    names_which_can_be_offloaded: Optional[str],
+    offload_src: str = "device",
+    offload_dst: str = "pinned_host",
+) -> Callable:
+    """A remat policy: save intermediates whose checkpoint name fully matches one regex,
+    offload those matching the other to `offload_dst`, and recompute everything else."""
+    saved = re.compile(names_which_can_be_saved) if names_which_can_be_saved else None
+    offloaded = re.compile(names_which_can_be_offloaded) if names_which_can_be_offloaded else None
+
+    def policy(prim, *_, **params):
+        if getattr(prim, "name", None) != "name":
+            return False
+        name = params.get("name", "")
+        if saved is not None and saved.fullmatch(name):
+            return True
+        if offloaded is not None and offloaded.fullmatch(name):
+            from jax._src.ad_checkpoint import Offloadable  # Not exported publicly.
+
+            return Offloadable(src=offload_src, dst=offload_dst)
+        return False
+
+    return policy
+
+
+def _remat_policy(policy: Any) -> Optional[Callable]:
+    if policy is None or callable(policy) and not isinstance(policy, InstantiableConfig):
+        return policy
+    if isinstance(policy, str):
+        found = getattr(jax.checkpoint_policies, policy, None)
+        if found is None:
+            raise ConfigError(f"remat_spec['policy']: '{policy}' is not in jax.checkpoint_policies")
+        return found
+    return maybe_instantiate(policy)
+
+
+class BaseLayer(Module):
+    """A module with parameters, a dtype, an initializer, partition specs and remat."""
+
+    @config_class
+    class Config(Module.Config):
+        """Configures BaseLayer."""
+
+        dtype: Optional[jnp.dtype] = None  # Parameter dtype; None: the parent's (float32 at the root).
+        param_init: Optional[DefaultInitializer.Config] = None  # None: the parent's.
+        param_partition_spec: Optional[Any] = None  # Partition spec of the layer's main weight.
+        # None: no remat. Otherwise {'prevent_cse': bool, 'policy': a checkpoint policy,
+        # a config of one, or a name in jax.checkpoint_policies}.
+        remat_spec: Optional[dict[str, Any]] = None
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        self._param_init = (
+            cfg.param_init.instantiate() if cfg.param_init is not None else None
+        )
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.config_dtype
+
+    @property
+    def config_dtype(self) -> jnp.dtype:
+        return self._config.dtype if self._config.dtype is not None else jnp.float32
+
+    def _add_child(self, name: str, child_config: Module.Config, **kwargs) -> Module:
+        child_config = child_config.clone()
+        if isinstance(child_config, BaseLayer.Config):
+            if child_config.dtype is None:
+                child_config.dtype = self._config.dtype
+            if child_config.param_init is None:
+                child_config.param_init = self._config.param_init
+        return super()._add_child(name, child_config, **kwargs)
+
+    # ----- parameters -----
+
+    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
+        """This layer's own parameters (children's are added by the recursion)."""
+        return {}
+
+    def create_parameter_specs_recursively(self) -> dict[str, Any]:
+        specs: dict[str, Any] = {}
+        for name, spec in self._create_layer_parameter_specs().items():
+            specs[name] = dataclasses.replace(spec, dtype=spec.dtype or self.config_dtype)
+        for name, child in self._children.items():
+            if isinstance(child, BaseLayer):
+                child_specs = child.create_parameter_specs_recursively()
+                if child_specs:
+                    specs[name] = child_specs
+        return specs
+
+    def _initializer_for(self, path: str, spec: ParameterSpec) -> Initializer:
+        if spec.initializer is not None:
+            return spec.initializer
+        if self._param_init is None:
+            raise ConfigError(f"Parameter '{path}' has no initializer and no param_init is set")
+        return self._param_init
+
+    def initialize_parameters_recursively(
+        self, prng_key: Tensor, *, prefix: str = ""
+    ) -> dict[str, Any]:
+        """Creates every parameter; each gets a key folded in from its path below this layer."""
+        specs = self.create_parameter_specs_recursively()
+        owners = self._owners_of_specs()
+        params = {}
+        for path, spec in flatten_with_paths(specs, is_leaf=is_parameter_spec):
+            owner = owners[path]
+            full = f"{prefix}{path}"
+            params[path] = owner._initializer_for(full, spec).initialize(
+                full,
+                prng_key=child_prng_key(prng_key, path),
+                shape=tuple(spec.shape),
+                dtype=spec.dtype,
+                axes=spec.fan_axes,
+            )
+        return _unflatten(params)
+
+    def describe_initializers(self, *, prefix: str = "") -> list[str]:
+        """One `_init` golden line per parameter: path, initializer, shape and fan axes."""
+        specs = self.create_parameter_specs_recursively()
+        owners = self._owners_of_specs()
+        lines = []
+        for path, spec in flatten_with_paths(specs, is_leaf=is_parameter_spec):
+            full = f"{prefix}{path}"
+            init = owners[path]._initializer_for(full, spec)
+            lines.append(
+                f"{full}: {init.debug_string(full, spec.shape, spec.fan_axes)}, "
+                f"shape={list(spec.shape)}, axes={spec.fan_axes}"
+            )
+        return lines
+
+    def _owners_of_specs(self) -> dict[str, "BaseLayer"]:
+        """Parameter path (below this layer) -> the layer whose initializer applies."""
+        owners = {}
+        for name in self._create_layer_parameter_specs():
+            owners[name] = self
+        for child_name, child in self._children.items():
+            if isinstance(child, BaseLayer):
+                for path, owner in child._owners_of_specs().items():
+                    owners[f"{child_name}/{path}"] = owner
+        return owners
+
+    # ----- calls -----
+
+    def _remat_name(self, x: Tensor, name: str) -> Tensor:
+        """Tags `x` so remat policies can save it by name ('ClassName.name')."""
+        return checkpoint_name(x, f"{type(self).__name__}.{name}")
+
+    def _functional_call(self, method, state, prng_key, is_training, args, kwargs):
+        remat_spec = self._config.remat_spec
+        if remat_spec is None or method.__name__ != "forward":
+            return super()._functional_call(method, state, prng_key, is_training, args, kwargs)
+        base = super()._functional_call
+        # jax.checkpoint traces only arrays; other leaves (flags, None) are closed over.
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        is_array = [isinstance(x, (jax.Array, jnp.ndarray)) for x in leaves]
+
+        def call(state, prng_key, array_leaves):
+            it = iter(array_leaves)
+            merged = [next(it) if a else x for a, x in zip(is_array, leaves)]
+            call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, merged)
+            return base(method, state, prng_key, is_training, call_args, call_kwargs)
+
+        rematted = jax.checkpoint(
+            call,
+            prevent_cse=remat_spec.get("prevent_cse", True),
+            policy=_remat_policy(remat_spec.get("policy")),
+        )
+        return rematted(state, prng_key, [x for a, x in zip(is_array, leaves) if a])
+
+def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        parts = path.split("/")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return tree

@@ -1,0 +1,802 @@
+"""Typed, composable configs that flatten into golden text.
+
+A config is a tree of typed fields. Classes expose their config through
+`Configurable.default_config()`, whose `klass` field names the class; plain functions and
+classes get one from `config_for_function` / `config_for_class`, whose `fn` / `klass`
+field names the callable. `cfg.instantiate()` turns a config into the object it describes.
+
+The flat text form (`debug_string()`) is one sorted `key: value` line per leaf:
+`a.b` for nested configs, `[i]` for sequence items and `['k']` for dict keys, with
+classes, functions and dtypes written as quoted, fully qualified names. `parse_flat_text`
+reads that text back into a config tree.
+
+This module is pure Python: importing it must not import jax.
+"""
+
+import ast
+import copy
+import dataclasses
+import difflib
+import enum
+import importlib
+import inspect
+import json
+import re
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Generic, Optional, TypeVar, Union
+
+T = TypeVar("T")
+C = TypeVar("C", bound="ConfigBase")
+
+
+class ConfigError(ValueError):
+    """A config is malformed: an unknown field, a missing value or a value of the wrong type."""
+
+
+class UnknownFieldError(ConfigError, AttributeError):
+    """A field name that the config class does not define."""
+
+
+class MissingRequiredFieldsError(ConfigError):
+    """`instantiate()` found fields still set to REQUIRED."""
+
+
+class RequiredFieldValue:
+    """The type of `REQUIRED`: a placeholder for a value the user must provide."""
+
+    _instance: ClassVar[Optional["RequiredFieldValue"]] = None
+
+    def __new__(cls) -> "RequiredFieldValue":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __deepcopy__(self, memo) -> "RequiredFieldValue":
+        return self
+
+    def __copy__(self) -> "RequiredFieldValue":
+        return self
+
+    def __reduce__(self):
+        return (RequiredFieldValue, ())
+
+
+REQUIRED = RequiredFieldValue()
+# `Required[int]` reads as "an int the user must set"; the field's default is `REQUIRED`.
+Required = Union[T, RequiredFieldValue]
+
+# Values that `to_flat_dict` omits when they equal the field's default.
+DEFAULT_OMITTED_VALUES = (None, REQUIRED)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigField:
+    """One field of a config class."""
+
+    name: str
+    annotation: Any
+    default: Any
+
+
+def _close_names(name: str, candidates: Iterable[str]) -> str:
+    matches = difflib.get_close_matches(name, list(candidates), n=3, cutoff=0.5)
+    return f" (did you mean: {', '.join(matches)}?)" if matches else ""
+
+
+def _copy_value(value: Any) -> Any:
+    """Value semantics: configs and containers are copied when assigned."""
+    if isinstance(value, (ConfigBase, list, dict, tuple, set)):
+        return copy.deepcopy(value)
+    return value
+
+
+class ConfigBase:
+    """Base of all config classes. Subclasses are declared with `@config_class`."""
+
+    # Set by `config_class`: field name -> ConfigField, in declaration order.
+    _fields: ClassVar[dict[str, ConfigField]] = {}
+
+    def __init__(self, **kwargs):
+        for field in self._fields.values():
+            object.__setattr__(self, field.name, _copy_value(field.default))
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+
+    # ----- field access -----
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._fields:
+            raise UnknownFieldError(
+                f"{type(self).__qualname__} has no field '{name}'"
+                f"{_close_names(name, self._fields)}"
+            )
+        object.__setattr__(self, name, _copy_value(value))
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails, i.e. for names that are not fields.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise UnknownFieldError(
+            f"{type(self).__qualname__} has no field '{name}'{_close_names(name, self._fields)}"
+        )
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._fields
+
+    def keys(self) -> list[str]:
+        return list(self._fields)
+
+    def items(self) -> list[tuple[str, Any]]:
+        return [(name, getattr(self, name)) for name in self._fields]
+
+    def fields(self) -> dict[str, ConfigField]:
+        return dict(self._fields)
+
+    def set(self: C, **kwargs) -> C:
+        """Sets fields by keyword and returns self, for chaining."""
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+        return self
+
+    def clone(self: C, **kwargs) -> C:
+        """Returns a deep copy with `kwargs` applied."""
+        return copy.deepcopy(self).set(**kwargs)
+
+    def __eq__(self, other: Any) -> bool:
+        return type(self) is type(other) and all(
+            getattr(self, name) == getattr(other, name) for name in self._fields
+        )
+
+    def __hash__(self):
+        return id(self)
+
+    def __deepcopy__(self, memo):
+        result = object.__new__(type(self))
+        memo[id(self)] = result
+        for name in self._fields:
+            object.__setattr__(result, name, copy.deepcopy(getattr(self, name), memo))
+        return result
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={_value_repr(v)}" for k, v in self.items())
+        return f"{type(self).__qualname__}({fields})"
+
+    # ----- traversal and flattening -----
+
+    def visit(
+        self,
+        visit_fn: Callable[[str, Any], None],
+        enter_fn: Optional[Callable[[str, Any], bool]] = None,
+    ) -> None:
+        """Calls `visit_fn(path, value)` on every leaf; `enter_fn(path, value)` on every
+        config, sequence and mapping, which is entered unless `enter_fn` returns False."""
+        _visit(self, "", visit_fn, enter_fn)
+
+    def to_flat_dict(self, *, omit_default_values: Iterable[Any] = DEFAULT_OMITTED_VALUES):
+        """Returns `{flat_key: value}` for every leaf.
+
+        A field whose value equals its default and is one of `omit_default_values`
+        (by default None and REQUIRED) is left out.
+        """
+        omitted = list(omit_default_values)
+        result = {}
+
+        def enter(path: str, value: Any) -> bool:
+            if isinstance(value, ConfigBase):
+                for name, field in value._fields.items():
+                    field_value = getattr(value, name)
+                    if _is_omitted(field_value, field.default, omitted):
+                        continue
+                    child_path = f"{path}.{name}" if path else name
+                    _visit(field_value, child_path, visit, enter)
+                return False
+            return True
+
+        def visit(path: str, value: Any) -> None:
+            result[path] = value
+
+        _visit(self, "", visit, enter)
+        return result
+
+    def debug_string(
+        self,
+        *,
+        kv_separator: str = ": ",
+        field_separator: str = "\n",
+        omit_default_values: Iterable[Any] = DEFAULT_OMITTED_VALUES,
+    ) -> str:
+        """The golden text: sorted `key: value` lines (no trailing newline)."""
+        flat = self.to_flat_dict(omit_default_values=omit_default_values)
+        return field_separator.join(
+            f"{key}{kv_separator}{format_value(value)}" for key, value in sorted(flat.items())
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A nested dict of JSON-friendly values (callables as qualified names)."""
+        return _to_jsonable(self)
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+
+def _is_omitted(value: Any, default: Any, omitted: list[Any]) -> bool:
+    return any(value is o or (o is not REQUIRED and value == o) for o in omitted) and (
+        value is default or value == default
+    )
+
+
+def _visit(value, path, visit_fn, enter_fn) -> None:
+    if isinstance(value, ConfigBase):
+        if enter_fn is None or enter_fn(path, value):
+            for name in value._fields:
+                child_path = f"{path}.{name}" if path else name
+                _visit(getattr(value, name), child_path, visit_fn, enter_fn)
+    elif isinstance(value, (list, tuple)) and value:
+        if enter_fn is None or enter_fn(path, value):
+            for i, item in enumerate(value):
+                _visit(item, f"{path}[{i}]", visit_fn, enter_fn)
+    elif isinstance(value, dict) and value:
+        if enter_fn is None or enter_fn(path, value):
+            for key, item in value.items():
+                _visit(item, f"{path}[{key!r}]", visit_fn, enter_fn)
+    else:
+        visit_fn(path, value)
+
+
+def qualified_name(value: Any) -> Optional[str]:
+    """'module.Name' for classes, functions and dtypes; None for other values."""
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)) or (
+        # jax.numpy scalar types (jnp.bfloat16) are instances of a metaclass.
+        hasattr(value, "__module__")
+        and hasattr(value, "__qualname__")
+        and callable(value)
+        and not isinstance(value, ConfigBase)
+    ):
+        module = getattr(value, "__module__", None)
+        name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
+        if module and name:
+            return f"{module}.{name}"
+    if _is_dtype_instance(value):
+        # np.dtype('float32') and jnp.dtype('bfloat16') alike name their jax.numpy type,
+        # which imports for every dtype jax supports.
+        return f"jax.numpy.{value.name}"
+    return None
+
+
+def _is_dtype_instance(value: Any) -> bool:
+    module = type(value).__module__
+    return module.startswith("numpy") and all(
+        hasattr(value, attr) for attr in ("name", "kind", "itemsize")
+    ) and not isinstance(value, type)
+
+
+def format_value(value: Any) -> str:
+    """How one leaf is written in golden text."""
+    name = qualified_name(value)
+    if name is not None:
+        return repr(name)
+    if isinstance(value, enum.Enum):
+        return repr(value.value)
+    return _value_repr(value)
+
+
+def _value_repr(value: Any) -> str:
+    name = qualified_name(value)
+    if name is not None:
+        return repr(name)
+    return repr(value)
+
+
+def _to_jsonable(value: Any) -> Any:
+    if isinstance(value, ConfigBase):
+        return {name: _to_jsonable(v) for name, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _to_jsonable(v) for k, v in value.items()}
+    if value is REQUIRED:
+        return "REQUIRED"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    name = qualified_name(value)
+    return name if name is not None else repr(value)
+
+
+# ----- declaring config classes -----
+
+
+def config_class(cls: type[C]) -> type[C]:
+    """Turns the annotated class attributes of `cls` into config fields.
+
+    Fields of base config classes are inherited; a subclass may override a default by
+    annotating the field again. Every field needs a default (`REQUIRED` for none).
+    """
+    if not issubclass(cls, ConfigBase):
+        raise TypeError(f"@config_class expects a ConfigBase subclass, got {cls}")
+    fields: dict[str, ConfigField] = {}
+    for base in reversed(cls.__mro__[1:]):
+        fields.update(getattr(base, "_fields", {}))
+    for name, annotation in cls.__dict__.get("__annotations__", {}).items():
+        if typing.get_origin(annotation) is ClassVar or name.startswith("_"):
+            continue
+        if name not in cls.__dict__:
+            raise ConfigError(
+                f"Field '{name}' of {cls.__qualname__} has no default; use REQUIRED if the "
+                "user must set it."
+            )
+        fields[name] = ConfigField(name=name, annotation=annotation, default=cls.__dict__[name])
+    for name in fields:
+        # Defaults live in `_fields`; the class attributes would shadow `__getattr__`.
+        if name in cls.__dict__:
+            delattr(cls, name)
+    cls._fields = fields
+    return cls
+
+
+def _check_required(cfg: "ConfigBase", path: str) -> list[str]:
+    """Paths of REQUIRED values in `cfg` and in nested function configs.
+
+    Nested class configs are left alone: their owner may fill them (a layer sets a
+    child's `input_dim`), and they are checked when they are instantiated in turn.
+    """
+    missing = []
+
+    def enter(child_path: str, value: Any) -> bool:
+        return value is cfg or not isinstance(value, ClassConfigBase)
+
+    def visit(child_path: str, value: Any) -> None:
+        if value is REQUIRED:
+            missing.append(child_path)
+
+    _visit(cfg, path, visit, enter)
+    return missing
+
+
+@config_class
+class InstantiableConfig(ConfigBase, Generic[T]):
+    """A config that knows how to build the object it describes."""
+
+    def instantiate(self, **kwargs) -> T:
+        raise NotImplementedError(type(self))
+
+    def check_required_fields(self, path: str = "") -> None:
+        """Raises one error that lists every REQUIRED field by its dotted path."""
+        missing = _check_required(self, path)
+        if missing:
+            raise MissingRequiredFieldsError(
+                f"Missing required fields of {type(self).__qualname__}: {', '.join(missing)}"
+            )
+
+
+@config_class
+class ClassConfigBase(InstantiableConfig[T]):
+    """A config whose `klass` is the class it instantiates."""
+
+    klass: type = REQUIRED
+
+    def instantiate(self, **kwargs) -> T:
+        self.check_required_fields(kwargs.pop("config_path", ""))
+        return self.klass(self, **kwargs)
+
+
+@config_class
+class FunctionConfigBase(InstantiableConfig[T]):
+    """A config whose fields are the keyword arguments of `fn`."""
+
+    fn: Callable = REQUIRED
+
+    def instantiate(self, **kwargs) -> T:
+        self.check_required_fields(kwargs.pop("config_path", ""))
+        fields = {k: getattr(self, k) for k in self._fields if k != "fn"}
+        return self.fn(**fields, **kwargs)
+
+
+@config_class
+class CallableClassConfigBase(InstantiableConfig[T]):
+    """A config whose fields are the constructor arguments of `klass`."""
+
+    klass: type = REQUIRED
+
+    def instantiate(self, **kwargs) -> T:
+        self.check_required_fields(kwargs.pop("config_path", ""))
+        fields = {k: getattr(self, k) for k in self._fields if k != "klass"}
+        return self.klass(**fields, **kwargs)
+
+
+class Configurable:
+    """A class built from a config: `Cls.default_config().set(...).instantiate()`."""
+
+    @config_class
+    class Config(ClassConfigBase):
+        """Configures Configurable."""
+
+    @classmethod
+    def default_config(cls) -> Config:
+        return cls.Config(klass=cls)
+
+    def __init__(self, cfg: Config):
+        if not isinstance(cfg, self.Config):
+            raise ConfigError(
+                f"{type(self).__qualname__} expects a {type(self).__qualname__}.Config, "
+                f"got {type(cfg).__qualname__}"
+            )
+        self._config = copy.deepcopy(cfg)
+
+    @property
+    def config(self) -> Config:
+        """A copy of this object's config (changing it changes nothing here)."""
+        return copy.deepcopy(self._config)
+
+
+def _signature_fields(fn: Callable, skip: Sequence[str] = ()) -> dict[str, Any]:
+    fields = {}
+    hints = {}
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # pylint: disable=broad-except
+        pass
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or param.name in skip:
+            continue
+        default = REQUIRED if param.default is param.empty else param.default
+        fields[param.name] = (hints.get(param.name, Any), default)
+    return fields
+
+
+def _make_config_class(base: type, name: str, fields: dict[str, Any]) -> type:
+    annotations = {k: v[0] for k, v in fields.items()}
+    namespace = {k: v[1] for k, v in fields.items()}
+    namespace["__annotations__"] = annotations
+    namespace["__module__"] = __name__
+    namespace["__qualname__"] = name
+    return config_class(type(name, (base,), namespace))
+
+
+def config_for_function(fn: Callable[..., T], **kwargs) -> FunctionConfigBase[T]:
+    """A config with one field per parameter of `fn` (REQUIRED where `fn` has no default)."""
+    fields = _signature_fields(fn, skip=("fn",))
+    cls = _make_config_class(FunctionConfigBase, f"FunctionConfig[{fn.__name__}]", fields)
+    return cls(fn=fn, **kwargs)
+
+
+def config_for_class(klass: type[T], **kwargs) -> CallableClassConfigBase[T]:
+    """A config with one field per constructor parameter of `klass`."""
+    fields = _signature_fields(klass.__init__, skip=("self", "klass"))
+    cls = _make_config_class(CallableClassConfigBase, f"ClassConfig[{klass.__name__}]", fields)
+    return cls(klass=klass, **kwargs)
+
+
+ConfigOr = Union[T, InstantiableConfig[T]]
+
+
+def maybe_instantiate(value: Any, **kwargs) -> Any:
+    """Instantiates `value` if it is an instantiable config; returns it unchanged otherwise."""
+    if isinstance(value, InstantiableConfig):
+        return value.instantiate(**kwargs)
+    return value
+
+
+def maybe_set_config(cfg: C, **kwargs) -> C:
+    """Sets only those of `kwargs` that `cfg` has as fields."""
+    for key, value in kwargs.items():
+        if key in cfg._fields:
+            setattr(cfg, key, value)
+    return cfg
+
+
+# ----- paths -----
+
+_PATH_TOKEN = re.compile(r"\.?([A-Za-z_][A-Za-z_0-9]*)|\[(-?\d+)\]|\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]")
+
+
+def parse_path(path: Union[str, Sequence[Any]]) -> list[Any]:
+    """Splits 'a.b[0]['k']' into ['a', 'b', 0, 'k']. Lists pass through unchanged."""
+    if not isinstance(path, str):
+        return list(path)
+    parts: list[Any] = []
+    pos = 0
+    while pos < len(path):
+        match = _PATH_TOKEN.match(path, pos)
+        if match is None or (pos == 0 and path.startswith(".")):
+            raise ConfigError(f"Cannot parse path '{path}' at position {pos}")
+        name, index, key = match.groups()
+        if name is not None:
+            parts.append(name)
+        elif index is not None:
+            parts.append(int(index))
+        else:
+            parts.append(ast.literal_eval(key))
+        pos = match.end()
+    return parts
+
+
+def _format_path(parts: Sequence[Any]) -> str:
+    """The inverse of parse_path (dict keys that are identifiers read as fields)."""
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier():
+            out += f".{part}" if out else part
+        else:
+            out += f"[{part!r}]"
+    return out
+
+
+def _get_child(node: Any, key: Any, parts: Sequence[Any], depth: int) -> Any:
+    where = _format_path(parts[:depth]) or "<root>"
+    if isinstance(node, ConfigBase):
+        if not isinstance(key, str) or key not in node.keys():
+            raise UnknownFieldError(
+                f"{where} ({type(node).__qualname__}) has no field {key!r}"
+                f"{_close_names(str(key), node.keys())}"
+            )
+        return getattr(node, key)
+    if isinstance(node, (list, tuple)):
+        if not isinstance(key, int) or not -len(node) <= key < len(node):
+            raise ConfigError(f"{where} has {len(node)} items; index {key!r} is out of range")
+        return node[key]
+    if isinstance(node, Mapping):
+        if key not in node:
+            raise ConfigError(
+                f"{where} has no key {key!r}{_close_names(str(key), map(str, node))}"
+            )
+        return node[key]
+    raise ConfigError(f"{where} is a {type(node).__name__}, which has no {key!r}")
+
+
+def get_recursively(cfg: Any, path: Union[str, Sequence[Any]]) -> Any:
+    """The value at `path` ('a.b[0]' or ['a', 'b', 0])."""
+    parts = parse_path(path)
+    node = cfg
+    for depth, key in enumerate(parts):
+        node = _get_child(node, key, parts, depth)
+    return node
+
+
+def set_recursively(cfg: Any, path: Union[str, Sequence[Any]], value: Any) -> None:
+    """Sets the value at `path`; tuples on the way are rebuilt, so they can be set too."""
+    parts = parse_path(path)
+    if not parts:
+        raise ConfigError("set_recursively needs a non-empty path")
+    _set_in(cfg, parts, 0, value)
+
+
+def _set_in(node: Any, parts: Sequence[Any], depth: int, value: Any) -> Any:
+    key = parts[depth]
+    if depth + 1 < len(parts):
+        value = _set_in(_get_child(node, key, parts, depth), parts, depth + 1, value)
+    elif not isinstance(node, Mapping):
+        _get_child(node, key, parts, depth)  # Raises for unknown fields and bad indices.
+    if isinstance(node, ConfigBase):
+        setattr(node, key, value)
+        return node
+    if isinstance(node, list):
+        node[key] = value
+        return node
+    if isinstance(node, tuple):
+        items = list(node)
+        items[key] = value
+        return type(node)(items) if not hasattr(node, "_fields") else type(node)(*items)
+    if isinstance(node, dict):
+        node[key] = value
+        return node
+    raise ConfigError(f"Cannot set {_format_path(parts[: depth + 1])}")
+
+
+# ----- overrides -----
+
+
+def import_name(name: str, *, where: str = "") -> Any:
+    """Imports 'package.module.attr' (attr may be nested, e.g. 'mod.Class.method')."""
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:split])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            # Only a missing module of our own prefix means "try a shorter prefix".
+            if e.name and not module_name.startswith(e.name):
+                raise ConfigError(f"{where}importing '{name}' failed: {e}") from e
+            continue
+        try:
+            for attr in parts[split:]:
+                obj = getattr(obj, attr)
+            return obj
+        except AttributeError:
+            break
+    raise ConfigError(f"{where}'{name}' does not name an importable class, function or dtype")
+
+
+def _type_matches(value: Any, annotation: Any) -> bool:
+    """A permissive structural check of `value` against a type annotation."""
+    if annotation is Any or annotation is None and value is None:
+        return True
+    if isinstance(annotation, TypeVar):
+        return True
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (Union, getattr(types, "UnionType", Union)):
+        return any(_type_matches(value, a) for a in args)
+    if annotation is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in args
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (list, tuple, Sequence, typing.Sequence) or annotation in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(args) == len(value) and all(map(_type_matches, value, args))
+        return not args or all(_type_matches(v, args[0]) for v in value)
+    if origin in (dict, Mapping, typing.Mapping) or annotation is dict:
+        return isinstance(value, Mapping)
+    if isinstance(annotation, type):
+        if annotation in (bool, str):
+            return isinstance(value, annotation)
+        if issubclass(annotation, ConfigBase):
+            return isinstance(value, annotation)
+        return True  # Types we cannot check cheaply (callables, dtypes, ...).
+    return True
+
+
+def _coerce_override(field_path: str, field: Optional[ConfigField], current: Any, value: Any):
+    """Resolves qualified names for callable/dtype fields and checks the value's type."""
+    if isinstance(value, str) and qualified_name(current) is not None and "." in value:
+        return import_name(value, where=f"{field_path}: ")
+    if field is not None and not _type_matches(value, field.annotation):
+        raise ConfigError(
+            f"{field_path}: expected {_annotation_str(field.annotation)}, "
+            f"got {value!r} ({type(value).__name__})"
+        )
+    if field is not None and field.annotation is float and isinstance(value, int):
+        return float(value)
+    return value
+
+
+def _annotation_str(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def apply_overrides(cfg: C, overrides: Iterable[str]) -> C:
+    """Applies 'path=value' strings, values as Python literals, type-checked per field.
+
+    Example: `apply_overrides(cfg, ["learner.optimizer.peak_lr=3e-4", "max_step=100"])`.
+    A value that is not a literal is taken as a string (`model.dtype=jax.numpy.float32`).
+    """
+    for override in overrides:
+        if "=" not in override:
+            raise ConfigError(f"Override '{override}' is not of the form path=value")
+        path, text = override.split("=", 1)
+        path, text = path.strip(), text.strip()
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        parts = parse_path(path)
+        parent = get_recursively(cfg, parts[:-1])
+        current = _get_child(parent, parts[-1], parts, len(parts) - 1)
+        field = parent._fields.get(parts[-1]) if isinstance(parent, ConfigBase) else None
+        set_recursively(cfg, parts, _coerce_override(path, field, current, value))
+    return cfg
+
+
+# ----- parsing golden text -----
+
+
+def _key_value(line: str, lineno: int, source: str) -> tuple[list[Any], Any]:
+    key, sep, text = line.partition(": ")
+    if not sep:
+        raise ConfigError(f"{source}:{lineno}: expected 'key: value', got {line!r}")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError) as e:
+        raise ConfigError(f"{source}:{lineno}: cannot read value {text!r}: {e}") from e
+    try:
+        return parse_path(key), value
+    except ConfigError as e:
+        raise ConfigError(f"{source}:{lineno}: {e}") from e
+
+
+class _Node(dict):
+    """An intermediate tree while parsing: child key -> _Node, or a leaf (value, lineno)."""
+
+
+def parse_flat_text(text: str, *, source: str = "<text>") -> ConfigBase:
+    """Reads golden text back into a config tree.
+
+    `klass`/`fn` lines choose each config's class; quoted names in fields whose default
+    is a class, function or dtype are imported. Dumping the result reproduces `text`.
+    """
+    root = _Node()
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        parts, value = _key_value(line, lineno, source)
+        node = root
+        for part in parts[:-1]:
+            node = node.setdefault(part, _Node())
+            if not isinstance(node, _Node):
+                raise ConfigError(f"{source}:{lineno}: {_format_path(parts)} nests under a leaf")
+        node[parts[-1]] = (value, lineno)
+    return _build(root, [], source, default=None)
+
+
+def _first_lineno(node: Any) -> int:
+    if isinstance(node, tuple):
+        return node[1]
+    return min(_first_lineno(v) for v in node.values())
+
+
+def _names_an_object(default: Any, annotation: Any) -> bool:
+    """Whether a quoted string for this field is the qualified name of a class/fn/dtype."""
+    text = str(annotation)
+    return qualified_name(default) is not None or any(
+        word in text for word in ("dtype", "Callable", "type[", "<class 'type'>")
+    )
+
+
+def _build(node: Any, path: list[Any], source: str, default: Any, annotation: Any = Any) -> Any:
+    if isinstance(node, tuple):  # A leaf.
+        value, lineno = node
+        if (
+            isinstance(value, str)
+            and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", value)
+            and _names_an_object(default, annotation)
+        ):
+            return import_name(value, where=f"{source}:{lineno}: ")
+        return value
+    if "klass" in node or "fn" in node:
+        return _build_config(node, path, source)
+    if all(isinstance(k, int) for k in node):
+        items = [node[i] for i in sorted(node)]
+        if sorted(node) != list(range(len(node))):
+            raise ConfigError(
+                f"{source}:{_first_lineno(node)}: {_format_path(path)} has gaps in its indices"
+            )
+        defaults = list(default) if isinstance(default, (list, tuple)) else []
+        built = [
+            _build(item, path + [i], source, defaults[i] if i < len(defaults) else None)
+            for i, item in enumerate(items)
+        ]
+        return list(built) if isinstance(default, list) else tuple(built)
+    defaults = default if isinstance(default, Mapping) else {}
+    return {k: _build(v, path + [k], source, defaults.get(k)) for k, v in node.items()}
+
+
+def _build_config(node: _Node, path: list[Any], source: str) -> ConfigBase:
+    key = "klass" if "klass" in node else "fn"
+    name, lineno = node[key]
+    where = f"{source}:{lineno}: "
+    target = import_name(name, where=where)
+    if key == "fn":
+        cfg = config_for_function(target)
+    elif isinstance(target, type) and issubclass(target, Configurable):
+        cfg = target.default_config()
+    else:
+        cfg = config_for_class(target)
+    for field_name, child in node.items():
+        if field_name == key:
+            continue
+        if field_name not in cfg.keys():
+            raise UnknownFieldError(
+                f"{source}:{_first_lineno(child)}: {_format_path(path + [field_name])}: "
+                f"{name} has no field '{field_name}'{_close_names(str(field_name), cfg.keys())}"
+            )
+        default = getattr(cfg, field_name)
+        annotation = cfg._fields[field_name].annotation
+        setattr(cfg, field_name, _build(child, path + [field_name], source, default, annotation))
+    return cfg
