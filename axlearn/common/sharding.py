@@ -1,0 +1,73 @@
+"""Meshes and sharding constraints over logical mesh axes.
+
+Layers name mesh axes in their partition specs ('data', 'fsdp', 'model', ...). The
+trainer builds one `jax.sharding.Mesh` with Auto axes (XLA's SPMD partitioner places the
+collectives) and sets it as the current mesh; `maybe_shard` then constrains activations
+where the spec says so, and does nothing when no mesh is set (single-device tests).
+"""
+
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = Sequence[Optional[Union[str, Sequence[str]]]]
+
+
+def create_mesh(
+    mesh_shape: Sequence[int],
+    axis_names: Sequence[str],
+    devices: Optional[Sequence[Any]] = None,
+) -> Mesh:
+    """A mesh with Auto axes over `devices` (default: all), in the order jax lists them."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = tuple(mesh_shape)
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(f"Mesh shape {shape} needs {int(np.prod(shape))} devices, have {len(devices)}")
+    try:
+        device_array = jax.experimental.mesh_utils.create_device_mesh(shape, devices=devices)
+    except Exception:  # pylint: disable=broad-except
+        # Device layouts the helper does not know (e.g. fake CPU devices): plain order.
+        device_array = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(device_array, tuple(axis_names), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def current_mesh_axes() -> dict[str, int]:
+    """Axis name -> size of the mesh set with `jax.set_mesh`, or {} when there is none."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return {}
+    return dict(mesh.shape)
+
+
+def _filter_axes(spec: MeshAxes, known: dict[str, int]) -> PartitionSpec:
+    """Drops axis names the current mesh lacks, so one config serves every mesh."""
+
+    def keep(entry):
+        if entry is None:
+            return None
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        names = tuple(n for n in names if n in known)
+        if not names:
+            return None
+        return names[0] if len(names) == 1 else names
+
+    return PartitionSpec(*[keep(e) for e in spec])
+
+
+def maybe_shard(x: jax.Array, spec: Optional[MeshAxes]) -> jax.Array:
+    """`with_sharding_constraint(x, spec)` when a mesh is set and `spec` is given."""
+    if spec is None:
+        return x
+    known = current_mesh_axes()
+    if not known:
+        return x
+    if len(spec) != x.ndim:
+        raise ValueError(f"Partition spec {tuple(spec)} has {len(spec)} entries for a {x.ndim}-D tensor")
+    return jax.lax.with_sharding_constraint(x, _filter_axes(spec, known))
+
+
+def named_sharding(mesh: Mesh, spec: MeshAxes) -> NamedSharding:
+    return NamedSharding(mesh, _filter_axes(spec, dict(mesh.shape)))
