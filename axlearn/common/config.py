@@ -741,12 +741,18 @@ def _first_lineno(node: Any) -> int:
     return min(_first_lineno(v) for v in node.values())
 
 
+def _annotation_names_object(annotation: Any) -> bool:
+    """Whether an annotation admits classes, callables or dtypes."""
+    if annotation is type or annotation is Callable or "dtype" in str(annotation):
+        return True
+    if typing.get_origin(annotation) in (type, Callable, typing.Callable):
+        return True
+    return any(_annotation_names_object(a) for a in typing.get_args(annotation))
+
+
 def _names_an_object(default: Any, annotation: Any) -> bool:
     """Whether a quoted string for this field is the qualified name of a class/fn/dtype."""
-    text = str(annotation)
-    return qualified_name(default) is not None or any(
-        word in text for word in ("dtype", "Callable", "type[", "<class 'type'>")
-    )
+    return qualified_name(default) is not None or _annotation_names_object(annotation)
 
 
 def _build(node: Any, path: list[Any], source: str, default: Any, annotation: Any = Any) -> Any:
