@@ -1,0 +1,121 @@
+"""Process set-up before JAX starts: backend, XLA flag presets and multi-host init."""
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+from absl import flags
+
+log = logging.getLogger(__name__)
+
+# XLA flags per platform, chosen by measurement (docs/benchmarks.md). They are prepended
+# to XLA_FLAGS, so anything the user sets there wins.
+XLA_FLAG_PRESETS: dict[str, Sequence[str]] = {
+    "gpu": (
+        # Overlap collectives with compute.
+        "--xla_gpu_enable_latency_hiding_scheduler=true",
+        # Combine small collectives (FSDP all-gathers / reduce-scatters of many layers).
+        "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+        "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+        "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    ),
+    "cpu": (),
+    "tpu": (),
+}
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Flags shared by every launcher."""
+    flags.DEFINE_string("jax_backend", None, "cpu, gpu or tpu; None: JAX's default.", flag_values=flag_values)
+    flags.DEFINE_string(
+        "xla_flags_preset", "auto", "auto: the preset for the backend; none: no preset.", flag_values=flag_values
+    )
+    flags.DEFINE_string(
+        "distributed_coordinator", None, "host:port of process 0, for multi-process runs.", flag_values=flag_values
+    )
+    flags.DEFINE_integer("num_processes", None, "Number of processes of a multi-process run.", flag_values=flag_values)
+    flags.DEFINE_integer("process_id", None, "This process's index in a multi-process run.", flag_values=flag_values)
+    flags.DEFINE_bool(
+        "distributed_auto",
+        False,
+        "Call jax.distributed.initialize() with no arguments (cluster auto-detection: SLURM, TPU, ...).",
+        flag_values=flag_values,
+    )
+
+
+def apply_xla_flag_preset(backend: Optional[str], preset: str = "auto") -> None:
+    """Prepends the backend's preset to XLA_FLAGS (before the backend starts)."""
+    if preset == "none" or backend is None:
+        return
+    flags_for_backend = XLA_FLAG_PRESETS.get(backend, ())
+    user = os.environ.get("XLA_FLAGS", "")
+    user_names = {f.split("=")[0] for f in user.split()}
+    extra = [f for f in flags_for_backend if f.split("=")[0] not in user_names]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([*extra, user]).strip()
+
+
+def setup(
+    *,
+    jax_backend: Optional[str] = None,
+    xla_flags_preset: str = "auto",
+    distributed_coordinator: Optional[str] = None,
+    num_processes: Optional[int] = None,
+    process_id: Optional[int] = None,
+    distributed_auto: bool = False,
+) -> None:
+    """Chooses the backend, applies XLA flags and joins a multi-process run if asked."""
+    backend = jax_backend or _guess_backend()
+    apply_xla_flag_preset(backend, xla_flags_preset)
+    import jax  # pylint: disable=import-outside-toplevel
+
+    if jax_backend:
+        jax.config.update("jax_platforms", jax_backend)
+    if distributed_coordinator or num_processes or distributed_auto:
+        if jax_backend == "cpu" or backend == "cpu":
+            # Cross-process collectives on CPU go through gloo.
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if distributed_auto:
+            jax.distributed.initialize()
+        else:
+            missing = [
+                name
+                for name, value in (
+                    ("--distributed_coordinator", distributed_coordinator),
+                    ("--num_processes", num_processes),
+                    ("--process_id", process_id),
+                )
+                if value is None
+            ]
+            if missing:
+                raise ValueError(f"A multi-process run needs {', '.join(missing)} too")
+            jax.distributed.initialize(
+                coordinator_address=distributed_coordinator,
+                num_processes=num_processes,
+                process_id=process_id,
+            )
+        log.info("Process %d of %d joined", jax.process_index(), jax.process_count())
+
+
+def setup_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    setup(
+        jax_backend=flag_values.jax_backend,
+        xla_flags_preset=flag_values.xla_flags_preset,
+        distributed_coordinator=flag_values.distributed_coordinator,
+        num_processes=flag_values.num_processes,
+        process_id=flag_values.process_id,
+        distributed_auto=flag_values.distributed_auto,
+    )
+
+
+def _guess_backend() -> Optional[str]:
+    """The backend JAX will pick, guessed without starting it (XLA flags must come first)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0]
+    if os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl"):
+        return "gpu"
+    if os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0"):
+        return "tpu"
+    return "cpu"

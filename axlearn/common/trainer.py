@@ -1,0 +1,455 @@
+"""SpmdTrainer: the training loop over one device mesh.
+
+The trainer builds the mesh, the model, the learner, the input, the evalers, the
+checkpointer and the summary writer from its config; restores the latest committed
+checkpoint in its directory or initializes; then runs one jitted, sharded `train_step`
+per batch until `max_step`, with summaries, evaluation and checkpoints by policy.
+"""
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from axlearn.common import perf
+from axlearn.common.base_layer import BaseLayer, ParameterSpec, flatten_with_paths, is_parameter_spec
+from axlearn.common.checkpointer import Checkpointer
+from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
+from axlearn.common.evaler import SpmdEvaler
+from axlearn.common.learner import Learner
+from axlearn.common.module import Module, functional
+from axlearn.common.sharding import create_mesh, named_sharding
+from axlearn.common.summary import WeightedScalar, scalar_value
+from axlearn.common.summary_writer import SummaryWriter
+
+log = logging.getLogger(__name__)
+
+MeshShape = Sequence[int]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite and the optimizer does not skip such steps."""
+
+
+def infer_mesh_shape(mesh_shape: MeshShape, num_devices: int) -> tuple[int, ...]:
+    """Resolves one -1 entry so that the product equals `num_devices`."""
+    shape = list(mesh_shape)
+    unknown = [i for i, d in enumerate(shape) if d == -1]
+    if len(unknown) > 1:
+        raise ConfigError(f"mesh_shape {tuple(mesh_shape)} has more than one -1")
+    known = math.prod(d for d in shape if d != -1)
+    if known <= 0 or any(d == 0 or d < -1 for d in shape):
+        raise ConfigError(f"mesh_shape {tuple(mesh_shape)} has invalid entries")
+    if unknown:
+        if num_devices % known:
+            raise ConfigError(
+                f"mesh_shape {tuple(mesh_shape)} cannot cover {num_devices} devices: "
+                f"{num_devices} is not divisible by {known}"
+            )
+        shape[unknown[0]] = num_devices // known
+    if math.prod(shape) != num_devices:
+        raise ConfigError(
+            f"mesh_shape {tuple(mesh_shape)} needs {math.prod(shape)} devices, "
+            f"but {num_devices} are available"
+        )
+    return tuple(shape)
+
+
+def cast_floats(tree: Any, dtype: Optional[jnp.dtype]) -> Any:
+    """Casts floating-point leaves to `dtype` (None: unchanged)."""
+    if dtype is None:
+        return tree
+
+    def cast(x):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """What the train step carries from one step to the next."""
+
+    prng_key: jax.Array
+    model: Any
+    learner: Any
+
+
+jax.tree_util.register_dataclass(
+    TrainerState, data_fields=["prng_key", "model", "learner"], meta_fields=[]
+)
+
+
+def _to_state_dict(state: TrainerState) -> dict[str, Any]:
+    return {"prng_key": state.prng_key, "model": state.model, "learner": state.learner}
+
+
+def _from_state_dict(tree: dict[str, Any]) -> TrainerState:
+    return TrainerState(prng_key=tree["prng_key"], model=tree["model"], learner=tree["learner"])
+
+
+class SpmdTrainer(Module):
+    """Trains a model with one jitted train step over a device mesh."""
+
+    @config_class
+    class Config(Module.Config):
+        """Configures SpmdTrainer."""
+
+        dir: Optional[str] = None  # The trainer directory (checkpoints, summaries, traces).
+        model: Required[BaseLayer.Config] = REQUIRED
+        learner: Required[Learner.Config] = REQUIRED
+        input: Required[Module.Config] = REQUIRED
+        evalers: dict[str, SpmdEvaler.Config] = {}
+        checkpointer: Checkpointer.Config = Checkpointer.default_config()
+        summary_writer: SummaryWriter.Config = SummaryWriter.default_config()
+        max_step: Required[int] = REQUIRED
+        # Parameters stay in model.dtype; the forward and backward run in this dtype.
+        train_dtype: Optional[jnp.dtype] = None
+        mesh_shape: Required[MeshShape] = REQUIRED  # One entry may be -1 (inferred).
+        mesh_axis_names: Required[Sequence[str]] = REQUIRED
+        # [(instance-type regex, mesh shape or config modifier)]; applied by the launcher.
+        mesh_rules: Optional[Sequence[tuple[str, Any]]] = None
+        batch_axis_names: Union[str, Sequence[str]] = "data"  # Mesh axes the batch is split over.
+        save_input_iterator: bool = False  # Save the input position with each checkpoint.
+        start_trace_process_indices: Sequence[int] = (0,)  # Processes that record traces.
+        start_trace_steps: Optional[Sequence[int]] = None  # Steps at which a trace starts.
+        start_trace_num_steps: Optional[int] = None  # Steps per trace; None: 3.
+        prune_empty_state_updates: bool = True
+        log_every_n_steps: Optional[int] = None  # None: summary_writer.write_every_n_steps.
+        seed: Optional[int] = None  # PRNG seed; None: 0.
+        # Peak dense TFLOP/s per device for MFU; None: looked up from the device kind.
+        peak_tflops_per_device: Optional[float] = None
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module] = None, devices=None):
+        super().__init__(cfg, parent=parent)
+        cfg = self._config
+        devices = list(jax.devices() if devices is None else devices)
+        mesh_shape = infer_mesh_shape(cfg.mesh_shape, len(devices))
+        if len(mesh_shape) != len(cfg.mesh_axis_names):
+            raise ConfigError(
+                f"mesh_shape {tuple(cfg.mesh_shape)} and mesh_axis_names "
+                f"{tuple(cfg.mesh_axis_names)} differ in length"
+            )
+        self._mesh = create_mesh(mesh_shape, cfg.mesh_axis_names, devices)
+        self._devices = devices
+        log.info("Mesh %s over %d %s devices", dict(self._mesh.shape), len(devices), devices[0].platform)
+
+        self._add_child("model", cfg.model)
+        self._add_child("learner", cfg.learner)
+        self._add_child("input", cfg.input.clone(is_training=True))
+        trainer_dir = cfg.dir
+        if trainer_dir is not None:
+            self._add_child(
+                "checkpointer", cfg.checkpointer.clone(dir=os.path.join(trainer_dir, "checkpoints"))
+            )
+            self._add_child(
+                "summary_writer",
+                cfg.summary_writer.clone(dir=os.path.join(trainer_dir, "summaries", "train")),
+            )
+        self._model_param_specs = self.model.create_parameter_specs_recursively()
+        self._evalers = {}
+        for name, evaler_cfg in cfg.evalers.items():
+            evaler_cfg = evaler_cfg.clone()
+            if trainer_dir is not None and "dir" in evaler_cfg.summary_writer.keys():
+                evaler_cfg.summary_writer.dir = os.path.join(trainer_dir, "summaries", name)
+            self._evalers[name] = self._add_child(
+                name,
+                evaler_cfg,
+                model=self.model,
+                model_param_partition_specs=self._model_param_specs,
+            )
+        self._step = 0
+        self._skipped_steps = 0
+        self._state: Optional[TrainerState] = None
+        self._jit_train_step = None
+
+    # ----- properties -----
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self._mesh
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def trainer_state(self) -> Optional[TrainerState]:
+        return self._state
+
+    @property
+    def model_param_specs(self) -> dict[str, Any]:
+        return self._model_param_specs
+
+    # ----- shardings -----
+
+    def _param_shardings(self, specs: Any) -> Any:
+        def to_sharding(spec):
+            if isinstance(spec, ParameterSpec):
+                return named_sharding(self._mesh, spec.partition_spec)
+            if isinstance(spec, PartitionSpec):
+                return named_sharding(self._mesh, spec)
+            return NamedSharding(self._mesh, PartitionSpec())
+
+        return jax.tree.map(
+            to_sharding, specs, is_leaf=lambda x: isinstance(x, (ParameterSpec, PartitionSpec))
+        )
+
+    def _state_shardings(self) -> TrainerState:
+        learner_specs = self.learner.create_state_partition_specs(self._model_param_specs)
+        return TrainerState(
+            prng_key=NamedSharding(self._mesh, PartitionSpec()),
+            model=self._param_shardings(self._model_param_specs),
+            learner=self._param_shardings(learner_specs),
+        )
+
+    def _batch_axes(self) -> tuple[str, ...]:
+        names = self._config.batch_axis_names
+        names = (names,) if isinstance(names, str) else tuple(names)
+        return tuple(n for n in names if n in self._mesh.shape)
+
+    def _batch_sharding(self, ndim: int) -> NamedSharding:
+        return NamedSharding(self._mesh, PartitionSpec(self._batch_axes(), *([None] * (ndim - 1))))
+
+    def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Assembles the global batch from this process's rows."""
+        return {
+            k: jax.make_array_from_process_local_data(self._batch_sharding(np.ndim(v)), np.asarray(v))
+            for k, v in local_batch.items()
+        }
+
+    # ----- state -----
+
+    def _init_fn(self, prng_key: jax.Array) -> TrainerState:
+        init_key, train_key = jax.random.split(prng_key)
+        params = self.model.initialize_parameters_recursively(init_key)
+        return TrainerState(prng_key=train_key, model=params, learner=self.learner.init(params))
+
+    def init_state(self, prng_key: jax.Array) -> TrainerState:
+        """Initializes model and learner state directly in their shardings."""
+        with jax.set_mesh(self._mesh):
+            return jax.jit(self._init_fn, out_shardings=self._state_shardings())(prng_key)
+
+    def _state_template(self) -> dict[str, Any]:
+        """Shapes, dtypes and shardings of the state, for restoring without allocating."""
+        shapes = jax.eval_shape(self._init_fn, jax.random.PRNGKey(0))
+        return _to_state_dict(
+            jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                shapes,
+                self._state_shardings(),
+            )
+        )
+
+    def _restore_or_init(self) -> None:
+        cfg = self._config
+        seed = 0 if cfg.seed is None else cfg.seed
+        if "checkpointer" in self.children:
+            step, restored, extra = self.checkpointer.restore(state=self._state_template())
+            if step is not None:
+                self._state = _from_state_dict(restored)
+                self._step = step
+                if cfg.save_input_iterator and extra and "input_iterator" in extra:
+                    self.input.set_state(extra["input_iterator"])
+                log.info("Restored step %d from %s", step, self.checkpointer.config.dir)
+                return
+        self._state = self.init_state(jax.random.PRNGKey(seed))
+        self._step = 0
+
+    # ----- the train step -----
+
+    def _loss_fn(self, model_params, input_batch, prng_key):
+        params = cast_floats(model_params, self._config.train_dtype)
+        (loss, aux), collection = functional(
+            self.model,
+            state=params,
+            inputs=dict(input_batch=input_batch),
+            prng_key=prng_key,
+            is_training=True,
+        )
+        aux = {k: v for k, v in (aux or {}).items() if k != "logits"}
+        return loss, dict(aux=aux, summaries=collection.summaries)
+
+    def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
+        prng_key, step_key = jax.random.split(state.prng_key)
+        loss, aux, grads = self.learner.compute_gradients(
+            self._loss_fn, state.model, input_batch, step_key
+        )
+        new_params, new_learner_state, learner_summaries = self.learner.update(
+            state.model, grads, state.learner
+        )
+        summaries = dict(loss=loss, learner=learner_summaries, model=aux["summaries"])
+        return TrainerState(prng_key=prng_key, model=new_params, learner=new_learner_state), summaries
+
+    def _compile_train_step(self):
+        shardings = self._state_shardings()
+        return jax.jit(
+            self._train_step,
+            in_shardings=(shardings, None),
+            out_shardings=(shardings, None),
+            donate_argnums=(0,),
+        )
+
+    def train_step(self, input_batch: dict[str, jax.Array]) -> dict[str, Any]:
+        """Runs one step on a global batch; returns its summaries (device arrays)."""
+        if self._jit_train_step is None:
+            self._jit_train_step = self._compile_train_step()
+        with jax.set_mesh(self._mesh):
+            self._state, summaries = self._jit_train_step(self._state, input_batch)
+        self._step += 1
+        return summaries
+
+    # ----- the loop -----
+
+    def run(self, prng_key: Optional[jax.Array] = None) -> dict[str, Any]:
+        """Trains until max_step; returns the last step's summaries (host values)."""
+        cfg = self._config
+        del prng_key  # The key comes from cfg.seed, so that restarts are reproducible.
+        self._restore_or_init()
+        accounting = perf.StepAccounting.for_trainer(self)
+        log_every = cfg.log_every_n_steps or (
+            self.summary_writer.config.write_every_n_steps if "summary_writer" in self.children else 100
+        )
+        log.info(
+            "Model: %s parameters, %.3g model FLOPs per step", f"{accounting.num_params:,}",
+            accounting.flops_per_step,
+        )
+        batches = self._batches()
+        last: dict[str, Any] = {}
+        pending: Optional[tuple[int, dict[str, Any]]] = None
+        window_start, window_steps = time.perf_counter(), 0
+        tracing_until = None
+        try:
+            while self._step < cfg.max_step:
+                tracing_until = self._maybe_trace(tracing_until)
+                input_batch = next(batches)
+                summaries = self.train_step(input_batch)
+                window_steps += 1
+                # Check the previous step's loss now: that sync overlaps with this step.
+                if pending is not None:
+                    self._check_finite(*pending)
+                pending = (self._step, summaries)
+                step = self._step
+                must_log = step % log_every == 0 or step == cfg.max_step
+                writer_due = "summary_writer" in self.children and self.summary_writer.should_write(step)
+                saving = "checkpointer" in self.children and self.checkpointer.should_save(step)
+                if must_log or writer_due or saving:
+                    self._check_finite(step, summaries)
+                    pending = None
+                if must_log or writer_due:
+                    host = self._host_summaries(summaries)
+                    elapsed = time.perf_counter() - window_start
+                    host.update(accounting.metrics(elapsed / max(window_steps, 1)))
+                    window_start, window_steps = time.perf_counter(), 0
+                    if writer_due:
+                        self.summary_writer(step, host)
+                    if must_log:
+                        log.info(perf.progress_line(step, cfg.max_step, host))
+                    last = host
+                self._run_evalers(step)
+                if saving:
+                    self._save(step)
+            if pending is not None:
+                self._check_finite(*pending)
+        finally:
+            if tracing_until is not None:
+                jax.profiler.stop_trace()
+            if "checkpointer" in self.children:
+                self.checkpointer.wait_until_finished()
+            if "summary_writer" in self.children:
+                self.summary_writer.flush()
+        if not last and self._state is not None and pending is None and self._step:
+            last = {"step": self._step}
+        return last
+
+    def _batches(self):
+        local = iter(self.input.dataset())
+        for batch in local:
+            yield self.global_batch(batch)
+
+    def _maybe_trace(self, tracing_until: Optional[int]) -> Optional[int]:
+        cfg = self._config
+        if tracing_until is not None and self._step >= tracing_until:
+            jax.profiler.stop_trace()
+            log.info("Stopped trace at step %d", self._step)
+            tracing_until = None
+        if (
+            tracing_until is None
+            and cfg.start_trace_steps
+            and self._step in cfg.start_trace_steps
+            and jax.process_index() in cfg.start_trace_process_indices
+            and cfg.dir is not None
+        ):
+            trace_dir = os.path.join(cfg.dir, "traces")
+            jax.profiler.start_trace(trace_dir)
+            log.info("Tracing steps %d.. into %s", self._step, trace_dir)
+            tracing_until = self._step + (cfg.start_trace_num_steps or 3)
+        return tracing_until
+
+    def _check_finite(self, step: int, summaries: dict[str, Any]) -> None:
+        loss = float(summaries["loss"])
+        skipped = summaries.get("learner", {}).get("skipped_steps")
+        skipped = None if skipped is None else int(skipped)
+        newly_skipped = skipped is not None and skipped > self._skipped_steps
+        if skipped is not None:
+            self._skipped_steps = skipped
+        if math.isfinite(loss):
+            return
+        if newly_skipped:
+            log.warning("Step %d: loss is %s; the optimizer skipped the update", step, loss)
+            return
+        last = None
+        if "checkpointer" in self.children:
+            last = self.checkpointer.latest_committed_step()
+        raise NonFiniteLossError(
+            f"Loss became {loss} at step {step}. Nothing was saved after it; the last good "
+            f"checkpoint is step {last} in {self._config.dir}. Lower the learning rate, enable "
+            "skip_and_clip_by_global_norm, or check the input."
+        )
+
+    def _host_summaries(self, summaries: dict[str, Any]) -> dict[str, Any]:
+        flat = {}
+        for path, value in flatten_with_paths(
+            summaries, is_leaf=lambda x: isinstance(x, WeightedScalar)
+        ):
+            value = scalar_value(value)
+            array = np.asarray(value)
+            if array.size == 1:
+                flat[path] = array.item()
+        return flat
+
+    def _run_evalers(self, step: int) -> None:
+        for name, evaler in self._evalers.items():
+            with jax.set_mesh(self._mesh):
+                results = evaler.eval_step(
+                    step, prng_key=jax.random.PRNGKey(step), model_params=self._state.model
+                )
+            if results:
+                log.info("eval %s step %d: %s", name, step, perf.format_metrics(results))
+
+    def _save(self, step: int) -> None:
+        extra = {}
+        if self._config.save_input_iterator:
+            extra["input_iterator"] = self.input.get_state()
+        self.checkpointer.save(step, _to_state_dict(self._state), extra=extra)
+
+
+def select_mesh_rule(mesh_rules: Optional[Sequence[tuple[str, Any]]], mesh_selector: str) -> Any:
+    """The value of the first rule whose regex fully matches `mesh_selector`, or None."""
+    import re  # pylint: disable=import-outside-toplevel
+
+    for pattern, value in mesh_rules or ():
+        if re.fullmatch(pattern, mesh_selector):
+            return value
+    return None

@@ -1,0 +1,156 @@
+"""Config modifiers: named, reviewable edits of a trainer config.
+
+Mesh rules map an instance type to either a mesh shape or one of these modifiers, so
+that what changes on new hardware (mesh, remat policy, gradient accumulation, partition
+specs, any module's config) is data that shows up in golden configs.
+"""
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from axlearn.common.config import (
+    REQUIRED,
+    ConfigBase,
+    ConfigError,
+    Configurable,
+    Required,
+    config_class,
+    get_recursively,
+    set_recursively,
+)
+
+
+class ConfigModifier(Configurable):
+    """Maps a trainer config to a modified copy."""
+
+    def __call__(self, cfg: ConfigBase) -> ConfigBase:
+        raise NotImplementedError(type(self))
+
+
+class MeshShapeModifier(ConfigModifier):
+    """Sets `mesh_shape`."""
+
+    @config_class
+    class Config(ConfigModifier.Config):
+        """Configures MeshShapeModifier."""
+
+        mesh_shape: Required[Sequence[int]] = REQUIRED
+
+    def __call__(self, cfg):
+        cfg.mesh_shape = tuple(self.config.mesh_shape)
+        return cfg
+
+
+class RematSpecModifier(ConfigModifier):
+    """Sets `remat_spec` of the modules at the given config paths."""
+
+    @config_class
+    class Config(ConfigModifier.Config):
+        """Configures RematSpecModifier."""
+
+        # Config path (e.g. 'model.decoder.transformer.layer') -> remat spec dict or None.
+        remat_policies: Required[dict[str, Any]] = REQUIRED
+
+    def __call__(self, cfg):
+        for path, remat_spec in self.config.remat_policies.items():
+            target = _module_config(cfg, path, "remat_spec")
+            target.remat_spec = remat_spec
+        return cfg
+
+
+class GradientAccumulationModifier(ConfigModifier):
+    """Accumulates gradients over `grad_acc_steps` microbatches of the global batch."""
+
+    @config_class
+    class Config(ConfigModifier.Config):
+        """Configures GradientAccumulationModifier."""
+
+        grad_acc_steps: Required[int] = REQUIRED
+
+    def __call__(self, cfg):
+        steps = self.config.grad_acc_steps
+        if not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"GradientAccumulationModifier.grad_acc_steps must be >= 1, got {steps!r}")
+        cfg.learner.gradient_accumulation_steps = steps
+        return cfg
+
+
+class ModuleConfigModifier(ConfigModifier):
+    """Replaces the config at `target_config` with `modification`, keeping shared fields.
+
+    Fields that both the old and the new config have keep their old values unless the
+    new config sets them to something other than its default.
+    """
+
+    @config_class
+    class Config(ConfigModifier.Config):
+        """Configures ModuleConfigModifier."""
+
+        target_config: Required[str] = REQUIRED  # Config path, e.g. 'model.decoder.transformer'.
+        modification: Required[ConfigBase] = REQUIRED
+
+    def __call__(self, cfg):
+        path, new = self.config.target_config, self.config.modification.clone()
+        old = get_recursively(cfg, path)
+        if not isinstance(old, ConfigBase):
+            raise ConfigError(f"ModuleConfigModifier: '{path}' is not a config")
+        defaults = type(new)()
+        for name in new.keys():
+            if name in old.keys() and name != "klass" and getattr(new, name) == getattr(defaults, name):
+                setattr(new, name, getattr(old, name))
+        set_recursively(cfg, path, new)
+        return cfg
+
+
+class PartitionSpecModifier(ConfigModifier):
+    """Sets partition-spec fields of modules by config path."""
+
+    @config_class
+    class Config(ConfigModifier.Config):
+        """Configures PartitionSpecModifier."""
+
+        # Config path -> {field name (e.g. 'param_partition_spec'): spec}.
+        partition_specs: Required[dict[str, dict[str, Any]]] = REQUIRED
+
+    def __call__(self, cfg):
+        for path, fields in self.config.partition_specs.items():
+            for field, spec in fields.items():
+                if "partition_spec" not in field:
+                    raise ConfigError(f"PartitionSpecModifier: '{path}.{field}' is not a partition spec")
+                target = _module_config(cfg, path, field)
+                setattr(target, field, spec)
+        return cfg
+
+
+class ChainConfigModifier(ConfigModifier):
+    """Applies several modifiers in order."""
+
+    @config_class
+    class Config(ConfigModifier.Config):
+        """Configures ChainConfigModifier."""
+
+        config_modifiers: Required[Sequence[ConfigModifier.Config]] = REQUIRED
+
+    def __call__(self, cfg):
+        for modifier in self.config.config_modifiers:
+            cfg = modifier.instantiate()(cfg)
+        return cfg
+
+
+def _module_config(cfg: ConfigBase, path: str, field: str) -> ConfigBase:
+    target = get_recursively(cfg, path)
+    if not isinstance(target, ConfigBase) or field not in target.keys():
+        raise ConfigError(f"'{path}' is not a config with a '{field}' field")
+    return target
+
+
+def apply_mesh_rule(cfg: ConfigBase, rule_value: Optional[Any]) -> ConfigBase:
+    """Applies a mesh rule's value: a mesh shape, a modifier config, or None (no change)."""
+    if rule_value is None:
+        return cfg
+    if isinstance(rule_value, ConfigModifier.Config):
+        return rule_value.instantiate()(cfg)
+    if isinstance(rule_value, (list, tuple)) and all(isinstance(d, int) for d in rule_value):
+        cfg.mesh_shape = tuple(rule_value)
+        return cfg
+    raise ConfigError(f"A mesh rule's value must be a mesh shape or a ConfigModifier config, got {rule_value!r}")
