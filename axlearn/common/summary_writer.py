@@ -1,0 +1,268 @@
+"""Writes summaries to TensorBoard event files and to a JSON-lines metrics file.
+
+`SummaryWriter(step, summaries)` records a nested dict of summaries (flattened with '/')
+in `cfg.dir`:
+- `events.out.tfevents.*`: TensorBoard events. Records are framed by the `tensorboard`
+  package's own `RecordWriter` and built from its `Event`/`Summary` protos. We do not use
+  its `EventFileWriter`, because that one imports TensorFlow (seconds of start-up, and not
+  installed on the GPU machines) just to open a local file.
+- `metrics.jsonl`: one JSON object per write, `{"step": step, name: value, ...}`, holding
+  the scalars and strings of that write (histograms stay in the event file only).
+
+Only process 0 writes; every process must still call the writer, because fetching a
+sharded value to the host is a collective.
+"""
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from axlearn.common.config import ConfigError, config_class
+from axlearn.common.module import Module
+from axlearn.common.summary import WeightedScalar
+
+# Event files are flushed at least this often even when `max_queue` is not reached, so a
+# crashed run keeps its recent summaries (TensorFlow's writers use the same interval).
+_FLUSH_SECS = 120.0
+# Buckets of a histogram summary.
+_HISTOGRAM_BUCKETS = 30
+JSONL_FILE_NAME = "metrics.jsonl"
+
+
+def flatten_summaries(summaries: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': x}} -> {'a/b': x}; empty dicts and None values are dropped."""
+    flat = {}
+    for key, value in summaries.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            flat.update(flatten_summaries(value, name))
+        elif value is not None:
+            flat[name] = value
+    return flat
+
+
+def host_value(x: Any) -> Any:
+    """A jax array as a NumPy value on this host; other values unchanged.
+
+    A sharded array that this process does not fully hold is all-gathered, which every
+    process must take part in.
+    """
+    if not isinstance(x, jax.Array):
+        return x
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils  # Only multi-process runs need it.
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _python_scalar(value: np.ndarray) -> Any:
+    """A 0-d array as a Python int, float or bool (what JSON writes)."""
+    return value.item()
+
+
+def _histogram_proto(values: np.ndarray, summary_pb2) -> Any:
+    values = values.astype(np.float64).ravel()
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return summary_pb2.HistogramProto()
+    low, high = float(values.min()), float(values.max())
+    if low == high:
+        edges = np.array([low, np.nextafter(high, np.inf)])
+    else:
+        edges = np.linspace(low, high, _HISTOGRAM_BUCKETS + 1)
+    counts, edges = np.histogram(values, bins=edges)
+    return summary_pb2.HistogramProto(
+        min=low,
+        max=high,
+        num=float(values.size),
+        sum=float(values.sum()),
+        sum_squares=float(np.dot(values, values)),
+        # TensorBoard reads bucket i as (bucket_limit[i-1], bucket_limit[i]].
+        bucket_limit=[float(e) for e in edges[1:]],
+        bucket=[float(c) for c in counts],
+    )
+
+
+class _EventFile:
+    """One TensorBoard event file, written through tensorboard's RecordWriter."""
+
+    def __init__(self, logdir: str):
+        # Imported here: the trainer must run where tensorboard is not installed.
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+        name = "events.out.tfevents.%010d.%s.%d.%d" % (
+            time.time(),
+            socket.gethostname(),
+            os.getpid(),
+            id(self),
+        )
+        self._records = RecordWriter(open(os.path.join(logdir, name), "wb"))
+        # The first event names the file format, as TensorBoard expects.
+        self._add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self.flush()
+
+    def _add(self, event: Any) -> None:
+        self._records.write(event.SerializeToString())
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        summary = self._summary_pb2.Summary()
+        for name, value in values.items():
+            if isinstance(value, str):
+                summary.value.add(
+                    tag=name, tensor=self._text_tensor(value), metadata=self._text_metadata()
+                )
+            elif value.ndim == 0:
+                summary.value.add(tag=name, simple_value=float(value))
+            else:
+                summary.value.add(tag=name, histo=_histogram_proto(value, self._summary_pb2))
+        self._add(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+
+    def _text_tensor(self, text: str) -> Any:
+        from tensorboard.compat.proto import tensor_pb2, tensor_shape_pb2, types_pb2
+
+        return tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_STRING,
+            tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+            string_val=[text.encode("utf-8")],
+        )
+
+    def _text_metadata(self) -> Any:
+        # The text plugin shows string tensors that carry its name.
+        return self._summary_pb2.SummaryMetadata(
+            plugin_data=self._summary_pb2.SummaryMetadata.PluginData(plugin_name="text")
+        )
+
+    def flush(self) -> None:
+        self._records.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self._records.close()
+
+
+class SummaryWriter(Module):
+    """Writes summaries every `write_every_n_steps` steps to event files and metrics.jsonl."""
+
+    @config_class
+    class Config(Module.Config):
+        """Configures SummaryWriter."""
+
+        write_every_n_steps: int = 1  # __call__ writes only at steps divisible by this.
+        # Events kept in memory before the event file is flushed; None: flush every write.
+        max_queue: Optional[int] = None
+        dir: Optional[str] = None  # Output directory; set by the trainer or the evaler.
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        if not isinstance(cfg.write_every_n_steps, int) or cfg.write_every_n_steps < 1:
+            raise ConfigError(
+                f"{self.path()}.write_every_n_steps must be a positive int, "
+                f"got {cfg.write_every_n_steps!r}"
+            )
+        if cfg.max_queue is not None and cfg.max_queue < 1:
+            raise ConfigError(
+                f"{self.path()}.max_queue must be None or a positive int, got {cfg.max_queue!r}"
+            )
+        self._event_file: Optional[_EventFile] = None
+        self._jsonl = None
+        self._opened = False
+        self._pending = 0  # Writes since the last flush.
+        self._last_flush = time.time()
+
+    def should_write(self, step: int) -> bool:
+        return step % self._config.write_every_n_steps == 0
+
+    def _open(self) -> None:
+        cfg = self._config
+        self._opened = True
+        if jax.process_index() != 0:
+            return
+        if not cfg.dir:
+            raise ConfigError(f"{self.path()}.dir is not set: set it to the summaries directory")
+        os.makedirs(cfg.dir, exist_ok=True)
+        try:
+            self._event_file = _EventFile(cfg.dir)
+        except ImportError as e:
+            logging.warning(
+                "%s: the tensorboard package is not installed (%s); writing only %s in %s",
+                self.path(),
+                e,
+                JSONL_FILE_NAME,
+                cfg.dir,
+            )
+        self._jsonl = open(os.path.join(cfg.dir, JSONL_FILE_NAME), "a", encoding="utf-8")
+
+    def _to_writable(self, name: str, value: Any) -> Any:
+        """A str or a NumPy array of numbers for one summary value."""
+        if isinstance(value, WeightedScalar):
+            value = value.mean
+        if isinstance(value, str):
+            return value
+        value = host_value(value)
+        array = np.asarray(value)
+        if array.dtype.kind not in "biuf":
+            raise TypeError(
+                f"{self.path()}: summary '{name}' has a value of type {type(value).__name__} "
+                f"(dtype {array.dtype}); expected a number, a numeric array, a WeightedScalar "
+                "or a str"
+            )
+        return array
+
+    def __call__(self, step: int, summaries: Mapping[str, Any]) -> None:
+        """Writes `summaries` for `step` if `should_write(step)`."""
+        if not self.should_write(step):
+            return
+        values = {
+            name: self._to_writable(name, value)
+            for name, value in flatten_summaries(summaries).items()
+        }
+        if not self._opened:
+            self._open()
+        if jax.process_index() != 0:
+            return
+        if self._event_file is not None:
+            self._event_file.write(step, values)
+        record: dict[str, Any] = {"step": int(step)}
+        for name, value in values.items():
+            if isinstance(value, str):
+                record[name] = value
+            elif value.ndim == 0:
+                record[name] = _python_scalar(value)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._pending += 1
+        max_queue = self._config.max_queue
+        if (
+            max_queue is None
+            or self._pending >= max_queue
+            or time.time() - self._last_flush >= _FLUSH_SECS
+        ):
+            self.flush()
+
+    def flush(self) -> None:
+        """Writes every pending summary to disk."""
+        if self._event_file is not None:
+            self._event_file.flush()
+        if self._jsonl is not None:
+            self._jsonl.flush()
+        self._pending = 0
+        self._last_flush = time.time()
+
+    def close(self) -> None:
+        """Flushes and closes the files; a later write opens new ones."""
+        if self._event_file is not None:
+            self._event_file.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        self._event_file, self._jsonl, self._opened = None, None, False

@@ -1,0 +1,152 @@
+"""Tests of axlearn.common.summary_writer: event files, metrics.jsonl and write policy."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+
+from axlearn.common.config import ConfigError
+from axlearn.common.summary import WeightedScalar
+from axlearn.common.summary_writer import JSONL_FILE_NAME, SummaryWriter
+
+
+def _writer(tmp_path, **kwargs) -> SummaryWriter:
+    cfg = SummaryWriter.default_config().set(name="summary_writer", dir=str(tmp_path), **kwargs)
+    return cfg.instantiate(parent=None)
+
+
+def _events(logdir) -> event_accumulator.EventAccumulator:
+    """Reads every event of `logdir` back with TensorBoard's own reader."""
+    everything = {
+        event_accumulator.SCALARS: 0,
+        event_accumulator.HISTOGRAMS: 0,
+        event_accumulator.TENSORS: 0,
+    }
+    acc = event_accumulator.EventAccumulator(str(logdir), size_guidance=everything)
+    acc.Reload()
+    return acc
+
+
+def _jsonl(logdir) -> list[dict]:
+    with open(os.path.join(logdir, JSONL_FILE_NAME), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_scalars_of_every_kind_are_readable_by_tensorboard(tmp_path):
+    writer = _writer(tmp_path)
+    writer(
+        3,
+        {
+            "python_int": 7,
+            "python_float": 0.25,
+            "numpy": np.float32(1.5),
+            "jax": jnp.asarray(-2.0),
+            "nested": {"loss": WeightedScalar(jnp.asarray(3.5), jnp.asarray(10.0))},
+        },
+    )
+    writer.close()
+    acc = _events(tmp_path)
+    values = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert values == {
+        "python_int": [(3, 7.0)],
+        "python_float": [(3, 0.25)],
+        "numpy": [(3, 1.5)],
+        "jax": [(3, -2.0)],
+        "nested/loss": [(3, 3.5)],  # A WeightedScalar is written as its mean.
+    }
+
+
+def test_arrays_become_histograms_with_exact_statistics(tmp_path):
+    values = np.random.default_rng(0).normal(size=(50,)).astype(np.float32)
+    writer = _writer(tmp_path)
+    writer(1, {"weights": jnp.asarray(values)})
+    writer.close()
+    histogram = _events(tmp_path).Histograms("weights")[0].histogram_value
+    as64 = values.astype(np.float64)
+    assert histogram.num == 50
+    assert sum(histogram.bucket) == 50
+    np.testing.assert_allclose(histogram.min, as64.min())
+    np.testing.assert_allclose(histogram.max, as64.max())
+    np.testing.assert_allclose(histogram.sum, as64.sum(), rtol=1e-12)
+    np.testing.assert_allclose(histogram.sum_squares, (as64**2).sum(), rtol=1e-12)
+
+
+def test_strings_are_written_as_text(tmp_path):
+    writer = _writer(tmp_path)
+    writer(2, {"note": "hello"})
+    writer.close()
+    event = _events(tmp_path).Tensors("note")[0]
+    assert event.step == 2
+    assert event.tensor_proto.string_val == [b"hello"]
+
+
+def test_jsonl_has_one_exact_line_per_write(tmp_path):
+    writer = _writer(tmp_path)
+    writer(0, {"loss": WeightedScalar(2.5, 4.0), "lr": np.float64(0.125), "n": np.int32(3)})
+    writer(10, {"a": {"b": 1.0}, "hist": np.arange(4.0), "text": "x"})
+    writer.close()
+    assert _jsonl(tmp_path) == [
+        {"step": 0, "loss": 2.5, "lr": 0.125, "n": 3},
+        {"step": 10, "a/b": 1.0, "text": "x"},  # Histograms stay in the event file only.
+    ]
+
+
+def test_only_steps_divisible_by_write_every_n_steps_are_written(tmp_path):
+    writer = _writer(tmp_path, write_every_n_steps=3)
+    assert [writer.should_write(step) for step in range(7)] == [
+        True, False, False, True, False, False, True,
+    ]
+    for step in range(8):
+        writer(step, {"x": float(step)})
+    writer.close()
+    assert [(e.step, e.value) for e in _events(tmp_path).Scalars("x")] == [
+        (0, 0.0), (3, 3.0), (6, 6.0),
+    ]
+    assert [record["step"] for record in _jsonl(tmp_path)] == [0, 3, 6]
+
+
+def test_max_queue_defers_flushing_until_the_queue_is_full(tmp_path):
+    writer = _writer(tmp_path, max_queue=3)
+    writer(0, {"x": 0.0})
+    writer(1, {"x": 1.0})
+    assert _jsonl(tmp_path) == []
+    writer(2, {"x": 2.0})
+    assert [record["step"] for record in _jsonl(tmp_path)] == [0, 1, 2]
+    writer.close()
+
+
+def test_without_max_queue_every_write_is_on_disk_at_once(tmp_path):
+    writer = _writer(tmp_path)
+    writer(0, {"x": 1.0})
+    assert _jsonl(tmp_path) == [{"step": 0, "x": 1.0}]
+    assert [e.value for e in _events(tmp_path).Scalars("x")] == [1.0]
+    writer.close()
+
+
+def test_processes_other_than_0_write_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    writer = _writer(tmp_path / "out")
+    writer(0, {"x": 1.0})
+    writer.close()
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_missing_dir_is_an_error_naming_the_field():
+    writer = SummaryWriter.default_config().set(name="writer").instantiate(parent=None)
+    with pytest.raises(ConfigError, match=r"writer\.dir"):
+        writer(0, {"x": 1.0})
+
+
+def test_unsupported_values_are_an_error_naming_the_summary(tmp_path):
+    writer = _writer(tmp_path)
+    with pytest.raises(TypeError, match="'bad'"):
+        writer(0, {"bad": object()})
+
+
+def test_bad_write_every_n_steps_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="write_every_n_steps"):
+        _writer(tmp_path, write_every_n_steps=0)
