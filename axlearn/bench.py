@@ -1,0 +1,270 @@
+"""Benchmarks named trainer configs and compares git revisions side by side.
+
+    # One config, synthetic data, 20 timed steps after 5 warm-up steps:
+    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 --steps=20
+
+    # The same on two revisions, in one invocation, with an HTML report:
+    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 \
+        --compare=main,HEAD --html=/tmp/bench.html
+
+Every run prints the standard columns: Parameters, Final loss, TFLOP/s/device,
+Tokens/s/device, Avg s/step, Memory %, MFU, JAX version, device.
+"""
+
+import argparse
+import html
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+COLUMNS = (
+    ("Parameters", "num_params", "{:,.0f}", +1),
+    ("Final loss", "final_loss", "{:.4f}", -1),
+    ("TFLOP/s/device", "tflops_per_device", "{:.1f}", +1),
+    ("Tokens/s/device", "tokens_per_s_per_device", "{:,.0f}", +1),
+    ("Avg s/step", "avg_step_time_s", "{:.4f}", -1),
+    ("Memory %", "memory_percent", "{:.1f}", -1),
+    ("MFU", "mfu_percent", "{:.1f}%", +1),
+    ("JAX version", "jax_version", "{}", 0),
+    ("Device", "device", "{}", 0),
+)
+
+
+def run_benchmark(
+    *,
+    config: str,
+    module: Optional[str],
+    mesh_selector: Optional[str],
+    data_dir: str,
+    overrides: Sequence[str],
+    steps: int,
+    warmup_steps: int,
+    profile_dir: Optional[str] = None,
+    xla_dump_dir: Optional[str] = None,
+) -> dict[str, Any]:
+    """Trains `warmup_steps + steps` steps in this process; returns the measured columns."""
+    if xla_dump_dir:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={xla_dump_dir}".strip()
+    from axlearn.common import launch  # pylint: disable=import-outside-toplevel
+
+    launch.setup()
+    import jax  # pylint: disable=import-outside-toplevel
+
+    from axlearn.common import perf  # pylint: disable=import-outside-toplevel
+    from axlearn.common.launch_trainer import build_trainer_config  # pylint: disable=import-outside-toplevel
+
+    cfg = build_trainer_config(
+        config_name=config,
+        module=module,
+        mesh_selector=mesh_selector,
+        data_dir=data_dir,
+        config_overrides=list(overrides),
+    )
+    cfg.dir = None  # No checkpoints or summaries: only the step is measured.
+    cfg.evalers = {}
+    trainer = cfg.instantiate(parent=None)
+    accounting = perf.StepAccounting.for_trainer(trainer)
+    trainer._state = trainer.init_state(jax.random.PRNGKey(0))  # pylint: disable=protected-access
+    batches = trainer._batches()  # pylint: disable=protected-access
+    losses, step_times = [], []
+    for i in range(warmup_steps + steps):
+        if profile_dir and i == warmup_steps:
+            jax.profiler.start_trace(profile_dir)
+        batch = next(batches)
+        start = time.perf_counter()
+        summaries = trainer.train_step(batch)
+        loss = float(summaries["loss"])  # Blocks until the step is done.
+        elapsed = time.perf_counter() - start
+        losses.append(loss)
+        if i >= warmup_steps:
+            step_times.append(elapsed)
+    if profile_dir:
+        jax.profiler.stop_trace()
+    avg = statistics.median(step_times)
+    metrics = accounting.metrics(avg)
+    memory = perf.device_memory()
+    device = jax.devices()[0]
+    return {
+        "config": config,
+        "num_params": accounting.num_params,
+        "final_loss": losses[-1],
+        "losses": losses,
+        "step_times": step_times,
+        "avg_step_time_s": avg,
+        "tflops_per_device": metrics["perf/tflops_per_device"],
+        "tokens_per_s_per_device": metrics["perf/tokens_per_s_per_device"],
+        "mfu_percent": 100 * metrics["perf/mfu"] if "perf/mfu" in metrics else float("nan"),
+        "memory_percent": 100 * memory[0] / memory[1] if memory and memory[1] else float("nan"),
+        "jax_version": jax.__version__,
+        "device": f"{jax.device_count()}x {device.device_kind}",
+    }
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    """Columns as rows, one column per run; with two runs, a Diff column (second - first)."""
+    names = list(results)
+    rows = [["Metric", *names]]
+    with_diff = len(names) == 2
+    if with_diff:
+        rows[0].append(f"Diff ({names[1]} - {names[0]})")
+    for title, key, fmt, better in COLUMNS:
+        values = [results[n].get(key) for n in names]
+        row = [title, *[_fmt(fmt, v) for v in values]]
+        if with_diff:
+            row.append(_diff(values[0], values[1], better))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(fmt: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def _diff(a: Any, b: Any, better: int) -> str:
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or better == 0 or not a:
+        return ""
+    delta = b - a
+    relative = delta / abs(a)
+    if abs(relative) < 0.01:
+        mark = "~"
+    else:
+        mark = "improved" if delta * better > 0 else "REGRESSED"
+    return f"{delta:+.4g} ({relative:+.1%}) {mark}"
+
+
+def _svg_lines(series: dict[str, list[float]], title: str, width: int = 560, height: int = 240) -> str:
+    """A small line chart as inline SVG (no plotting dependency)."""
+    colors = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
+    values = [v for s in series.values() for v in s if v == v]
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    hi = hi if hi > lo else lo + 1
+    n = max(len(s) for s in series.values())
+    pad = 40
+    parts = [f'<svg width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg">',
+             f'<text x="{pad}" y="16" font-size="13">{html.escape(title)}</text>',
+             f'<text x="2" y="{pad}" font-size="10">{hi:.4g}</text>',
+             f'<text x="2" y="{height - pad}" font-size="10">{lo:.4g}</text>']
+    for i, (name, s) in enumerate(series.items()):
+        pts = " ".join(
+            f"{pad + (width - 2 * pad) * j / max(n - 1, 1):.1f},"
+            f"{height - pad - (height - 2 * pad) * (v - lo) / (hi - lo):.1f}"
+            for j, v in enumerate(s)
+        )
+        color = colors[i % len(colors)]
+        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{pts}"/>')
+        parts.append(f'<text x="{width - 150}" y="{20 + 14 * i}" font-size="11" fill="{color}">{html.escape(name)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def write_html(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
+    table = format_table(results)
+    losses = {n: r.get("losses", []) for n, r in results.items()}
+    times = {n: r.get("step_times", []) for n, r in results.items()}
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
+        f"<body style='font-family: sans-serif'><h2>{html.escape(title)}</h2>"
+        f"<pre>{html.escape(table)}</pre>"
+        f"{_svg_lines(losses, 'Loss per step (warm-up included)')}<br>"
+        f"{_svg_lines(times, 'Seconds per timed step')}"
+        "</body></html>"
+    )
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page)
+
+
+def _export_revision(rev: str, repo: str, dest: str) -> None:
+    """Writes the tree of `rev` into `dest` (git archive: no checkout of ours is touched)."""
+    os.makedirs(dest, exist_ok=True)
+    archive = subprocess.run(["git", "-C", repo, "archive", rev], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", dest], input=archive.stdout, check=True)
+
+
+def _run_in_tree(tree: str, argv: Sequence[str]) -> dict[str, Any]:
+    """Runs this benchmark from another source tree in a fresh process."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    env = dict(os.environ, PYTHONPATH=tree + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([sys.executable, "-m", "axlearn.bench", *argv, f"--json_out={out}"], cwd=tree, env=env, check=True)
+    with open(out, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--module", default=None)
+    parser.add_argument("--mesh_selector", default=None)
+    parser.add_argument("--data_dir", default="FAKE", help="FAKE (synthetic) or a data directory.")
+    parser.add_argument("--config_override", action="append", default=[])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup_steps", type=int, default=5)
+    parser.add_argument("--profile_dir", default=None, help="Save a profiler trace of the timed steps.")
+    parser.add_argument("--xla_dump_dir", default=None, help="Dump the compiled HLO (--xla_dump_to).")
+    parser.add_argument("--compare", default=None, help="REV_A,REV_B: benchmark two git revisions.")
+    parser.add_argument("--compare_dirs", default=None, help="DIR_A,DIR_B: benchmark two source trees.")
+    parser.add_argument("--html", default=None, help="Write the comparison as an HTML page.")
+    parser.add_argument("--json_out", default=None)
+    args = parser.parse_args(argv)
+
+    run_args = [f"--config={args.config}", f"--data_dir={args.data_dir}", f"--steps={args.steps}",
+                f"--warmup_steps={args.warmup_steps}"]
+    run_args += [f"--module={args.module}"] if args.module else []
+    run_args += [f"--mesh_selector={args.mesh_selector}"] if args.mesh_selector else []
+    run_args += [f"--config_override={o}" for o in args.config_override]
+
+    if args.compare or args.compare_dirs:
+        results = {}
+        tmp = tempfile.mkdtemp(prefix="axlearn-bench-")
+        try:
+            if args.compare:
+                repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+                trees = {}
+                for rev in args.compare.split(","):
+                    trees[rev] = os.path.join(tmp, rev.replace("/", "_"))
+                    _export_revision(rev, repo, trees[rev])
+            else:
+                trees = {os.path.basename(d.rstrip("/")) or d: d for d in args.compare_dirs.split(",")}
+            for name, tree in trees.items():
+                results[name] = _run_in_tree(tree, run_args)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        results = {
+            args.config: run_benchmark(
+                config=args.config, module=args.module, mesh_selector=args.mesh_selector,
+                data_dir=args.data_dir, overrides=args.config_override, steps=args.steps,
+                warmup_steps=args.warmup_steps, profile_dir=args.profile_dir,
+                xla_dump_dir=args.xla_dump_dir,
+            )
+        }
+    if args.json_out:
+        only = next(iter(results.values())) if len(results) == 1 else results
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(only, f)
+    print(format_table(results))
+    if args.html:
+        write_html(results, args.html, f"axlearn benchmark: {args.config}")
+        print(f"Wrote {args.html}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
