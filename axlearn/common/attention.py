@@ -1,0 +1,1145 @@
+"""Multi-head attention and the transformer stack built on it.
+
+Shapes: B batch, T query length, S key/value length, D model dim, N query heads,
+K key/value heads (N is a multiple of K; K == N without grouping), H per-head dim.
+
+Pieces, bottom up:
+- Projections: `MultiheadInputLinear` ([B,T,D] -> [B,T,N,H]) and `MultiheadOutputLinear`
+  ([B,T,N,H] -> [B,T,D]); the QKV layers (`QKVLinear`, `FusedQKVLinear`,
+  `GroupedQKVLinear`, `FusedGroupedQKVLinear`) and `RoFormerQKVLinear`, which applies
+  rotary position embeddings on top of any of them.
+- `ScaleQuery` / `ScaleKey`: optional per-head norm (QK-norm), then the 1/sqrt(H) scale
+  on the query.
+- `MultiheadAttention` / `GroupedQueryAttention`: softmax(q k^T) v with causal and
+  packed-document (segment id) masking, either on XLA or through cuDNN flash attention.
+- `TransformerAttentionLayer`, `TransformerFeedForwardLayer`, `TransformerLayer` and the
+  stacks `StackedTransformerLayer` (one child per layer) and `RepeatedTransformerLayer`
+  (one scanned child with stacked parameters).
+
+Every layer that attends also decodes: `init_states(batch_size=, max_len=)` gives an
+empty key/value cache and `extend_step(cache, x, time_step=)` appends S new tokens per
+example at position `time_step` and returns their outputs, equal to `forward`'s outputs
+at those positions.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from axlearn.common import base_layer
+from axlearn.common.base_layer import BaseLayer, ParameterSpec
+from axlearn.common.config import (
+    REQUIRED,
+    ConfigError,
+    InstantiableConfig,
+    Required,
+    config_class,
+    config_for_function,
+    maybe_instantiate,
+)
+from axlearn.common.layers import (
+    Dropout,
+    LayerNorm,
+    Linear,
+    StochasticDepth,
+    get_activation_fn,
+    rms,
+)
+from axlearn.common.module import Module, Tensor
+from axlearn.common.param_init import FanAxes, constant_initializer
+from axlearn.common.repeat import Repeat
+
+# Added to masked logits: far below any real logit, yet finite, so a fully masked row
+# gives a uniform distribution instead of NaN.
+_NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+# ----- projections -----
+
+
+class MultiheadInputLinear(BaseLayer):
+    """[..., model_dim] -> [..., num_heads, per_head_dim]; weight [model_dim, N, H]."""
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures MultiheadInputLinear."""
+
+        model_dim: Required[int] = REQUIRED
+        num_heads: Required[int] = REQUIRED
+        per_head_dim: Required[int] = REQUIRED
+        bias: bool = True
+
+    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
+        cfg = self.config
+        spec = cfg.param_partition_spec
+        specs = dict(
+            weight=ParameterSpec(
+                shape=[cfg.model_dim, cfg.num_heads, cfg.per_head_dim],
+                mesh_axes=spec,
+                fan_axes=FanAxes(in_axis=-3, out_axis=(-2, -1)),
+            )
+        )
+        if cfg.bias:
+            specs["bias"] = ParameterSpec(
+                shape=[cfg.num_heads, cfg.per_head_dim],
+                mesh_axes=tuple(spec[1:]) if spec else None,
+                initializer=constant_initializer(0.0),
+            )
+        return specs
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = jnp.einsum("...d,dnh->...nh", x, self.parameters["weight"])
+        if self.config.bias:
+            y = y + self.parameters["bias"]
+        return y
+
+
+class MultiheadOutputLinear(BaseLayer):
+    """[..., num_heads, per_head_dim] -> [..., model_dim]; weight [model_dim, N, H]."""
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures MultiheadOutputLinear."""
+
+        model_dim: Required[int] = REQUIRED
+        num_heads: Required[int] = REQUIRED
+        per_head_dim: Required[int] = REQUIRED
+        bias: bool = True
+
+    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
+        cfg = self.config
+        spec = cfg.param_partition_spec
+        specs = dict(
+            weight=ParameterSpec(
+                shape=[cfg.model_dim, cfg.num_heads, cfg.per_head_dim],
+                mesh_axes=spec,
+                fan_axes=FanAxes(in_axis=(-2, -1), out_axis=-3),
+            )
+        )
+        if cfg.bias:
+            specs["bias"] = ParameterSpec(
+                shape=[cfg.model_dim],
+                mesh_axes=(spec[0],) if spec else None,
+                initializer=constant_initializer(0.0),
+            )
+        return specs
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = jnp.einsum("...nh,dnh->...d", x, self.parameters["weight"])
+        if self.config.bias:
+            y = y + self.parameters["bias"]
+        return y
+
+
+class QKV(NamedTuple):
+    """Projected queries [B,T,N,H], keys [B,S,K,H] and values [B,S,K,H]."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+
+
+class BaseQKVLinear(BaseLayer):
+    """Projects query/key/value inputs to heads.
+
+    `forward(query, *, key=None, value=None, query_positions=None, key_positions=None)`;
+    key and value default to the query (self-attention). Positions ([B,T] ints) are
+    read only by rotary layers.
+    """
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures BaseQKVLinear."""
+
+        query_dim: Required[int] = REQUIRED  # Set by the attention layer.
+        key_dim: Required[int] = REQUIRED
+        value_dim: Required[int] = REQUIRED
+        num_heads: Required[int] = REQUIRED
+        per_head_dim: Required[int] = REQUIRED
+        # Dtype of the decoding key/value cache; None: the attention layer's dtype.
+        cache_dtype: Optional[jnp.dtype] = None
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._config.num_heads
+
+    @property
+    def cache_dtype(self) -> Optional[jnp.dtype]:
+        return self._config.cache_dtype
+
+    def _kv_inputs(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor]):
+        if (key is None) != (value is None):
+            raise ValueError(f"{self.path()}: give both key and value, or neither")
+        return (query, query) if key is None else (key, value)
+
+
+class QKVLinear(BaseQKVLinear):
+    """Three separate projections, children q_proj, k_proj and v_proj."""
+
+    @config_class
+    class Config(BaseQKVLinear.Config):
+        """Configures QKVLinear."""
+
+        layer: MultiheadInputLinear.Config = MultiheadInputLinear.default_config()
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        for name, dim, heads in (
+            ("q_proj", cfg.query_dim, cfg.num_heads),
+            ("k_proj", cfg.key_dim, self.num_kv_heads),
+            ("v_proj", cfg.value_dim, self.num_kv_heads),
+        ):
+            self._add_child(
+                name,
+                cfg.layer.clone(model_dim=dim, num_heads=heads, per_head_dim=cfg.per_head_dim),
+            )
+
+    def forward(
+        self,
+        query: Tensor,
+        *,
+        key: Optional[Tensor] = None,
+        value: Optional[Tensor] = None,
+        query_positions: Optional[Tensor] = None,
+        key_positions: Optional[Tensor] = None,
+    ) -> QKV:
+        del query_positions, key_positions  # Not rotary.
+        key, value = self._kv_inputs(query, key, value)
+        return QKV(self.q_proj(query), self.k_proj(key), self.v_proj(value))
+
+
+class GroupedQKVLinear(QKVLinear):
+    """QKVLinear with `num_kv_heads` key/value heads shared by groups of query heads."""
+
+    @config_class
+    class Config(QKVLinear.Config):
+        """Configures GroupedQKVLinear."""
+
+        num_kv_heads: Required[int] = REQUIRED
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._config.num_kv_heads
+
+
+class FusedGroupedQKVLinear(BaseQKVLinear):
+    """One projection (child `qkv_proj`) to num_heads + 2 * num_kv_heads heads.
+
+    The weight is [D, N + 2K, H]: query heads first, then key heads, then value heads.
+    Only self-attention (one input for query, key and value).
+    """
+
+    @config_class
+    class Config(BaseQKVLinear.Config):
+        """Configures FusedGroupedQKVLinear."""
+
+        layer: MultiheadInputLinear.Config = MultiheadInputLinear.default_config()
+        num_kv_heads: Required[int] = REQUIRED
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        if not cfg.query_dim == cfg.key_dim == cfg.value_dim:
+            raise ConfigError(
+                f"{self.path()}: a fused projection needs query_dim == key_dim == value_dim, "
+                f"got {cfg.query_dim}, {cfg.key_dim}, {cfg.value_dim}"
+            )
+        self._add_child(
+            "qkv_proj",
+            cfg.layer.clone(
+                model_dim=cfg.query_dim,
+                num_heads=cfg.num_heads + 2 * self.num_kv_heads,
+                per_head_dim=cfg.per_head_dim,
+            ),
+        )
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._config.num_kv_heads
+
+    def forward(
+        self,
+        query: Tensor,
+        *,
+        key: Optional[Tensor] = None,
+        value: Optional[Tensor] = None,
+        query_positions: Optional[Tensor] = None,
+        key_positions: Optional[Tensor] = None,
+    ) -> QKV:
+        del query_positions, key_positions  # Not rotary.
+        if key is not None or value is not None:
+            raise ValueError(f"{self.path()}: a fused projection supports self-attention only")
+        n, k = self._config.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(query)
+        return QKV(qkv[..., :n, :], qkv[..., n : n + k, :], qkv[..., n + k :, :])
+
+
+class FusedQKVLinear(FusedGroupedQKVLinear):
+    """FusedGroupedQKVLinear with as many key/value heads as query heads."""
+
+    @config_class
+    class Config(FusedGroupedQKVLinear.Config):
+        """Configures FusedQKVLinear."""
+
+        num_kv_heads: Optional[int] = None  # Always num_heads; leave unset.
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        if cfg.num_kv_heads not in (None, cfg.num_heads):
+            raise ConfigError(
+                f"FusedQKVLinear.num_kv_heads: must be unset (it equals num_heads); "
+                "use FusedGroupedQKVLinear for grouped heads"
+            )
+        super().__init__(cfg, parent=parent)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._config.num_heads
+
+
+# ----- rotary position embeddings -----
+
+
+class RoFormerSinusoidalPositionalEmbedding(BaseLayer):
+    """Sines and cosines of position * theta^(-2i/dim), i < dim/2 (rotary embeddings)."""
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures RoFormerSinusoidalPositionalEmbedding."""
+
+        dim: Required[int] = REQUIRED  # The per-head dim; must be even.
+        theta: float = 10000.0  # Base of the geometric sequence of wavelengths.
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        if cfg.dim % 2:
+            raise ConfigError(f"{self.path()}.dim: rotary embeddings need an even dim, got {cfg.dim}")
+
+    def forward(self, positions: Tensor) -> Tensor:
+        """[..., T] int positions -> [..., T, dim]: sin in the first half, cos in the second."""
+        cfg = self.config
+        exponents = jnp.arange(0, cfg.dim, 2, dtype=jnp.float32) / cfg.dim
+        inv_freq = 1.0 / (cfg.theta**exponents)
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq
+        return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+def apply_rotary_position_embeddings(x: Tensor, sin_cos: Tensor) -> Tensor:
+    """Rotates x [B,T,N,H] by the angles of sin_cos [B,T,H].
+
+    Pairs (x[i], x[i + H/2]) are rotated together ("rotate half", as in GPT-NeoX and
+    Llama), so weights converted from those models need no permutation.
+    """
+    half = x.shape[-1] // 2
+    sin, cos = sin_cos[..., None, :half], sin_cos[..., None, half:]
+    y = x.astype(jnp.float32)
+    x1, x2 = y[..., :half], y[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _default_positions(x: Tensor) -> Tensor:
+    batch, length = x.shape[0], x.shape[1]
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
+class RoFormerQKVLinear(BaseQKVLinear):
+    """Any QKV projection (child `i_proj`) followed by rotary position embeddings."""
+
+    @config_class
+    class Config(BaseQKVLinear.Config):
+        """Configures RoFormerQKVLinear."""
+
+        input_linear: BaseQKVLinear.Config = QKVLinear.default_config()
+        rope_pos_emb_layer: RoFormerSinusoidalPositionalEmbedding.Config = (
+            RoFormerSinusoidalPositionalEmbedding.default_config()
+        )
+        rotary_value: bool = True  # Whether values are rotated too (queries and keys always).
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        self._add_child(
+            "i_proj",
+            cfg.input_linear.clone(
+                query_dim=cfg.query_dim,
+                key_dim=cfg.key_dim,
+                value_dim=cfg.value_dim,
+                num_heads=cfg.num_heads,
+                per_head_dim=cfg.per_head_dim,
+            ),
+        )
+        self._add_child("rope_pos_emb_layer", cfg.rope_pos_emb_layer.clone(dim=cfg.per_head_dim))
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.i_proj.num_kv_heads
+
+    @property
+    def cache_dtype(self) -> Optional[jnp.dtype]:
+        return self._config.cache_dtype or self.i_proj.cache_dtype
+
+    def forward(
+        self,
+        query: Tensor,
+        *,
+        key: Optional[Tensor] = None,
+        value: Optional[Tensor] = None,
+        query_positions: Optional[Tensor] = None,
+        key_positions: Optional[Tensor] = None,
+    ) -> QKV:
+        q, k, v = self.i_proj(query, key=key, value=value)
+        if query_positions is None:
+            query_positions = _default_positions(query)
+        if key_positions is None:
+            key_positions = query_positions if key is None else _default_positions(key)
+        q_emb = self.rope_pos_emb_layer(query_positions)
+        k_emb = q_emb if key_positions is query_positions else self.rope_pos_emb_layer(key_positions)
+        q = apply_rotary_position_embeddings(q, q_emb)
+        k = apply_rotary_position_embeddings(k, k_emb)
+        if self.config.rotary_value:
+            v = apply_rotary_position_embeddings(v, k_emb)
+        return QKV(q, k, v)
+
+
+# ----- query / key scaling -----
+
+
+class PerDimScale(BaseLayer):
+    """x * softplus(param) / softplus(0): a learned per-dim scale that starts at one."""
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures PerDimScale."""
+
+        dim: Required[int] = REQUIRED
+
+    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
+        return dict(
+            param=ParameterSpec(
+                shape=[self.config.dim], mesh_axes=(None,), initializer=constant_initializer(0.0)
+            )
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = jax.nn.softplus(self.parameters["param"].astype(jnp.float32)) / math.log(2.0)
+        return (x * scale).astype(x.dtype)
+
+
+class BaseScaleQK(BaseLayer):
+    """Per-head processing of projected queries or keys [B,T,N,H]: norm, then scale."""
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures BaseScaleQK."""
+
+        per_head_dim: Required[int] = REQUIRED  # Set by the attention layer.
+        norm: Optional[BaseLayer.Config] = None  # E.g. RMSNorm over H (QK-norm); None: none.
+        per_dim_scale: Optional[PerDimScale.Config] = None  # None: no learned scale.
+        scale_factor: Optional[float] = None  # None: the class default (see subclasses).
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        if cfg.norm is not None:
+            self._add_child("norm", cfg.norm.clone(input_dim=cfg.per_head_dim))
+        if cfg.per_dim_scale is not None:
+            self._add_child("per_dim_scale", cfg.per_dim_scale.clone(dim=cfg.per_head_dim))
+
+    def _default_scale(self) -> float:
+        raise NotImplementedError(type(self))
+
+    def forward(self, proj: Tensor) -> Tensor:
+        cfg = self.config
+        if cfg.norm is not None:
+            proj = self.norm(proj)
+        if cfg.per_dim_scale is not None:
+            proj = self.per_dim_scale(proj)
+        scale = cfg.scale_factor if cfg.scale_factor is not None else self._default_scale()
+        return proj * jnp.asarray(scale, proj.dtype) if scale != 1.0 else proj
+
+
+class ScaleQuery(BaseScaleQK):
+    """Queries: optional norm, then * scale_factor (default 1/sqrt(per_head_dim))."""
+
+    def _default_scale(self) -> float:
+        return 1.0 / math.sqrt(self._config.per_head_dim)
+
+
+class ScaleKey(BaseScaleQK):
+    """Keys: optional norm, then * scale_factor (default 1)."""
+
+    def _default_scale(self) -> float:
+        return 1.0
+
+
+# ----- attention -----
+
+_IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+
+class MultiheadAttention(BaseLayer):
+    """Attention with num_heads heads; children i_proj, scale_query, scale_key, dropout, o_proj.
+
+    Rematerialization names (for `remat_spec` policies): q_proj, k_proj, v_proj (after
+    i_proj), context (before o_proj) and o_proj (after it), prefixed with the class name.
+    """
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures MultiheadAttention."""
+
+        query_dim: Required[int] = REQUIRED  # Set by TransformerAttentionLayer.
+        key_dim: Required[int] = REQUIRED
+        value_dim: Required[int] = REQUIRED
+        output_dim: Required[int] = REQUIRED
+        hidden_dim: Optional[int] = None  # num_heads * per_head_dim; None: query_dim.
+        num_heads: Required[int] = REQUIRED
+        input_linear: BaseQKVLinear.Config = QKVLinear.default_config()
+        output_linear: MultiheadOutputLinear.Config = MultiheadOutputLinear.default_config()
+        dropout: Dropout.Config = Dropout.default_config()  # On attention probabilities.
+        query_scale: BaseScaleQK.Config = ScaleQuery.default_config()
+        key_scale: BaseScaleQK.Config = ScaleKey.default_config()
+        causal: bool = False  # Whether a query attends only to keys at or before it.
+        atten_logit_cap: Optional[float] = None  # cap * tanh(logits / cap); None: no cap.
+        # 'xla', 'cudnn' (jax.nn.dot_product_attention's flash kernel, GPU, bf16/fp16),
+        # or None: cuDNN where it applies, XLA elsewhere. Segment ids and decoding
+        # always use the XLA path (the public cuDNN API has no segment masking).
+        attention_implementation: Optional[str] = None
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        hidden_dim = cfg.hidden_dim or cfg.query_dim
+        if hidden_dim % cfg.num_heads:
+            raise ConfigError(
+                f"{self.path()}: hidden_dim {hidden_dim} is not a multiple of num_heads {cfg.num_heads}"
+            )
+        if cfg.attention_implementation not in _IMPLEMENTATIONS:
+            raise ConfigError(
+                f"{self.path()}.attention_implementation: '{cfg.attention_implementation}' "
+                f"is not one of {_IMPLEMENTATIONS}"
+            )
+        if cfg.attention_implementation == "cudnn" and (
+            cfg.atten_logit_cap is not None or cfg.dropout.rate
+        ):
+            raise ConfigError(
+                f"{self.path()}: attention_implementation='cudnn' supports neither "
+                "atten_logit_cap nor dropout.rate; use 'xla' or None"
+            )
+        self._per_head_dim = hidden_dim // cfg.num_heads
+        self._add_child(
+            "i_proj",
+            cfg.input_linear.clone(
+                query_dim=cfg.query_dim,
+                key_dim=cfg.key_dim,
+                value_dim=cfg.value_dim,
+                num_heads=cfg.num_heads,
+                per_head_dim=self._per_head_dim,
+            ),
+        )
+        self._add_child("scale_query", cfg.query_scale.clone(per_head_dim=self._per_head_dim))
+        self._add_child("scale_key", cfg.key_scale.clone(per_head_dim=self._per_head_dim))
+        self._add_child("dropout", cfg.dropout)
+        self._add_child(
+            "o_proj",
+            cfg.output_linear.clone(
+                model_dim=cfg.output_dim, num_heads=cfg.num_heads, per_head_dim=self._per_head_dim
+            ),
+        )
+        self._check_kv_heads(self.i_proj.num_kv_heads)
+
+    def _check_kv_heads(self, num_kv_heads: int) -> None:
+        if num_kv_heads != self._config.num_heads:
+            raise ConfigError(
+                f"{self.path()}: input_linear has {num_kv_heads} key/value heads but "
+                f"num_heads is {self._config.num_heads}; use GroupedQueryAttention"
+            )
+
+    @property
+    def per_head_dim(self) -> int:
+        return self._per_head_dim
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.i_proj.num_kv_heads
+
+    # --- projections ---
+
+    def _project(
+        self,
+        query: Tensor,
+        *,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        query_positions: Optional[Tensor],
+    ) -> QKV:
+        q, k, v = self.i_proj(query, key=key, value=value, query_positions=query_positions)
+        q = self._remat_name(q, "q_proj")
+        k = self._remat_name(k, "k_proj")
+        v = self._remat_name(v, "v_proj")
+        return QKV(self.scale_query(q), self.scale_key(k), v)
+
+    def _output(self, context: Tensor) -> Tensor:
+        context = self._remat_name(context, "context")
+        return self._remat_name(self.o_proj(context), "o_proj")
+
+    # --- the attention itself ---
+
+    def _use_cudnn(self, q: Tensor, k: Tensor, *, masked_by_ids: bool) -> bool:
+        cfg = self._config
+        if cfg.attention_implementation == "xla" or masked_by_ids:
+            return False
+        if cfg.attention_implementation == "cudnn":
+            return True
+        # Auto: the shapes and dtypes cuDNN's flash kernel takes, on GPU only.
+        return (
+            jax.default_backend() == "gpu"
+            and q.dtype in (jnp.bfloat16, jnp.float16)
+            and k.dtype == q.dtype
+            and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 128
+            and q.shape[1] == k.shape[1]
+            and q.shape[1] % 2 == 0
+            and cfg.atten_logit_cap is None
+            and not (self.is_training and cfg.dropout.rate)
+        )
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        q_index: Optional[Tensor] = None,
+        kv_valid: Optional[Tensor] = None,
+        segment_ids: Optional[Tensor] = None,
+    ) -> Tensor:
+        """softmax(q k^T) v: q [B,T,N,H], k/v [B,S,K,H] -> [B,T,N,H].
+
+        q_index [B,T]: the index of each query among the keys (default: arange(T), i.e.
+        queries and keys are the same sequence); kv_valid [B,S]: which keys exist.
+        """
+        cfg = self._config
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+        if q_index is None and kv_valid is None and self._use_cudnn(
+            q, k, masked_by_ids=segment_ids is not None
+        ):
+            return jax.nn.dot_product_attention(
+                q, k, v, scale=1.0, is_causal=cfg.causal, implementation="cudnn"
+            )
+        batch, q_len, num_heads, head_dim = q.shape
+        kv_len, num_kv_heads = k.shape[1], k.shape[2]
+        groups = num_heads // num_kv_heads
+        q = q.reshape(batch, q_len, num_kv_heads, groups, head_dim)
+        logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+        if cfg.atten_logit_cap is not None:
+            logits = cfg.atten_logit_cap * jnp.tanh(logits / cfg.atten_logit_cap)
+        mask = self._mask(batch, q_len, kv_len, q_index, kv_valid, segment_ids)
+        if mask is not None:
+            logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        probs = self.dropout(probs)
+        context = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+        return context.reshape(batch, q_len, num_heads, head_dim)
+
+    def _mask(self, batch, q_len, kv_len, q_index, kv_valid, segment_ids) -> Optional[Tensor]:
+        """[B,T,S] bool (True: attend), or None for no masking."""
+        masks = []
+        if self._config.causal:
+            if q_index is None:
+                q_index = jnp.arange(q_len)[None, :]
+            masks.append(q_index[:, :, None] >= jnp.arange(kv_len)[None, None, :])
+        if kv_valid is not None:
+            masks.append(kv_valid[:, None, :])
+        if segment_ids is not None:
+            masks.append(segment_ids[:, :, None] == segment_ids[:, None, :])
+        if not masks:
+            return None
+        mask = masks[0]
+        for m in masks[1:]:
+            mask = jnp.logical_and(mask, m)
+        return jnp.broadcast_to(mask, (batch, q_len, kv_len))
+
+    # --- public methods ---
+
+    def forward(
+        self,
+        query: Tensor,
+        *,
+        key: Optional[Tensor] = None,
+        value: Optional[Tensor] = None,
+        segment_ids: Optional[Tensor] = None,
+        positions: Optional[Tensor] = None,
+    ) -> Tensor:
+        """query [B,T,D] (key/value [B,S,*] for cross-attention) -> [B,T,output_dim].
+
+        segment_ids [B,T]: tokens attend only within their own segment (packed
+        documents; self-attention only). positions [B,T]: rotary positions (default
+        arange(T)).
+        """
+        if segment_ids is not None and key is not None:
+            raise ValueError(f"{self.path()}: segment_ids apply to self-attention only")
+        q, k, v = self._project(query, key=key, value=value, query_positions=positions)
+        context = self._attend(q, k, v, segment_ids=segment_ids)
+        return self._output(context)
+
+    def init_states(self, *, batch_size: int, max_len: int) -> dict[str, Tensor]:
+        """An empty key/value cache: {'key', 'value'} of [B, max_len, K, H] zeros."""
+        dtype = self.i_proj.cache_dtype or self.dtype
+        shape = (batch_size, max_len, self.num_kv_heads, self._per_head_dim)
+        return dict(key=jnp.zeros(shape, dtype), value=jnp.zeros(shape, dtype))
+
+    def extend_step(
+        self, cached_states: dict[str, Tensor], query: Tensor, *, time_step: Tensor
+    ) -> tuple[dict[str, Tensor], Tensor]:
+        """Self-attention for query [B,S,D] at positions time_step[b] + arange(S).
+
+        The new keys/values are written into the cache at those positions (the caller
+        keeps time_step + S <= max_len). Returns (new cache, outputs [B,S,output_dim]).
+        """
+        steps = query.shape[1]
+        time_step = time_step.astype(jnp.int32)
+        q_index = time_step[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+        q, k, v = self._project(query, key=None, value=None, query_positions=q_index)
+
+        def write(cache: Tensor, new: Tensor) -> Tensor:
+            return jax.vmap(lambda c, n, t: jax.lax.dynamic_update_slice(c, n, (t, 0, 0)))(
+                cache, new.astype(cache.dtype), time_step
+            )
+
+        new_states = dict(
+            key=write(cached_states["key"], k), value=write(cached_states["value"], v)
+        )
+        max_len = new_states["key"].shape[1]
+        kv_valid = jnp.arange(max_len)[None, :] < (time_step + steps)[:, None]
+        context = self._attend(
+            q, new_states["key"], new_states["value"], q_index=q_index, kv_valid=kv_valid
+        )
+        return new_states, self._output(context)
+
+
+class GroupedQueryAttention(MultiheadAttention):
+    """Attention whose input_linear has fewer key/value heads than query heads (GQA/MQA)."""
+
+    def _check_kv_heads(self, num_kv_heads: int) -> None:
+        if self._config.num_heads % num_kv_heads:
+            raise ConfigError(
+                f"{self.path()}: num_heads {self._config.num_heads} is not a multiple of "
+                f"the input_linear's num_kv_heads {num_kv_heads}"
+            )
+
+
+# ----- transformer sublayers -----
+
+_STRUCTURES = ("prenorm", "postnorm", "hybridnorm")
+
+
+def _check_structure(layer: BaseLayer, structure: str) -> None:
+    if structure not in _STRUCTURES:
+        raise ConfigError(f"{layer.path()}.structure: '{structure}' is not one of {_STRUCTURES}")
+
+
+def _add_norms(layer: BaseLayer, structure: str, norm: BaseLayer.Config, dim: int) -> None:
+    """prenorm/postnorm: child `norm`; hybridnorm: children `prenorm` and `postnorm`."""
+    if structure == "hybridnorm":
+        layer._add_child("prenorm", norm.clone(input_dim=dim))
+        layer._add_child("postnorm", norm.clone(input_dim=dim))
+    else:
+        layer._add_child("norm", norm.clone(input_dim=dim))
+
+
+class TransformerAttentionLayer(BaseLayer):
+    """Attention with normalization, dropout, stochastic depth and a residual connection.
+
+    structure: 'prenorm' (x + f(norm(x))), 'postnorm' (norm(x + f(x))) or 'hybridnorm'
+    (x + postnorm(f(prenorm(x)))).
+    """
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures TransformerAttentionLayer."""
+
+        target_dim: Required[int] = REQUIRED  # Dim of the queries and of the output.
+        source_dim: Required[int] = REQUIRED  # Dim of keys/values (== target_dim for self).
+        norm: BaseLayer.Config = LayerNorm.default_config()
+        attention: MultiheadAttention.Config = MultiheadAttention.default_config()
+        dropout: Dropout.Config = Dropout.default_config()  # On the attention output.
+        stochastic_depth: StochasticDepth.Config = StochasticDepth.default_config()
+        structure: str = "prenorm"
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        _check_structure(self, cfg.structure)
+        _add_norms(self, cfg.structure, cfg.norm, cfg.target_dim)
+        self._add_child(
+            "attention",
+            cfg.attention.clone(
+                query_dim=cfg.target_dim,
+                key_dim=cfg.source_dim,
+                value_dim=cfg.source_dim,
+                output_dim=cfg.target_dim,
+            ),
+        )
+        self._add_child("dropout", cfg.dropout)
+        self._add_child("stochastic_depth", cfg.stochastic_depth)
+
+    def _residual(self, target: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
+        structure = self._config.structure
+        if structure == "prenorm":
+            y = attend(self.norm(target))
+        elif structure == "hybridnorm":
+            y = self.postnorm(attend(self.prenorm(target)))
+        else:
+            y = attend(target)
+        y = target + self.stochastic_depth(self.dropout(y))
+        return self.norm(y) if structure == "postnorm" else y
+
+    def forward(
+        self,
+        target: Tensor,
+        *,
+        source: Optional[Tensor] = None,
+        segment_ids: Optional[Tensor] = None,
+        positions: Optional[Tensor] = None,
+    ) -> Tensor:
+        """target [B,T,target_dim]; source [B,S,source_dim] for cross-attention."""
+        return self._residual(
+            target,
+            lambda x: self.attention(
+                x, key=source, value=source, segment_ids=segment_ids, positions=positions
+            ),
+        )
+
+    def init_states(self, *, batch_size: int, max_len: int) -> dict[str, Tensor]:
+        return self.attention.init_states(batch_size=batch_size, max_len=max_len)
+
+    def extend_step(
+        self, cached_states: dict[str, Tensor], target: Tensor, *, time_step: Tensor
+    ) -> tuple[dict[str, Tensor], Tensor]:
+        new_states = {}
+
+        def attend(x: Tensor) -> Tensor:
+            states, out = self.attention.extend_step(cached_states, x, time_step=time_step)
+            new_states.update(states)
+            return out
+
+        return new_states, self._residual(target, attend)
+
+
+HiddenDim = Union[int, InstantiableConfig]
+
+
+class TransformerFeedForwardLayer(BaseLayer):
+    """x + linear2(act(linear1(norm(x)))) (prenorm), optionally gated.
+
+    `activation` is one name (children linear1, linear2) or a pair of names for a gated
+    unit act0(linear1_0(x)) * act1(linear1_1(x)) (children linear1_0, linear1_1, linear2).
+    """
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures TransformerFeedForwardLayer."""
+
+        input_dim: Required[int] = REQUIRED  # Set by TransformerLayer.
+        # An int, or a config of a function input_dim -> int (e.g. layers.scaled_hidden_dim).
+        hidden_dim: Required[HiddenDim] = REQUIRED
+        activation: Union[str, Sequence[str]] = "nn.relu"
+        linear1: Linear.Config = Linear.default_config()
+        linear2: Linear.Config = Linear.default_config()
+        norm: BaseLayer.Config = LayerNorm.default_config()
+        dropout: Dropout.Config = Dropout.default_config()  # After act and after linear2.
+        stochastic_depth: StochasticDepth.Config = StochasticDepth.default_config()
+        structure: str = "prenorm"  # 'prenorm', 'postnorm' or 'hybridnorm'.
+        residual_weight: float = 1.0  # Multiplies the branch before the residual add.
+        # Summary 'dead_neurons/<linear1 or linear1_0>': the number of hidden units whose
+        # activation is never positive over the batch.
+        add_dead_neuron_summary: Optional[bool] = None
+        # Summaries 'rms_norm/<name>' for names among 'inputs', 'linear1_outputs',
+        # 'linear2_outputs'.
+        add_value_rms_norm_summary: Optional[Sequence[str]] = None
+
+    _RMS_NAMES = ("inputs", "linear1_outputs", "linear2_outputs")
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        _check_structure(self, cfg.structure)
+        for name in cfg.add_value_rms_norm_summary or ():
+            if name not in self._RMS_NAMES:
+                raise ConfigError(
+                    f"{self.path()}.add_value_rms_norm_summary: '{name}' is not one of "
+                    f"{self._RMS_NAMES}"
+                )
+        hidden_dim = cfg.hidden_dim
+        if isinstance(hidden_dim, InstantiableConfig):
+            hidden_dim = maybe_instantiate(hidden_dim)(cfg.input_dim)
+        if not isinstance(hidden_dim, int) or hidden_dim <= 0:
+            raise ConfigError(f"{self.path()}.hidden_dim: expected a positive int, got {hidden_dim}")
+        self._hidden_dim = hidden_dim
+        if isinstance(cfg.activation, str):
+            self._activations = [(("linear1"), get_activation_fn(cfg.activation))]
+        elif len(cfg.activation) == 2:
+            self._activations = [
+                (f"linear1_{i}", get_activation_fn(name)) for i, name in enumerate(cfg.activation)
+            ]
+        else:
+            raise ConfigError(
+                f"{self.path()}.activation: expected a name or a pair of names, got {cfg.activation}"
+            )
+        _add_norms(self, cfg.structure, cfg.norm, cfg.input_dim)
+        for name, _ in self._activations:
+            self._add_child(name, cfg.linear1.clone(input_dim=cfg.input_dim, output_dim=hidden_dim))
+        self._add_child("linear2", cfg.linear2.clone(input_dim=hidden_dim, output_dim=cfg.input_dim))
+        self._add_child("dropout1", cfg.dropout)
+        self._add_child("dropout2", cfg.dropout)
+        self._add_child("stochastic_depth", cfg.stochastic_depth)
+
+    @property
+    def hidden_dim(self) -> int:
+        return self._hidden_dim
+
+    def _add_rms_summary(self, name: str, x: Tensor) -> None:
+        if name in (self._config.add_value_rms_norm_summary or ()):
+            self.add_summary(f"rms_norm/{name}", rms(x))
+
+    def _hidden(self, x: Tensor) -> Tensor:
+        hidden = None
+        for i, (name, activation) in enumerate(self._activations):
+            h = activation(getattr(self, name)(x))
+            # Only the activated branch can die; a gate's linear partner cannot.
+            if self._config.add_dead_neuron_summary and i == 0:
+                never_positive = jnp.max(h.reshape(-1, h.shape[-1]), axis=0) <= 0
+                self.add_summary(f"dead_neurons/{name}", jnp.sum(never_positive).astype(jnp.float32))
+            hidden = h if hidden is None else hidden * h
+        return hidden
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        """[B,T,input_dim] -> [B,T,input_dim]."""
+        cfg = self._config
+        self._add_rms_summary("inputs", inputs)
+        if cfg.structure == "prenorm":
+            x = self.norm(inputs)
+        elif cfg.structure == "hybridnorm":
+            x = self.prenorm(inputs)
+        else:
+            x = inputs
+        h = self._hidden(x)
+        self._add_rms_summary("linear1_outputs", h)
+        y = self.linear2(self.dropout1(h))
+        self._add_rms_summary("linear2_outputs", y)
+        if cfg.structure == "hybridnorm":
+            y = self.postnorm(y)
+        y = self.stochastic_depth(self.dropout2(y))
+        if cfg.residual_weight != 1.0:
+            y = y * cfg.residual_weight
+        y = inputs + y
+        return self.norm(y) if cfg.structure == "postnorm" else y
+
+
+# ----- transformer layers and stacks -----
+
+
+class TransformerLayer(BaseLayer):
+    """Self-attention (children self_attention), optional cross_attention, feed_forward."""
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures TransformerLayer."""
+
+        input_dim: Required[int] = REQUIRED  # Set by the stack / decoder.
+        self_attention: TransformerAttentionLayer.Config = (
+            TransformerAttentionLayer.default_config()
+        )
+        feed_forward: TransformerFeedForwardLayer.Config = (
+            TransformerFeedForwardLayer.default_config()
+        )
+        # None: no cross-attention. Otherwise its source_dim must be set.
+        cross_attention: Optional[TransformerAttentionLayer.Config] = None
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        self._add_child(
+            "self_attention",
+            cfg.self_attention.clone(target_dim=cfg.input_dim, source_dim=cfg.input_dim),
+        )
+        if cfg.cross_attention is not None:
+            self._add_child("cross_attention", cfg.cross_attention.clone(target_dim=cfg.input_dim))
+        self._add_child("feed_forward", cfg.feed_forward.clone(input_dim=cfg.input_dim))
+
+    def _cross(self, data: Tensor, cross_attention_data: Optional[Tensor]) -> Tensor:
+        if self._config.cross_attention is None:
+            if cross_attention_data is not None:
+                raise ValueError(f"{self.path()}: cross_attention_data given without cross_attention")
+            return data
+        if cross_attention_data is None:
+            raise ValueError(f"{self.path()}: cross_attention needs cross_attention_data")
+        return self.cross_attention(data, source=cross_attention_data)
+
+    def forward(
+        self,
+        data: Tensor,
+        *,
+        segment_ids: Optional[Tensor] = None,
+        positions: Optional[Tensor] = None,
+        cross_attention_data: Optional[Tensor] = None,
+    ) -> Tensor:
+        """data [B,T,D] -> [B,T,D]."""
+        data = self.self_attention(data, segment_ids=segment_ids, positions=positions)
+        data = self._cross(data, cross_attention_data)
+        return self.feed_forward(data)
+
+    def init_states(self, *, batch_size: int, max_len: int) -> dict[str, Any]:
+        return dict(
+            self_attention=self.self_attention.init_states(batch_size=batch_size, max_len=max_len)
+        )
+
+    def extend_step(
+        self,
+        cached_states: dict[str, Any],
+        data: Tensor,
+        *,
+        time_step: Tensor,
+        cross_attention_data: Optional[Tensor] = None,
+    ) -> tuple[dict[str, Any], Tensor]:
+        """Decodes data [B,S,D] at positions time_step + arange(S); see the module doc."""
+        states, data = self.self_attention.extend_step(
+            cached_states["self_attention"], data, time_step=time_step
+        )
+        data = self._cross(data, cross_attention_data)
+        return dict(self_attention=states), self.feed_forward(data)
+
+
+class BaseStackedTransformerLayer(BaseLayer):
+    """num_layers copies of `layer`, applied in sequence; same methods as TransformerLayer."""
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures BaseStackedTransformerLayer."""
+
+        input_dim: Required[int] = REQUIRED  # Set by the decoder.
+        num_layers: Required[int] = REQUIRED
+        layer: BaseLayer.Config = TransformerLayer.default_config()
+
+
+class StackedTransformerLayer(BaseStackedTransformerLayer):
+    """One child per layer: layer0 ... layer{num_layers-1}."""
+
+    def __init__(self, cfg: BaseStackedTransformerLayer.Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        for i in range(cfg.num_layers):
+            self._add_child(f"layer{i}", cfg.layer.clone(input_dim=cfg.input_dim))
+
+    def _layers(self) -> list[BaseLayer]:
+        return [getattr(self, f"layer{i}") for i in range(self._config.num_layers)]
+
+    def forward(self, data: Tensor, **kwargs) -> Tensor:
+        """data [B,T,D] -> [B,T,D]; kwargs (segment_ids, positions, ...) go to every layer."""
+        for layer in self._layers():
+            data = layer(data, **kwargs)
+        return data
+
+    def init_states(self, *, batch_size: int, max_len: int) -> dict[str, Any]:
+        return {
+            layer.name: layer.init_states(batch_size=batch_size, max_len=max_len)
+            for layer in self._layers()
+        }
+
+    def extend_step(
+        self, cached_states: dict[str, Any], data: Tensor, *, time_step: Tensor, **kwargs
+    ) -> tuple[dict[str, Any], Tensor]:
+        new_states = {}
+        for layer in self._layers():
+            new_states[layer.name], data = layer.extend_step(
+                cached_states[layer.name], data, time_step=time_step, **kwargs
+            )
+        return new_states, data
+
+
+class _TransformerRepeat(Repeat):
+    """Repeat with the transformer layer's decoding methods (caches stacked per layer)."""
+
+    def init_states(self, *, batch_size: int, max_len: int) -> Any:
+        one = self.layer.init_states(batch_size=batch_size, max_len=max_len)
+        num_layers = self._config.num_layers
+        return jax.tree_util.tree_map(
+            lambda x: jnp.broadcast_to(x, (num_layers, *x.shape)), one
+        )
+
+    def extend_step(
+        self, cached_states: Any, data: Tensor, *, time_step: Tensor, **kwargs
+    ) -> tuple[Any, Tensor]:
+        def step(data, layer_states):
+            layer_states, data = self.layer.extend_step(
+                layer_states, data, time_step=time_step, **kwargs
+            )
+            return data, layer_states
+
+        data, new_states = self._run(step, data, cached_states)
+        return new_states, data
+
+
+class RepeatedTransformerLayer(BaseStackedTransformerLayer):
+    """The layers as one scanned child `repeat` (parameters stacked on a leading axis)."""
+
+    @config_class
+    class Config(BaseStackedTransformerLayer.Config):
+        """Configures RepeatedTransformerLayer."""
+
+        repeat: Repeat.Config = _TransformerRepeat.default_config()
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        self._add_child(
+            "repeat",
+            cfg.repeat.clone(
+                layer=cfg.layer.clone(input_dim=cfg.input_dim), num_layers=cfg.num_layers
+            ),
+        )
+
+    def forward(self, data: Tensor, **kwargs) -> Tensor:
+        """data [B,T,D] -> [B,T,D]; kwargs (segment_ids, positions, ...) go to every layer."""
+        return self.repeat(data, **kwargs)
+
+    def init_states(self, *, batch_size: int, max_len: int) -> Any:
+        """The per-layer caches stacked on a leading num_layers axis."""
+        return self.repeat.init_states(batch_size=batch_size, max_len=max_len)
+
+    def extend_step(
+        self, cached_states: Any, data: Tensor, *, time_step: Tensor, **kwargs
+    ) -> tuple[Any, Tensor]:
+        return self.repeat.extend_step(cached_states, data, time_step=time_step, **kwargs)
+
+
+# ----- rematerialization -----
+
+
+def _save_and_offload_only_these_names_regex(
+    names_which_can_be_saved: Optional[str],
+    names_which_can_be_offloaded: Optional[str],
+    offload_src: str,
+    offload_dst: str,
+) -> Callable:
+    """A remat policy: save names matching one regex, offload the other, recompute the rest."""
+    return base_layer.save_and_offload_only_these_names_regex(
+        names_which_can_be_saved=names_which_can_be_saved,
+        names_which_can_be_offloaded=names_which_can_be_offloaded,
+        offload_src=offload_src,
+        offload_dst=offload_dst,
+    )
+
+
+def build_remat_spec(
+    *,
+    names_which_can_be_saved: Optional[str] = ".*([qkvo]_proj|context)",
+    names_which_can_be_offloaded: Optional[str] = None,
+    offload_src: str = "device",
+    offload_dst: str = "pinned_host",
+    prevent_cse: bool = False,
+) -> dict[str, Any]:
+    """A TransformerLayer `remat_spec`: by default save the attention projections and the
+    context, recompute everything else (the feed-forward hidden layer)."""
+    policy = config_for_function(_save_and_offload_only_these_names_regex).set(
+        names_which_can_be_saved=names_which_can_be_saved,
+        names_which_can_be_offloaded=names_which_can_be_offloaded,
+        offload_src=offload_src,
+        offload_dst=offload_dst,
+    )
+    return {"prevent_cse": prevent_cse, "policy": policy}

@@ -1,0 +1,252 @@
+"""Basic layers: linear maps, embeddings, normalization, dropout and activations.
+
+Every layer here works on the last axis of its input and leaves leading axes (batch,
+time, ...) alone, so the same config serves 2-D and 3-D inputs. Parameter names are
+part of the interface: optimizers and initializers select parameters by path regexes
+such as `.*feed_forward/linear2/weight`.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from axlearn.common.base_layer import BaseLayer, MeshAxes, ParameterSpec
+from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
+from axlearn.common.module import Tensor
+from axlearn.common.param_init import FanAxes, constant_initializer
+from axlearn.common.sharding import maybe_shard
+
+# ----- activations -----
+
+
+def _squared_relu(x: Tensor) -> Tensor:
+    return jnp.square(jax.nn.relu(x))
+
+
+def _quick_gelu(x: Tensor) -> Tensor:
+    # The sigmoid approximation of GELU used by CLIP.
+    return x * jax.nn.sigmoid(1.702 * x)
+
+
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "linear": lambda x: x,
+    "nn.relu": jax.nn.relu,
+    "nn.silu": jax.nn.silu,
+    "nn.gelu": lambda x: jax.nn.gelu(x, approximate=True),
+    "exact_gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "quick_gelu": _quick_gelu,
+    "squared_relu": _squared_relu,
+    "nn.tanh": jnp.tanh,
+    "nn.sigmoid": jax.nn.sigmoid,
+}
+
+
+def get_activation_fn(name: str) -> Callable[[Tensor], Tensor]:
+    """The elementwise activation called `name` (e.g. 'nn.silu', 'linear')."""
+    if name not in _ACTIVATIONS:
+        raise ConfigError(f"Unknown activation '{name}'; expected one of {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+# ----- linear maps -----
+
+
+class Linear(BaseLayer):
+    """y = x @ weight + bias over the last axis; weight is [input_dim, output_dim]."""
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures Linear."""
+
+        input_dim: Required[int] = REQUIRED
+        output_dim: Required[int] = REQUIRED
+        bias: bool = True
+        # Sharding constraint on the output (one entry per output dim), e.g.
+        # (('data', 'fsdp'), 'seq', 'model'); None: leave it to the partitioner.
+        output_partition_spec: Optional[MeshAxes] = None
+
+    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
+        cfg = self.config
+        specs = dict(
+            weight=ParameterSpec(
+                shape=[cfg.input_dim, cfg.output_dim],
+                mesh_axes=cfg.param_partition_spec,
+                fan_axes=FanAxes(in_axis=-2, out_axis=-1),
+            )
+        )
+        if cfg.bias:
+            out_axis = cfg.param_partition_spec[-1] if cfg.param_partition_spec else None
+            specs["bias"] = ParameterSpec(
+                shape=[cfg.output_dim],
+                mesh_axes=(out_axis,),
+                initializer=constant_initializer(0.0),
+            )
+        return specs
+
+    def forward(self, x: Tensor) -> Tensor:
+        cfg = self.config
+        y = jnp.einsum("...i,io->...o", x, self.parameters["weight"])
+        if cfg.bias:
+            y = y + self.parameters["bias"]
+        return maybe_shard(y, cfg.output_partition_spec)
+
+
+class Embedding(BaseLayer):
+    """A lookup table [num_embeddings, dim]; `attend` maps back to logits (tied heads)."""
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures Embedding."""
+
+        num_embeddings: Required[int] = REQUIRED  # Vocabulary size.
+        dim: Required[int] = REQUIRED
+
+    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
+        cfg = self.config
+        return dict(
+            weight=ParameterSpec(
+                shape=[cfg.num_embeddings, cfg.dim],
+                mesh_axes=cfg.param_partition_spec,
+                # A row is one token's vector: fan_out = dim gives unit-variance logits
+                # when the table is reused as the output layer.
+                fan_axes=FanAxes(in_axis=-2, out_axis=-1),
+            )
+        )
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """[...] int ids -> [..., dim]."""
+        return jnp.take(self.parameters["weight"], ids, axis=0)
+
+    def attend(self, x: Tensor) -> Tensor:
+        """[..., dim] -> [..., num_embeddings] = x @ weight.T."""
+        return jnp.einsum("...d,vd->...v", x, self.parameters["weight"])
+
+
+# ----- normalization -----
+
+
+class BaseNormalizationLayer(BaseLayer):
+    """Normalizes over the last axis, of size `input_dim`."""
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures BaseNormalizationLayer."""
+
+        input_dim: Required[int] = REQUIRED  # Size of the normalized (last) axis.
+        eps: float = 1e-8  # Added to the variance before rsqrt.
+        # Dtype of the statistics; None: the input's dtype.
+        forward_dtype: Optional[jnp.dtype] = jnp.float32
+
+    def _scale_spec(self, value: float) -> ParameterSpec:
+        return ParameterSpec(
+            shape=[self.config.input_dim],
+            mesh_axes=(None,),
+            initializer=constant_initializer(value),
+        )
+
+
+class RMSNorm(BaseNormalizationLayer):
+    """Root-mean-square normalization: x / sqrt(mean(x^2) + eps) * scale."""
+
+    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
+        return dict(scale=self._scale_spec(1.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        cfg = self.config
+        y = x.astype(cfg.forward_dtype or x.dtype)
+        y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + cfg.eps)
+        return (y * self.parameters["scale"]).astype(x.dtype)
+
+
+class LayerNorm(BaseNormalizationLayer):
+    """(x - mean) / sqrt(var + eps) * scale + bias."""
+
+    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
+        return dict(scale=self._scale_spec(1.0), bias=self._scale_spec(0.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        cfg = self.config
+        y = x.astype(cfg.forward_dtype or x.dtype)
+        y = y - jnp.mean(y, axis=-1, keepdims=True)
+        y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + cfg.eps)
+        return (y * self.parameters["scale"] + self.parameters["bias"]).astype(x.dtype)
+
+
+# ----- regularization -----
+
+
+def _check_rate(layer: BaseLayer, rate: Optional[float]) -> None:
+    if rate is not None and not 0.0 <= rate < 1.0:
+        raise ConfigError(f"{layer.path()}.rate: {rate} is not in [0, 1)")
+
+
+class Dropout(BaseLayer):
+    """Zeroes each element with probability `rate` while training (scaling the rest)."""
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures Dropout."""
+
+        rate: Optional[float] = None  # None or 0: no dropout.
+
+    def __init__(self, cfg: Config, *, parent):
+        super().__init__(cfg, parent=parent)
+        _check_rate(self, cfg.rate)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rate = self.config.rate
+        if not self.is_training or not rate:
+            return x
+        keep = jax.random.bernoulli(self.prng_key, 1.0 - rate, x.shape)
+        return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+class StochasticDepth(BaseLayer):
+    """Drops a whole residual branch with probability `rate` while training.
+
+    mode 'row' draws one decision per example (leading axis), 'batch' one for the batch.
+    """
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures StochasticDepth."""
+
+        rate: Optional[float] = None  # None or 0: never drop.
+        mode: str = "row"  # 'row' or 'batch'.
+
+    def __init__(self, cfg: Config, *, parent):
+        super().__init__(cfg, parent=parent)
+        _check_rate(self, cfg.rate)
+        if cfg.mode not in ("row", "batch"):
+            raise ConfigError(f"{self.path()}.mode: '{cfg.mode}' is not 'row' or 'batch'")
+
+    def forward(self, x: Tensor) -> Tensor:
+        cfg = self.config
+        if not self.is_training or not cfg.rate:
+            return x
+        if cfg.mode == "row":
+            shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+        else:
+            shape = (1,) * x.ndim
+        keep_prob = 1.0 - cfg.rate
+        keep = jax.random.bernoulli(self.prng_key, keep_prob, shape)
+        return jnp.where(keep, x / keep_prob, jnp.zeros_like(x))
+
+
+def rms(x: Tensor) -> Tensor:
+    """sqrt(mean(x^2)) over all elements, in float32 (for summaries)."""
+    x = x.astype(jnp.float32)
+    return jnp.sqrt(jnp.mean(jnp.square(x)))
+
+
+def scaled_hidden_dim(scale: float, round_up_to_multiples_of: int = 1) -> Callable[[int], int]:
+    """A hidden_dim rule: `input_dim * scale`, rounded up to a multiple (feed-forward sizes)."""
+
+    def fn(input_dim: int) -> int:
+        size = math.ceil(input_dim * scale)
+        return -(-size // round_up_to_multiples_of) * round_up_to_multiples_of
+
+    return fn
