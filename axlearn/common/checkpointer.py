@@ -1,0 +1,883 @@
+"""Asynchronous, atomic checkpoints of sharded state, written with TensorStore.
+
+On disk, one directory per saved step:
+
+    <dir>/step_00000100/arrays/<leaf path>/   one zarr array per state leaf (TensorStore)
+    <dir>/step_00000100/index.json            written last: the commit record
+
+The commit protocol makes the newest committed checkpoint whole at every instant:
+1. every process writes the shards it owns (`replica_id == 0`) into the step directory;
+2. the sizes and CRC32 checksums of the written files are collected (processes other
+   than 0 leave theirs in `manifest_<process>.json`);
+3. process 0 writes `index.json` (tree paths, shapes, dtypes, chunking, file sizes and
+   checksums, the caller's `extra` metadata) to a temporary file, fsyncs it, renames it
+   into place and fsyncs the directory.
+A step directory without `index.json` is not a checkpoint: it is never restored, and
+garbage collection removes it. Restore re-checks the sizes and checksums of the files it
+reads, so a torn or altered file is detected; the previous committed step is then used.
+
+`save()` blocks only while device arrays are copied to host memory; the files are
+written by a background thread, and the next `save()` waits for the previous one.
+Only local (or mounted, shared for multi-host) file systems are supported: the commit
+relies on POSIX rename.
+"""
+
+import concurrent.futures
+import dataclasses
+import errno
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import threading
+import time
+import urllib.parse
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Optional
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from axlearn.common.base_layer import flatten_with_paths
+from axlearn.common.config import (
+    REQUIRED,
+    ConfigError,
+    ConfigOr,
+    Configurable,
+    Required,
+    config_class,
+    config_for_function,
+    maybe_instantiate,
+)
+from axlearn.common.module import Module
+
+_log = logging.getLogger(__name__)
+
+INDEX_FILE = "index.json"
+_FORMAT = "axlearn.checkpoint.v1"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+# Large arrays are cut into chunks of at most this many bytes, so that TensorStore writes
+# and reads them in parallel and a restore on another mesh reads little it does not need.
+_TARGET_CHUNK_BYTES = 64 << 20
+_CHECKSUM_BLOCK_BYTES = 16 << 20
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed; earlier checkpoints are untouched."""
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A committed checkpoint's files disagree with its index (torn, truncated or altered)."""
+
+
+# ----- save policies -----
+
+SavePolicy = Callable[[int], bool]
+
+
+def every_n_steps_policy(
+    n: int = 1, *, min_step: int = 1, max_step: Optional[int] = None
+) -> SavePolicy:
+    """Saves at every step that is a multiple of `n` within [min_step, max_step]."""
+    if n < 1:
+        raise ConfigError(f"every_n_steps_policy: n must be >= 1, got {n}")
+
+    def policy(step: int) -> bool:
+        if step < min_step or (max_step is not None and step > max_step):
+            return False
+        return step % n == 0
+
+    return policy
+
+
+def every_n_steps_and_last_policy(n: int = 1, *, min_step: int = 1, max_step: int) -> SavePolicy:
+    """Like `every_n_steps_policy`, and also at `max_step`, the last step of training."""
+    every_n = every_n_steps_policy(n, min_step=min_step, max_step=max_step)
+
+    def policy(step: int) -> bool:
+        return step == max_step or every_n(step)
+
+    return policy
+
+
+# ----- directory layout -----
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _parse_step(name: str) -> Optional[int]:
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def _step_dirs(base_dir: str) -> dict[int, str]:
+    """Step -> directory, for every step directory in `base_dir`, committed or not."""
+    try:
+        names = os.listdir(base_dir)
+    except FileNotFoundError:
+        return {}
+    steps = {}
+    for name in names:
+        step = _parse_step(name)
+        if step is not None and os.path.isdir(os.path.join(base_dir, name)):
+            steps[step] = os.path.join(base_dir, name)
+    return steps
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomically(path: str, value: Any) -> None:
+    """Readers see either no file or the whole file, even across a crash or power loss."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _read_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _file_checksum(path: str) -> dict[str, int]:
+    """{'size', 'crc32'} of one file."""
+    crc = 0
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(_CHECKSUM_BLOCK_BYTES):
+            crc = zlib.crc32(block, crc)  # Releases the GIL: files are summed in parallel.
+            size += len(block)
+    return {"size": size, "crc32": crc}
+
+
+def _checksums(root: str, relative_paths: Sequence[str]) -> dict[str, dict[str, int]]:
+    workers = min(32, (os.cpu_count() or 1) * 2)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        sums = pool.map(lambda p: _file_checksum(os.path.join(root, p)), relative_paths)
+        return dict(zip(relative_paths, sums))
+
+
+# ----- leaves: names, chunking, dtypes -----
+
+
+def _array_dir_name(path: str) -> str:
+    """A file-system-safe directory for the leaf at tree path `path`."""
+    if not path:
+        return "_root"
+    parts = []
+    for part in path.split("/"):
+        part = urllib.parse.quote(part, safe="-_.")
+        # '', '.' and '..' would escape or merge directories; zarr owns names starting '.'.
+        if part in ("", ".", "..") or part.startswith("."):
+            part = "%" + part
+        parts.append(part)
+    return "/".join(parts)
+
+
+def _is_prng_key(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _zarr_dtype(dtype: np.dtype) -> str:
+    # Extension types (bfloat16, float8, int4) are spelled by name; the others as '<f4'.
+    return dtype.name if dtype.kind == "V" else dtype.str
+
+
+def _normalize_index(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape))
+
+
+def _smallest_prime_factor(n: int) -> int:
+    for p in range(2, math.isqrt(n) + 1):
+        if n % p == 0:
+            return p
+    return n
+
+
+def _chunk_shape(
+    shape: Sequence[int], shard_bounds: Sequence[tuple[tuple[int, int], ...]], itemsize: int
+) -> list[int]:
+    """A chunk grid whose chunks never straddle two shards, cut to at most ~64 MiB.
+
+    Chunks aligned with shard boundaries let every process write its shards without
+    touching a chunk another process writes.
+    """
+    chunks = []
+    for dim, size in enumerate(shape):
+        inner = {b for bounds in shard_bounds for b in bounds[dim]} - {0, size}
+        chunks.append(max(1, math.gcd(*inner) if inner else size))
+    while math.prod(chunks) * itemsize > _TARGET_CHUNK_BYTES:
+        dim = max(range(len(chunks)), key=lambda d: chunks[d])
+        chunks[dim] //= _smallest_prime_factor(chunks[dim])
+    return chunks
+
+
+def _chunk_files(chunks: Sequence[int], bounds: tuple[tuple[int, int], ...]) -> list[str]:
+    """Names of the zarr chunk files that hold the region `bounds`."""
+    if not chunks:
+        return ["0"]
+    ranges = []
+    for chunk, (start, stop) in zip(chunks, bounds):
+        if stop <= start:
+            return []
+        ranges.append(range(start // chunk, -(-stop // chunk)))
+    names = [""]
+    for dim, r in enumerate(ranges):
+        names = [f"{n}.{i}" if dim else str(i) for n in names for i in r]
+    return names
+
+
+# ----- storage -----
+
+
+@dataclasses.dataclass
+class _LeafSnapshot:
+    """One leaf of a state, copied to host: what this process writes of it."""
+
+    path: str
+    array_dir: str
+    meta: dict[str, Any]  # Goes to the index: shape, dtype, stored_shape, stored_dtype, chunks.
+    shards: list[tuple[tuple[tuple[int, int], ...], np.ndarray]]  # (bounds, host data).
+
+
+class StateSnapshot(NamedTuple):
+    leaves: list[_LeafSnapshot]
+    treedef: str  # For people reading the index; restore takes the structure from a template.
+
+
+class TensorStoreStateStorage(Configurable):
+    """Writes and reads a state pytree as one zarr array per leaf."""
+
+    @config_class
+    class Config(Configurable.Config):
+        """Configures TensorStoreStateStorage."""
+
+        # Seconds to wait for one checkpoint's writes, reads or the other processes' files.
+        timeout_secs: float = 3600
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        # Tensorstore fsyncs each file it writes, so data is durable before the index is.
+        self._context = ts.Context({"file_io_sync": True})
+
+    # --- save ---
+
+    def snapshot(self, state: Any) -> StateSnapshot:
+        """Copies the shards this process owns to host memory; the state may change after."""
+        entries = flatten_with_paths(state)
+        _check_unique_paths([path for path, _ in entries])
+        # Every device-to-host transfer starts before the first one is waited for.
+        started = [_start_host_copy(path, leaf) for path, leaf in entries]
+        return StateSnapshot(
+            [finish() for finish in started], treedef=str(jax.tree_util.tree_structure(state))
+        )
+
+    def write(self, snapshot: StateSnapshot, step_dir: str) -> dict[str, dict[str, int]]:
+        """Writes this process's shards; returns {relative file: {size, crc32}} it wrote."""
+        cfg = self.config
+        opened = [
+            ts.open(self._spec(step_dir, leaf.array_dir, leaf.meta), create=True, open=True, context=self._context)
+            for leaf in snapshot.leaves
+        ]
+        files = []
+        writes = []
+        for leaf, future in zip(snapshot.leaves, opened):
+            array = future.result(timeout=cfg.timeout_secs)
+            for bounds, data in leaf.shards:
+                index = tuple(slice(start, stop) for start, stop in bounds)
+                writes.append(array[index].write(data))
+                files += [f"arrays/{leaf.array_dir}/{f}" for f in _chunk_files(leaf.meta["chunks"], bounds)]
+            if jax.process_index() == 0:
+                files.append(f"arrays/{leaf.array_dir}/.zarray")
+        for write in writes:
+            write.result(timeout=cfg.timeout_secs)
+        return _checksums(step_dir, sorted(set(files)))
+
+    @staticmethod
+    def _spec(step_dir: str, array_dir: str, meta: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "driver": "zarr",
+            "kvstore": {"driver": "file", "path": os.path.join(step_dir, "arrays", array_dir)},
+            "metadata": {
+                "shape": meta["stored_shape"],
+                "chunks": meta["chunks"],
+                "dtype": meta["stored_dtype"],
+                "compressor": None,  # Raw chunks: writing is I/O bound, not CPU bound.
+                "fill_value": None,
+            },
+            # Every chunk becomes a file, so the set of files is known from the shards.
+            "store_data_equal_to_fill_value": True,
+        }
+
+    # --- restore ---
+
+    def verify_and_read(
+        self, step_dir: str, index: dict[str, Any], template: Any
+    ) -> tuple[Any, Callable[[], Any]]:
+        """Checks the template against the index and the files this process needs.
+
+        Returns `read`, a call that loads the arrays into the template's shardings.
+        Raises ValueError for a template that does not match (the caller's mistake) and
+        CheckpointCorruptError for files that disagree with the index.
+        """
+        index_path = os.path.join(step_dir, INDEX_FILE)
+        entries = flatten_with_paths(template)
+        arrays = index["arrays"]
+        missing = [p for p, _ in entries if p not in arrays]
+        unexpected = sorted(set(arrays) - {p for p, _ in entries})
+        if missing or unexpected:
+            raise ValueError(
+                f"The state template does not match checkpoint {index_path}: "
+                f"missing from the checkpoint: {missing or 'none'}; "
+                f"in the checkpoint but not in the template: {unexpected or 'none'}"
+            )
+        plans = []
+        needed_files = set()
+        for path, leaf in entries:
+            meta = arrays[path]
+            _check_leaf_matches(path, leaf, meta, index_path)
+            regions = _regions_to_read(leaf, meta)
+            array_dir = _array_dir_name(path)
+            needed_files.add(f"arrays/{array_dir}/.zarray")
+            for bounds in regions.values():
+                needed_files.update(
+                    f"arrays/{array_dir}/{f}" for f in _chunk_files(meta["chunks"], bounds)
+                )
+            plans.append((path, leaf, meta, array_dir, regions))
+        _verify_files(step_dir, index["files"], sorted(needed_files))
+        return lambda: self._read(step_dir, template, plans)
+
+    def _read(self, step_dir: str, template: Any, plans: list) -> Any:
+        cfg = self.config
+        opened = [
+            ts.open(self._spec(step_dir, array_dir, meta), open=True, context=self._context)
+            for _, _, meta, array_dir, _ in plans
+        ]
+        reads = []
+        for (_, _, _, _, regions), future in zip(plans, opened):
+            array = future.result(timeout=cfg.timeout_secs)
+            unique = {bounds: None for bounds in regions.values()}
+            for bounds in unique:
+                unique[bounds] = array[tuple(slice(a, b) for a, b in bounds)].read()
+            reads.append(unique)
+        values = []
+        for (path, leaf, meta, _, regions), unique in zip(plans, reads):
+            host = {b: f.result(timeout=cfg.timeout_secs) for b, f in unique.items()}
+            values.append(_to_template_type(leaf, meta, regions, host))
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), values)
+
+
+def _start_host_copy(path: str, leaf: Any) -> Callable[[], _LeafSnapshot]:
+    """Starts copying the shards of `leaf` this process owns; the returned call waits."""
+    meta: dict[str, Any] = {}
+    if isinstance(leaf, jax.Array):
+        meta.update(shape=list(leaf.shape), dtype=str(leaf.dtype))
+        if _is_prng_key(leaf.dtype):
+            meta["prng_key_impl"] = str(jax.random.key_impl(leaf))
+            leaf = jax.random.key_data(leaf)
+        all_bounds = [
+            _normalize_index(index, leaf.shape)
+            for index in leaf.sharding.devices_indices_map(leaf.shape).values()
+        ]
+        owned = [shard for shard in leaf.addressable_shards if shard.replica_id == 0]
+        for shard in owned:
+            shard.data.copy_to_host_async()
+
+        def host_shards():
+            shards = []
+            for shard in owned:
+                data = np.asarray(shard.data)
+                if shard.device.platform == "cpu":
+                    # On CPU that is a view of the device buffer, which a donating step reuses.
+                    data = data.copy()
+                shards.append((_normalize_index(shard.index, leaf.shape), data))
+            return shards
+
+    elif isinstance(leaf, (np.ndarray, np.generic, bool, int, float)):
+        leaf = np.array(leaf)  # A copy: the caller may change its array after save().
+        meta.update(shape=list(leaf.shape), dtype=str(leaf.dtype))
+        all_bounds = [tuple((0, n) for n in leaf.shape)]
+        owned_shards = [(all_bounds[0], leaf)] if jax.process_index() == 0 else []
+
+        def host_shards():
+            return owned_shards
+
+    else:
+        raise TypeError(
+            f"State leaf '{path}' is a {type(leaf).__name__}; a checkpoint holds jax.Array, "
+            "numpy arrays and Python scalars"
+        )
+    dtype = np.dtype(leaf.dtype)
+    meta.update(
+        stored_shape=list(leaf.shape),
+        stored_dtype=_zarr_dtype(dtype),
+        chunks=_chunk_shape(leaf.shape, all_bounds, dtype.itemsize),
+    )
+    return lambda: _LeafSnapshot(path, _array_dir_name(path), meta, host_shards())
+
+
+def _check_unique_paths(paths: Sequence[str]) -> None:
+    names = [_array_dir_name(p) for p in paths]
+    if len(set(names)) != len(names):
+        seen, dups = set(), set()
+        for path, name in zip(paths, names):
+            if name in seen:
+                dups.add(path)
+            seen.add(name)
+        raise ValueError(f"State leaves share a checkpoint path: {sorted(dups)}")
+
+
+def _check_leaf_matches(path: str, leaf: Any, meta: dict, index_path: str) -> None:
+    shape = tuple(np.shape(leaf)) if not hasattr(leaf, "shape") else tuple(leaf.shape)
+    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+    if shape != tuple(meta["shape"]) or str(dtype) != meta["dtype"]:
+        raise ValueError(
+            f"Parameter '{path}': the template has shape {shape} dtype {dtype}, but checkpoint "
+            f"{index_path} holds shape {tuple(meta['shape'])} dtype {meta['dtype']}"
+        )
+
+
+def _regions_to_read(leaf: Any, meta: dict) -> dict[Any, tuple[tuple[int, int], ...]]:
+    """Device (or None for host values) -> region of the stored array to read for it."""
+    stored_shape = meta["stored_shape"]
+    full = tuple((0, n) for n in stored_shape)
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        return {None: full}
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if "prng_key_impl" in meta:
+        # Keys are tiny: read them whole and let device_put place them.
+        return {device: full for device in sharding.addressable_devices}
+    return {
+        device: _normalize_index(index, stored_shape)
+        for device, index in sharding.addressable_devices_indices_map(tuple(stored_shape)).items()
+    }
+
+
+def _to_template_type(leaf: Any, meta: dict, regions: dict, host: dict) -> Any:
+    if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        value = host[next(iter(regions.values()))]
+        return type(leaf)(value.item()) if isinstance(leaf, (bool, int, float)) else value
+    sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
+        jax.local_devices()[0]
+    )
+    shape = tuple(meta["shape"])
+    if "prng_key_impl" in meta:
+        data = host[next(iter(regions.values()))]
+        keys = jax.random.wrap_key_data(data, impl=meta["prng_key_impl"])
+        return jax.device_put(keys, sharding)
+    pieces = [jax.device_put(host[bounds], device) for device, bounds in regions.items()]
+    return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+
+
+def _verify_files(step_dir: str, recorded: dict[str, dict], needed: Sequence[str]) -> None:
+    index_path = os.path.join(step_dir, INDEX_FILE)
+    unrecorded = [f for f in needed if f not in recorded]
+    if unrecorded:
+        raise CheckpointCorruptError(f"{index_path} lists no checksum for {unrecorded[:5]}")
+    present = []
+    for name in needed:
+        path = os.path.join(step_dir, name)
+        if not os.path.exists(path):
+            raise CheckpointCorruptError(f"{path} is missing (listed in {index_path})")
+        if os.path.getsize(path) != recorded[name]["size"]:
+            raise CheckpointCorruptError(
+                f"{path} has {os.path.getsize(path)} bytes, {index_path} records "
+                f"{recorded[name]['size']} (torn or truncated)"
+            )
+        present.append(name)
+    for name, actual in _checksums(step_dir, present).items():
+        if actual["crc32"] != recorded[name]["crc32"]:
+            raise CheckpointCorruptError(
+                f"{os.path.join(step_dir, name)} fails its CRC32 check against {index_path} "
+                "(altered or corrupted)"
+            )
+
+
+# ----- the checkpointer -----
+
+
+def _describe(error: BaseException) -> str:
+    """The cause of a failed save in words, for the two common ones."""
+    text = f"{type(error).__name__}: {error}"
+    code = error.errno if isinstance(error, OSError) else None
+    if code == errno.ENOSPC or "No space left" in text or "RESOURCE_EXHAUSTED" in text:
+        return f"the disk is full ({text})"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS) or "PERMISSION_DENIED" in text:
+        return f"the directory is not writable ({text})"
+    return text
+
+
+class Checkpointer(Module):
+    """Saves state asynchronously by policy, restores the newest intact checkpoint, and
+    garbage-collects old ones."""
+
+    @config_class
+    class Config(Module.Config):
+        """Configures Checkpointer."""
+
+        dir: Required[str] = REQUIRED  # Checkpoint directory; the trainer sets it.
+        # step -> bool: whether to save at that step.
+        save_policy: ConfigOr[SavePolicy] = config_for_function(every_n_steps_policy)
+        keep_last_n: int = 1  # Committed checkpoints kept, newest first.
+        keep_every_n_steps: Optional[int] = None  # Also keep every step divisible by this.
+        # Seconds between background garbage collections (also run after every commit).
+        gc_loop_interval_seconds: float = 60
+        storage: TensorStoreStateStorage.Config = TensorStoreStateStorage.default_config()
+        # None: off. Else `save_if_policy` also saves once this long has passed since the
+        # last save; such a checkpoint is temporary: garbage collection deletes it once a
+        # newer one is committed (unless keep_every_n_steps keeps its step).
+        temporary_save_interval_seconds: Optional[float] = None
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        cfg = self.config
+        where = self.path()
+        if not isinstance(cfg.dir, str) or not cfg.dir:
+            raise ConfigError(f"{where}.dir must be a directory path, got {cfg.dir!r}")
+        if "://" in cfg.dir:
+            raise ConfigError(
+                f"{where}.dir={cfg.dir!r}: only local or mounted file systems are supported"
+            )
+        if cfg.keep_last_n < 1:
+            raise ConfigError(f"{where}.keep_last_n must be >= 1, got {cfg.keep_last_n}")
+        if cfg.keep_every_n_steps is not None and cfg.keep_every_n_steps < 1:
+            raise ConfigError(
+                f"{where}.keep_every_n_steps must be None or >= 1, got {cfg.keep_every_n_steps}"
+            )
+        if cfg.gc_loop_interval_seconds <= 0:
+            raise ConfigError(f"{where}.gc_loop_interval_seconds must be > 0")
+        if cfg.temporary_save_interval_seconds is not None and cfg.temporary_save_interval_seconds <= 0:
+            raise ConfigError(f"{where}.temporary_save_interval_seconds must be None or > 0")
+        self._dir = cfg.dir
+        self._temporary_save_interval = cfg.temporary_save_interval_seconds
+        self._policy: SavePolicy = maybe_instantiate(cfg.save_policy)
+        self._storage: TensorStoreStateStorage = cfg.storage.instantiate()
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="checkpoint-writer"
+        )
+        self._pending: Optional[concurrent.futures.Future] = None
+        self._in_flight_step: Optional[int] = None
+        self._last_save_time = time.monotonic()
+        self._gc_lock = threading.Lock()
+        self._gc_stop = threading.Event()
+        self._gc_thread: Optional[threading.Thread] = None
+        self._stopped = False
+
+    @property
+    def directory(self) -> str:
+        return self._dir
+
+    # --- policy ---
+
+    def should_save(self, step: int) -> bool:
+        """Whether the save policy, or the temporary-save interval, asks for a save now."""
+        return bool(self._policy(step)) or self._time_due()
+
+    def save_if_policy(self, step: int, state: Any, extra: Optional[dict] = None) -> bool:
+        """Saves if `should_save(step)`; returns whether it did."""
+        by_step = bool(self._policy(step))
+        by_time = not by_step and self._time_due()
+        if by_step or by_time:
+            self._start_save(step, state, extra=extra, temporary=by_time)
+        return by_step or by_time
+
+    def _time_due(self) -> bool:
+        interval = self._temporary_save_interval
+        if interval is None:
+            return False
+        due = time.monotonic() - self._last_save_time >= interval
+        if jax.process_count() > 1:
+            # Hosts' clocks differ; all must take process 0's decision.
+            from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+            due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
+        return due
+
+    # --- save ---
+
+    def save(self, step: int, state: Any, *, extra: Optional[dict] = None) -> None:
+        """Starts saving `state` as `step`; returns once the arrays are copied to host.
+
+        `extra` is small JSON-able metadata (e.g. the input iterator's position), committed
+        with the arrays. Raises the error of a previous save that failed.
+        """
+        self._start_save(step, state, extra=extra, temporary=False)
+
+    def _start_save(self, step: int, state: Any, *, extra: Optional[dict], temporary: bool):
+        if self._stopped:
+            raise RuntimeError(f"{self.path()}: save() after stop()")
+        self.wait_until_finished()
+        if not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"Checkpoint step must be a non-negative int, got {step!r}")
+        step = int(step)
+        try:
+            extra_json = json.loads(json.dumps(extra))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"Checkpoint extra for step {step} must be JSON-able: {e}") from e
+        step_dir = os.path.join(self._dir, step_dir_name(step))
+        if os.path.exists(os.path.join(step_dir, INDEX_FILE)):
+            _log.warning("Step %d is already committed in %s; not saving it again.", step, step_dir)
+            return
+        self._last_save_time = time.monotonic()
+        snapshot = self._storage.snapshot(state)
+        if jax.process_index() == 0 and os.path.exists(step_dir):
+            # Left by a save that never committed (a crash): start it afresh.
+            shutil.rmtree(step_dir, ignore_errors=True)
+        nonce = self._agree_on_nonce()
+        self._in_flight_step = step
+        self._pending = self._executor.submit(
+            self._write_and_commit, step, step_dir, snapshot, extra_json, temporary, nonce
+        )
+        self._maybe_start_gc_thread()
+
+    def _agree_on_nonce(self) -> int:
+        """A number naming this save, the same on every process (also a barrier)."""
+        nonce = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+            nonce = int(multihost_utils.broadcast_one_to_all(np.asarray(nonce, np.int32)))
+        return nonce
+
+    def _write_and_commit(
+        self,
+        step: int,
+        step_dir: str,
+        snapshot: StateSnapshot,
+        extra: Any,
+        temporary: bool,
+        nonce: int,
+    ) -> None:
+        try:
+            os.makedirs(step_dir, exist_ok=True)
+            files = self._storage.write(snapshot, step_dir)
+            files = self._gather_files(step_dir, files, nonce)
+            if jax.process_index() == 0:
+                index = {
+                    "format": _FORMAT,
+                    "step": step,
+                    "temporary": temporary,
+                    "process_count": jax.process_count(),
+                    "treedef": snapshot.treedef,
+                    "arrays": {leaf.path: leaf.meta for leaf in snapshot.leaves},
+                    "files": files,
+                    "extra": extra,
+                }
+                self._commit(step_dir, index)
+        except BaseException as e:
+            if jax.process_index() == 0:
+                shutil.rmtree(step_dir, ignore_errors=True)  # Frees space; never committed.
+            raise CheckpointSaveError(
+                f"Saving checkpoint step {step} to {step_dir} failed: {_describe(e)}. Earlier "
+                f"checkpoints in {self._dir} are intact."
+            ) from e
+        if jax.process_index() == 0:
+            self._gc_safely()
+
+    def _gather_files(self, step_dir: str, own: dict, nonce: int) -> dict:
+        """All processes' {file: checksum}; on processes other than 0, writes its own."""
+        count = jax.process_count()
+        if count == 1:
+            return own
+        manifest = {"nonce": nonce, "files": own}
+        if jax.process_index() != 0:
+            _write_json_atomically(
+                os.path.join(step_dir, f"manifest_{jax.process_index():05d}.json"), manifest
+            )
+            return own
+        files = dict(own)
+        deadline = time.monotonic() + self._storage.config.timeout_secs
+        for process in range(1, count):
+            path = os.path.join(step_dir, f"manifest_{process:05d}.json")
+            while True:
+                if os.path.exists(path):
+                    other = _read_json(path)
+                    if other.get("nonce") == nonce:
+                        files.update(other["files"])
+                        break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"Process {process} did not finish writing {step_dir}")
+                time.sleep(0.1)
+        return files
+
+    def _commit(self, step_dir: str, index: dict) -> None:
+        """Writes the index: from this instant on, the step is a checkpoint."""
+        _write_json_atomically(os.path.join(step_dir, INDEX_FILE), index)
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the save in flight is committed; raises its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        finally:
+            self._in_flight_step = None
+
+    def stop(self) -> None:
+        """Finishes the save in flight and stops background garbage collection."""
+        self._stopped = True
+        try:
+            self.wait_until_finished()
+        finally:
+            self._gc_stop.set()
+            if self._gc_thread is not None:
+                self._gc_thread.join()
+                self._gc_thread = None
+            self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    # --- listing ---
+
+    def committed_steps(self) -> list[int]:
+        """Steps with an index file, ascending (not yet verified)."""
+        return sorted(
+            step
+            for step, path in _step_dirs(self._dir).items()
+            if os.path.exists(os.path.join(path, INDEX_FILE))
+        )
+
+    def latest_committed_step(self) -> Optional[int]:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    # --- restore ---
+
+    def restore(self, *, step: Optional[int] = None, state: Any) -> tuple[Optional[int], Any, Any]:
+        """Restores into the template `state` (leaves: jax.Array or jax.ShapeDtypeStruct
+        carrying the target sharding, or numpy values).
+
+        Returns (step, restored_state, extra), or (None, state, None) when nothing is
+        committed. With step=None, a checkpoint failing its checks is skipped with a
+        warning and the previous committed one is used.
+        """
+        self.wait_until_finished()
+        if step is not None:
+            step_dir = os.path.join(self._dir, step_dir_name(step))
+            if not os.path.exists(os.path.join(step_dir, INDEX_FILE)):
+                raise ValueError(
+                    f"No committed checkpoint for step {step} in {self._dir} "
+                    f"(committed: {self.committed_steps()})"
+                )
+            candidates = [step]
+        else:
+            candidates = list(reversed(self.committed_steps()))
+        problems = []
+        for candidate in candidates:
+            step_dir = os.path.join(self._dir, step_dir_name(candidate))
+            error: Optional[CheckpointCorruptError] = None
+            try:
+                index = self._load_index(step_dir)
+                read = self._storage.verify_and_read(step_dir, index, state)
+            except CheckpointCorruptError as e:
+                error = e
+            # A template mismatch (ValueError) is the same on every process: it propagates.
+            if not self._all_processes_verified(error is None) and error is None:
+                error = CheckpointCorruptError(f"Another process found {step_dir} corrupt")
+            if error is not None:
+                if step is not None:
+                    raise error
+                _log.warning("Skipping checkpoint step %d: %s", candidate, error)
+                problems.append(str(error))
+                continue
+            restored = read()
+            self._last_save_time = time.monotonic()
+            return candidate, restored, index.get("extra")
+        if problems:
+            raise CheckpointCorruptError(
+                f"Every committed checkpoint in {self._dir} failed its checks: {problems}"
+            )
+        return None, state, None
+
+    def _load_index(self, step_dir: str) -> dict:
+        path = os.path.join(step_dir, INDEX_FILE)
+        try:
+            index = _read_json(path)
+        except (OSError, ValueError) as e:
+            raise CheckpointCorruptError(f"Cannot read {path}: {e}") from e
+        if not isinstance(index, dict) or index.get("format") != _FORMAT:
+            raise CheckpointCorruptError(f"{path} is not a {_FORMAT} index")
+        return index
+
+    @staticmethod
+    def _all_processes_verified(ok: bool) -> bool:
+        """Each process checks only the files it reads; all must pass to restore a step."""
+        if jax.process_count() == 1:
+            return ok
+        from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+        return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+    # --- garbage collection ---
+
+    def run_garbage_collection(self) -> list[int]:
+        """Deletes what the keep rules do not keep; returns the deleted steps."""
+        cfg = self.config
+        with self._gc_lock:
+            dirs = _step_dirs(self._dir)
+            committed = set(self.committed_steps())
+            if not committed:
+                return []
+            newest = max(committed)
+            temporary = {s for s in committed if self._is_temporary(dirs[s])}
+            permanent = sorted(committed - temporary)
+            keep = {newest} | set(permanent[-cfg.keep_last_n :])
+            if cfg.keep_every_n_steps:
+                keep |= {s for s in committed if s % cfg.keep_every_n_steps == 0}
+            deleted = []
+            for step, path in sorted(dirs.items()):
+                if step in committed and step not in keep:
+                    # Uncommit first: a crash mid-delete leaves a non-checkpoint, not a torn one.
+                    os.remove(os.path.join(path, INDEX_FILE))
+                    _fsync_dir(path)
+                elif step in committed or step >= newest or step == self._in_flight_step:
+                    continue  # Kept, or an uncommitted save that may still be running.
+                shutil.rmtree(path, ignore_errors=True)
+                deleted.append(step)
+            return deleted
+
+    @staticmethod
+    def _is_temporary(step_dir: str) -> bool:
+        try:
+            return bool(_read_json(os.path.join(step_dir, INDEX_FILE)).get("temporary"))
+        except (OSError, ValueError, AttributeError):
+            return False  # Unreadable: keep by the ordinary rules; restore will judge it.
+
+    def _gc_safely(self) -> None:
+        try:
+            self.run_garbage_collection()
+        except OSError as e:  # Never fail a committed save because old ones linger.
+            _log.warning("Checkpoint garbage collection in %s failed: %s", self._dir, e)
+
+    def _maybe_start_gc_thread(self) -> None:
+        if self._gc_thread is not None or jax.process_index() != 0:
+            return
+
+        def loop():
+            while not self._gc_stop.wait(self.config.gc_loop_interval_seconds):
+                self._gc_safely()
+
+        self._gc_thread = threading.Thread(target=loop, name="checkpoint-gc", daemon=True)
+        self._gc_thread.start()
