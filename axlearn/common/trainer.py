@@ -160,7 +160,8 @@ class SpmdTrainer(Module):
         self._model_param_specs = self.model.create_parameter_specs_recursively()
         self._evalers = {}
         for name, evaler_cfg in cfg.evalers.items():
-            evaler_cfg = evaler_cfg.clone()
+            # Evaluation batches are split over the same mesh axes as training batches.
+            evaler_cfg = evaler_cfg.clone(batch_axis_names=cfg.batch_axis_names)
             if trainer_dir is not None and "dir" in evaler_cfg.summary_writer.keys():
                 evaler_cfg.summary_writer.dir = os.path.join(trainer_dir, "summaries", name)
             self._evalers[name] = self._add_child(
