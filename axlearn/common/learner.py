@@ -1,0 +1,310 @@
+"""The learner: gradients, optimizer updates, parameter EMA and their summaries.
+
+`Learner` wraps one optimizer (a `PartitionedGradientTransformation` config from
+`axlearn.common.optimizers`) and gives the trainer four calls:
+
+    specs = learner.create_state_partition_specs(param_specs)   # shard the learner state
+    state = learner.init(params, param_specs=param_specs)
+    loss, aux, grads = learner.compute_gradients(loss_fn, params, inputs, prng_key)
+    params, state, summaries = learner.update(params, grads, state, param_specs=param_specs)
+
+`update_rules` freeze parameters by path; `gradient_accumulation_steps` splits a batch
+into microbatches whose averaged gradients equal the full batch's.
+`regularizer_lines` lists each parameter's effective weight-decay scale for the
+`_regularizer.txt` golden files.
+"""
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from axlearn.common.base_layer import flatten_with_paths
+from axlearn.common.config import (
+    REQUIRED,
+    ConfigBase,
+    ConfigError,
+    InstantiableConfig,
+    Required,
+    config_class,
+    config_for_function,
+    maybe_instantiate,
+)
+from axlearn.common.module import Module, Tensor
+from axlearn.common.optimizers import (
+    SkipClipState,
+    find_states,
+    global_norm,
+    is_param_leaf,
+    learning_rate_at,
+    param_ema,
+    with_param_specs,
+)
+from axlearn.common.summary import WeightedScalar
+
+Nested = Any
+# loss_fn(params, inputs, prng_key) -> (loss, aux).
+LossFn = Callable[[Nested, Nested, Optional[Tensor]], tuple[Tensor, Any]]
+
+UPDATE_TYPES = ("all", "no_update")
+
+
+class Learner(Module):
+    """Computes gradients and applies the optimizer to the model parameters."""
+
+    @config_class
+    class Config(Module.Config):
+        """Configures Learner."""
+
+        # A config of a PartitionedGradientTransformation (see axlearn.common.optimizers).
+        optimizer: Required[InstantiableConfig] = REQUIRED
+        # A config of an EMA transformation of the parameters; param_ema(decay=None) keeps none.
+        ema: InstantiableConfig = config_for_function(param_ema)
+        # Adds parameter_norm/<path>, gradient_norm/<path> and update_norm/<path> summaries.
+        enable_per_variable_summaries: bool = False
+        # (regex, 'all' | 'no_update') pairs; the first that fully matches a parameter's
+        # '/'-path decides. None or no match: 'all'. 'no_update' parameters stay unchanged
+        # and have no optimizer state.
+        update_rules: Optional[Sequence[tuple[str, str]]] = None
+        # Microbatches per step in compute_gradients; None or 1: no accumulation.
+        gradient_accumulation_steps: Optional[int] = None
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        self._rules = []
+        for i, rule in enumerate(cfg.update_rules or ()):
+            pattern, update_type = rule
+            if update_type not in UPDATE_TYPES:
+                raise ConfigError(
+                    f"{self.path()}.update_rules[{i}]: update type must be one of "
+                    f"{UPDATE_TYPES}, got {update_type!r}"
+                )
+            try:
+                self._rules.append((re.compile(pattern), update_type))
+            except re.error as e:
+                raise ConfigError(f"{self.path()}.update_rules[{i}]: bad regex {pattern!r}: {e}")
+        steps = cfg.gradient_accumulation_steps
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise ConfigError(
+                f"{self.path()}.gradient_accumulation_steps must be None or an int >= 1, "
+                f"got {steps!r}"
+            )
+        self._accumulation_steps = steps or 1
+        self._optimizer = maybe_instantiate(cfg.optimizer)
+        self._ema = maybe_instantiate(cfg.ema)
+
+    @property
+    def optimizer(self):
+        """The PartitionedGradientTransformation built from `config.optimizer`."""
+        return self._optimizer
+
+    def update_type(self, path: str) -> str:
+        """'all' or 'no_update' for the parameter at '/'-joined `path`."""
+        for regex, update_type in self._rules:
+            if regex.fullmatch(path):
+                return update_type
+        return "all"
+
+    def _trainable(self, tree: Nested) -> Nested:
+        """`tree` with None in place of every 'no_update' parameter."""
+        if not self._rules:
+            return tree
+        path_leaves = flatten_with_paths(tree, is_leaf=is_param_leaf)
+        treedef = jax.tree_util.tree_structure(tree, is_leaf=is_param_leaf)
+        return treedef.unflatten(
+            [leaf if self.update_type(path) == "all" else None for path, leaf in path_leaves]
+        )
+
+    def create_state_partition_specs(self, model_param_specs: Nested) -> dict[str, Any]:
+        """The learner state's structure with ParameterSpec leaves (shape, dtype and
+        mesh_axes; `.partition_spec` gives the jax PartitionSpec). Optimizer state is
+        sharded like the parameter it belongs to; step counters are replicated scalars."""
+        return dict(
+            optimizer=self._optimizer.partition(self._trainable(model_param_specs)),
+            ema=self._ema.partition(model_param_specs),
+        )
+
+    def init(self, model_params: Nested, *, param_specs: Optional[Nested] = None) -> dict:
+        """The initial learner state: {'optimizer': ..., 'ema': ...}.
+
+        Pass the model's `param_specs` (as given to create_state_partition_specs) so the
+        optimizer sees weight-decay scales, factorizations and fan axes; without them it
+        treats every parameter as a plain array (scale 1, shape-based choices).
+        """
+        params = self._with_specs(model_params, param_specs)
+        return dict(
+            optimizer=self._optimizer.init(self._trainable(params)),
+            ema=self._ema.init(model_params),
+        )
+
+    def _with_specs(self, model_params: Nested, param_specs: Optional[Nested]) -> Nested:
+        return model_params if param_specs is None else with_param_specs(model_params, param_specs)
+
+    def compute_gradients(
+        self, loss_fn: LossFn, model_params: Nested, inputs: Nested, prng_key: Optional[Tensor]
+    ) -> tuple[Tensor, Any, Nested]:
+        """(loss, aux, grads) of `loss_fn(params, inputs, prng_key) -> (loss, aux)`.
+
+        With k = gradient_accumulation_steps > 1, the leading (batch) axis of every array
+        in `inputs` is split into k equal microbatches, run one after another under
+        jax.lax.scan with keys fold_in(prng_key, i); loss and gradients are averaged over
+        microbatches, so a loss that is a mean over examples gives the full-batch result.
+        aux leaves are averaged too, except WeightedScalars (combined by weight) and
+        integer leaves (summed).
+        """
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        k = self._accumulation_steps
+        if k == 1:
+            (loss, aux), grads = grad_fn(model_params, inputs, prng_key)
+            return loss, aux, grads
+
+        for path, x in flatten_with_paths(inputs):
+            shape = tuple(getattr(x, "shape", ()))
+            if not shape or shape[0] % k:
+                raise ValueError(
+                    f"{self.path()}: input '{path}' of shape {shape} cannot be split into "
+                    f"gradient_accumulation_steps={k} microbatches along its leading axis"
+                )
+        microbatches = jax.tree.map(
+            lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), inputs
+        )
+        zero_grads = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), model_params)
+
+        def step(carry, xs):
+            loss_sum, grad_sum = carry
+            i, batch = xs
+            key = None if prng_key is None else jax.random.fold_in(prng_key, i)
+            (loss, aux), grads = grad_fn(model_params, batch, key)
+            grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+            return (loss_sum + loss.astype(jnp.float32), grad_sum), aux
+
+        (loss_sum, grad_sum), auxes = jax.lax.scan(
+            step, (jnp.zeros([], jnp.float32), zero_grads), (jnp.arange(k), microbatches)
+        )
+        grads = jax.tree.map(
+            lambda g, p: (g / k).astype(jnp.result_type(p)), grad_sum, model_params
+        )
+        return loss_sum / k, _combine_microbatches(auxes), grads
+
+    def update(
+        self,
+        model_params: Nested,
+        grads: Nested,
+        learner_state: dict,
+        *,
+        param_specs: Optional[Nested] = None,
+    ) -> tuple[Nested, dict, dict[str, Tensor]]:
+        """Applies one optimizer step: (new_params, new_learner_state, summaries).
+
+        summaries: 'learning_rate' (of this step; absent if the optimizer has none),
+        'gradient_norm' (of the updated parameters' gradients, before clipping),
+        'update_norm', 'parameter_norm' (after the step), 'skipped_steps' (steps skipped by
+        skip_and_clip_by_global_norm so far; 0 without it), and with
+        enable_per_variable_summaries the same norms per parameter path.
+        """
+        params = self._trainable(self._with_specs(model_params, param_specs))
+        trainable_grads = self._trainable(grads)
+        opt_state = learner_state["optimizer"]
+        updates, new_opt_state = self._optimizer.update(trainable_grads, opt_state, params)
+
+        param_leaves, treedef = jax.tree_util.tree_flatten(model_params)
+        update_leaves = treedef.flatten_up_to(updates)  # None for 'no_update' parameters.
+        full_updates = [
+            jnp.zeros_like(p) if u is None else u.astype(p.dtype)
+            for p, u in zip(param_leaves, update_leaves)
+        ]
+        new_params = treedef.unflatten([p + u for p, u in zip(param_leaves, full_updates)])
+        full_updates = treedef.unflatten(full_updates)
+        _, new_ema = self._ema.update(full_updates, learner_state["ema"], model_params)
+
+        summaries = {}
+        lr = learning_rate_at(self._optimizer, opt_state)
+        if lr is not None:
+            summaries["learning_rate"] = lr
+        summaries["gradient_norm"] = global_norm(trainable_grads)
+        summaries["update_norm"] = global_norm(updates)
+        summaries["parameter_norm"] = global_norm(new_params)
+        skipped = [s.nonvalid_count for s in find_states(new_opt_state, SkipClipState)]
+        summaries["skipped_steps"] = sum(skipped) if skipped else jnp.zeros([], jnp.int32)
+        if self._config.enable_per_variable_summaries:
+            for name, tree in (
+                ("parameter_norm", new_params),
+                ("gradient_norm", grads),
+                ("update_norm", full_updates),
+            ):
+                for path, x in flatten_with_paths(tree):
+                    summaries[f"{name}/{path}"] = global_norm(x)
+        return new_params, dict(optimizer=new_opt_state, ema=new_ema), summaries
+
+
+def _combine_microbatches(auxes: Nested) -> Nested:
+    """Reduces aux outputs stacked over microbatches (leading axis)."""
+
+    def combine(x):
+        if isinstance(x, WeightedScalar):
+            weight = jnp.sum(x.weight, axis=0)
+            mean = jnp.sum(x.mean * x.weight, axis=0) / jnp.maximum(weight, 1e-30)
+            return WeightedScalar(mean=mean, weight=weight)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.mean(x, axis=0)
+        return jnp.sum(x, axis=0)
+
+    return jax.tree.map(combine, auxes, is_leaf=lambda x: isinstance(x, WeightedScalar))
+
+
+# ----- golden regularizer dumps -----
+
+
+def _format_scale(value: float) -> str:
+    """1.0 -> '1', 0.0 -> '0', 0.25 -> '0.25'."""
+    value = float(value)
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+def _per_param_weight_decay_fns(optimizer_cfg: Any) -> list[Callable]:
+    """The weight_decay_per_param_scale functions set anywhere in an optimizer config."""
+    fns = []
+
+    def enter(path: str, value: Any) -> bool:
+        if isinstance(value, ConfigBase) and "weight_decay_per_param_scale" in value:
+            scale = value.weight_decay_per_param_scale
+            if scale is not None:
+                fns.append(maybe_instantiate(scale))
+        return True
+
+    if isinstance(optimizer_cfg, ConfigBase):
+        optimizer_cfg.visit(lambda path, value: None, enter)
+    return fns
+
+
+def regularizer_lines(
+    optimizer_cfg_or_learner: Union[InstantiableConfig, Learner.Config, Learner],
+    param_specs: Nested,
+) -> list[str]:
+    """The `_regularizer.txt` golden lines: a header, then 'path: scale' per parameter,
+    sorted by path, where scale is the effective weight-decay scale: the spec's
+    weight_decay_scale (None: 1) times every weight_decay_per_param_scale set in the
+    optimizer config, and 0 for parameters the learner's update rules freeze."""
+    learner = None
+    if isinstance(optimizer_cfg_or_learner, Learner):
+        learner = optimizer_cfg_or_learner
+        optimizer_cfg = learner.config.optimizer
+    elif isinstance(optimizer_cfg_or_learner, Learner.Config):
+        learner = optimizer_cfg_or_learner.clone(name="learner").instantiate(parent=None)
+        optimizer_cfg = optimizer_cfg_or_learner.optimizer
+    else:
+        optimizer_cfg = optimizer_cfg_or_learner
+    path_leaves = flatten_with_paths(param_specs, is_leaf=is_param_leaf)
+    paths = [p for p, _ in path_leaves]
+    scales = [1.0 if s.weight_decay_scale is None else float(s.weight_decay_scale)
+              for _, s in path_leaves]
+    for fn in _per_param_weight_decay_fns(optimizer_cfg):
+        extra = jax.tree.leaves(fn(param_specs))
+        scales = [s * float(e) for s, e in zip(scales, extra)]
+    if learner is not None:
+        scales = [s if learner.update_type(p) == "all" else 0.0 for p, s in zip(paths, scales)]
+    lines = [f"{'=' * 20}weight_decay_scale root.optimizer{'=' * 20}"]
+    lines += [f"{p}: {_format_scale(s)}" for p, s in sorted(zip(paths, scales))]
+    return lines

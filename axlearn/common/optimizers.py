@@ -1,0 +1,1236 @@
+"""Optimizers as partitioned gradient transformations.
+
+Every optimizer function returns a `PartitionedGradientTransformation`: optax's
+`init(params)` / `update(updates, state, params) -> (updates, state)` pair, plus
+`partition(param_specs)`, which gives the state's `ParameterSpec`s (shape, dtype,
+mesh axes) so that the trainer shards optimizer state exactly like the parameters it
+belongs to (Adam moments of an fsdp-sharded weight are fsdp-sharded; counters are
+replicated scalars), and `learning_rate_at(state)`, the learning rate the next update
+will use (for summaries).
+
+Parameter trees are nested dicts. Their leaves may be plain arrays (optax style) or
+`OptParam`s, which carry what the parameter's `ParameterSpec` says about optimization:
+its weight-decay scale, its Adafactor factorization and its fan axes (how Muon sees a
+3-D attention weight or a stack of layers as matrices). `with_param_specs` builds them;
+`Learner` does it for you. A leaf may also be None: the parameter is not optimized
+(frozen by the learner's update rules) and gets no state.
+
+Update conventions: `update` returns the change to add to the parameters (negative
+learning rate already applied). Schedules are evaluated at the number of updates applied
+so far, so the first update uses `schedule(0)`. Weight decay is
+`weight_decay * scale * param`, where scale is the spec's `weight_decay_scale` (None: 1)
+times the optional `weight_decay_per_param_scale(params)`.
+"""
+
+import dataclasses
+import logging
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from axlearn.common.base_layer import ParameterSpec, flatten_with_paths
+from axlearn.common.config import ConfigError, ConfigOr, InstantiableConfig, maybe_instantiate
+from axlearn.common.param_init import FanAxes
+from axlearn.common.schedule import ScheduleLike, as_schedule_fn
+
+Tensor = jax.Array
+Nested = Any  # A nested dict (or other pytree) of leaves.
+# A function from a parameter tree (arrays, OptParams or ParameterSpecs) to a tree of the
+# same structure with one float per parameter; or a config of one.
+PerParamFn = Callable[[Nested], Nested]
+
+
+# ----- parameters as optimizers see them -----
+
+
+@dataclasses.dataclass
+class OptParam:
+    """A parameter value with the parts of its spec that optimizers use."""
+
+    value: Tensor
+    weight_decay_scale: Optional[float] = None  # None: 1.
+    # Per axis 'row', 'col' or None: the axes Adafactor factors its second moment over.
+    factorization: Optional[tuple[Optional[str], ...]] = None
+    fan_axes: Optional[FanAxes] = None  # How Muon views the parameter as matrices.
+
+
+jax.tree_util.register_dataclass(
+    OptParam,
+    data_fields=["value"],
+    meta_fields=["weight_decay_scale", "factorization", "fan_axes"],
+)
+
+
+def is_param_leaf(x: Any) -> bool:
+    """Whether `x` is one parameter's leaf in a tree (an OptParam or a ParameterSpec)."""
+    return isinstance(x, (OptParam, ParameterSpec))
+
+
+def with_param_specs(params: Nested, param_specs: Nested) -> Nested:
+    """Wraps every array of `params` in an OptParam carrying its spec's optimizer metadata.
+
+    `param_specs` has the structure of `params` with ParameterSpec leaves (None where
+    `params` has None).
+    """
+
+    def wrap(value, spec):
+        if not isinstance(spec, ParameterSpec):
+            raise ValueError(f"Expected a ParameterSpec for a parameter, got {spec!r}")
+        return OptParam(
+            value=value,
+            weight_decay_scale=spec.weight_decay_scale,
+            factorization=None if spec.factorization is None else tuple(spec.factorization),
+            fan_axes=spec.fan_axes,
+        )
+
+    return jax.tree.map(wrap, params, param_specs)
+
+
+def param_values(params: Nested) -> Nested:
+    """The arrays of a tree whose leaves may be OptParams."""
+    return jax.tree.map(
+        lambda p: p.value if isinstance(p, OptParam) else p, params, is_leaf=is_param_leaf
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _ParamInfo:
+    """What one parameter looks like, from an array, an OptParam or a ParameterSpec."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    weight_decay_scale: float
+    factorization: Optional[tuple[Optional[str], ...]]
+    fan_axes: Optional[FanAxes]
+    mesh_axes: Optional[Sequence[Any]]
+
+
+def _param_infos(tree: Nested) -> list[_ParamInfo]:
+    """One _ParamInfo per parameter, in the leaf order of the matching array tree."""
+    infos = []
+    for path, leaf in flatten_with_paths(tree, is_leaf=is_param_leaf):
+        if isinstance(leaf, ParameterSpec):
+            wd, factorization, fan_axes = leaf.weight_decay_scale, leaf.factorization, leaf.fan_axes
+            shape, dtype, mesh_axes = tuple(leaf.shape), leaf.dtype or jnp.float32, leaf.mesh_axes
+        else:
+            if isinstance(leaf, OptParam):
+                wd, factorization, fan_axes = leaf.weight_decay_scale, leaf.factorization, leaf.fan_axes
+                leaf = leaf.value
+            else:
+                wd, factorization, fan_axes = None, None, None
+            shape, dtype, mesh_axes = tuple(jnp.shape(leaf)), jnp.result_type(leaf), None
+        infos.append(
+            _ParamInfo(
+                path=path,
+                shape=shape,
+                dtype=dtype,
+                weight_decay_scale=1.0 if wd is None else float(wd),
+                factorization=None if factorization is None else tuple(factorization),
+                fan_axes=fan_axes,
+                mesh_axes=mesh_axes,
+            )
+        )
+    return infos
+
+
+def _flatten_params(tree: Nested) -> tuple[list[Any], Any]:
+    """(leaves, treedef) with OptParams and ParameterSpecs as leaves (None leaves dropped)."""
+    return jax.tree_util.tree_flatten(tree, is_leaf=is_param_leaf)
+
+
+def _values_list(params: Nested) -> list[Tensor]:
+    leaves, _ = _flatten_params(params)
+    return [p.value if isinstance(p, OptParam) else p for p in leaves]
+
+
+# ----- state partitioning -----
+
+
+def _state_spec(
+    info: _ParamInfo, *, shape: Optional[Sequence[int]] = None, dtype: Any = None, drop_axes=()
+) -> ParameterSpec:
+    """The spec of a state tensor of one parameter: its mesh axes, minus `drop_axes`."""
+    full_shape = info.shape
+    keep = [i for i in range(len(full_shape)) if i not in {a % len(full_shape) for a in drop_axes}]
+    mesh_axes = None
+    if info.mesh_axes is not None:
+        mesh_axes = tuple(info.mesh_axes[i] for i in keep)
+    return ParameterSpec(
+        shape=list(shape if shape is not None else [full_shape[i] for i in keep]),
+        dtype=dtype if dtype is not None else info.dtype,
+        mesh_axes=mesh_axes,
+    )
+
+
+def _scalar_spec(dtype=jnp.int32) -> ParameterSpec:
+    """A replicated scalar (step counters)."""
+    return ParameterSpec(shape=[], dtype=dtype, mesh_axes=())
+
+
+def _like_params(specs: Nested, dtype: Any = None) -> Nested:
+    """Specs of a state tree shaped and sharded like the parameters."""
+    _, treedef = _flatten_params(specs)
+    return treedef.unflatten([_state_spec(info, dtype=dtype) for info in _param_infos(specs)])
+
+
+def _nothing_like(tree: Nested) -> Nested:
+    """A tree with the structure of `tree` and None for every parameter: no state."""
+    _, treedef = _flatten_params(tree)
+    return treedef.unflatten([None] * treedef.num_leaves)
+
+
+# ----- the transformation type -----
+
+
+class PartitionedGradientTransformation(NamedTuple):
+    """An optax-compatible gradient transformation that can also partition its state."""
+
+    init: Callable[[Nested], Any]
+    # (updates, state, params) -> (updates, state).
+    update: Callable[..., tuple[Nested, Any]]
+    # Parameter specs -> a tree of the state's structure with ParameterSpec leaves.
+    partition: Callable[[Nested], Any]
+    # state -> the learning rate of the next update; None where the transformation has none.
+    learning_rate_at: Optional[Callable[[Any], Tensor]] = None
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+class CountState(NamedTuple):
+    count: Tensor  # Updates applied so far.
+
+
+def _count_init() -> Tensor:
+    return jnp.zeros([], jnp.int32)
+
+
+def global_norm(tree: Nested) -> Tensor:
+    """The L2 norm of all leaves together, computed in float32."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.zeros([], jnp.float32)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+
+
+def _rms(x: Tensor) -> Tensor:
+    return jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
+
+
+def _require_params(params: Optional[Nested], what: str) -> Nested:
+    if params is None:
+        raise ValueError(f"{what} needs the parameters: call update(updates, state, params)")
+    return params
+
+
+def _weight_decay_scales(params: Nested, per_param_scale: Optional[ConfigOr[PerParamFn]]):
+    """One float per parameter: spec scale times `per_param_scale(params)`."""
+    infos = _param_infos(params)
+    scales = [info.weight_decay_scale for info in infos]
+    fn = maybe_instantiate(per_param_scale)
+    if fn is not None:
+        extra = jax.tree.leaves(fn(params))
+        if len(extra) != len(scales):
+            raise ValueError(
+                f"weight_decay_per_param_scale returned {len(extra)} scales for "
+                f"{len(scales)} parameters"
+            )
+        scales = [s * float(e) for s, e in zip(scales, extra)]
+    return scales
+
+
+def _final_updates(
+    direction: Nested,
+    grads: Nested,
+    params: Optional[Nested],
+    *,
+    lr: Tensor,
+    weight_decay: float,
+    wd_multiplier: Union[float, Tensor],
+    weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]],
+    what: str,
+) -> Nested:
+    """Per leaf -(lr * d + weight_decay * wd_multiplier * scale * p), in the gradient's dtype."""
+    d_leaves, treedef = jax.tree_util.tree_flatten(direction)
+    g_leaves = treedef.flatten_up_to(grads)
+    if weight_decay:
+        params = _require_params(params, what)
+        values = _values_list(params)
+        scales = _weight_decay_scales(params, weight_decay_per_param_scale)
+    out = []
+    for i, (d, g) in enumerate(zip(d_leaves, g_leaves)):
+        step = lr * d
+        if weight_decay and scales[i] != 0.0:
+            step = step + (weight_decay * scales[i] * wd_multiplier) * values[i]
+        out.append((-step).astype(g.dtype))
+    return treedef.unflatten(out)
+
+
+# ----- composition -----
+
+
+def chain(
+    *args: ConfigOr[PartitionedGradientTransformation],
+    transformations: Optional[Sequence[ConfigOr[PartitionedGradientTransformation]]] = None,
+) -> PartitionedGradientTransformation:
+    """Applies transformations in order; the state is a tuple of their states.
+
+    Give them positionally in Python, or as `transformations` in a config.
+    """
+    if args and transformations:
+        raise ValueError("chain: give transformations positionally or as `transformations`")
+    parts = [maybe_instantiate(t) for t in (list(args) or list(transformations or []))]
+
+    def init(params):
+        return tuple(t.init(params) for t in parts)
+
+    def update(updates, state, params=None):
+        new_state = []
+        for t, s in zip(parts, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    def partition(param_specs):
+        return tuple(t.partition(param_specs) for t in parts)
+
+    def learning_rate_at(state):
+        for t, s in zip(parts, state):
+            if t.learning_rate_at is not None:
+                return t.learning_rate_at(s)
+        return None
+
+    has_lr = any(t.learning_rate_at is not None for t in parts)
+    return PartitionedGradientTransformation(
+        init, update, partition, learning_rate_at if has_lr else None
+    )
+
+
+def _stateless(update_fn: Callable) -> PartitionedGradientTransformation:
+    return PartitionedGradientTransformation(
+        init=lambda params: EmptyState(),
+        update=lambda updates, state, params=None: (update_fn(updates, params), state),
+        partition=lambda param_specs: EmptyState(),
+    )
+
+
+def _clip(updates: Nested, norm: Tensor, max_norm: float, eps: float) -> Nested:
+    scale = jnp.minimum(1.0, max_norm / (norm + eps))
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
+
+
+def clip_by_global_norm(max_norm: float, eps: float = 1e-8) -> PartitionedGradientTransformation:
+    """Scales the updates by min(1, max_norm / (global norm + eps))."""
+    return _stateless(lambda updates, params: _clip(updates, global_norm(updates), max_norm, eps))
+
+
+class SkipClipState(NamedTuple):
+    nonvalid_count: Tensor  # Updates skipped so far (non-finite or too large gradient norm).
+    inner_state: Any
+
+
+def skip_and_clip_by_global_norm(
+    inner: ConfigOr[PartitionedGradientTransformation],
+    *,
+    drop_norm: Optional[float] = None,
+    max_norm: Optional[float] = None,
+    eps: float = 1e-8,
+) -> PartitionedGradientTransformation:
+    """Skips a whole step when the gradient norm is not finite or exceeds `drop_norm`;
+    otherwise clips the gradients to `max_norm` and applies `inner`.
+
+    A skipped step returns zero updates and leaves `inner`'s state untouched (its step
+    count does not advance); `SkipClipState.nonvalid_count` counts the skipped steps.
+    `drop_norm` / `max_norm` None: never skip on size / never clip.
+    """
+    inner = maybe_instantiate(inner)
+
+    def init(params):
+        return SkipClipState(nonvalid_count=_count_init(), inner_state=inner.init(params))
+
+    def update(updates, state, params=None):
+        norm = global_norm(updates)
+        valid = jnp.isfinite(norm)
+        if drop_norm is not None:
+            valid = jnp.logical_and(valid, norm <= drop_norm)
+        if max_norm is not None:
+            updates = _clip(updates, norm, max_norm, eps)
+        new_updates, new_inner = inner.update(updates, state.inner_state, params)
+        # jnp.where (not lax.cond) keeps every branch SPMD-friendly; a NaN computed on an
+        # invalid step is discarded by the selection.
+        new_updates = jax.tree.map(lambda u: jnp.where(valid, u, jnp.zeros_like(u)), new_updates)
+        new_inner = jax.tree.map(lambda n, o: jnp.where(valid, n, o), new_inner, state.inner_state)
+        count = state.nonvalid_count + jnp.where(valid, 0, 1).astype(jnp.int32)
+        return new_updates, SkipClipState(nonvalid_count=count, inner_state=new_inner)
+
+    def partition(param_specs):
+        return SkipClipState(nonvalid_count=_scalar_spec(), inner_state=inner.partition(param_specs))
+
+    learning_rate_at = None
+    if inner.learning_rate_at is not None:
+        learning_rate_at = lambda state: inner.learning_rate_at(state.inner_state)  # noqa: E731
+    return PartitionedGradientTransformation(init, update, partition, learning_rate_at)
+
+
+def per_param_scale_by_path(
+    *,
+    description: str,
+    scale_by_path: Sequence[tuple[str, float]],
+    default_scale: float = 1.0,
+) -> PerParamFn:
+    """A per-parameter scale chosen by the first regex of `scale_by_path` that fully
+    matches the parameter's '/'-joined path; `default_scale` where none does.
+
+    `description` names the rule set in the log line that lists each parameter's scale.
+    """
+    rules = []
+    for i, (pattern, scale) in enumerate(scale_by_path):
+        try:
+            rules.append((re.compile(pattern), float(scale)))
+        except re.error as e:
+            raise ConfigError(f"{description}: scale_by_path[{i}][0]={pattern!r}: {e}") from e
+
+    def scale_for(path: str) -> float:
+        for regex, scale in rules:
+            if regex.fullmatch(path):
+                return scale
+        return float(default_scale)
+
+    def fn(tree: Nested) -> Nested:
+        leaves, treedef = _flatten_params(tree)
+        scales = [scale_for(info.path) for info in _param_infos(tree)]
+        logging.info(
+            "%s: %s",
+            description,
+            ", ".join(f"{info.path}={s}" for info, s in zip(_param_infos(tree), scales)),
+        )
+        return treedef.unflatten(scales) if leaves else treedef.unflatten([])
+
+    return fn
+
+
+def scale_update_per_param(
+    per_param_scale: ConfigOr[PerParamFn],
+) -> PartitionedGradientTransformation:
+    """Multiplies each parameter's update by `per_param_scale(params)` (e.g. muP scales)."""
+    fn = maybe_instantiate(per_param_scale)
+
+    def scale_updates(updates, params):
+        scales = jax.tree.leaves(fn(params if params is not None else updates))
+        leaves, treedef = jax.tree_util.tree_flatten(updates)
+        return treedef.unflatten([(u * s).astype(u.dtype) for u, s in zip(leaves, scales)])
+
+    return _stateless(scale_updates)
+
+
+class ParamEmaState(NamedTuple):
+    count: Tensor
+    ema: Nested  # The debiased exponential moving average of the updated parameters.
+
+
+def param_ema(decay: Optional[float] = None) -> PartitionedGradientTransformation:
+    """An exponential moving average of the parameters (None: keeps none).
+
+    `update(updates, state, params)` folds in `params + updates`, the new parameters; the
+    returned updates are unchanged. The average is debiased: after t updates it is
+    sum_i w_i * params_i with weights proportional to decay**(t - i) that sum to one, so
+    it is a usable set of weights from the first step on (at init it equals the params).
+    """
+    if decay is None:
+        return _stateless(lambda updates, params: updates)
+    if not 0.0 <= decay < 1.0:
+        raise ConfigError(f"param_ema: decay must lie in [0, 1), got {decay}")
+
+    def init(params):
+        return ParamEmaState(count=_count_init(), ema=jax.tree.map(jnp.array, param_values(params)))
+
+    def update(updates, state, params=None):
+        params = param_values(_require_params(params, "param_ema"))
+        count = state.count + 1
+        # Debiased running average: ema_t = (decay * c_{t-1} * ema_{t-1} + (1 - decay) p_t) / c_t,
+        # with c_t = 1 - decay**t the total weight of the biased (zero-initialized) average.
+        c_prev = 1.0 - decay ** state.count.astype(jnp.float32)
+        c_now = 1.0 - decay ** count.astype(jnp.float32)
+
+        def step(ema, p, u):
+            new_p = (p + u).astype(jnp.float32)
+            new = (decay * c_prev * ema.astype(jnp.float32) + (1.0 - decay) * new_p) / c_now
+            return new.astype(ema.dtype)
+
+        ema = jax.tree.map(step, state.ema, params, updates)
+        return updates, ParamEmaState(count=count, ema=ema)
+
+    def partition(param_specs):
+        return ParamEmaState(count=_scalar_spec(), ema=_like_params(param_specs))
+
+    return PartitionedGradientTransformation(init, update, partition)
+
+
+# ----- Adam family -----
+
+
+class AdamState(NamedTuple):
+    count: Tensor
+    mu: Nested  # First moment (EMA of gradients).
+    nu: Nested  # Second moment (EMA of squared gradients).
+
+
+def _debias(x: Tensor, decay: float, count: Tensor) -> Tensor:
+    return x / (1.0 - decay ** count.astype(jnp.float32))
+
+
+def _adam_transformation(
+    *,
+    b1: float,
+    b2: float,
+    eps: float,
+    mu_dtype: Any,
+    lr_fn: Callable[[Tensor], Tensor],
+    weight_decay: float,
+    wd_multiplier_fn: Callable[[Tensor], Tensor],
+    weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]],
+    adam_update_transformation: Optional[ConfigOr[PartitionedGradientTransformation]],
+    what: str,
+) -> PartitionedGradientTransformation:
+    """Adam directions d, optionally transformed, then
+    -(lr_fn(t) * d + weight_decay * wd_multiplier_fn(t) * scale * p)."""
+    extra = maybe_instantiate(adam_update_transformation)
+
+    def init(params):
+        values = param_values(params)
+        state = AdamState(
+            count=_count_init(),
+            mu=jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), values),
+            nu=jax.tree.map(jnp.zeros_like, values),
+        )
+        return (state, extra.init(params)) if extra is not None else (state, EmptyState())
+
+    def update(grads, state, params=None):
+        adam, extra_state = state
+        count = adam.count + 1
+        mu = jax.tree.map(lambda m, g: (b1 * m + (1 - b1) * g).astype(m.dtype), adam.mu, grads)
+        nu = jax.tree.map(lambda v, g: (b2 * v + (1 - b2) * g * g).astype(v.dtype), adam.nu, grads)
+        direction = jax.tree.map(
+            lambda m, v: _debias(m, b1, count) / (jnp.sqrt(_debias(v, b2, count)) + eps), mu, nu
+        )
+        if extra is not None:
+            direction, extra_state = extra.update(direction, extra_state, params)
+        step = _final_updates(
+            direction,
+            grads,
+            params,
+            lr=lr_fn(adam.count),
+            weight_decay=weight_decay,
+            wd_multiplier=wd_multiplier_fn(adam.count),
+            weight_decay_per_param_scale=weight_decay_per_param_scale,
+            what=what,
+        )
+        return step, (AdamState(count=count, mu=mu, nu=nu), extra_state)
+
+    def partition(param_specs):
+        state = AdamState(
+            count=_scalar_spec(),
+            mu=_like_params(param_specs, dtype=mu_dtype),
+            nu=_like_params(param_specs),
+        )
+        return state, (extra.partition(param_specs) if extra is not None else EmptyState())
+
+    return PartitionedGradientTransformation(
+        init, update, partition, lambda state: lr_fn(state[0].count)
+    )
+
+
+def adamw_optimizer(
+    learning_rate: ScheduleLike,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]] = None,
+    mu_dtype: Any = None,
+    adam_update_transformation: Optional[ConfigOr[PartitionedGradientTransformation]] = None,
+) -> PartitionedGradientTransformation:
+    """AdamW (Loshchilov & Hutter) as optax.adamw computes it:
+    p -= lr_t * (adam_direction + weight_decay * scale * p), i.e. weight decay scaled by the
+    learning rate. `adam_update_transformation` (e.g. scale_update_per_param) transforms the
+    Adam direction before weight decay is added. `mu_dtype`: first-moment dtype (None: the
+    parameter's)."""
+    lr = as_schedule_fn(learning_rate)
+    return _adam_transformation(
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        mu_dtype=mu_dtype,
+        lr_fn=lr,
+        weight_decay=weight_decay,
+        wd_multiplier_fn=lr,
+        weight_decay_per_param_scale=weight_decay_per_param_scale,
+        adam_update_transformation=adam_update_transformation,
+        what="adamw_optimizer",
+    )
+
+
+def adamw_decoupled_optimizer(
+    learning_rate: ScheduleLike,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    update_schedule: ScheduleLike = 1.0,
+    weight_decay: float = 0.0,
+    weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]] = None,
+    mu_dtype: Any = None,
+    adam_update_transformation: Optional[ConfigOr[PartitionedGradientTransformation]] = None,
+) -> PartitionedGradientTransformation:
+    """AdamW with weight decay independent of the learning rate:
+    p -= s_t * (learning_rate * adam_direction + weight_decay * scale * p), where
+    s_t = update_schedule(t) scales both (so `weight_decay` is a per-step decay rate at
+    s_t = 1, whatever the learning rate)."""
+    lr = as_schedule_fn(learning_rate)
+    schedule = as_schedule_fn(update_schedule)
+    return _adam_transformation(
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        mu_dtype=mu_dtype,
+        lr_fn=lambda count: lr(count) * schedule(count),
+        weight_decay=weight_decay,
+        wd_multiplier_fn=schedule,
+        weight_decay_per_param_scale=weight_decay_per_param_scale,
+        adam_update_transformation=adam_update_transformation,
+        what="adamw_decoupled_optimizer",
+    )
+
+
+class AdastarState(NamedTuple):
+    count: Tensor
+    gradient_ema: Nested  # None leaves when gradient_ema_decay is None.
+    gradient_square_ema: Nested
+    update_ema: Nested  # None leaves when update_ema_decay is None.
+
+
+def adastar_optimizer(
+    learning_rate: ScheduleLike,
+    *,
+    gradient_ema_decay: Optional[float],
+    gradient_ema_debias: Optional[bool],
+    gradient_square_ema_decay: float,
+    gradient_square_ema_debias: bool,
+    eps: float,
+    eps_square: float,
+    raw_update_clipping_threshold: Optional[float],
+    update_ema_decay: Optional[float],
+    update_ema_debias: bool,
+    weight_decay: float = 0.0,
+    weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]] = None,
+    update_schedule: ScheduleLike,
+    adam_update_transformation: Optional[ConfigOr[PartitionedGradientTransformation]] = None,
+    verbosity: int = 0,
+) -> PartitionedGradientTransformation:
+    """A generalization of Adam and Adafactor. Per step t (0 for the first update) and
+    parameter p with gradient g:
+
+        m = EMA(g; gradient_ema_decay, gradient_ema_debias)      (g itself if decay is None)
+        v = EMA(g**2 + eps_square; gradient_square_ema_decay, gradient_square_ema_debias)
+        r = m / (sqrt(v) + eps)                                   raw update
+        r = r / max(1, rms(r) / raw_update_clipping_threshold)    (per parameter, if set)
+        u = EMA(r; update_ema_decay, update_ema_debias)           (r itself if decay is None)
+        u = adam_update_transformation(u)                         (if set, e.g. muP scales)
+        p -= s_t * (learning_rate * u + weight_decay * scale * p),  s_t = update_schedule(t)
+
+    EMA(x; d, debias) is e = d * e + (1 - d) * x from e = 0, divided by 1 - d**(t+1) when
+    debias. Weight decay is decoupled from `learning_rate` and follows the schedule.
+    `verbosity` >= 1 prints the step and the global RMS of the raw updates each step.
+    """
+    for decay, debias, name in (
+        (gradient_ema_decay, gradient_ema_debias, "gradient_ema"),
+        (update_ema_decay, update_ema_debias, "update_ema"),
+    ):
+        if decay is not None and not isinstance(debias, bool):
+            raise ConfigError(
+                f"adastar_optimizer: {name}_debias must be True or False when {name}_decay "
+                f"is set, got {debias!r}"
+            )
+    lr = as_schedule_fn(learning_rate)
+    schedule = as_schedule_fn(update_schedule)
+    extra = maybe_instantiate(adam_update_transformation)
+
+    def ema(old, x, decay, debias, count):
+        new = (decay * old + (1 - decay) * x).astype(old.dtype)
+        return new, (_debias(new, decay, count) if debias else new)
+
+    def init(params):
+        values = param_values(params)
+        zeros = lambda: jax.tree.map(jnp.zeros_like, values)  # noqa: E731
+        nothing = lambda: _nothing_like(values)  # noqa: E731
+        state = AdastarState(
+            count=_count_init(),
+            gradient_ema=zeros() if gradient_ema_decay is not None else nothing(),
+            gradient_square_ema=zeros(),
+            update_ema=zeros() if update_ema_decay is not None else nothing(),
+        )
+        return state, (extra.init(params) if extra is not None else EmptyState())
+
+    def update(grads, state, params=None):
+        opt, extra_state = state
+        count = opt.count + 1
+        g_leaves, treedef = jax.tree_util.tree_flatten(grads)
+        as_list = lambda tree: treedef.flatten_up_to(tree)  # noqa: E731
+        new_g_ema, new_g2_ema, new_u_ema, raws, smoothed = [], [], [], [], []
+        for g, m_old, v_old, u_old in zip(
+            g_leaves, as_list(opt.gradient_ema), as_list(opt.gradient_square_ema),
+            as_list(opt.update_ema),
+        ):
+            g32 = g.astype(jnp.float32)
+            if gradient_ema_decay is not None:
+                m_old, m = ema(m_old, g32, gradient_ema_decay, gradient_ema_debias, count)
+            else:
+                m = g32
+            v_old, v = ema(v_old, g32 * g32 + eps_square, gradient_square_ema_decay,
+                           gradient_square_ema_debias, count)
+            raw = m / (jnp.sqrt(v) + eps)
+            if raw_update_clipping_threshold is not None:
+                raw = raw / jnp.maximum(1.0, _rms(raw) / raw_update_clipping_threshold)
+            raws.append(raw)
+            if update_ema_decay is not None:
+                u_old, u = ema(u_old, raw, update_ema_decay, update_ema_debias, count)
+            else:
+                u = raw
+            new_g_ema.append(m_old if gradient_ema_decay is not None else None)
+            new_g2_ema.append(v_old)
+            new_u_ema.append(u_old if update_ema_decay is not None else None)
+            smoothed.append(u)
+        if verbosity >= 1:
+            jax.debug.print("adastar step {} raw update rms {}", count, global_norm(raws) /
+                            jnp.sqrt(sum(r.size for r in raws)))
+        direction = treedef.unflatten(smoothed)
+        if extra is not None:
+            direction, extra_state = extra.update(direction, extra_state, params)
+        s_t = schedule(opt.count)
+        step = _final_updates(
+            direction,
+            grads,
+            params,
+            lr=lr(opt.count) * s_t,
+            weight_decay=weight_decay,
+            wd_multiplier=s_t,
+            weight_decay_per_param_scale=weight_decay_per_param_scale,
+            what="adastar_optimizer",
+        )
+        new_state = AdastarState(
+            count=count,
+            gradient_ema=treedef.unflatten(new_g_ema) if gradient_ema_decay is not None
+            else opt.gradient_ema,
+            gradient_square_ema=treedef.unflatten(new_g2_ema),
+            update_ema=treedef.unflatten(new_u_ema) if update_ema_decay is not None
+            else opt.update_ema,
+        )
+        return step, (new_state, extra_state)
+
+    def partition(param_specs):
+        like = lambda: _like_params(param_specs)  # noqa: E731
+        nothing = lambda: _nothing_like(param_specs)  # noqa: E731
+        state = AdastarState(
+            count=_scalar_spec(),
+            gradient_ema=like() if gradient_ema_decay is not None else nothing(),
+            gradient_square_ema=like(),
+            update_ema=like() if update_ema_decay is not None else nothing(),
+        )
+        return state, (extra.partition(param_specs) if extra is not None else EmptyState())
+
+    return PartitionedGradientTransformation(
+        init, update, partition, lambda state: lr(state[0].count) * schedule(state[0].count)
+    )
+
+
+# ----- other optimizers -----
+
+
+class MomentumState(NamedTuple):
+    count: Tensor
+    momentum: Nested  # None leaves when the optimizer keeps no momentum.
+
+
+def lion_optimizer(
+    learning_rate: ScheduleLike,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    weight_decay: float = 0.0,
+    weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]] = None,
+    mu_dtype: Any = None,
+) -> PartitionedGradientTransformation:
+    """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms"):
+
+        p -= lr_t * (sign(b1 * m + (1 - b1) * g) + weight_decay * scale * p)
+        m = b2 * m + (1 - b2) * g
+    """
+    lr = as_schedule_fn(learning_rate)
+
+    def init(params):
+        values = param_values(params)
+        momentum = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), values)
+        return MomentumState(count=_count_init(), momentum=momentum)
+
+    def update(grads, state, params=None):
+        direction = jax.tree.map(
+            lambda m, g: jnp.sign(b1 * m.astype(jnp.float32) + (1 - b1) * g), state.momentum, grads
+        )
+        momentum = jax.tree.map(
+            lambda m, g: (b2 * m + (1 - b2) * g).astype(m.dtype), state.momentum, grads
+        )
+        step = _final_updates(
+            direction,
+            grads,
+            params,
+            lr=lr(state.count),
+            weight_decay=weight_decay,
+            wd_multiplier=lr(state.count),
+            weight_decay_per_param_scale=weight_decay_per_param_scale,
+            what="lion_optimizer",
+        )
+        return step, MomentumState(count=state.count + 1, momentum=momentum)
+
+    def partition(param_specs):
+        return MomentumState(count=_scalar_spec(), momentum=_like_params(param_specs, mu_dtype))
+
+    return PartitionedGradientTransformation(
+        init, update, partition, lambda state: lr(state.count)
+    )
+
+
+def sgd_optimizer(
+    learning_rate: ScheduleLike,
+    *,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]] = None,
+) -> PartitionedGradientTransformation:
+    """SGD with optional (Nesterov) momentum and L2 weight decay, as torch.optim.SGD:
+
+        d = g + weight_decay * scale * p
+        m = momentum * m + d;  d = d + momentum * m if nesterov else m   (if momentum > 0)
+        p -= lr_t * d
+    """
+    lr = as_schedule_fn(learning_rate)
+
+    def init(params):
+        values = param_values(params)
+        buf = jax.tree.map(jnp.zeros_like, values) if momentum else _nothing_like(values)
+        return MomentumState(count=_count_init(), momentum=buf)
+
+    def update(grads, state, params=None):
+        # The decay term enters the gradient here (L2), so take it from _final_updates
+        # with lr = -1: d = g + wd * scale * p.
+        direction = _final_updates(
+            jax.tree.map(lambda g: g.astype(jnp.float32), grads),
+            grads,
+            params,
+            lr=-1.0,
+            weight_decay=weight_decay,
+            wd_multiplier=-1.0,
+            weight_decay_per_param_scale=weight_decay_per_param_scale,
+            what="sgd_optimizer",
+        )
+        buf = state.momentum
+        if momentum:
+            buf = jax.tree.map(lambda m, d: (momentum * m + d).astype(m.dtype), buf, direction)
+            if nesterov:
+                direction = jax.tree.map(lambda d, m: d + momentum * m, direction, buf)
+            else:
+                direction = buf
+        step = jax.tree.map(lambda d, g: (-lr(state.count) * d).astype(g.dtype), direction, grads)
+        return step, MomentumState(count=state.count + 1, momentum=buf)
+
+    def partition(param_specs):
+        buf = _like_params(param_specs) if momentum else _nothing_like(param_specs)
+        return MomentumState(count=_scalar_spec(), momentum=buf)
+
+    return PartitionedGradientTransformation(
+        init, update, partition, lambda state: lr(state.count)
+    )
+
+
+class AdafactorState(NamedTuple):
+    count: Tensor
+    v_row: Nested  # Factored parameters: second moment averaged over the 'col' axis.
+    v_col: Nested  # Factored parameters: second moment averaged over the 'row' axis.
+    v: Nested  # Unfactored parameters: the full second moment.
+    momentum: Nested  # None leaves when b1 is None.
+
+
+def _factored_axes(
+    info: _ParamInfo, *, factored: bool, min_dim_size_to_factor: int
+) -> Optional[tuple[int, int]]:
+    """(row axis, col axis) when Adafactor factors this parameter, else None."""
+    if not factored or len(info.shape) < 2:
+        return None
+    if info.factorization is not None:
+        if len(info.factorization) != len(info.shape):
+            raise ValueError(
+                f"{info.path}: factorization {info.factorization} does not match shape "
+                f"{info.shape}"
+            )
+        if "row" in info.factorization and "col" in info.factorization:
+            return info.factorization.index("row"), info.factorization.index("col")
+        return None
+    row, col = len(info.shape) - 2, len(info.shape) - 1
+    if min(info.shape[row], info.shape[col]) < min_dim_size_to_factor:
+        return None
+    return row, col
+
+
+def adafactor_optimizer(
+    learning_rate: ScheduleLike,
+    *,
+    b1: Optional[float] = None,
+    b2: Optional[ScheduleLike] = None,
+    eps: float = 1e-30,
+    clipping_threshold: Optional[float] = 1.0,
+    multiply_by_parameter_scale: bool = True,
+    eps_scale: float = 1e-3,
+    factored: bool = True,
+    min_dim_size_to_factor: int = 128,
+    weight_decay: float = 0.0,
+    weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]] = None,
+) -> PartitionedGradientTransformation:
+    """Adafactor (Shazeer & Stern, 2018). Per step t and parameter p with gradient g:
+
+        b2_t = b2(t) (None: 1 - (t + 1) ** -0.8, the paper's increasing decay)
+        factored (a matrix, or a stack of them):
+            R = b2_t * R + (1 - b2_t) * mean_col(g**2 + eps)
+            C = b2_t * C + (1 - b2_t) * mean_row(g**2 + eps)
+            v = R C / mean_row(R)
+        otherwise: v = b2_t * v + (1 - b2_t) * (g**2 + eps)
+        u = g / sqrt(v);  u = u / max(1, rms(u) / clipping_threshold)
+        if b1: m = b1 * m + (1 - b1) * u;  u = m
+        a_t = lr_t * max(eps_scale, rms(p)) if multiply_by_parameter_scale else lr_t
+        p -= a_t * u + lr_t * weight_decay * scale * p
+
+    Which axes are 'row' and 'col' comes from the spec's `factorization`; without one, the
+    last two axes of a parameter whose last two dims are both >= min_dim_size_to_factor
+    (leading axes, e.g. stacked layers, keep separate statistics). `factored=False`
+    keeps full second moments everywhere.
+    """
+    lr = as_schedule_fn(learning_rate)
+    decay = as_schedule_fn(b2) if b2 is not None else (lambda t: 1.0 - (t + 1.0) ** -0.8)
+
+    def axes_of(info):
+        return _factored_axes(info, factored=factored, min_dim_size_to_factor=min_dim_size_to_factor)
+
+    def layout(tree, make_full, make_reduced):
+        """State trees (v_row, v_col, v) from per-parameter constructors."""
+        infos = _param_infos(tree)
+        _, treedef = _flatten_params(tree)
+        v_row, v_col, v = [], [], []
+        for info in infos:
+            axes = axes_of(info)
+            row, col = axes if axes is not None else (None, None)
+            v_row.append(None if axes is None else make_reduced(info, col))
+            v_col.append(None if axes is None else make_reduced(info, row))
+            v.append(make_full(info) if axes is None else None)
+        return tuple(treedef.unflatten(x) for x in (v_row, v_col, v))
+
+    def init(params):
+        def full(info):
+            return jnp.zeros(info.shape, info.dtype)
+
+        def reduced(info, axis):
+            return jnp.zeros(info.shape[:axis] + info.shape[axis + 1:], info.dtype)
+
+        v_row, v_col, v = layout(params, full, reduced)
+        values = param_values(params)
+        momentum = jax.tree.map(jnp.zeros_like, values) if b1 is not None else _nothing_like(values)
+        return AdafactorState(_count_init(), v_row, v_col, v, momentum)
+
+    def update(grads, state, params=None):
+        params = _require_params(params, "adafactor_optimizer")
+        infos = _param_infos(params)
+        values = _values_list(params)
+        g_leaves, treedef = jax.tree_util.tree_flatten(grads)
+        as_list = treedef.flatten_up_to
+        beta = decay(state.count)
+        new_row, new_col, new_v, new_m, directions = [], [], [], [], []
+        for info, p, g, r, c, v, m in zip(
+            infos, values, g_leaves, as_list(state.v_row), as_list(state.v_col),
+            as_list(state.v), as_list(state.momentum),
+        ):
+            g2 = jnp.square(g.astype(jnp.float32)) + eps
+            axes = axes_of(info)
+            if axes is None:
+                v = (beta * v + (1 - beta) * g2).astype(v.dtype)
+                v_hat = v
+            else:
+                row, col = axes
+                r = (beta * r + (1 - beta) * jnp.mean(g2, axis=col)).astype(r.dtype)
+                c = (beta * c + (1 - beta) * jnp.mean(g2, axis=row)).astype(c.dtype)
+                # r lacks the col axis and c the row axis; put them back to broadcast.
+                r_full = jnp.expand_dims(r, col)
+                c_full = jnp.expand_dims(c, row)
+                r_mean = jnp.mean(r, axis=row if row < col else row - 1)
+                r_mean = jnp.expand_dims(r_mean, sorted((row, col)))
+                v_hat = r_full * c_full / r_mean
+            u = g.astype(jnp.float32) / jnp.sqrt(v_hat)
+            if clipping_threshold is not None:
+                u = u / jnp.maximum(1.0, _rms(u) / clipping_threshold)
+            if b1 is not None:
+                m = (b1 * m + (1 - b1) * u).astype(m.dtype)
+                u = m
+            step_size = lr(state.count)
+            if multiply_by_parameter_scale:
+                step_size = step_size * jnp.maximum(eps_scale, _rms(p))
+            directions.append(u * step_size)
+            for states, x in ((new_row, r), (new_col, c), (new_v, v), (new_m, m)):
+                states.append(x)
+        # The learning rate is folded into `directions` (it may depend on the parameter).
+        step = _final_updates(
+            treedef.unflatten(directions),
+            grads,
+            params,
+            lr=1.0,
+            weight_decay=weight_decay,
+            wd_multiplier=lr(state.count),
+            weight_decay_per_param_scale=weight_decay_per_param_scale,
+            what="adafactor_optimizer",
+        )
+        new_state = AdafactorState(
+            count=state.count + 1,
+            v_row=treedef.unflatten(new_row),
+            v_col=treedef.unflatten(new_col),
+            v=treedef.unflatten(new_v),
+            momentum=treedef.unflatten(new_m),
+        )
+        return step, new_state
+
+    def partition(param_specs):
+        v_row, v_col, v = layout(
+            param_specs,
+            lambda info: _state_spec(info),
+            lambda info, axis: _state_spec(info, drop_axes=(axis,)),
+        )
+        momentum = _like_params(param_specs) if b1 is not None else _nothing_like(param_specs)
+        return AdafactorState(_scalar_spec(), v_row, v_col, v, momentum)
+
+    return PartitionedGradientTransformation(
+        init, update, partition, lambda state: lr(state.count)
+    )
+
+
+# ----- Muon -----
+
+# Default routing of muon_optimizer: embeddings and an untied LM head go to AdamW, other
+# weights ("weight" is the name of every matrix in this library) to Muon, and the rest
+# (norm scales, biases) to AdamW. Parameters that are not matrices always go to AdamW.
+DEFAULT_MUON_RULES = (
+    (".*emb.*", "adamw"),
+    (".*lm_head.*", "adamw"),
+    (".*weight", "muon"),
+    (".*", "adamw"),
+)
+# Coefficients of the quintic Newton-Schulz iteration of the public Muon write-ups.
+_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def _normalize_axes(axes: Union[int, Sequence[int]], ndim: int) -> tuple[int, ...]:
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    return tuple(a % ndim for a in axes)
+
+
+def _matrix_layout(info: _ParamInfo) -> Optional[tuple[tuple[int, ...], int, int, int]]:
+    """(permutation, batch, fan_in, fan_out) that views the parameter as a batch of
+    [fan_in, fan_out] matrices; None if it is not a matrix (fewer than two dims).
+
+    With fan axes from the spec, 'in' and 'out' axes are flattened (a [D, N, H] attention
+    weight becomes [D, N*H]) and every other axis is a batch axis (stacked layers). Without
+    them, the last two axes are the matrix and leading axes are batch axes.
+    """
+    ndim = len(info.shape)
+    if ndim < 2:
+        return None
+    if info.fan_axes is not None:
+        in_axes = _normalize_axes(info.fan_axes.in_axis, ndim)
+        out_axes = _normalize_axes(info.fan_axes.out_axis, ndim)
+    else:
+        in_axes, out_axes = (ndim - 2,), (ndim - 1,)
+    batch_axes = tuple(a for a in range(ndim) if a not in in_axes + out_axes)
+    size = lambda axes: int(np.prod([info.shape[a] for a in axes]))  # noqa: E731
+    return batch_axes + in_axes + out_axes, size(batch_axes), size(in_axes), size(out_axes)
+
+
+def newton_schulz_orthogonalize(x: Tensor, *, steps: int = 5, dtype: Any = jnp.bfloat16):
+    """Approximately U V^T of each matrix x = U S V^T over the last two axes, by the
+    quintic Newton-Schulz iteration X <- aX + (bA + cA^2)X with A = X X^T, from X
+    normalized to Frobenius norm <= 1. Runs in `dtype` (bf16 is safe: the iteration
+    only needs singular values roughly in (0, 1]); returns float32."""
+    a, b, c = _NS_COEFFICIENTS
+    x32 = x.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=(-2, -1), keepdims=True))
+    transpose = x.shape[-2] > x.shape[-1]  # Iterate on the wide side: A is the smaller Gram.
+    y = x32 / (norm + 1e-7)
+    if transpose:
+        y = jnp.swapaxes(y, -1, -2)
+    y = y.astype(dtype)
+    for _ in range(steps):
+        gram = y @ jnp.swapaxes(y, -1, -2)
+        poly = b * gram + c * (gram @ gram)
+        y = a * y + poly @ y
+    if transpose:
+        y = jnp.swapaxes(y, -1, -2)
+    return y.astype(jnp.float32)
+
+
+class MuonState(NamedTuple):
+    count: Tensor
+    momentum: Nested  # Muon parameters; None elsewhere.
+    mu: Nested  # AdamW parameters: first moment; None elsewhere.
+    nu: Nested  # AdamW parameters: second moment; None elsewhere.
+
+
+def muon_optimizer(
+    learning_rate: ScheduleLike,
+    *,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_dtype: Any = jnp.bfloat16,
+    matched_adamw_rms: Optional[float] = None,
+    weight_decay: float = 0.0,
+    weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]] = None,
+    adamw_learning_rate: Optional[ScheduleLike] = None,
+    adamw_b1: float = 0.9,
+    adamw_b2: float = 0.95,
+    adamw_eps: float = 1e-8,
+    muon_rules: Optional[Sequence[tuple[str, str]]] = None,
+) -> PartitionedGradientTransformation:
+    """Muon (MomentUm Orthogonalized by Newton-Schulz) for weight matrices, AdamW elsewhere.
+
+    For a Muon parameter, viewed as [batch, fan_in, fan_out] matrices (see _matrix_layout):
+
+        m = momentum * m + (1 - momentum) * g
+        d = (1 - momentum) * g + momentum * m if nesterov else m
+        o = NewtonSchulz(d) (per matrix, `ns_steps` quintic steps in `ns_dtype`)
+        o *= sqrt(max(1, fan_out / fan_in))                 (matched_adamw_rms None)
+          or matched_adamw_rms * sqrt(max(fan_in, fan_out))  (update RMS like AdamW's)
+        p -= lr_t * (o + weight_decay * scale * p)
+
+    Other parameters use AdamW (b1, b2, eps from `adamw_*`, learning rate
+    `adamw_learning_rate`, None: `learning_rate`) with the same decoupled-by-lr weight decay.
+    `muon_rules`: (regex, 'muon' | 'adamw') pairs, the first that fully matches a
+    parameter's path decides (None: DEFAULT_MUON_RULES; no match: 'adamw').
+    """
+    lr = as_schedule_fn(learning_rate)
+    adam_lr = as_schedule_fn(adamw_learning_rate) if adamw_learning_rate is not None else lr
+    rules = []
+    for i, (pattern, target) in enumerate(muon_rules if muon_rules is not None else DEFAULT_MUON_RULES):
+        if target not in ("muon", "adamw"):
+            raise ConfigError(f"muon_rules[{i}]: target must be 'muon' or 'adamw', got {target!r}")
+        rules.append((re.compile(pattern), target))
+
+    def uses_muon(info: _ParamInfo) -> bool:
+        if _matrix_layout(info) is None:
+            return False
+        for regex, target in rules:
+            if regex.fullmatch(info.path):
+                return target == "muon"
+        return False
+
+    def split(tree, muon_fn, adam_fn):
+        """Three state trees (momentum, mu, nu) from per-parameter constructors."""
+        _, treedef = _flatten_params(tree)
+        momentum, mu, nu = [], [], []
+        for info in _param_infos(tree):
+            muon = uses_muon(info)
+            momentum.append(muon_fn(info) if muon else None)
+            mu.append(None if muon else adam_fn(info))
+            nu.append(None if muon else adam_fn(info))
+        return tuple(treedef.unflatten(x) for x in (momentum, mu, nu))
+
+    def init(params):
+        zeros = lambda info: jnp.zeros(info.shape, info.dtype)  # noqa: E731
+        return MuonState(_count_init(), *split(params, zeros, zeros))
+
+    def orthogonalized(info: _ParamInfo, d: Tensor) -> Tensor:
+        perm, batch, fan_in, fan_out = _matrix_layout(info)
+        matrices = jnp.transpose(d, perm).reshape(batch, fan_in, fan_out)
+        o = newton_schulz_orthogonalize(matrices, steps=ns_steps, dtype=ns_dtype)
+        if matched_adamw_rms is None:
+            o = o * np.sqrt(max(1.0, fan_out / fan_in))
+        else:
+            o = o * (matched_adamw_rms * np.sqrt(max(fan_in, fan_out)))
+        permuted_shape = tuple(info.shape[a] for a in perm)
+        return jnp.transpose(o.reshape(permuted_shape), np.argsort(perm))
+
+    def update(grads, state, params=None):
+        params = _require_params(params, "muon_optimizer")
+        infos = _param_infos(params)
+        g_leaves, treedef = jax.tree_util.tree_flatten(grads)
+        as_list = treedef.flatten_up_to
+        count = state.count + 1
+        muon_lr, adamw_lr = lr(state.count), adam_lr(state.count)
+        new_buf, new_mu, new_nu, directions = [], [], [], []
+        for info, g, buf, mu, nu in zip(
+            infos, g_leaves, as_list(state.momentum), as_list(state.mu), as_list(state.nu)
+        ):
+            g32 = g.astype(jnp.float32)
+            if uses_muon(info):
+                buf32 = momentum * buf + (1 - momentum) * g32
+                d = (1 - momentum) * g32 + momentum * buf32 if nesterov else buf32
+                directions.append(muon_lr * orthogonalized(info, d))
+                buf = buf32.astype(buf.dtype)
+            else:
+                mu = (adamw_b1 * mu + (1 - adamw_b1) * g32).astype(mu.dtype)
+                nu = (adamw_b2 * nu + (1 - adamw_b2) * g32 * g32).astype(nu.dtype)
+                d = _debias(mu, adamw_b1, count) / (
+                    jnp.sqrt(_debias(nu, adamw_b2, count)) + adamw_eps
+                )
+                directions.append(adamw_lr * d)
+            for states, x in ((new_buf, buf), (new_mu, mu), (new_nu, nu)):
+                states.append(x)
+        # Learning rates are folded into `directions`; weight decay is lr-scaled per group.
+        d_leaves = directions
+        if weight_decay:
+            values = _values_list(params)
+            scales = _weight_decay_scales(params, weight_decay_per_param_scale)
+            d_leaves = [
+                d + (weight_decay * s * (muon_lr if uses_muon(info) else adamw_lr)) * p
+                if s != 0.0 else d
+                for d, p, s, info in zip(directions, values, scales, infos)
+            ]
+        step = treedef.unflatten([(-d).astype(g.dtype) for d, g in zip(d_leaves, g_leaves)])
+        new_state = MuonState(
+            count=count,
+            momentum=treedef.unflatten(new_buf),
+            mu=treedef.unflatten(new_mu),
+            nu=treedef.unflatten(new_nu),
+        )
+        return step, new_state
+
+    def partition(param_specs):
+        return MuonState(_scalar_spec(), *split(param_specs, _state_spec, _state_spec))
+
+    return PartitionedGradientTransformation(
+        init, update, partition, lambda state: lr(state.count)
+    )
+
+
+def learning_rate_at(
+    transformation: PartitionedGradientTransformation, state: Any
+) -> Optional[Tensor]:
+    """The learning rate `transformation` will use for its next update (None if unknown)."""
+    if transformation.learning_rate_at is None:
+        return None
+    return transformation.learning_rate_at(state)
+
+
+def find_states(state: Any, state_type: type) -> list[Any]:
+    """Every sub-state of type `state_type` in a (chained, nested) optimizer state."""
+    leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, state_type))
+    return [x for x in leaves if isinstance(x, state_type)]

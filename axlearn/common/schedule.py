@@ -1,0 +1,278 @@
+"""Learning-rate schedules: functions of the step.
+
+Every public function here takes the schedule's hyper-parameters and returns a
+`Schedule`, a callable `step -> value` that works on Python ints and on (traced) jax
+integer scalars alike. Each can be written in a config with `config_for_function`, e.g.
+`config_for_function(cosine_with_linear_warmup).set(peak_lr=1.0, max_step=1000,
+warmup_steps=10)`; `as_schedule_fn` turns such a config, a callable or a plain number into
+a schedule.
+
+Conventions shared by all schedules:
+- `step` counts updates already applied, so the first update uses `schedule(0)`.
+- Piecewise schedules are continuous: a phase's last step reaches its end value exactly.
+- Past the last step the schedule holds its final value.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+
+import jax.numpy as jnp
+
+from axlearn.common.config import ConfigError, InstantiableConfig
+
+Tensor = Any  # A jax or numpy scalar array.
+Schedule = Callable[[Union[int, Tensor]], Tensor]
+# A number (a constant schedule), a schedule, or a config that instantiates to one.
+ScheduleLike = Union[float, Schedule, InstantiableConfig]
+
+
+def as_schedule_fn(value: ScheduleLike) -> Schedule:
+    """Turns a number, a schedule or a schedule config into a schedule."""
+    if isinstance(value, InstantiableConfig):
+        value = value.instantiate()
+    if callable(value):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return constant_schedule(float(value))
+    raise ConfigError(
+        f"Expected a number, a schedule (step -> value) or a config of one; got {value!r}"
+    )
+
+
+def _as_float_step(step: Union[int, Tensor]) -> Tensor:
+    return jnp.asarray(step, dtype=jnp.float32)
+
+
+def constant_schedule(value: float) -> Schedule:
+    """`value` at every step."""
+
+    def fn(step):
+        return jnp.full(jnp.shape(step), value, dtype=jnp.float32)
+
+    return fn
+
+
+def polynomial(
+    *,
+    begin_step: int = 0,
+    begin_value: float,
+    end_step: int,
+    end_value: float,
+    power: float = 1.0,
+) -> Schedule:
+    """From `begin_value` at `begin_step` to `end_value` at `end_step` along
+    `end + (begin - end) * (1 - fraction) ** power`; constant outside that range."""
+    if end_step <= begin_step:
+        raise ConfigError(
+            f"polynomial: end_step ({end_step}) must exceed begin_step ({begin_step})"
+        )
+
+    def fn(step):
+        fraction = jnp.clip((_as_float_step(step) - begin_step) / (end_step - begin_step), 0, 1)
+        return end_value + (begin_value - end_value) * (1.0 - fraction) ** power
+
+    return fn
+
+
+def linear(*, begin_step: int = 0, begin_value: float, end_step: int, end_value: float) -> Schedule:
+    """A straight line from (begin_step, begin_value) to (end_step, end_value)."""
+    return polynomial(
+        begin_step=begin_step,
+        begin_value=begin_value,
+        end_step=end_step,
+        end_value=end_value,
+        power=1.0,
+    )
+
+
+def _linear_warmup(step: Tensor, begin_value: float, peak: float, warmup_steps: int) -> Tensor:
+    if warmup_steps <= 0:
+        return jnp.full(jnp.shape(step), peak, dtype=jnp.float32)
+    fraction = jnp.clip(step / warmup_steps, 0, 1)
+    return begin_value + (peak - begin_value) * fraction
+
+
+_DECAY_TYPES = ("linear", "cosine")
+
+
+def _check_decay_type(decay_type: str) -> None:
+    if decay_type not in _DECAY_TYPES:
+        raise ConfigError(f"decay_type must be one of {_DECAY_TYPES}, got {decay_type!r}")
+
+
+def _decay(fraction: Tensor, *, begin: float, end: float, decay_type: str) -> Tensor:
+    """From `begin` at fraction 0 to `end` at fraction 1."""
+    fraction = jnp.clip(fraction, 0, 1)
+    if decay_type == "linear":
+        return begin + (end - begin) * fraction
+    return end + (begin - end) * 0.5 * (1 + jnp.cos(math.pi * fraction))  # Cosine.
+
+
+def cosine_with_linear_warmup(
+    peak_lr: float,
+    *,
+    max_step: int,
+    warmup_steps: int = 500,
+    begin_value: float = 0.0,
+    alpha: float = 0.0,
+) -> Schedule:
+    """Linear warmup from `begin_value` at step 0 to `peak_lr` at `warmup_steps`, then a
+    cosine decay to `alpha * peak_lr` at `max_step`, held from then on."""
+    if not 0 <= warmup_steps < max_step:
+        raise ConfigError(
+            f"cosine_with_linear_warmup: need 0 <= warmup_steps ({warmup_steps}) < "
+            f"max_step ({max_step})"
+        )
+
+    def fn(step):
+        step = _as_float_step(step)
+        warm = _linear_warmup(step, begin_value, peak_lr, warmup_steps)
+        decayed = _decay(
+            (step - warmup_steps) / (max_step - warmup_steps),
+            begin=peak_lr,
+            end=alpha * peak_lr,
+            decay_type="cosine",
+        )
+        return jnp.where(step < warmup_steps, warm, decayed)
+
+    return fn
+
+
+def _steps(value: Union[int, float], total: int, name: str) -> int:
+    """A length given in steps (an int) or as a fraction of `total` (a float in [0, 1])."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number of steps or a fraction, got {value!r}")
+    if isinstance(value, float):
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{name}={value} as a fraction must lie in [0, 1]")
+        return int(round(value * total))
+    if value < 0:
+        raise ConfigError(f"{name}={value} must be non-negative")
+    return value
+
+
+def warmup_stable_decay(
+    peak_lr: float,
+    *,
+    max_step: int,
+    warmup_steps: Union[int, float],
+    decay_steps: Union[int, float],
+    begin_value: float = 0.0,
+    end_value: float = 0.0,
+    decay_type: str = "linear",
+) -> Schedule:
+    """Warmup-stable-decay (WSD): linear warmup to `peak_lr`, a stable phase at `peak_lr`,
+    then a `decay_type` ('linear' or 'cosine') decay that reaches `end_value` at `max_step`.
+
+    `warmup_steps` and `decay_steps` are step counts (ints) or fractions of `max_step`
+    (floats); the stable phase is whatever remains.
+    """
+    warmup = _steps(warmup_steps, max_step, "warmup_steps")
+    decay = _steps(decay_steps, max_step, "decay_steps")
+    if warmup + decay > max_step:
+        raise ConfigError(
+            f"warmup_stable_decay: warmup ({warmup}) + decay ({decay}) steps exceed "
+            f"max_step ({max_step})"
+        )
+    _check_decay_type(decay_type)
+    decay_begin = max_step - decay
+
+    def fn(step):
+        step = _as_float_step(step)
+        warm = _linear_warmup(step, begin_value, peak_lr, warmup)
+        if decay > 0:
+            fraction = (step - decay_begin) / decay
+            decayed = _decay(fraction, begin=peak_lr, end=end_value, decay_type=decay_type)
+        else:
+            decayed = jnp.where(step < max_step, peak_lr, end_value)
+        return jnp.where(step < warmup, warm, jnp.where(step < decay_begin, peak_lr, decayed))
+
+    return fn
+
+
+def cyclic_warmup_stable_decay(
+    peak_lr: float,
+    *,
+    cycle_ends: Sequence[int],
+    warmup_steps: Union[int, float],
+    decay_steps: Union[int, float],
+    begin_value: float = 0.0,
+    end_value: float = 0.0,
+    decay_type: str = "linear",
+) -> Schedule:
+    """Cyclic WSD (WSD-S): one warmup, then cycles that each stay at `peak_lr` and decay to
+    `end_value` at their end step; the next cycle resumes at `peak_lr` without re-warmup.
+
+    Cycle i spans (cycle_ends[i-1], cycle_ends[i]] (the first starts at step 0), so a
+    checkpoint taken at each cycle end is a fully decayed model. `warmup_steps` is in steps
+    or a fraction of the first cycle; `decay_steps` is in steps or a fraction of each
+    cycle's length. Past the last cycle end the schedule holds `end_value`.
+    """
+    ends = list(cycle_ends)
+    if not ends or any(b <= a for a, b in zip([0] + ends, ends)):
+        raise ConfigError(f"cycle_ends must be positive and strictly increasing, got {ends}")
+    warmup = _steps(warmup_steps, ends[0], "warmup_steps")
+    starts = [0] + ends[:-1]
+    decays = [_steps(decay_steps, end - start, "decay_steps") for start, end in zip(starts, ends)]
+    for i, (start, end, decay) in enumerate(zip(starts, ends, decays)):
+        if decay > end - start or (i == 0 and warmup + decay > end):
+            raise ConfigError(
+                f"cyclic_warmup_stable_decay: cycle {i} ({start}, {end}] is too short for "
+                f"{decay} decay steps" + (f" after {warmup} warmup steps" if i == 0 else "")
+            )
+    _check_decay_type(decay_type)
+
+    def fn(step):
+        step = _as_float_step(step)
+        value = jnp.full(jnp.shape(step), end_value, dtype=jnp.float32)  # Past the last end.
+        for i, (start, end, decay) in enumerate(zip(starts, ends, decays)):
+            decay_begin = end - decay
+            if decay > 0:
+                fraction = (step - decay_begin) / decay
+                decayed = _decay(fraction, begin=peak_lr, end=end_value, decay_type=decay_type)
+            else:
+                decayed = jnp.where(step < end, peak_lr, end_value)
+            in_cycle = (step <= end) if i == 0 else (step > start) & (step <= end)
+            value = jnp.where(in_cycle, jnp.where(step < decay_begin, peak_lr, decayed), value)
+        warm = _linear_warmup(step, begin_value, peak_lr, warmup)
+        return jnp.where(step < warmup, warm, value)
+
+    return fn
+
+
+def inverse_sqrt(
+    peak_lr: float,
+    *,
+    warmup_steps: int,
+    begin_value: float = 0.0,
+    timescale: Optional[int] = None,
+) -> Schedule:
+    """Linear warmup to `peak_lr`, then `peak_lr * sqrt(timescale / (timescale + steps
+    after warmup))`. `timescale` defaults to `warmup_steps`, which gives the classic
+    `peak_lr * sqrt(warmup_steps / step)`."""
+    timescale = warmup_steps if timescale is None else timescale
+    if timescale <= 0:
+        raise ConfigError(
+            f"inverse_sqrt: timescale must be positive (set it when warmup_steps={warmup_steps})"
+        )
+
+    def fn(step):
+        step = _as_float_step(step)
+        warm = _linear_warmup(step, begin_value, peak_lr, warmup_steps)
+        after = jnp.maximum(step - warmup_steps, 0.0)
+        decayed = peak_lr * jnp.sqrt(timescale / (timescale + after))
+        return jnp.where(step < warmup_steps, warm, decayed)
+
+    return fn
+
+
+def adafactor_decay_rate(c: float = 0.8, step_offset: int = 0) -> Schedule:
+    """Adafactor's second-moment decay `1 - (t + 1) ** -c` (Shazeer & Stern, 2018), where
+    t counts updates already applied, so the first update (t=0) uses decay 0."""
+
+    def fn(step):
+        t = jnp.maximum(_as_float_step(step) - step_offset, 0.0) + 1.0
+        return 1.0 - t ** (-c)
+
+    return fn
