@@ -1,0 +1,95 @@
+"""A synthetic input for benchmarks (`--data_dir=FAKE`): random tokens, no I/O.
+
+Token (row r, column c) of global batch s is a hash of (seed, s, r, c), so any process
+computes its own rows of any batch directly: batches are deterministic, resumable and
+tile the global batch across processes like every other input. Each row is one
+document: `input_ids = tokens[:T]`, `target_labels = tokens[1:]`, segment ids 1,
+positions 0..T-1, and `target_num_bytes = T` (as if every token were one byte).
+"""
+
+from collections.abc import Iterator
+from typing import Optional
+
+import numpy as np
+
+from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
+from axlearn.common.input_base import BaseInput, Batch
+from axlearn.common.module import Module
+
+_FIRST_TOKEN = 3  # Ids below are pad, eos and unk.
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """A well-mixed 64-bit hash of each element (uint64 in, uint64 out)."""
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
+        return x ^ (x >> np.uint64(31))
+
+
+def fake_tokens(
+    *, seed: int, step: int, rows: np.ndarray, length: int, vocab_size: int
+) -> np.ndarray:
+    """Tokens [len(rows), length] of global batch `step`, in [3, vocab_size)."""
+    with np.errstate(over="ignore"):
+        key = _splitmix64(np.uint64(seed) * np.uint64(0x100000001B3) + np.uint64(step))
+        cell = rows.astype(np.uint64)[:, None] * np.uint64(length) + np.arange(length, dtype=np.uint64)
+        hashed = _splitmix64(cell ^ key)
+    span = np.uint64(vocab_size - _FIRST_TOKEN)
+    return (hashed % span).astype(np.int32) + _FIRST_TOKEN
+
+
+class FakeLmInput(BaseInput):
+    """Deterministic random LM batches (see the module docstring)."""
+
+    @config_class
+    class Config(BaseInput.Config):
+        """Configures FakeLmInput."""
+
+        global_batch_size: Required[int] = REQUIRED  # Rows of a global batch, all processes.
+        max_sequence_length: Required[int] = REQUIRED  # T: tokens per row.
+        vocab_size: Required[int] = REQUIRED  # Token ids are drawn from [3, vocab_size).
+        seed: int = 0
+        # Batches of one evaluation pass (is_training=False). Training never ends.
+        num_eval_batches: int = 1
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module], **kwargs):
+        super().__init__(cfg, parent=parent, **kwargs)
+        cfg = self.config
+        if cfg.vocab_size <= _FIRST_TOKEN:
+            raise ConfigError(f"{self.path()}: vocab_size must exceed {_FIRST_TOKEN}, got {cfg.vocab_size}")
+        self.host_batch_size  # pylint: disable=pointless-statement  # Checks divisibility.
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.config.global_batch_size
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.config.max_sequence_length
+
+    def host_batch(self, step: int) -> Batch:
+        """This process's rows of global batch `step`."""
+        cfg = self.config
+        rows = np.arange(self.host_rows().start, self.host_rows().stop)
+        length = cfg.max_sequence_length
+        tokens = fake_tokens(
+            seed=cfg.seed, step=step, rows=rows, length=length + 1, vocab_size=cfg.vocab_size
+        )
+        shape = (rows.size, length)
+        return {
+            "input_ids": tokens[:, :-1],
+            "target_labels": tokens[:, 1:],
+            "input_segment_ids": np.ones(shape, dtype=np.int32),
+            "input_positions": np.broadcast_to(np.arange(length, dtype=np.int32), shape).copy(),
+            "target_num_bytes": np.full(rows.size, length, dtype=np.int32),
+        }
+
+    def _host_batches(self, start: int) -> Iterator[Batch]:
+        cfg = self.config
+        step = start
+        while cfg.is_training or step < cfg.num_eval_batches:
+            yield self.host_batch(step)
+            step += 1
