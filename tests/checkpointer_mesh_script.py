@@ -35,7 +35,8 @@ LAYOUT = {
 
 
 def _checkpointer(directory: str) -> Checkpointer:
-    return Checkpointer.default_config().set(name="checkpointer", dir=directory).instantiate(parent=None)
+    cfg = Checkpointer.default_config().set(name="checkpointer", dir=directory)
+    return cfg.instantiate(parent=None)
 
 
 def save(directory: str, reference: str) -> None:
@@ -55,7 +56,8 @@ def save(directory: str, reference: str) -> None:
 def restore(directory: str, out: str, mesh_shape: tuple[int, ...]) -> None:
     if mesh_shape == (1,):
         assert jax.device_count() == 1, jax.devices()
-        shardings = {name: SingleDeviceSharding(jax.devices()[0]) for name in list(LAYOUT) + ["key"]}
+        device = SingleDeviceSharding(jax.devices()[0])
+        shardings = {name: device for name in list(LAYOUT) + ["key"]}
     else:
         mesh = create_mesh(mesh_shape, ("data", "fsdp"))
         shardings = {name: NamedSharding(mesh, spec) for name, (_, _, spec) in LAYOUT.items()}
@@ -74,7 +76,9 @@ def restore(directory: str, out: str, mesh_shape: tuple[int, ...]) -> None:
         assert value.sharding == shardings[name], (name, value.sharding)
         if name == "key":
             value = jax.random.key_data(value)
-        result[name] = np.asarray(value.astype(jnp.float32) if value.dtype == jnp.bfloat16 else value)
+        if value.dtype == jnp.bfloat16:
+            value = value.astype(jnp.float32)  # Exact; npz has no bfloat16.
+        result[name] = np.asarray(value)
         result[f"{name}.shard_shapes"] = np.array([s.data.shape for s in value.addressable_shards])
     np.savez(out, **result)
 

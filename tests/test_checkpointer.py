@@ -32,6 +32,7 @@ from axlearn.common.config import ConfigError, config_for_function
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(TESTS_DIR)
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def _make(directory, **kwargs) -> Checkpointer:
@@ -63,7 +64,10 @@ def _random_state(seed: int) -> dict:
             "w": jnp.asarray(rng.normal(size=(6, 5)).astype(np.float32)),
             "emb": jnp.asarray(rng.normal(size=(7, 3)).astype(ml_dtypes.bfloat16)),
         },
-        "learner": (jnp.asarray(rng.integers(0, 100, size=(4,)), jnp.int32), {"count": jnp.int32(seed)}),
+        "learner": (
+            jnp.asarray(rng.integers(0, 100, size=(4,)), jnp.int32),
+            {"count": jnp.int32(seed)},
+        ),
         "prng_key": jax.random.key(seed),
         "host_table": rng.normal(size=(2, 2)),
     }
@@ -241,7 +245,8 @@ def test_shape_mismatch_names_the_parameter_and_the_file(make_checkpointer):
     checkpointer.save(1, state)
     template = _template(state)
     template["model"]["w"] = jax.ShapeDtypeStruct((6, 4), jnp.float32)
-    with pytest.raises(ValueError, match=r"'model/w'.*\(6, 4\).*step_00000001/index.json.*\(6, 5\)"):
+    expected = r"'model/w'.*\(6, 4\).*step_00000001/index.json.*\(6, 5\)"
+    with pytest.raises(ValueError, match=expected):
         checkpointer.restore(state=template)
 
 
@@ -280,7 +285,9 @@ def test_step_directory_without_index_is_never_restored(make_checkpointer, tmp_p
     _assert_trees_equal(restored, _random_state(1))
 
 
-def test_truncated_chunk_falls_back_to_previous_step_with_warning(make_checkpointer, tmp_path, caplog):
+def test_truncated_chunk_falls_back_to_previous_step_with_warning(
+    make_checkpointer, tmp_path, caplog
+):
     checkpointer = make_checkpointer(keep_last_n=5)
     checkpointer.save(1, _random_state(1))
     checkpointer.save(2, _random_state(2))
@@ -374,7 +381,9 @@ def test_disk_full_during_data_write_raises_clear_error_and_keeps_previous(
     _assert_trees_equal(restored, _random_state(1))
 
 
-def test_disk_full_while_writing_index_is_raised_by_next_save(make_checkpointer, tmp_path, monkeypatch):
+def test_disk_full_while_writing_index_is_raised_by_next_save(
+    make_checkpointer, tmp_path, monkeypatch
+):
     checkpointer = make_checkpointer(keep_last_n=5)
     checkpointer.save(1, _random_state(1))
     checkpointer.wait_until_finished()
@@ -536,7 +545,7 @@ def _train(directory, steps, losses, *extra_args, wait=True):
         f"--losses={losses}",
         *extra_args,
     ]
-    env = dict(os.environ, PYTHONPATH=REPO_DIR, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, PYTHONPATH=REPO_DIR, XLA_FLAGS=f"{_DEVICE_COUNT_FLAG}=1")
     if not wait:
         return subprocess.Popen(command, env=env)
     subprocess.run(command, env=env, check=True, timeout=300)
@@ -574,10 +583,11 @@ def test_kill_during_save_resumes_from_previous_commit_with_identical_losses(tmp
 
 def _mesh_script(mode, directory, path, devices):
     env = dict(
-        os.environ, PYTHONPATH=REPO_DIR, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
+        os.environ, PYTHONPATH=REPO_DIR, XLA_FLAGS=f"{_DEVICE_COUNT_FLAG}={devices}"
     )
     script = os.path.join(TESTS_DIR, "checkpointer_mesh_script.py")
-    subprocess.run([sys.executable, script, mode, str(directory), str(path)], env=env, check=True, timeout=300)
+    command = [sys.executable, script, mode, str(directory), str(path)]
+    subprocess.run(command, env=env, check=True, timeout=300)
 
 
 @pytest.fixture(name="fsdp8_checkpoint", scope="module")
@@ -626,5 +636,7 @@ def test_sharded_save_writes_one_chunk_per_shard(fsdp8_checkpoint):
         index = json.load(f)
     assert index["arrays"]["w"]["chunks"] == [2, 12]  # fsdp=8 over 16 rows.
     assert index["arrays"]["emb"]["chunks"] == [8, 3]  # fsdp=8 over 24 columns.
-    w_files = sorted(f for f in index["files"] if f.startswith("arrays/w/") and not f.endswith(".zarray"))
+    w_files = sorted(
+        f for f in index["files"] if f.startswith("arrays/w/") and not f.endswith(".zarray")
+    )
     assert w_files == [f"arrays/w/{i}.0" for i in range(8)]

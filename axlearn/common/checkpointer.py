@@ -291,7 +291,12 @@ class TensorStoreStateStorage(Configurable):
         """Writes this process's shards; returns {relative file: {size, crc32}} it wrote."""
         cfg = self.config
         opened = [
-            ts.open(self._spec(step_dir, leaf.array_dir, leaf.meta), create=True, open=True, context=self._context)
+            ts.open(
+                self._spec(step_dir, leaf.array_dir, leaf.meta),
+                create=True,
+                open=True,
+                context=self._context,
+            )
             for leaf in snapshot.leaves
         ]
         files = []
@@ -301,7 +306,8 @@ class TensorStoreStateStorage(Configurable):
             for bounds, data in leaf.shards:
                 index = tuple(slice(start, stop) for start, stop in bounds)
                 writes.append(array[index].write(data))
-                files += [f"arrays/{leaf.array_dir}/{f}" for f in _chunk_files(leaf.meta["chunks"], bounds)]
+                chunk_files = _chunk_files(leaf.meta["chunks"], bounds)
+                files += [f"arrays/{leaf.array_dir}/{f}" for f in chunk_files]
             if jax.process_index() == 0:
                 files.append(f"arrays/{leaf.array_dir}/.zarray")
         for write in writes:
@@ -540,9 +546,10 @@ class Checkpointer(Module):
         # Seconds between background garbage collections (also run after every commit).
         gc_loop_interval_seconds: float = 60
         storage: TensorStoreStateStorage.Config = TensorStoreStateStorage.default_config()
-        # None: off. Else `save_if_policy` also saves once this long has passed since the
-        # last save; such a checkpoint is temporary: garbage collection deletes it once a
-        # newer one is committed (unless keep_every_n_steps keeps its step).
+        # None: off. Else `should_save` is also true once this long has passed since the
+        # last save; a save at a step the save policy does not choose is then temporary:
+        # garbage collection deletes it once a newer one is committed (unless
+        # keep_every_n_steps keeps its step).
         temporary_save_interval_seconds: Optional[float] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
@@ -563,7 +570,8 @@ class Checkpointer(Module):
             )
         if cfg.gc_loop_interval_seconds <= 0:
             raise ConfigError(f"{where}.gc_loop_interval_seconds must be > 0")
-        if cfg.temporary_save_interval_seconds is not None and cfg.temporary_save_interval_seconds <= 0:
+        interval = cfg.temporary_save_interval_seconds
+        if interval is not None and interval <= 0:
             raise ConfigError(f"{where}.temporary_save_interval_seconds must be None or > 0")
         self._dir = cfg.dir
         self._temporary_save_interval = cfg.temporary_save_interval_seconds
@@ -592,11 +600,10 @@ class Checkpointer(Module):
 
     def save_if_policy(self, step: int, state: Any, extra: Optional[dict] = None) -> bool:
         """Saves if `should_save(step)`; returns whether it did."""
-        by_step = bool(self._policy(step))
-        by_time = not by_step and self._time_due()
-        if by_step or by_time:
-            self._start_save(step, state, extra=extra, temporary=by_time)
-        return by_step or by_time
+        if not self.should_save(step):
+            return False
+        self.save(step, state, extra=extra)
+        return True
 
     def _time_due(self) -> bool:
         interval = self._temporary_save_interval
@@ -616,11 +623,10 @@ class Checkpointer(Module):
         """Starts saving `state` as `step`; returns once the arrays are copied to host.
 
         `extra` is small JSON-able metadata (e.g. the input iterator's position), committed
-        with the arrays. Raises the error of a previous save that failed.
+        with the arrays. Raises the error of a previous save that failed. While
+        `temporary_save_interval_seconds` is set, a step the save policy does not choose
+        is saved as a temporary checkpoint.
         """
-        self._start_save(step, state, extra=extra, temporary=False)
-
-    def _start_save(self, step: int, state: Any, *, extra: Optional[dict], temporary: bool):
         if self._stopped:
             raise RuntimeError(f"{self.path()}: save() after stop()")
         self.wait_until_finished()
@@ -641,6 +647,7 @@ class Checkpointer(Module):
             # Left by a save that never committed (a crash): start it afresh.
             shutil.rmtree(step_dir, ignore_errors=True)
         nonce = self._agree_on_nonce()
+        temporary = self._temporary_save_interval is not None and not self._policy(step)
         self._in_flight_step = step
         self._pending = self._executor.submit(
             self._write_and_commit, step, step_dir, snapshot, extra_json, temporary, nonce

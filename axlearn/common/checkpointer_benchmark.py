@@ -1,0 +1,96 @@
+"""How long a checkpoint save stalls the train loop, and how long until it is committed.
+
+    python -m axlearn.common.checkpointer_benchmark [--size 1e9] [--dir /tmp/ckpt_bench]
+
+Builds a float32 state of `--size` parameters (split into `--leaves` arrays of 4096
+columns, sharded over all local devices along their rows, as fsdp would), then saves it
+`--repeats` times. "blocks" is how long `save()` kept the caller (the device-to-host
+copy); "committed" is until the index was written; the last column is the write
+throughput. A final restore into the same shardings is timed too.
+"""
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from axlearn.common.checkpointer import Checkpointer
+from axlearn.common.sharding import create_mesh
+
+_COLUMNS = 4096
+
+
+def build_state(size: float, leaves: int, dtype: jnp.dtype) -> dict[str, jax.Array]:
+    """`leaves` arrays of about `size` parameters in all, made on the devices."""
+    mesh = create_mesh((jax.device_count(),), ("fsdp",))
+    sharding = NamedSharding(mesh, PartitionSpec("fsdp", None))
+    rows = max(1, round(size / leaves / _COLUMNS / jax.device_count())) * jax.device_count()
+
+    def make(seed):
+        return jax.random.normal(jax.random.PRNGKey(seed), (rows, _COLUMNS), dtype)
+
+    make = jax.jit(make, static_argnums=0, out_shardings=sharding)
+    state = {f"layer_{i:02d}": make(i) for i in range(leaves)}
+    jax.block_until_ready(state)
+    return state
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=float, default=1e9, help="Parameters in the state.")
+    parser.add_argument("--leaves", type=int, default=8, help="Arrays the state is split into.")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="Default: a new temporary directory.")
+    parser.add_argument("--keep", action="store_true", help="Keep the checkpoint files.")
+    args = parser.parse_args()
+
+    directory = args.dir or tempfile.mkdtemp(prefix="ckpt_bench_")
+    state = build_state(args.size, args.leaves, jnp.dtype(args.dtype))
+    params = sum(x.size for x in state.values())
+    gigabytes = sum(x.nbytes for x in state.values()) / 1e9
+    devices = jax.devices()
+    print(f"state: {params / 1e9:.3f}B params, {gigabytes:.2f} GB {args.dtype}, "
+          f"{len(devices)} x {devices[0].device_kind}; dir {directory}")
+
+    cfg = Checkpointer.default_config().set(name="checkpointer", dir=directory, keep_last_n=1)
+    checkpointer = cfg.instantiate(parent=None)
+    rows = []
+    try:
+        for step in range(1, args.repeats + 1):
+            start = time.perf_counter()
+            checkpointer.save(step, state)
+            returned = time.perf_counter()
+            checkpointer.wait_until_finished()
+            committed = time.perf_counter()
+            rows.append((step, returned - start, committed - start))
+        template = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()
+        }
+        start = time.perf_counter()
+        _, restored, _ = checkpointer.restore(state=template)
+        jax.block_until_ready(restored)
+        restore_s = time.perf_counter() - start
+        same = all(bool(jnp.array_equal(restored[k], state[k])) for k in state)
+    finally:
+        checkpointer.stop()
+        if not args.keep and args.dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    print(f"{'save':>4}  {'blocks (s)':>10}  {'committed (s)':>13}  {'write GB/s':>10}")
+    for step, blocks, committed in rows:
+        print(f"{step:>4}  {blocks:>10.3f}  {committed:>13.3f}  {gigabytes / committed:>10.2f}")
+    print(f"median: blocks {np.median([r[1] for r in rows]):.3f} s, "
+          f"committed {np.median([r[2] for r in rows]):.3f} s")
+    print(f"restore: {restore_s:.3f} s ({gigabytes / restore_s:.2f} GB/s), values equal: {same}")
+    print(f"host: {os.cpu_count()} CPUs")
+
+
+if __name__ == "__main__":
+    main()
