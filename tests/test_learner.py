@@ -1,0 +1,358 @@
+"""Learner: config surface, gradient accumulation, updates, summaries, frozen parameters,
+regularizer dumps and sharded state."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axlearn.common import optimizers as opt
+from axlearn.common import schedule
+from axlearn.common.base_layer import ParameterSpec
+from axlearn.common.config import ConfigError, config_for_function, parse_flat_text
+from axlearn.common.learner import Learner, regularizer_lines
+from axlearn.common.summary import WeightedScalar
+
+SPEC = "/work/shared/spec/000_f33cfaded1b52723.txt"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RNG_SEED = 0
+
+
+def sgd_learner(**kwargs):
+    optimizer = config_for_function(opt.skip_and_clip_by_global_norm).set(
+        inner=config_for_function(opt.sgd_optimizer).set(learning_rate=0.1),
+        drop_norm=100.0,
+        max_norm=1.0,
+        eps=0.0,
+    )
+    cfg = Learner.default_config().set(name="learner", optimizer=optimizer, **kwargs)
+    return cfg.instantiate(parent=None)
+
+
+def model_params(rng):
+    return {
+        "decoder": {
+            "emb": {"token_emb": {"weight": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)}},
+            "norm": {"scale": jnp.ones(3, jnp.float32)},
+            "linear": {"weight": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)},
+        }
+    }
+
+
+def specs_of(params):
+    return jax.tree.map(lambda p: ParameterSpec(shape=list(p.shape), dtype=p.dtype), params)
+
+
+# ----- config -----
+
+
+def test_config_has_the_spec_fields_and_extras_default_to_none():
+    cfg = Learner.default_config()
+    assert set(cfg.keys()) == {
+        "klass", "name", "optimizer", "ema", "enable_per_variable_summaries",
+        "update_rules", "gradient_accumulation_steps",
+    }
+    assert cfg.enable_per_variable_summaries is False
+    assert cfg.update_rules is None and cfg.gradient_accumulation_steps is None
+    assert cfg.ema.fn is opt.param_ema
+
+
+def spec_learner_config():
+    mup = [(".*attention/o_proj/weight", 0.25), (".*attention/i_proj/i_proj/qkv_proj/weight", 0.25)]
+    mup += [
+        (f".*feed_forward/{name}", 0.25)
+        for name in ("linear1_0/weight", "linear1_1/weight", "linear2/weight", "wi_0_weight",
+                     "wi_1_weight", "wo_weight")
+    ]
+    inner = config_for_function(opt.adastar_optimizer).set(
+        learning_rate=0.01, gradient_ema_decay=None, gradient_ema_debias=None,
+        gradient_square_ema_decay=0.95, gradient_square_ema_debias=True, eps=0, eps_square=1e-30,
+        raw_update_clipping_threshold=1.0, update_ema_decay=0.95, update_ema_debias=False,
+        weight_decay=0.000316,
+        update_schedule=config_for_function(schedule.cosine_with_linear_warmup).set(
+            peak_lr=1.0, max_step=750000, warmup_steps=5000, begin_value=0.0, alpha=0.005
+        ),
+        adam_update_transformation=config_for_function(opt.scale_update_per_param).set(
+            per_param_scale=config_for_function(opt.per_param_scale_by_path).set(
+                description="scale_by_mup_simple", scale_by_path=mup, default_scale=1.0
+            )
+        ),
+    )
+    return Learner.default_config().set(
+        optimizer=config_for_function(opt.skip_and_clip_by_global_norm).set(
+            inner=inner, drop_norm=100, max_norm=1
+        )
+    )
+
+
+def test_the_spec_learner_subtree_dumps_byte_for_byte_and_parses_back():
+    if not os.path.exists(SPEC):
+        pytest.skip(f"{SPEC} is not available")
+    with open(SPEC, encoding="utf-8") as f:
+        expected = [line for line in f.read().splitlines() if line.startswith("learner.")]
+    cfg = spec_learner_config()
+    assert ["learner." + line for line in cfg.debug_string().splitlines()] == expected
+    parsed = parse_flat_text("\n".join(line[len("learner."):] for line in expected))
+    assert parsed.debug_string() == cfg.debug_string()
+    learner = parsed.set(name="learner").instantiate(parent=None)
+    params = model_params(np.random.default_rng(RNG_SEED))
+    state = learner.init(params)
+    _, _, summaries = learner.update(params, jax.tree.map(jnp.ones_like, params), state)
+    assert float(summaries["learning_rate"]) == 0.0  # Warmup starts at begin_value=0.
+
+
+def test_bad_update_rules_name_the_config_path():
+    with pytest.raises(ConfigError, match=r"learner.update_rules\[0\].*'freeze'"):
+        sgd_learner(update_rules=[(".*", "freeze")])
+
+
+# ----- gradients -----
+
+
+def regression_loss(params, inputs, prng_key):
+    del prng_key
+    pred = jnp.tanh(inputs["x"] @ params["w"]) @ params["v"]
+    per_example = jnp.square(pred[:, 0] - inputs["y"])
+    aux = dict(
+        mse=WeightedScalar(mean=jnp.mean(per_example), weight=jnp.asarray(inputs["y"].shape[0], jnp.float32)),
+        examples=jnp.asarray(inputs["y"].shape[0], jnp.int32),
+    )
+    return jnp.mean(per_example), aux
+
+
+def test_gradient_accumulation_equals_one_full_batch_step():
+    rng = np.random.default_rng(RNG_SEED)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 6)), jnp.float32),
+              "v": jnp.asarray(rng.normal(size=(6, 1)), jnp.float32)}
+    inputs = {"x": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
+              "y": jnp.asarray(rng.normal(size=(8,)), jnp.float32)}
+    full = sgd_learner()
+    accumulated = sgd_learner(gradient_accumulation_steps=4)
+    loss, aux, grads = full.compute_gradients(regression_loss, params, inputs, jax.random.PRNGKey(0))
+    acc_loss, acc_aux, acc_grads = jax.jit(
+        lambda p, i: accumulated.compute_gradients(regression_loss, p, i, jax.random.PRNGKey(0))
+    )(params, inputs)
+    np.testing.assert_allclose(acc_loss, loss, rtol=1e-6)
+    for name in params:
+        np.testing.assert_allclose(acc_grads[name], grads[name], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(acc_aux["mse"].mean, aux["mse"].mean, rtol=1e-6)
+    assert float(acc_aux["mse"].weight) == 8.0 and int(acc_aux["examples"]) == 8
+    # The same optimizer step follows from either.
+    state = full.init(params)
+    new_full, _, _ = full.update(params, grads, state)
+    new_acc, _, _ = accumulated.update(params, acc_grads, state)
+    for name in params:
+        np.testing.assert_allclose(new_acc[name], new_full[name], rtol=1e-6, atol=1e-6)
+
+
+def test_gradient_accumulation_rejects_a_batch_it_cannot_split():
+    learner = sgd_learner(gradient_accumulation_steps=3)
+    params = {"w": jnp.zeros((4, 6)), "v": jnp.zeros((6, 1))}
+    inputs = {"x": jnp.zeros((8, 4)), "y": jnp.zeros((8,))}
+    with pytest.raises(ValueError, match="input 'x' of shape \\(8, 4\\).*=3"):
+        learner.compute_gradients(regression_loss, params, inputs, None)
+
+
+# ----- updates and summaries -----
+
+
+def test_update_applies_the_optimizer_and_reports_norms():
+    rng = np.random.default_rng(RNG_SEED)
+    params = model_params(rng)
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    learner = sgd_learner()
+    state = learner.init(params)
+    new_params, _, summaries = jax.jit(learner.update)(params, grads, state)
+    g = np.concatenate([np.ravel(x) for x in jax.tree.leaves(grads)]).astype(np.float64)
+    scale = min(1.0, 1.0 / np.linalg.norm(g))  # max_norm=1.
+    expected = jax.tree.map(lambda p, g_: np.asarray(p) - 0.1 * scale * np.asarray(g_), params, grads)
+    for got, want in zip(jax.tree.leaves(new_params), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    p_new = np.concatenate([np.ravel(x) for x in jax.tree.leaves(expected)])
+    np.testing.assert_allclose(summaries["gradient_norm"], np.linalg.norm(g), rtol=1e-6)
+    np.testing.assert_allclose(summaries["update_norm"], 0.1 * scale * np.linalg.norm(g), rtol=1e-5)
+    np.testing.assert_allclose(summaries["parameter_norm"], np.linalg.norm(p_new), rtol=1e-6)
+    np.testing.assert_allclose(summaries["learning_rate"], 0.1, rtol=1e-7)
+    assert int(summaries["skipped_steps"]) == 0
+
+
+def test_skipped_steps_are_counted_and_leave_params_unchanged():
+    params = model_params(np.random.default_rng(RNG_SEED))
+    learner = sgd_learner()
+    state = learner.init(params)
+    bad = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
+    new_params, state, summaries = learner.update(params, bad, state)
+    new_params, state, summaries = learner.update(new_params, bad, state)
+    assert int(summaries["skipped_steps"]) == 2
+    for got, want in zip(jax.tree.leaves(new_params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_skipped_steps_is_zero_without_skip_and_clip():
+    cfg = Learner.default_config().set(
+        name="learner", optimizer=config_for_function(opt.adamw_optimizer).set(learning_rate=0.1)
+    )
+    learner = cfg.instantiate(parent=None)
+    params = {"w": jnp.ones(3)}
+    _, _, summaries = learner.update(params, {"w": jnp.ones(3)}, learner.init(params))
+    assert int(summaries["skipped_steps"]) == 0
+
+
+def test_no_update_params_are_unchanged_and_have_no_optimizer_state():
+    params = model_params(np.random.default_rng(RNG_SEED))
+    cfg = Learner.default_config().set(
+        name="learner",
+        optimizer=config_for_function(opt.adamw_optimizer).set(learning_rate=0.1),
+        update_rules=[(".*/norm/.*", "no_update"), (".*", "all")],
+    )
+    learner = cfg.instantiate(parent=None)
+    state = learner.init(params)
+    adam = state["optimizer"][0]
+    assert adam.mu["decoder"]["norm"]["scale"] is None
+    assert adam.mu["decoder"]["linear"]["weight"].shape == (3, 2)
+    specs = learner.create_state_partition_specs(specs_of(params))
+    assert jax.tree.structure(specs) == jax.tree.structure(state)
+    grads = jax.tree.map(jnp.ones_like, params)
+    new_params, new_state, _ = learner.update(params, grads, state)
+    np.testing.assert_array_equal(new_params["decoder"]["norm"]["scale"], np.ones(3))
+    assert not np.allclose(new_params["decoder"]["linear"]["weight"], params["decoder"]["linear"]["weight"])
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+
+
+def test_per_variable_summaries_name_each_parameter():
+    params = model_params(np.random.default_rng(RNG_SEED))
+    learner = sgd_learner(enable_per_variable_summaries=True)
+    grads = jax.tree.map(jnp.ones_like, params)
+    _, _, summaries = learner.update(params, grads, learner.init(params))
+    np.testing.assert_allclose(summaries["gradient_norm/decoder/norm/scale"], np.sqrt(3.0), rtol=1e-6)
+    assert {"parameter_norm/decoder/linear/weight", "update_norm/decoder/emb/token_emb/weight"} <= set(summaries)
+
+
+def test_ema_tracks_the_updated_parameters():
+    params = {"w": jnp.zeros(2)}
+    cfg = Learner.default_config().set(
+        name="learner",
+        optimizer=config_for_function(opt.sgd_optimizer).set(learning_rate=1.0),
+        ema=config_for_function(opt.param_ema).set(decay=0.5),
+    )
+    learner = cfg.instantiate(parent=None)
+    state = learner.init(params)
+    params, state, _ = learner.update(params, {"w": -jnp.ones(2)}, state)  # w = 1.
+    params, state, _ = learner.update(params, {"w": -jnp.ones(2)}, state)  # w = 2.
+    # Debiased: (0.5 * 0.5 * 1 + 0.5 * 2) / (1 - 0.25) = 5/3.
+    np.testing.assert_allclose(state["ema"].ema["w"], [5 / 3, 5 / 3], rtol=1e-6)
+
+
+def test_param_specs_give_the_optimizer_weight_decay_scales():
+    params = model_params(np.random.default_rng(RNG_SEED))
+    specs = specs_of(params)
+    specs["decoder"]["norm"]["scale"].weight_decay_scale = 0.0
+    cfg = Learner.default_config().set(
+        name="learner",
+        optimizer=config_for_function(opt.sgd_optimizer).set(learning_rate=1.0, weight_decay=0.1),
+    )
+    learner = cfg.instantiate(parent=None)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    new_params, _, _ = learner.update(
+        params, zeros, learner.init(params, param_specs=specs), param_specs=specs
+    )
+    np.testing.assert_array_equal(new_params["decoder"]["norm"]["scale"], np.ones(3))
+    np.testing.assert_allclose(
+        new_params["decoder"]["linear"]["weight"], 0.9 * params["decoder"]["linear"]["weight"], rtol=1e-6
+    )
+
+
+# ----- regularizer dumps -----
+
+
+def test_regularizer_lines_list_effective_weight_decay_scales_sorted_by_path():
+    params = model_params(np.random.default_rng(RNG_SEED))
+    specs = specs_of(params)
+    specs["decoder"]["norm"]["scale"].weight_decay_scale = 0.0
+    cfg = Learner.default_config().set(
+        optimizer=config_for_function(opt.adamw_optimizer).set(
+            learning_rate=0.1,
+            weight_decay=0.1,
+            weight_decay_per_param_scale=config_for_function(opt.per_param_scale_by_path).set(
+                description="wd", scale_by_path=[(".*linear.*", 0.25)]
+            ),
+        ),
+        update_rules=[(".*emb.*", "no_update")],
+    )
+    assert regularizer_lines(cfg, specs) == [
+        "====================weight_decay_scale root.optimizer====================",
+        "decoder/emb/token_emb/weight: 0",
+        "decoder/linear/weight: 0.25",
+        "decoder/norm/scale: 0",
+    ]
+
+
+def test_regularizer_lines_of_the_spec_learner_are_all_one_without_spec_scales():
+    params = model_params(np.random.default_rng(RNG_SEED))
+    lines = regularizer_lines(spec_learner_config(), specs_of(params))
+    assert lines[1:] == [
+        "decoder/emb/token_emb/weight: 1", "decoder/linear/weight: 1", "decoder/norm/scale: 1"
+    ]
+
+
+# ----- sharding -----
+
+SHARDED_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    import numpy as np
+    from axlearn.common import optimizers as opt
+    from axlearn.common.base_layer import ParameterSpec
+    from axlearn.common.config import config_for_function
+    from axlearn.common.learner import Learner
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "model"))
+    specs = {
+        "w": ParameterSpec(shape=[16, 8], dtype=jnp.float32, mesh_axes=("fsdp", "model")),
+        "norm": ParameterSpec(shape=[8], dtype=jnp.float32, mesh_axes=(None,)),
+    }
+    optimizer = config_for_function(opt.skip_and_clip_by_global_norm).set(
+        inner=config_for_function(opt.adamw_optimizer).set(learning_rate=0.1),
+        drop_norm=100.0, max_norm=1.0)
+    learner = Learner.default_config().set(
+        name="learner", optimizer=optimizer,
+        ema=config_for_function(opt.param_ema).set(decay=0.9)).instantiate(parent=None)
+    to_sharding = lambda s: NamedSharding(mesh, s.partition_spec)
+    is_spec = lambda x: isinstance(x, ParameterSpec)
+    state_shardings = jax.tree.map(
+        to_sharding, learner.create_state_partition_specs(specs), is_leaf=is_spec)
+    param_shardings = jax.tree.map(to_sharding, specs, is_leaf=is_spec)
+    params = jax.jit(lambda: jax.tree.map(lambda s: jnp.ones(s.shape), specs, is_leaf=is_spec),
+                     out_shardings=param_shardings)()
+    state = jax.jit(lambda p: learner.init(p, param_specs=specs), out_shardings=state_shardings)(params)
+    step = jax.jit(lambda p, g, s: learner.update(p, g, s, param_specs=specs)[:2],
+                   out_shardings=(param_shardings, state_shardings))
+    params, state = step(params, jax.tree.map(jnp.ones_like, params), state)
+    mu = state["optimizer"].inner_state[0].mu["w"]
+    assert mu.sharding.spec == jax.sharding.PartitionSpec("fsdp", "model"), mu.sharding
+    assert mu.addressable_shards[0].data.shape == (4, 4)
+    assert state["ema"].ema["w"].addressable_shards[0].data.shape == (4, 4)
+    assert state["optimizer"].nonvalid_count.sharding.is_fully_replicated
+    print("OK")
+    """
+)
+
+
+def test_learner_state_is_sharded_like_the_parameters_on_a_mesh():
+    result = subprocess.run(
+        [sys.executable, "-c", SHARDED_SCRIPT],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]

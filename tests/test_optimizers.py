@@ -1,0 +1,542 @@
+"""Optimizers against optax, torch and NumPy re-derivations of their published update rules."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from axlearn.common import optimizers as opt
+from axlearn.common import schedule
+from axlearn.common.base_layer import ParameterSpec
+from axlearn.common.config import ConfigError, config_for_function
+from axlearn.common.param_init import FanAxes
+
+RNG_SEED = 0
+
+
+def random_tree(rng, shapes, scale=1.0):
+    return {name: jnp.asarray(rng.normal(size=shape) * scale, jnp.float32) for name, shape in shapes.items()}
+
+
+def to_numpy(tree):
+    return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+def run_steps(transformation, params, grads_seq, *, specs=None, jit=True):
+    """Applies `transformation` for every gradient tree; returns (params, state)."""
+    wrapped = (lambda p: opt.with_param_specs(p, specs)) if specs is not None else (lambda p: p)
+    state = transformation.init(wrapped(params))
+
+    def step(params, state, grads):
+        updates, state = transformation.update(grads, state, wrapped(params))
+        return jax.tree.map(lambda p, u: p + u, params, updates), state
+
+    step = jax.jit(step) if jit else step
+    for grads in grads_seq:
+        params, state = step(params, state, grads)
+    return params, state
+
+
+SHAPES = {"w": (6, 5), "b": (5,), "v": (3, 4, 2)}
+
+
+def test_adamw_matches_optax_adamw_over_100_random_steps():
+    rng = np.random.default_rng(RNG_SEED)
+    params = random_tree(rng, SHAPES)
+    grads_seq = [random_tree(rng, SHAPES) for _ in range(100)]
+    lr = lambda count: 0.01 / jnp.sqrt(1.0 + count)  # noqa: E731
+    ours = opt.adamw_optimizer(lr, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1)
+    reference = optax.adamw(lr, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1)
+    ref_params, ref_state = params, reference.init(params)
+    got_params, got_state = params, ours.init(params)
+    for grads in grads_seq:
+        updates, ref_state = reference.update(grads, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+        updates, got_state = ours.update(grads, got_state, got_params)
+        got_params = jax.tree.map(lambda p, u: p + u, got_params, updates)
+        for name in SHAPES:
+            np.testing.assert_allclose(got_params[name], ref_params[name], atol=1e-6, rtol=0)
+
+
+def test_adamw_reports_its_learning_rate_for_the_next_step():
+    ours = opt.adamw_optimizer(lambda count: 0.5 * (count + 1))
+    state = ours.init({"w": jnp.zeros(3)})
+    assert float(ours.learning_rate_at(state)) == 0.5
+    _, state = ours.update({"w": jnp.ones(3)}, state, {"w": jnp.zeros(3)})
+    assert float(ours.learning_rate_at(state)) == 1.0
+
+
+def test_adamw_decoupled_decays_weights_independently_of_the_learning_rate():
+    rng = np.random.default_rng(RNG_SEED)
+    params = random_tree(rng, {"w": (4, 3)})
+    grads_seq = [random_tree(rng, {"w": (4, 3)}) for _ in range(5)]
+    sched = lambda t: 1.0 / (1.0 + t)  # noqa: E731
+    got, _ = run_steps(
+        opt.adamw_decoupled_optimizer(
+            1e-3, b1=0.9, b2=0.99, eps=1e-8, update_schedule=sched, weight_decay=0.05
+        ),
+        params,
+        grads_seq,
+    )
+    p, m, v = to_numpy(params)["w"], 0.0, 0.0
+    for t, g in enumerate(to_numpy(grads_seq)):
+        g = g["w"]
+        m, v = 0.9 * m + 0.1 * g, 0.99 * v + 0.01 * g * g
+        adam = (m / (1 - 0.9 ** (t + 1))) / (np.sqrt(v / (1 - 0.99 ** (t + 1))) + 1e-8)
+        p = p - sched(t) * (1e-3 * adam + 0.05 * p)
+    np.testing.assert_allclose(got["w"], p, atol=1e-6)
+
+
+# ----- Adastar -----
+
+
+def adastar_reference(params, grads_seq, *, lr, b1, b1_debias, b2, b2_debias, eps, eps_square,
+                      threshold, b3, b3_debias, weight_decay, sched, update_scale):
+    params = to_numpy(params)
+    state = {k: dict(m=0.0, v=0.0, u=0.0) for k in params}
+    for t, grads in enumerate(to_numpy(grads_seq)):
+        for name, g in grads.items():
+            s = state[name]
+            if b1 is None:
+                m_hat = g
+            else:
+                s["m"] = b1 * s["m"] + (1 - b1) * g
+                m_hat = s["m"] / (1 - b1 ** (t + 1)) if b1_debias else s["m"]
+            s["v"] = b2 * s["v"] + (1 - b2) * (g * g + eps_square)
+            v_hat = s["v"] / (1 - b2 ** (t + 1)) if b2_debias else s["v"]
+            raw = m_hat / (np.sqrt(v_hat) + eps)
+            if threshold is not None:
+                raw = raw / max(1.0, np.sqrt(np.mean(raw**2)) / threshold)
+            if b3 is None:
+                u_hat = raw
+            else:
+                s["u"] = b3 * s["u"] + (1 - b3) * raw
+                u_hat = s["u"] / (1 - b3 ** (t + 1)) if b3_debias else s["u"]
+            u_hat = u_hat * update_scale(name)
+            params[name] = params[name] - sched(t) * (lr * u_hat + weight_decay * params[name])
+    return params
+
+
+def adastar_case(b1, b3, threshold, transformation):
+    rng = np.random.default_rng(RNG_SEED)
+    params = random_tree(rng, SHAPES)
+    grads_seq = [random_tree(rng, SHAPES, scale=0.1) for _ in range(20)]
+    sched_cfg = config_for_function(schedule.cosine_with_linear_warmup).set(
+        peak_lr=1.0, max_step=20, warmup_steps=4, begin_value=0.0, alpha=0.1
+    )
+    kwargs = dict(
+        gradient_ema_decay=b1,
+        gradient_ema_debias=None if b1 is None else True,
+        gradient_square_ema_decay=0.95,
+        gradient_square_ema_debias=True,
+        eps=1e-6,
+        eps_square=1e-30,
+        raw_update_clipping_threshold=threshold,
+        update_ema_decay=b3,
+        update_ema_debias=False,
+        weight_decay=0.01,
+        update_schedule=sched_cfg,
+    )
+    ours = opt.adastar_optimizer(0.05, adam_update_transformation=transformation, **kwargs)
+    got, _ = run_steps(ours, params, grads_seq)
+    sched = schedule.as_schedule_fn(sched_cfg)
+    expected = adastar_reference(
+        params, grads_seq, lr=0.05, b1=b1, b1_debias=True, b2=0.95, b2_debias=True, eps=1e-6,
+        eps_square=1e-30, threshold=threshold, b3=b3, b3_debias=False, weight_decay=0.01,
+        sched=lambda t: float(sched(t)), update_scale=lambda name: 0.25 if name == "w" else 1.0,
+    )
+    for name in SHAPES:
+        np.testing.assert_allclose(got[name], expected[name], atol=2e-6, rtol=1e-5)
+
+
+def mup_transformation():
+    return config_for_function(opt.scale_update_per_param).set(
+        per_param_scale=config_for_function(opt.per_param_scale_by_path).set(
+            description="test_mup", scale_by_path=[("w", 0.25)], default_scale=1.0
+        )
+    )
+
+
+def test_adastar_with_the_specs_settings_matches_numpy():
+    # No gradient EMA, clipped raw updates, an update EMA and muP scales, as in the spec.
+    adastar_case(b1=None, b3=0.95, threshold=1.0, transformation=mup_transformation())
+
+
+def test_adastar_with_a_debiased_gradient_ema_matches_numpy():
+    adastar_case(b1=0.9, b3=None, threshold=None, transformation=mup_transformation())
+
+
+def test_adastar_rejects_a_missing_debias_switch():
+    with pytest.raises(ConfigError, match="gradient_ema_debias"):
+        opt.adastar_optimizer(
+            0.1, gradient_ema_decay=0.9, gradient_ema_debias=None, gradient_square_ema_decay=0.9,
+            gradient_square_ema_debias=True, eps=0, eps_square=1e-30,
+            raw_update_clipping_threshold=None, update_ema_decay=None, update_ema_debias=False,
+            update_schedule=1.0,
+        )
+
+
+# ----- Lion, SGD, Adafactor -----
+
+
+def test_lion_matches_numpy():
+    rng = np.random.default_rng(RNG_SEED)
+    params = random_tree(rng, SHAPES)
+    grads_seq = [random_tree(rng, SHAPES) for _ in range(10)]
+    got, _ = run_steps(opt.lion_optimizer(1e-3, b1=0.9, b2=0.99, weight_decay=0.1), params, grads_seq)
+    ref, m = to_numpy(params), {k: 0.0 for k in SHAPES}
+    for grads in to_numpy(grads_seq):
+        for name, g in grads.items():
+            c = 0.9 * m[name] + 0.1 * g
+            ref[name] = ref[name] - 1e-3 * (np.sign(c) + 0.1 * ref[name])
+            m[name] = 0.99 * m[name] + 0.01 * g
+    for name in SHAPES:
+        np.testing.assert_allclose(got[name], ref[name], atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_matches_torch(nesterov):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(RNG_SEED)
+    params = random_tree(rng, SHAPES)
+    grads_seq = [random_tree(rng, SHAPES) for _ in range(10)]
+    got, _ = run_steps(
+        opt.sgd_optimizer(0.1, momentum=0.9, nesterov=nesterov, weight_decay=0.01), params, grads_seq
+    )
+    tensors = {k: torch.tensor(np.asarray(v), requires_grad=True) for k, v in params.items()}
+    reference = torch.optim.SGD(
+        list(tensors.values()), lr=0.1, momentum=0.9, nesterov=nesterov, weight_decay=0.01
+    )
+    for grads in grads_seq:
+        for name, t in tensors.items():
+            t.grad = torch.tensor(np.asarray(grads[name]))
+        reference.step()
+    for name in SHAPES:
+        np.testing.assert_allclose(got[name], tensors[name].detach().numpy(), atol=1e-6)
+
+
+def adafactor_reference(params, grads_seq, *, lr, b1, clip, eps, eps_scale, weight_decay,
+                        factored_names):
+    """Shazeer & Stern (2018), Algorithms 4-5, with row/column *sums* as in the paper."""
+    params = to_numpy(params)
+    state = {k: {} for k in params}
+    for t, grads in enumerate(to_numpy(grads_seq)):
+        beta = 1.0 - (t + 1.0) ** -0.8
+        for name, g in grads.items():
+            s, g2 = state[name], g * g + eps
+            if name in factored_names:  # Each trailing matrix separately.
+                row = beta * s.get("r", 0.0) + (1 - beta) * g2.sum(axis=-1)
+                col = beta * s.get("c", 0.0) + (1 - beta) * g2.sum(axis=-2)
+                s["r"], s["c"] = row, col
+                v = row[..., :, None] * col[..., None, :] / row.sum(axis=-1)[..., None, None]
+            else:
+                v = s["v"] = beta * s.get("v", 0.0) + (1 - beta) * g2
+            u = g / np.sqrt(v)
+            u = u / max(1.0, np.sqrt(np.mean(u**2)) / clip)
+            if b1 is not None:
+                u = s["m"] = b1 * s.get("m", 0.0) + (1 - b1) * u
+            alpha = lr * max(eps_scale, np.sqrt(np.mean(params[name] ** 2)))
+            params[name] = params[name] - alpha * u - lr * weight_decay * params[name]
+    return params
+
+
+def test_adafactor_matches_numpy():
+    rng = np.random.default_rng(RNG_SEED)
+    shapes = {"w": (6, 5), "b": (5,), "stack": (2, 4, 3), "thin": (6, 1)}
+    params = random_tree(rng, shapes)
+    grads_seq = [random_tree(rng, shapes) for _ in range(10)]
+    ours = opt.adafactor_optimizer(
+        0.01, b1=0.9, clipping_threshold=1.0, min_dim_size_to_factor=3, weight_decay=0.1
+    )
+    got, state = run_steps(ours, params, grads_seq)
+    expected = adafactor_reference(
+        params, grads_seq, lr=0.01, b1=0.9, clip=1.0, eps=1e-30, eps_scale=1e-3,
+        weight_decay=0.1, factored_names={"w", "stack"},
+    )
+    assert state.v_row["w"].shape == (6,) and state.v_col["stack"].shape == (2, 3)
+    assert state.v_row["thin"] is None and state.v["thin"].shape == (6, 1)
+    for name in shapes:
+        np.testing.assert_allclose(got[name], expected[name], atol=1e-6, rtol=1e-5)
+
+
+def test_adafactor_factors_the_axes_the_spec_names():
+    spec = ParameterSpec(shape=[4, 3, 5], dtype=jnp.float32, mesh_axes=("fsdp", None, "model"),
+                         factorization=("col", None, "row"))
+    state_specs = opt.adafactor_optimizer(0.1, min_dim_size_to_factor=1).partition({"w": spec})
+    # v_row averages over the 'col' axis (0); v_col over the 'row' axis (2).
+    assert state_specs.v_row["w"].shape == [3, 5]
+    assert tuple(state_specs.v_row["w"].mesh_axes) == (None, "model")
+    assert state_specs.v_col["w"].shape == [4, 3]
+    assert tuple(state_specs.v_col["w"].mesh_axes) == ("fsdp", None)
+
+
+# ----- Muon -----
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def numpy_newton_schulz(matrix, steps=5):
+    a, b, c = NS_COEFFICIENTS
+    x = matrix / (np.linalg.norm(matrix) + 1e-7)
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.T
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transposed else x
+
+
+def test_muon_matches_numpy_for_matrices_stacks_and_adamw_params():
+    rng = np.random.default_rng(RNG_SEED)
+    layers, d, n, h = 2, 8, 2, 3
+    shapes = {
+        "emb": {"weight": (10, d)},  # Embedding: AdamW.
+        "ffn": {"weight": (d, 12)},  # Matrix: Muon.
+        "qkv": {"weight": (layers, d, n, h)},  # Stacked [D, N, H] weights: Muon per layer.
+        "o": {"weight": (layers, d, n, h)},  # Stacked output projections: in=(N, H), out=D.
+        "norm": {"scale": (d,)},  # AdamW.
+    }
+    flat = {f"{k}/{n_}": s for k, v in shapes.items() for n_, s in v.items()}
+    params = {k: random_tree(rng, v) for k, v in shapes.items()}
+    grads_seq = [{k: random_tree(rng, v) for k, v in shapes.items()} for _ in range(4)]
+    fan_axes = {
+        "qkv/weight": FanAxes(in_axis=-3, out_axis=(-2, -1)).prepend_axis(),
+        "o/weight": FanAxes(in_axis=(-2, -1), out_axis=-3).prepend_axis(),
+    }
+    specs = {
+        k: {n_: ParameterSpec(shape=list(s), dtype=jnp.float32, fan_axes=fan_axes.get(f"{k}/{n_}"))
+            for n_, s in v.items()}
+        for k, v in shapes.items()
+    }
+    lr, adam_lr, mom, wd = 0.02, 0.003, 0.95, 0.1
+    ours = opt.muon_optimizer(
+        lr, momentum=mom, ns_dtype=jnp.float32, weight_decay=wd, adamw_learning_rate=adam_lr
+    )
+    got, state = run_steps(ours, params, grads_seq, specs=specs)
+    assert state.momentum["emb"]["weight"] is None and state.mu["qkv"]["weight"] is None
+
+    def orthogonal_update(name, d_):
+        if name == "ffn/weight":
+            return numpy_newton_schulz(d_) * math.sqrt(max(1.0, 12 / d))
+        out = np.empty_like(d_)
+        for layer in range(layers):
+            if name == "qkv/weight":  # [D, N*H]
+                o = numpy_newton_schulz(d_[layer].reshape(d, n * h))
+                out[layer] = (o * math.sqrt(max(1.0, n * h / d))).reshape(d, n, h)
+            else:  # [N*H, D]
+                m = np.transpose(d_[layer], (1, 2, 0)).reshape(n * h, d)
+                o = numpy_newton_schulz(m) * math.sqrt(max(1.0, d / (n * h)))
+                out[layer] = np.transpose(o.reshape(n, h, d), (2, 0, 1))
+        return out
+
+    ref = {k: to_numpy(params)[k.split("/")[0]][k.split("/")[1]] for k in flat}
+    buf = {k: 0.0 for k in flat}
+    mu, nu = dict(buf), dict(buf)
+    for t, grads in enumerate(grads_seq):
+        for name in flat:
+            g = np.asarray(grads[name.split("/")[0]][name.split("/")[1]], np.float64)
+            if name in ("emb/weight", "norm/scale"):
+                mu[name] = 0.9 * mu[name] + 0.1 * g
+                nu[name] = 0.95 * nu[name] + 0.05 * g * g
+                step = (mu[name] / (1 - 0.9 ** (t + 1))) / (
+                    np.sqrt(nu[name] / (1 - 0.95 ** (t + 1))) + 1e-8
+                )
+                ref[name] = ref[name] - adam_lr * (step + wd * ref[name])
+            else:
+                buf[name] = mom * buf[name] + (1 - mom) * g
+                d_ = (1 - mom) * g + mom * buf[name]  # Nesterov.
+                ref[name] = ref[name] - lr * (orthogonal_update(name, d_) + wd * ref[name])
+    for name in flat:
+        k, n_ = name.split("/")
+        np.testing.assert_allclose(got[k][n_], ref[name], atol=2e-5, err_msg=name)
+
+
+def test_newton_schulz_in_bf16_brings_singular_values_near_one():
+    rng = np.random.default_rng(RNG_SEED)
+    x = jnp.asarray(rng.normal(size=(3, 64, 32)), jnp.float32)
+    o = opt.newton_schulz_orthogonalize(x)  # bf16 by default.
+    singular_values = np.linalg.svd(np.asarray(o), compute_uv=False)
+    # The quintic iteration trades exactness for speed: values land around [0.7, 1.2].
+    assert np.all(np.isfinite(singular_values))
+    assert singular_values.min() > 0.5 and singular_values.max() < 1.3
+
+
+# ----- clipping, skipping, scaling, EMA, chain -----
+
+
+def test_clip_by_global_norm_scales_to_max_norm():
+    grads = {"a": jnp.array([3.0, 0.0]), "b": jnp.array([[4.0]])}  # Norm 5.
+    clipped, _ = opt.clip_by_global_norm(1.0, eps=0.0).update(grads, opt.EmptyState())
+    np.testing.assert_allclose(clipped["a"], [0.6, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(clipped["b"], [[0.8]], rtol=1e-6)
+
+
+def skip_clip_adamw():
+    return opt.skip_and_clip_by_global_norm(
+        config_for_function(opt.adamw_optimizer).set(learning_rate=0.1),
+        drop_norm=10.0,
+        max_norm=1.0,
+    )
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), 20.0])
+def test_skip_and_clip_leaves_params_and_state_untouched_on_a_bad_gradient(bad_value):
+    transformation = skip_clip_adamw()
+    params = {"w": jnp.arange(4.0)}
+    state = transformation.init(params)
+    # One good step first, so the moments are non-zero.
+    updates, state = transformation.update({"w": jnp.full(4, 0.1)}, state, params)
+    params = jax.tree.map(jnp.add, params, updates)
+    updates, new_state = jax.jit(transformation.update)(
+        {"w": jnp.array([bad_value, 0.0, 0.0, 0.0])}, state, params
+    )
+    np.testing.assert_array_equal(updates["w"], np.zeros(4))
+    for old, new in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(new_state.inner_state)):
+        np.testing.assert_array_equal(old, new)
+    assert int(new_state.nonvalid_count) == 1
+    assert int(new_state.inner_state[0].count) == 1
+
+
+def test_skip_and_clip_clips_valid_gradients_before_the_inner_optimizer():
+    transformation = opt.skip_and_clip_by_global_norm(
+        opt.sgd_optimizer(1.0), drop_norm=100.0, max_norm=2.0, eps=0.0
+    )
+    grads = {"w": jnp.array([6.0, 8.0])}  # Norm 10: scaled by 0.2.
+    updates, state = transformation.update(grads, transformation.init(grads), grads)
+    np.testing.assert_allclose(updates["w"], [-1.2, -1.6], rtol=1e-6)
+    assert int(state.nonvalid_count) == 0
+
+
+def test_per_param_scale_by_path_uses_the_first_full_match():
+    fn = opt.per_param_scale_by_path(
+        description="t",
+        scale_by_path=[(".*attn/weight", 0.5), (".*weight", 0.25), ("attn", 9.0)],
+        default_scale=2.0,
+    )
+    tree = {"attn": {"weight": jnp.zeros(2), "bias": jnp.zeros(2)}, "ffn": {"weight": jnp.zeros(3)}}
+    assert fn(tree) == {"attn": {"weight": 0.5, "bias": 2.0}, "ffn": {"weight": 0.25}}
+
+
+def test_scale_update_per_param_multiplies_each_update():
+    t = opt.scale_update_per_param(
+        config_for_function(opt.per_param_scale_by_path).set(
+            description="t", scale_by_path=[("a", 0.5)], default_scale=3.0
+        )
+    )
+    updates, _ = t.update({"a": jnp.ones(2), "b": jnp.ones(1)}, t.init({}))
+    np.testing.assert_allclose(updates["a"], [0.5, 0.5])
+    np.testing.assert_allclose(updates["b"], [3.0])
+
+
+def test_weight_decay_scales_come_from_specs_and_per_param_functions():
+    params = {"norm": {"scale": jnp.ones(3)}, "w": jnp.ones(3), "v": jnp.ones(3)}
+    specs = jax.tree.map(lambda p: ParameterSpec(shape=list(p.shape), dtype=p.dtype), params)
+    specs["norm"]["scale"].weight_decay_scale = 0.0
+    per_param = config_for_function(opt.per_param_scale_by_path).set(
+        description="wd", scale_by_path=[("v", 0.5)]
+    )
+    t = opt.sgd_optimizer(1.0, weight_decay=0.1, weight_decay_per_param_scale=per_param)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    wrapped = opt.with_param_specs(params, specs)
+    updates, _ = t.update(zeros, t.init(wrapped), wrapped)
+    np.testing.assert_allclose(updates["norm"]["scale"], np.zeros(3))
+    np.testing.assert_allclose(updates["w"], np.full(3, -0.1), rtol=1e-6)
+    np.testing.assert_allclose(updates["v"], np.full(3, -0.05), rtol=1e-6)
+
+
+def test_param_ema_is_the_debiased_average_of_updated_params():
+    decay = 0.9
+    t = opt.param_ema(decay)
+    params = {"w": jnp.zeros(2)}
+    state = t.init(params)
+    rng = np.random.default_rng(RNG_SEED)
+    biased, p = np.zeros(2), np.zeros(2)
+    for step in range(1, 6):
+        updates = {"w": jnp.asarray(rng.normal(size=2), jnp.float32)}
+        _, state = t.update(updates, state, params)
+        params = jax.tree.map(jnp.add, params, updates)
+        p = np.asarray(params["w"], np.float64)
+        biased = decay * biased + (1 - decay) * p
+        np.testing.assert_allclose(state.ema["w"], biased / (1 - decay**step), rtol=1e-5)
+
+
+def test_param_ema_without_decay_keeps_no_state():
+    t = opt.param_ema()
+    assert jax.tree.leaves(t.init({"w": jnp.ones(3)})) == []
+    assert jax.tree.leaves(t.partition({"w": ParameterSpec(shape=[3])})) == []
+
+
+def test_chain_applies_in_order_and_takes_configs():
+    t = opt.chain(
+        transformations=[
+            config_for_function(opt.clip_by_global_norm).set(max_norm=1.0, eps=0.0),
+            opt.sgd_optimizer(0.5),
+        ]
+    )
+    updates, state = t.update({"w": jnp.array([3.0, 4.0])}, t.init({"w": jnp.zeros(2)}))
+    np.testing.assert_allclose(updates["w"], [-0.3, -0.4], rtol=1e-6)
+    assert float(t.learning_rate_at(state)) == 0.5
+
+
+# ----- partitioning -----
+
+
+def sharded_specs():
+    return {
+        "w": ParameterSpec(shape=[256, 128], dtype=jnp.float32, mesh_axes=("fsdp", "model")),
+        "stack": ParameterSpec(
+            shape=[2, 256, 128],
+            dtype=jnp.float32,
+            mesh_axes=(None, "fsdp", "model"),
+            fan_axes=FanAxes().prepend_axis(),
+        ),
+        "emb": ParameterSpec(shape=[64, 128], dtype=jnp.float32, mesh_axes=("model", None)),
+        "norm": ParameterSpec(shape=[128], dtype=jnp.float32, mesh_axes=(None,)),
+    }
+
+
+ALL_OPTIMIZERS = {
+    "adamw": lambda: opt.adamw_optimizer(0.1, weight_decay=0.1),
+    "adamw_decoupled": lambda: opt.adamw_decoupled_optimizer(0.1, weight_decay=0.1),
+    "adastar": lambda: opt.adastar_optimizer(
+        0.1, gradient_ema_decay=0.9, gradient_ema_debias=True, gradient_square_ema_decay=0.95,
+        gradient_square_ema_debias=True, eps=0.0, eps_square=1e-30,
+        raw_update_clipping_threshold=1.0, update_ema_decay=0.9, update_ema_debias=False,
+        update_schedule=1.0, adam_update_transformation=mup_transformation(),
+    ),
+    "adafactor": lambda: opt.adafactor_optimizer(0.1, b1=0.9),
+    "lion": lambda: opt.lion_optimizer(0.1),
+    "sgd": lambda: opt.sgd_optimizer(0.1, momentum=0.9),
+    "muon": lambda: opt.muon_optimizer(0.1),
+    "skip_clip_ema_chain": lambda: opt.chain(
+        opt.skip_and_clip_by_global_norm(opt.adamw_optimizer(0.1), drop_norm=1.0, max_norm=1.0),
+        opt.param_ema(0.99),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_OPTIMIZERS))
+def test_state_specs_have_the_structure_shapes_and_dtypes_of_the_state(name):
+    transformation = ALL_OPTIMIZERS[name]()
+    specs = sharded_specs()
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), specs)
+    state_shapes = jax.eval_shape(transformation.init, opt.with_param_specs(params, specs))
+    state_specs = transformation.partition(specs)
+    assert jax.tree.structure(state_shapes) == jax.tree.structure(state_specs)
+    for shape, spec in zip(jax.tree.leaves(state_shapes), jax.tree.leaves(state_specs)):
+        assert tuple(shape.shape) == tuple(spec.shape)
+        assert shape.dtype == jnp.dtype(spec.dtype)
+        assert spec.mesh_axes is None or len(spec.mesh_axes) == len(spec.shape)
+
+
+def test_adam_moments_are_sharded_like_their_parameters_and_counts_replicated():
+    specs = sharded_specs()
+    adam_state, _ = opt.adamw_optimizer(0.1).partition(specs)
+    for name, spec in specs.items():
+        assert adam_state.mu[name].partition_spec == spec.partition_spec
+        assert adam_state.nu[name].partition_spec == spec.partition_spec
+    assert adam_state.count.shape == [] and adam_state.count.partition_spec == jax.sharding.PartitionSpec()

@@ -1,0 +1,116 @@
+"""Learning-rate schedules: values at phase boundaries, against closed-form references."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axlearn.common import schedule
+from axlearn.common.config import ConfigError, config_for_function
+
+
+def values(fn, steps):
+    return [float(fn(s)) for s in steps]
+
+
+def test_constant_schedule_is_constant():
+    fn = schedule.constant_schedule(0.3)
+    np.testing.assert_allclose(values(fn, [0, 1, 10**6]), [0.3] * 3, rtol=1e-7)
+
+
+def test_polynomial_hits_both_ends_and_holds_outside():
+    fn = schedule.polynomial(begin_step=10, begin_value=1.0, end_step=20, end_value=0.1, power=2.0)
+    got = values(fn, [0, 10, 15, 20, 30])
+    expected = [1.0, 1.0, 0.1 + 0.9 * 0.5**2, 0.1, 0.1]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_linear_is_a_straight_line():
+    fn = schedule.linear(begin_value=0.0, end_step=4, end_value=2.0)
+    np.testing.assert_allclose(values(fn, [0, 1, 2, 4, 5]), [0, 0.5, 1.0, 2.0, 2.0], rtol=1e-6)
+
+
+def test_cosine_with_linear_warmup_boundaries():
+    peak, warmup, max_step, alpha, begin = 2.0, 100, 1100, 0.1, 0.2
+    fn = schedule.cosine_with_linear_warmup(
+        peak, max_step=max_step, warmup_steps=warmup, begin_value=begin, alpha=alpha
+    )
+    mid = warmup + (max_step - warmup) // 2
+    got = values(fn, [0, warmup // 2, warmup, mid, max_step, max_step + 500])
+    cos_mid = alpha * peak + (peak - alpha * peak) * 0.5 * (1 + math.cos(math.pi * 0.5))
+    expected = [begin, (begin + peak) / 2, peak, cos_mid, alpha * peak, alpha * peak]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_cosine_with_linear_warmup_from_config_like_the_spec():
+    cfg = config_for_function(schedule.cosine_with_linear_warmup).set(
+        peak_lr=1.0, max_step=750000, warmup_steps=5000, begin_value=0.0, alpha=0.005
+    )
+    fn = schedule.as_schedule_fn(cfg)
+    np.testing.assert_allclose(values(fn, [0, 2500, 5000, 750000]), [0, 0.5, 1, 0.005], rtol=1e-5)
+
+
+def test_warmup_stable_decay_derives_the_stable_phase_from_fractions():
+    # 10% warmup, 20% decay of 1000 steps: stable from 100 to 800.
+    fn = schedule.warmup_stable_decay(
+        1.0, max_step=1000, warmup_steps=0.1, decay_steps=0.2, end_value=0.0
+    )
+    got = values(fn, [0, 50, 100, 500, 800, 900, 1000, 1200])
+    np.testing.assert_allclose(got, [0, 0.5, 1, 1, 1, 0.5, 0, 0], atol=1e-6)
+
+
+def test_warmup_stable_decay_with_cosine_decay_in_steps():
+    fn = schedule.warmup_stable_decay(
+        2.0, max_step=100, warmup_steps=10, decay_steps=40, end_value=0.5, decay_type="cosine"
+    )
+    quarter = 0.5 + 1.5 * 0.5 * (1 + math.cos(math.pi * 0.25))
+    got = values(fn, [10, 60, 70, 100, 101])
+    np.testing.assert_allclose(got, [2.0, 2.0, quarter, 0.5, 0.5], rtol=1e-6)
+
+
+def test_warmup_stable_decay_rejects_phases_longer_than_training():
+    with pytest.raises(ConfigError, match="exceed max_step"):
+        schedule.warmup_stable_decay(1.0, max_step=100, warmup_steps=60, decay_steps=50)
+
+
+def test_cyclic_wsd_decays_at_every_cycle_end_and_resumes_at_peak():
+    fn = schedule.cyclic_warmup_stable_decay(
+        1.0, cycle_ends=[100, 200, 400], warmup_steps=10, decay_steps=0.5, end_value=0.0
+    )
+    # Cycle 0: warmup to 10, stable to 50, decay to 0 at 100. Cycle 1: (100, 200], decay
+    # from 150. Cycle 2: (200, 400], decay from 300.
+    steps = [0, 5, 10, 50, 75, 100, 101, 150, 175, 200, 201, 300, 350, 400, 500]
+    expected = [0, 0.5, 1, 1, 0.5, 0, 1, 1, 0.5, 0, 1, 1, 0.5, 0, 0]
+    np.testing.assert_allclose(values(fn, steps), expected, atol=1e-6)
+
+
+def test_cyclic_wsd_rejects_unsorted_cycle_ends():
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        schedule.cyclic_warmup_stable_decay(
+            1.0, cycle_ends=[100, 50], warmup_steps=1, decay_steps=1
+        )
+
+
+def test_inverse_sqrt_warms_up_then_decays_as_one_over_sqrt_step():
+    fn = schedule.inverse_sqrt(1.0, warmup_steps=100)
+    got = values(fn, [0, 50, 100, 400, 10000])
+    np.testing.assert_allclose(got, [0, 0.5, 1.0, 0.5, 0.1], rtol=1e-6)
+
+
+def test_schedules_run_under_jit_with_traced_steps():
+    fn = schedule.warmup_stable_decay(
+        1.0, max_step=1000, warmup_steps=100, decay_steps=200, decay_type="cosine"
+    )
+    steps = jnp.array([0, 50, 100, 799, 800, 900, 1000, 1001])
+    np.testing.assert_allclose(jax.jit(fn)(steps), values(fn, list(np.asarray(steps))), rtol=1e-6)
+
+
+def test_as_schedule_fn_accepts_numbers_callables_and_configs():
+    assert float(schedule.as_schedule_fn(3)(7)) == 3.0
+    assert float(schedule.as_schedule_fn(lambda step: step * 2.0)(4)) == 8.0
+    cfg = config_for_function(schedule.constant_schedule).set(value=0.5)
+    assert float(schedule.as_schedule_fn(cfg)(9)) == 0.5
+    with pytest.raises(ConfigError, match="Expected a number"):
+        schedule.as_schedule_fn("fast")
