@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -640,3 +641,41 @@ def test_sharded_save_writes_one_chunk_per_shard(fsdp8_checkpoint):
         f for f in index["files"] if f.startswith("arrays/w/") and not f.endswith(".zarray")
     )
     assert w_files == [f"arrays/w/{i}.0" for i in range(8)]
+
+
+def test_benchmark_runs_and_restores_equal_values(tmp_path, monkeypatch, capsys):
+    from axlearn.common import checkpointer_benchmark  # pylint: disable=import-outside-toplevel
+
+    argv = ["bench", "--size=65536", "--leaves=2", "--repeats=1", f"--dir={tmp_path}"]
+    monkeypatch.setattr(sys, "argv", argv)
+    checkpointer_benchmark.main()
+    assert "values equal: True" in capsys.readouterr().out
+
+
+def test_two_processes_each_write_their_own_shards_and_restore_resharded(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    script = os.path.join(TESTS_DIR, "checkpointer_multiprocess_script.py")
+    env = dict(os.environ, PYTHONPATH=REPO_DIR, XLA_FLAGS=f"{_DEVICE_COUNT_FLAG}=4")
+    processes = [
+        subprocess.Popen(
+            [sys.executable, script, str(i), str(tmp_path), str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    for i, (process, output) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 0 and f"process {i} restored" in output, output
+    step_dir = tmp_path / step_dir_name(1)
+    with open(step_dir / "manifest_00001.json", encoding="utf-8") as f:
+        by_process_1 = set(json.load(f)["files"])
+    # Process 1 owns devices 4..7: rows 8..15 of w, and no replica 0 of the replicated r.
+    assert by_process_1 == {f"arrays/w/{i}.0" for i in range(4, 8)}
+    with open(step_dir / INDEX_FILE, encoding="utf-8") as f:
+        index = json.load(f)
+    assert {f"arrays/w/{i}.0" for i in range(8)} | {"arrays/r/0"} <= set(index["files"])

@@ -256,8 +256,70 @@ class _LeafSnapshot:
 
 
 class StateSnapshot(NamedTuple):
+    """What `save()` hands to the background writer: host copies and their metadata."""
+
     leaves: list[_LeafSnapshot]
     treedef: str  # For people reading the index; restore takes the structure from a template.
+
+
+def _start_host_copy(path: str, leaf: Any) -> Callable[[], _LeafSnapshot]:
+    """Starts copying the shards of `leaf` this process owns; the returned call waits."""
+    meta: dict[str, Any] = {}
+    if isinstance(leaf, jax.Array):
+        meta.update(shape=list(leaf.shape), dtype=str(leaf.dtype))
+        if _is_prng_key(leaf.dtype):
+            meta["prng_key_impl"] = str(jax.random.key_impl(leaf))
+            leaf = jax.random.key_data(leaf)
+        all_bounds = [
+            _normalize_index(index, leaf.shape)
+            for index in leaf.sharding.devices_indices_map(leaf.shape).values()
+        ]
+        owned = [shard for shard in leaf.addressable_shards if shard.replica_id == 0]
+        for shard in owned:
+            shard.data.copy_to_host_async()
+
+        def host_shards():
+            shards = []
+            for shard in owned:
+                data = np.asarray(shard.data)
+                if shard.device.platform == "cpu":
+                    # On CPU that is a view of the device buffer, which a donating step reuses.
+                    data = data.copy()
+                shards.append((_normalize_index(shard.index, leaf.shape), data))
+            return shards
+
+    elif isinstance(leaf, (np.ndarray, np.generic, bool, int, float)):
+        leaf = np.array(leaf)  # A copy: the caller may change its array after save().
+        meta.update(shape=list(leaf.shape), dtype=str(leaf.dtype))
+        all_bounds = [tuple((0, n) for n in leaf.shape)]
+        owned_shards = [(all_bounds[0], leaf)] if jax.process_index() == 0 else []
+
+        def host_shards():
+            return owned_shards
+
+    else:
+        raise TypeError(
+            f"State leaf '{path}' is a {type(leaf).__name__}; a checkpoint holds jax.Array, "
+            "numpy arrays and Python scalars"
+        )
+    dtype = np.dtype(leaf.dtype)
+    meta.update(
+        stored_shape=list(leaf.shape),
+        stored_dtype=_zarr_dtype(dtype),
+        chunks=_chunk_shape(leaf.shape, all_bounds, dtype.itemsize),
+    )
+    return lambda: _LeafSnapshot(path, _array_dir_name(path), meta, host_shards())
+
+
+def _check_unique_paths(paths: Sequence[str]) -> None:
+    names = [_array_dir_name(p) for p in paths]
+    if len(set(names)) != len(names):
+        seen, dups = set(), set()
+        for path, name in zip(paths, names):
+            if name in seen:
+                dups.add(path)
+            seen.add(name)
+        raise ValueError(f"State leaves share a checkpoint path: {sorted(dups)}")
 
 
 class TensorStoreStateStorage(Configurable):
@@ -334,7 +396,7 @@ class TensorStoreStateStorage(Configurable):
 
     def verify_and_read(
         self, step_dir: str, index: dict[str, Any], template: Any
-    ) -> tuple[Any, Callable[[], Any]]:
+    ) -> Callable[[], Any]:
         """Checks the template against the index and the files this process needs.
 
         Returns `read`, a call that loads the arrays into the template's shardings.
@@ -386,66 +448,6 @@ class TensorStoreStateStorage(Configurable):
             host = {b: f.result(timeout=cfg.timeout_secs) for b, f in unique.items()}
             values.append(_to_template_type(leaf, meta, regions, host))
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), values)
-
-
-def _start_host_copy(path: str, leaf: Any) -> Callable[[], _LeafSnapshot]:
-    """Starts copying the shards of `leaf` this process owns; the returned call waits."""
-    meta: dict[str, Any] = {}
-    if isinstance(leaf, jax.Array):
-        meta.update(shape=list(leaf.shape), dtype=str(leaf.dtype))
-        if _is_prng_key(leaf.dtype):
-            meta["prng_key_impl"] = str(jax.random.key_impl(leaf))
-            leaf = jax.random.key_data(leaf)
-        all_bounds = [
-            _normalize_index(index, leaf.shape)
-            for index in leaf.sharding.devices_indices_map(leaf.shape).values()
-        ]
-        owned = [shard for shard in leaf.addressable_shards if shard.replica_id == 0]
-        for shard in owned:
-            shard.data.copy_to_host_async()
-
-        def host_shards():
-            shards = []
-            for shard in owned:
-                data = np.asarray(shard.data)
-                if shard.device.platform == "cpu":
-                    # On CPU that is a view of the device buffer, which a donating step reuses.
-                    data = data.copy()
-                shards.append((_normalize_index(shard.index, leaf.shape), data))
-            return shards
-
-    elif isinstance(leaf, (np.ndarray, np.generic, bool, int, float)):
-        leaf = np.array(leaf)  # A copy: the caller may change its array after save().
-        meta.update(shape=list(leaf.shape), dtype=str(leaf.dtype))
-        all_bounds = [tuple((0, n) for n in leaf.shape)]
-        owned_shards = [(all_bounds[0], leaf)] if jax.process_index() == 0 else []
-
-        def host_shards():
-            return owned_shards
-
-    else:
-        raise TypeError(
-            f"State leaf '{path}' is a {type(leaf).__name__}; a checkpoint holds jax.Array, "
-            "numpy arrays and Python scalars"
-        )
-    dtype = np.dtype(leaf.dtype)
-    meta.update(
-        stored_shape=list(leaf.shape),
-        stored_dtype=_zarr_dtype(dtype),
-        chunks=_chunk_shape(leaf.shape, all_bounds, dtype.itemsize),
-    )
-    return lambda: _LeafSnapshot(path, _array_dir_name(path), meta, host_shards())
-
-
-def _check_unique_paths(paths: Sequence[str]) -> None:
-    names = [_array_dir_name(p) for p in paths]
-    if len(set(names)) != len(names):
-        seen, dups = set(), set()
-        for path, name in zip(paths, names):
-            if name in seen:
-                dups.add(path)
-            seen.add(name)
-        raise ValueError(f"State leaves share a checkpoint path: {sorted(dups)}")
 
 
 def _check_leaf_matches(path: str, leaf: Any, meta: dict, index_path: str) -> None:
