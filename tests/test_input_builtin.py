@@ -55,7 +55,9 @@ def test_split_is_a_stable_share_of_the_stdlib():
 def test_splits_are_disjoint_and_cover_the_corpus(tmp_path):
     files = {f"m{i}.py": f"x = {i}\n" for i in range(40)}
     _make_tree(tmp_path / "lib", files)
-    paths = build_corpus_shards(cache_dir=str(tmp_path / "cache"), validation_fraction=0.3, root=str(tmp_path / "lib"))
+    paths = build_corpus_shards(
+        cache_dir=str(tmp_path / "cache"), validation_fraction=0.3, root=str(tmp_path / "lib")
+    )
     vocab = ByteVocabulary()
     texts = {}
     for split, path in paths.items():
@@ -70,7 +72,9 @@ def test_splits_are_disjoint_and_cover_the_corpus(tmp_path):
 
 def test_second_build_reuses_the_cache_and_a_changed_file_rebuilds(tmp_path, monkeypatch):
     _make_tree(tmp_path / "lib", {f"m{i}.py": "pass\n" for i in range(60)})
-    kwargs = dict(cache_dir=str(tmp_path / "cache"), validation_fraction=0.2, root=str(tmp_path / "lib"))
+    kwargs = dict(
+        cache_dir=str(tmp_path / "cache"), validation_fraction=0.2, root=str(tmp_path / "lib")
+    )
     first = build_corpus_shards(**kwargs)
 
     def no_writes(*args, **kw):
@@ -85,13 +89,20 @@ def test_second_build_reuses_the_cache_and_a_changed_file_rebuilds(tmp_path, mon
 
 def test_empty_split_names_the_corpus(tmp_path):
     _make_tree(tmp_path / "lib", {"only.py": "pass\n"})
-    with pytest.raises(InputError, match=r"lib: the built-in corpus's '(train|validation)' split is empty"):
-        build_corpus_shards(cache_dir=str(tmp_path / "cache"), validation_fraction=0.0, root=str(tmp_path / "lib"))
+    message = r"lib: the built-in corpus's '(train|validation)' split is empty"
+    with pytest.raises(InputError, match=message):
+        build_corpus_shards(
+            cache_dir=str(tmp_path / "cache"), validation_fraction=0.0, root=str(tmp_path / "lib")
+        )
 
 
 def _builtin(tmp_path, **kwargs):
     cfg = BuiltinTextInput.default_config().set(
-        name="builtin", global_batch_size=4, max_sequence_length=256, cache_dir=str(tmp_path), **kwargs
+        name="builtin",
+        global_batch_size=4,
+        max_sequence_length=256,
+        cache_dir=str(tmp_path),
+        **kwargs,
     )
     return cfg.instantiate(parent=None)
 
@@ -117,5 +128,6 @@ def test_validation_is_a_finite_padded_pass(tmp_path):
 
 
 def test_model_vocabulary_smaller_than_bytes_is_rejected(tmp_path):
-    with pytest.raises(TokenShardError, match="vocabulary 'bytes' has 259 ids, more than the model's vocab_size 256"):
+    message = "vocabulary 'bytes' has 259 ids, more than the model's vocab_size 256"
+    with pytest.raises(TokenShardError, match=message):
         _builtin(tmp_path, is_training=True, model_vocab_size=256)

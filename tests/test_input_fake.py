@@ -80,5 +80,6 @@ def test_eval_yields_a_fixed_number_of_batches_each_pass():
 
 
 def test_indivisible_batch_is_rejected():
-    with pytest.raises(ConfigError, match="global batch size 3 is not divisible by the process count 2"):
-        _fake(batch=3, process_index=0, process_count=2)
+    message = "global batch size 3 is not divisible by the process count 2"
+    with pytest.raises(ConfigError, match=message):
+        next(iter(_fake(batch=3, process_index=0, process_count=2)))

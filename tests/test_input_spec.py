@@ -73,7 +73,9 @@ def _eval_input_config():
             max_sequence_length=4096,
             replace_newlines_with="<n>",
             train_shuffle_buffer_size=16384,
-            vocab_cfg=config_for_function(vocab).set(sentencepiece_model_name="bpe_48k_honeycrisp.model"),
+            vocab_cfg=config_for_function(vocab).set(
+                sentencepiece_model_name="bpe_48k_honeycrisp.model"
+            ),
             is_training=False,
         ),
         processor=config_for_function(input_tf_data.identity),

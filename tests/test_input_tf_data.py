@@ -60,7 +60,9 @@ def _tf_input(
     return cfg.instantiate(parent=None, **kwargs)
 
 
-def _token_input(tmp_path, *, is_training, texts=TEXTS, vocabulary=None, batch=4, length=8, newline=None):
+def _token_input(
+    tmp_path, *, is_training, texts=TEXTS, vocabulary=None, batch=4, length=8, newline=None
+):
     paths = build_token_shards(
         texts,
         vocab=vocabulary or ByteVocabulary(),
@@ -234,10 +236,13 @@ def test_tfds_input_matches_the_token_path(tfds_dir, tmp_path):
     )
     tf_batches = list(cfg.instantiate(parent=None).dataset())
     # TFDS stores examples in its own order; the token path reads them in that order.
-    raw = input_tf_data.tfds_dataset("tiny_texts", split="test", is_training=False, data_dir=tfds_dir)()
+    raw = input_tf_data.tfds_dataset(
+        "tiny_texts", split="test", is_training=False, data_dir=tfds_dir
+    )()
     texts = [example["text"].decode("utf-8") for example in raw.as_numpy_iterator()]
     assert sorted(texts) == sorted(TEXTS)
-    token_batches = list(_token_input(tmp_path, is_training=False, texts=texts, newline="<n>").dataset())
+    token_input = _token_input(tmp_path, is_training=False, texts=texts, newline="<n>")
+    token_batches = list(token_input.dataset())
     assert len(tf_batches) == len(token_batches)
     for a, b in zip(tf_batches, token_batches):
         _assert_same(a, b)
@@ -246,7 +251,11 @@ def test_tfds_input_matches_the_token_path(tfds_dir, tmp_path):
 def test_tfds_training_source_repeats_with_seeded_shuffling(tfds_dir):
     def first_texts():
         build = input_tf_data.tfds_dataset(
-            "tiny_texts", split="train", is_training=True, train_shuffle_buffer_size=8, data_dir=tfds_dir
+            "tiny_texts",
+            split="train",
+            is_training=True,
+            train_shuffle_buffer_size=8,
+            data_dir=tfds_dir,
         )
         return [x["text"] for x in build().take(9).as_numpy_iterator()]
 
@@ -259,12 +268,15 @@ def test_unprepared_tfds_dataset_names_the_directory(tmp_path):
     build = input_tf_data.tfds_dataset(
         "tiny_texts", split="test", is_training=False, data_dir=str(tmp_path / "empty")
     )
-    with pytest.raises(InputError, match=r"tiny_texts.* is not prepared: expected files in .*empty"):
+    message = r"tiny_texts.* is not prepared: expected files in .*empty"
+    with pytest.raises(InputError, match=message):
         build()
 
 
 def test_unknown_tfds_dataset_is_named(tmp_path):
-    build = input_tf_data.tfds_dataset("no_such_dataset_xyz", split="test", is_training=False, data_dir=str(tmp_path))
+    build = input_tf_data.tfds_dataset(
+        "no_such_dataset_xyz", split="test", is_training=False, data_dir=str(tmp_path)
+    )
     with pytest.raises(InputError, match="'no_such_dataset_xyz'.*cannot be found"):
         build()
 

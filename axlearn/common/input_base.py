@@ -54,15 +54,19 @@ class BaseInput(Module):
         process_index: Optional[int] = None,
         process_count: Optional[int] = None,
     ):
-        """`process_index` / `process_count` override jax's (tests simulate several hosts)."""
+        """`process_index` / `process_count` override jax's (tests simulate several hosts).
+
+        jax's values are read on first use, not here: building an input must not start the
+        jax backends before `jax.distributed.initialize()`.
+        """
         super().__init__(cfg, parent=parent)
-        self._process_index = jax.process_index() if process_index is None else process_index
-        self._process_count = jax.process_count() if process_count is None else process_count
-        if not 0 <= self._process_index < self._process_count:
-            raise ConfigError(
-                f"{self.path()}: process_index {self._process_index} is not in "
-                f"[0, {self._process_count})"
-            )
+        if process_index is not None and process_count is not None:
+            if not 0 <= process_index < process_count:
+                raise ConfigError(
+                    f"{self.path()}: process_index {process_index} is not in [0, {process_count})"
+                )
+        self._process_index = process_index
+        self._process_count = process_count
         self._batches_consumed = 0
 
     # ----- what subclasses provide -----
@@ -83,27 +87,31 @@ class BaseInput(Module):
 
     @property
     def process_index(self) -> int:
-        return self._process_index
+        return jax.process_index() if self._process_index is None else self._process_index
 
     @property
     def process_count(self) -> int:
-        return self._process_count
+        return jax.process_count() if self._process_count is None else self._process_count
+
+    def _process_overrides(self) -> dict[str, Optional[int]]:
+        """The constructor's process arguments, to hand on to a child input."""
+        return dict(process_index=self._process_index, process_count=self._process_count)
 
     @property
     def host_batch_size(self) -> int:
         """Rows per process: global_batch_size // process_count."""
-        global_batch_size = self.global_batch_size
-        if global_batch_size % self._process_count:
+        global_batch_size, process_count = self.global_batch_size, self.process_count
+        if global_batch_size % process_count:
             raise ConfigError(
                 f"{self.path()}: global batch size {global_batch_size} is not divisible by the "
-                f"process count {self._process_count}"
+                f"process count {process_count}"
             )
-        return global_batch_size // self._process_count
+        return global_batch_size // process_count
 
     def host_rows(self) -> slice:
         """This process's rows of a global batch."""
         size = self.host_batch_size
-        return slice(self._process_index * size, (self._process_index + 1) * size)
+        return slice(self.process_index * size, (self.process_index + 1) * size)
 
     def dataset(self) -> Iterator[Batch]:
         """Host-local batches: training continues from the current state, eval restarts."""

@@ -30,7 +30,9 @@ from axlearn.common.module import Module
 
 SPLITS = ("train", "validation")
 CACHE_DIR_ENV = "AXLEARN_CACHE_DIR"
-_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+_SKIPPED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
 _CACHE_FORMAT = 1  # Bump when the corpus selection or tokenization changes.
 
 
@@ -58,7 +60,8 @@ def split_of(relative_path: str, validation_fraction: float) -> str:
 
 
 def default_cache_dir() -> str:
-    return os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "axlearn")
+    default = os.path.join(os.path.expanduser("~"), ".cache", "axlearn")
+    return os.environ.get(CACHE_DIR_ENV) or default
 
 
 def build_corpus_shards(
@@ -139,7 +142,7 @@ class BuiltinTextInput(BaseInput):
             prefetch_batches=cfg.prefetch_batches,
         )
         self._tokens: TokenShardInput = self._add_child(
-            "tokens", tokens_cfg, process_index=self.process_index, process_count=self.process_count
+            "tokens", tokens_cfg, **self._process_overrides()
         )
 
     @property

@@ -35,7 +35,8 @@ def fake_tokens(
     """Tokens [len(rows), length] of global batch `step`, in [3, vocab_size)."""
     with np.errstate(over="ignore"):
         key = _splitmix64(np.uint64(seed) * np.uint64(0x100000001B3) + np.uint64(step))
-        cell = rows.astype(np.uint64)[:, None] * np.uint64(length) + np.arange(length, dtype=np.uint64)
+        columns = np.arange(length, dtype=np.uint64)
+        cell = rows.astype(np.uint64)[:, None] * np.uint64(length) + columns
         hashed = _splitmix64(cell ^ key)
     span = np.uint64(vocab_size - _FIRST_TOKEN)
     return (hashed % span).astype(np.int32) + _FIRST_TOKEN
@@ -59,8 +60,9 @@ class FakeLmInput(BaseInput):
         super().__init__(cfg, parent=parent, **kwargs)
         cfg = self.config
         if cfg.vocab_size <= _FIRST_TOKEN:
-            raise ConfigError(f"{self.path()}: vocab_size must exceed {_FIRST_TOKEN}, got {cfg.vocab_size}")
-        self.host_batch_size  # pylint: disable=pointless-statement  # Checks divisibility.
+            raise ConfigError(
+                f"{self.path()}.vocab_size: must exceed {_FIRST_TOKEN}, got {cfg.vocab_size}"
+            )
 
     @property
     def global_batch_size(self) -> int:

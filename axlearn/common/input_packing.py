@@ -44,7 +44,9 @@ FEATURE_KEYS = (
 )
 
 
-def byte_shares(num_bytes: np.ndarray, offsets: np.ndarray, block_lengths: np.ndarray) -> np.ndarray:
+def byte_shares(
+    num_bytes: np.ndarray, offsets: np.ndarray, block_lengths: np.ndarray
+) -> np.ndarray:
     """Bytes credited to target `offsets` of blocks of `block_lengths` covering `num_bytes`."""
     num_bytes = num_bytes.astype(np.int64)
     offsets = offsets.astype(np.int64)
@@ -97,7 +99,8 @@ def pack_documents(
         inputs.append(np.concatenate([[EOS_ID], tokens]))
         targets.append(np.concatenate([tokens, [EOS_ID]]))
         starts.append(np.arange(length) == 0)
-        shares.append(byte_shares(np.full(length, size), np.arange(length), np.full(length, length)))
+        offsets = np.arange(length)
+        shares.append(byte_shares(np.full(length, size), offsets, np.full(length, length)))
     total = sum(len(x) for x in inputs)
     num_chunks = -(-total // max_sequence_length)
     padded = num_chunks * max_sequence_length
@@ -110,5 +113,9 @@ def pack_documents(
 
     valid = rows([np.ones(len(x), dtype=bool) for x in inputs], bool)
     return chunk_features(
-        rows(inputs, np.int64), rows(targets, np.int64), rows(starts, bool), rows(shares, np.int64), valid
+        rows(inputs, np.int64),
+        rows(targets, np.int64),
+        rows(starts, bool),
+        rows(shares, np.int64),
+        valid,
     )

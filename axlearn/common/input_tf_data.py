@@ -101,7 +101,9 @@ def tfds_dataset(
             raise InputError(f"{where}: cannot read split '{split}': {e}") from e
         if is_training:
             if train_shuffle_buffer_size > 0:
-                ds = ds.shuffle(train_shuffle_buffer_size, seed=seed or 0, reshuffle_each_iteration=True)
+                ds = ds.shuffle(
+                    train_shuffle_buffer_size, seed=seed or 0, reshuffle_each_iteration=True
+                )
             ds = ds.repeat()
         return ds
 
@@ -267,7 +269,6 @@ class Input(BaseInput):
         self._source = cfg.source.instantiate(config_path=f"{self.path()}.source")
         self._processor = cfg.processor.instantiate(config_path=f"{self.path()}.processor")
         self._batcher = cfg.batcher.instantiate(config_path=f"{self.path()}.batcher")
-        self.host_batch_size  # pylint: disable=pointless-statement  # Checks divisibility.
 
     @property
     def global_batch_size(self) -> int:

@@ -194,7 +194,8 @@ class TokenShard:
                 )
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         header = self.header
-        if verify_checksum and zlib.crc32(memoryview(self._map)[HEADER_SIZE:]) != header.payload_crc32:
+        payload = memoryview(self._map)[HEADER_SIZE:]
+        if verify_checksum and zlib.crc32(payload) != header.payload_crc32:
             raise TokenShardError(f"{path}: corrupt token shard payload (checksum mismatch)")
         doc_start = HEADER_SIZE + _align8(header.num_tokens * header.itemsize)
         self.tokens = np.frombuffer(self._map, header.dtype, header.num_tokens, HEADER_SIZE)
@@ -204,7 +205,8 @@ class TokenShard:
         )
         # Every stored document has at least one token and its EOS.
         lengths = np.diff(self.doc_ends, prepend=0)
-        if (self.doc_ends[-1] if header.num_docs else 0) != header.num_tokens or np.any(lengths < 2):
+        last_end = self.doc_ends[-1] if header.num_docs else 0
+        if last_end != header.num_tokens or np.any(lengths < 2):
             raise TokenShardError(f"{path}: document boundaries do not match the token count")
 
     def check_vocabulary(

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import numpy as np
 
@@ -72,7 +72,10 @@ class TokenCorpus:
         sizes = np.array([shard.header.num_tokens for shard in shards], dtype=np.int64)
         self._shard_starts = np.concatenate([[0], np.cumsum(sizes)])
         ends = np.concatenate(
-            [shard.doc_ends.astype(np.int64) + start for shard, start in zip(shards, self._shard_starts)]
+            [
+                shard.doc_ends.astype(np.int64) + start
+                for shard, start in zip(shards, self._shard_starts)
+            ]
         )
         self.doc_lengths = np.diff(ends, prepend=0)
         self.doc_starts = ends - self.doc_lengths
@@ -159,7 +162,6 @@ class TokenShardInput(BaseInput):
             raise ConfigError(
                 f"{self.path()}: global_batch_size and max_sequence_length must be positive"
             )
-        self.host_batch_size  # pylint: disable=pointless-statement  # Checks divisibility.
         self._corpus = TokenCorpus(
             self._open_shards(self._shard_paths()),
             seed=cfg.seed,
@@ -227,7 +229,7 @@ class TokenShardInput(BaseInput):
 
 
 def iter_documents(paths: Iterable[str], *, text_field: str = "text") -> Iterator[str]:
-    """Texts of `paths`: a `.jsonl` file gives one per line (field `text_field`), others one each."""
+    """Texts of `paths`: `.jsonl` files give one per line (field `text_field`), others one each."""
     for path in paths:
         if not os.path.isfile(path):
             raise InputError(f"{path}: input text file does not exist")
@@ -241,7 +243,10 @@ def iter_documents(paths: Iterable[str], *, text_field: str = "text") -> Iterato
                     except json.JSONDecodeError as e:
                         raise InputError(f"{path}:{lineno}: not a JSON line: {e}") from e
                     if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                        raise InputError(f"{path}:{lineno}: expected an object with a string field '{text_field}'")
+                        raise InputError(
+                            f"{path}:{lineno}: expected an object with a string field "
+                            f"'{text_field}'"
+                        )
                     yield record[text_field]
         else:
             with open(path, "rb") as f:
@@ -252,7 +257,9 @@ def iter_documents(paths: Iterable[str], *, text_field: str = "text") -> Iterato
                 raise InputError(f"{path}: not UTF-8 text ({e})") from e
 
 
-def tokenize(vocab: Any, text: str, *, replace_newlines_with: Optional[str] = None) -> tuple[np.ndarray, int]:
+def tokenize(
+    vocab: Any, text: str, *, replace_newlines_with: Optional[str] = None
+) -> tuple[np.ndarray, int]:
     """(token ids, UTF-8 bytes of the original text); newlines are replaced before encoding."""
     num_bytes = len(text.encode("utf-8"))
     if replace_newlines_with is not None:
@@ -313,10 +320,15 @@ def _build_command(args: argparse.Namespace) -> None:
     )
     for path in paths:
         header = TokenShard(path).header
-        print(f"{path}: {header.num_docs} documents, {header.num_tokens} tokens ({header.vocab_name})")
+        print(
+            f"{path}: {header.num_docs} documents, {header.num_tokens} tokens "
+            f"({header.vocab_name})"
+        )
 
 
-def _synthetic_shard(path: str, *, num_tokens: int, mean_doc_tokens: int, vocab_size: int, seed: int):
+def _synthetic_shard(
+    path: str, *, num_tokens: int, mean_doc_tokens: int, vocab_size: int, seed: int
+) -> None:
     rng = np.random.default_rng(seed)
     docs, sizes, total = [], [], 0
     while total < num_tokens:
@@ -371,7 +383,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="Tokenize text / JSON-lines files into shards.")
     build.add_argument("files", nargs="+", help="Text files (one document each) or .jsonl files.")
-    build.add_argument("--vocab", default="bytes", help="'bytes' or a SentencePiece model name/path.")
+    build.add_argument(
+        "--vocab", default="bytes", help="'bytes' or a SentencePiece model name or path."
+    )
     build.add_argument("--output", required=True, help="Shard path prefix, e.g. /data/owt/train.")
     build.add_argument("--text_field", default="text", help="JSON field holding the text.")
     build.add_argument("--tokens_per_shard", type=int, default=1 << 28)

@@ -17,7 +17,7 @@ Models pad the vocabulary up for efficient matmuls: `padded_vocab_size(259) == 3
 
 import os
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -124,7 +124,7 @@ def check_id_convention(vocab: Any, *, where: str) -> None:
 
 
 def vocab_dir() -> str:
-    """Where vocabulary model files are looked up: $AXLEARN_VOCAB_DIR or <repo>/axlearn/data/vocab."""
+    """Where model files are looked up: $AXLEARN_VOCAB_DIR, else <repo>/axlearn/data/vocab."""
     default = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "vocab")
     return os.environ.get(VOCAB_DIR_ENV) or default
 
