@@ -18,7 +18,7 @@ RNG_SEED = 0
 
 
 def random_tree(rng, shapes, scale=1.0):
-    return {name: jnp.asarray(rng.normal(size=shape) * scale, jnp.float32) for name, shape in shapes.items()}
+    return {k: jnp.asarray(rng.normal(size=s) * scale, jnp.float32) for k, s in shapes.items()}
 
 
 def to_numpy(tree):
@@ -186,7 +186,8 @@ def test_lion_matches_numpy():
     rng = np.random.default_rng(RNG_SEED)
     params = random_tree(rng, SHAPES)
     grads_seq = [random_tree(rng, SHAPES) for _ in range(10)]
-    got, _ = run_steps(opt.lion_optimizer(1e-3, b1=0.9, b2=0.99, weight_decay=0.1), params, grads_seq)
+    lion = opt.lion_optimizer(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
+    got, _ = run_steps(lion, params, grads_seq)
     ref, m = to_numpy(params), {k: 0.0 for k in SHAPES}
     for grads in to_numpy(grads_seq):
         for name, g in grads.items():
@@ -203,9 +204,8 @@ def test_sgd_matches_torch(nesterov):
     rng = np.random.default_rng(RNG_SEED)
     params = random_tree(rng, SHAPES)
     grads_seq = [random_tree(rng, SHAPES) for _ in range(10)]
-    got, _ = run_steps(
-        opt.sgd_optimizer(0.1, momentum=0.9, nesterov=nesterov, weight_decay=0.01), params, grads_seq
-    )
+    sgd = opt.sgd_optimizer(0.1, momentum=0.9, nesterov=nesterov, weight_decay=0.01)
+    got, _ = run_steps(sgd, params, grads_seq)
     tensors = {k: torch.tensor(np.asarray(v), requires_grad=True) for k, v in params.items()}
     reference = torch.optim.SGD(
         list(tensors.values()), lr=0.1, momentum=0.9, nesterov=nesterov, weight_decay=0.01
@@ -539,4 +539,5 @@ def test_adam_moments_are_sharded_like_their_parameters_and_counts_replicated():
     for name, spec in specs.items():
         assert adam_state.mu[name].partition_spec == spec.partition_spec
         assert adam_state.nu[name].partition_spec == spec.partition_spec
-    assert adam_state.count.shape == [] and adam_state.count.partition_spec == jax.sharding.PartitionSpec()
+    assert adam_state.count.shape == []
+    assert adam_state.count.partition_spec == jax.sharding.PartitionSpec()

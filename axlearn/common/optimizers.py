@@ -35,7 +35,7 @@ import numpy as np
 from axlearn.common.base_layer import ParameterSpec, flatten_with_paths
 from axlearn.common.config import ConfigError, ConfigOr, InstantiableConfig, maybe_instantiate
 from axlearn.common.param_init import FanAxes
-from axlearn.common.schedule import ScheduleLike, as_schedule_fn
+from axlearn.common.schedule import ScheduleLike, adafactor_decay_rate, as_schedule_fn
 
 Tensor = jax.Array
 Nested = Any  # A nested dict (or other pytree) of leaves.
@@ -115,15 +115,13 @@ def _param_infos(tree: Nested) -> list[_ParamInfo]:
     infos = []
     for path, leaf in flatten_with_paths(tree, is_leaf=is_param_leaf):
         if isinstance(leaf, ParameterSpec):
-            wd, factorization, fan_axes = leaf.weight_decay_scale, leaf.factorization, leaf.fan_axes
             shape, dtype, mesh_axes = tuple(leaf.shape), leaf.dtype or jnp.float32, leaf.mesh_axes
         else:
-            if isinstance(leaf, OptParam):
-                wd, factorization, fan_axes = leaf.weight_decay_scale, leaf.factorization, leaf.fan_axes
-                leaf = leaf.value
-            else:
-                wd, factorization, fan_axes = None, None, None
-            shape, dtype, mesh_axes = tuple(jnp.shape(leaf)), jnp.result_type(leaf), None
+            value = leaf.value if isinstance(leaf, OptParam) else leaf
+            shape, dtype, mesh_axes = tuple(jnp.shape(value)), jnp.result_type(value), None
+        # Plain arrays carry no metadata: scale 1, no factorization, no fan axes.
+        wd = getattr(leaf, "weight_decay_scale", None)
+        factorization = getattr(leaf, "factorization", None)
         infos.append(
             _ParamInfo(
                 path=path,
@@ -131,7 +129,7 @@ def _param_infos(tree: Nested) -> list[_ParamInfo]:
                 dtype=dtype,
                 weight_decay_scale=1.0 if wd is None else float(wd),
                 factorization=None if factorization is None else tuple(factorization),
-                fan_axes=fan_axes,
+                fan_axes=getattr(leaf, "fan_axes", None),
                 mesh_axes=mesh_axes,
             )
         )
@@ -151,17 +149,14 @@ def _values_list(params: Nested) -> list[Tensor]:
 # ----- state partitioning -----
 
 
-def _state_spec(
-    info: _ParamInfo, *, shape: Optional[Sequence[int]] = None, dtype: Any = None, drop_axes=()
-) -> ParameterSpec:
-    """The spec of a state tensor of one parameter: its mesh axes, minus `drop_axes`."""
-    full_shape = info.shape
-    keep = [i for i in range(len(full_shape)) if i not in {a % len(full_shape) for a in drop_axes}]
-    mesh_axes = None
-    if info.mesh_axes is not None:
-        mesh_axes = tuple(info.mesh_axes[i] for i in keep)
+def _state_spec(info: _ParamInfo, *, dtype: Any = None, drop_axes=()) -> ParameterSpec:
+    """The spec of one parameter's state tensor: the parameter's shape and mesh axes
+    without `drop_axes` (factored statistics), in `dtype` (None: the parameter's)."""
+    dropped = {a % len(info.shape) for a in drop_axes}
+    keep = [i for i in range(len(info.shape)) if i not in dropped]
+    mesh_axes = None if info.mesh_axes is None else tuple(info.mesh_axes[i] for i in keep)
     return ParameterSpec(
-        shape=list(shape if shape is not None else [full_shape[i] for i in keep]),
+        shape=[info.shape[i] for i in keep],
         dtype=dtype if dtype is not None else info.dtype,
         mesh_axes=mesh_axes,
     )
@@ -203,10 +198,6 @@ class EmptyState(NamedTuple):
     """The state of a stateless transformation."""
 
 
-class CountState(NamedTuple):
-    count: Tensor  # Updates applied so far.
-
-
 def _count_init() -> Tensor:
     return jnp.zeros([], jnp.int32)
 
@@ -245,29 +236,40 @@ def _weight_decay_scales(params: Nested, per_param_scale: Optional[ConfigOr[PerP
     return scales
 
 
+def _weight_decay_terms(
+    params: Optional[Nested],
+    grads: Nested,
+    *,
+    weight_decay: float,
+    weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]],
+    what: str,
+) -> list[Optional[Tensor]]:
+    """weight_decay * scale * p for each leaf of `grads` (None where it is zero)."""
+    num_leaves = len(jax.tree.leaves(grads))
+    if not weight_decay:
+        return [None] * num_leaves
+    params = _require_params(params, what)
+    scales = _weight_decay_scales(params, weight_decay_per_param_scale)
+    return [
+        None if scale == 0.0 else (weight_decay * scale) * p
+        for p, scale in zip(_values_list(params), scales)
+    ]
+
+
 def _final_updates(
     direction: Nested,
     grads: Nested,
-    params: Optional[Nested],
+    decay_terms: list[Optional[Tensor]],
     *,
-    lr: Tensor,
-    weight_decay: float,
+    lr: Union[float, Tensor],
     wd_multiplier: Union[float, Tensor],
-    weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]],
-    what: str,
 ) -> Nested:
-    """Per leaf -(lr * d + weight_decay * wd_multiplier * scale * p), in the gradient's dtype."""
+    """-(lr * d + wd_multiplier * decay_term) per leaf, in the gradient's dtype."""
     d_leaves, treedef = jax.tree_util.tree_flatten(direction)
     g_leaves = treedef.flatten_up_to(grads)
-    if weight_decay:
-        params = _require_params(params, what)
-        values = _values_list(params)
-        scales = _weight_decay_scales(params, weight_decay_per_param_scale)
     out = []
-    for i, (d, g) in enumerate(zip(d_leaves, g_leaves)):
-        step = lr * d
-        if weight_decay and scales[i] != 0.0:
-            step = step + (weight_decay * scales[i] * wd_multiplier) * values[i]
+    for d, g, decay in zip(d_leaves, g_leaves, decay_terms):
+        step = lr * d if decay is None else lr * d + wd_multiplier * decay
         out.append((-step).astype(g.dtype))
     return treedef.unflatten(out)
 
@@ -370,7 +372,9 @@ def skip_and_clip_by_global_norm(
         return new_updates, SkipClipState(nonvalid_count=count, inner_state=new_inner)
 
     def partition(param_specs):
-        return SkipClipState(nonvalid_count=_scalar_spec(), inner_state=inner.partition(param_specs))
+        return SkipClipState(
+            nonvalid_count=_scalar_spec(), inner_state=inner.partition(param_specs)
+        )
 
     learning_rate_at = None
     if inner.learning_rate_at is not None:
@@ -403,14 +407,11 @@ def per_param_scale_by_path(
         return float(default_scale)
 
     def fn(tree: Nested) -> Nested:
-        leaves, treedef = _flatten_params(tree)
-        scales = [scale_for(info.path) for info in _param_infos(tree)]
-        logging.info(
-            "%s: %s",
-            description,
-            ", ".join(f"{info.path}={s}" for info, s in zip(_param_infos(tree), scales)),
-        )
-        return treedef.unflatten(scales) if leaves else treedef.unflatten([])
+        _, treedef = _flatten_params(tree)
+        paths = [info.path for info in _param_infos(tree)]
+        scales = [scale_for(path) for path in paths]
+        logging.info("%s: %s", description, ", ".join(f"{p}={s}" for p, s in zip(paths, scales)))
+        return treedef.unflatten(scales)
 
     return fn
 
@@ -521,15 +522,19 @@ def _adam_transformation(
         )
         if extra is not None:
             direction, extra_state = extra.update(direction, extra_state, params)
+        decay = _weight_decay_terms(
+            params,
+            grads,
+            weight_decay=weight_decay,
+            weight_decay_per_param_scale=weight_decay_per_param_scale,
+            what=what,
+        )
         step = _final_updates(
             direction,
             grads,
-            params,
+            decay,
             lr=lr_fn(adam.count),
-            weight_decay=weight_decay,
             wd_multiplier=wd_multiplier_fn(adam.count),
-            weight_decay_per_param_scale=weight_decay_per_param_scale,
-            what=what,
         )
         return step, (AdamState(count=count, mu=mu, nu=nu), extra_state)
 
@@ -663,18 +668,36 @@ def adastar_optimizer(
     extra = maybe_instantiate(adam_update_transformation)
 
     def ema(old, x, decay, debias, count):
+        """(new EMA state, its value after optional debiasing)."""
         new = (decay * old + (1 - decay) * x).astype(old.dtype)
         return new, (_debias(new, decay, count) if debias else new)
 
+    def update_one(g, m, v, u, count):
+        """New (m, v, u) state of one parameter, its raw update and its smoothed update."""
+        g = g.astype(jnp.float32)
+        m_hat = g
+        if gradient_ema_decay is not None:
+            m, m_hat = ema(m, g, gradient_ema_decay, gradient_ema_debias, count)
+        v, v_hat = ema(
+            v, g * g + eps_square, gradient_square_ema_decay, gradient_square_ema_debias, count
+        )
+        raw = m_hat / (jnp.sqrt(v_hat) + eps)
+        if raw_update_clipping_threshold is not None:
+            raw = raw / jnp.maximum(1.0, _rms(raw) / raw_update_clipping_threshold)
+        u_hat = raw
+        if update_ema_decay is not None:
+            u, u_hat = ema(u, raw, update_ema_decay, update_ema_debias, count)
+        return m, v, u, raw, u_hat
+
     def init(params):
         values = param_values(params)
-        zeros = lambda: jax.tree.map(jnp.zeros_like, values)  # noqa: E731
-        nothing = lambda: _nothing_like(values)  # noqa: E731
+        zeros = jax.tree.map(jnp.zeros_like, values)
+        nothing = _nothing_like(values)
         state = AdastarState(
             count=_count_init(),
-            gradient_ema=zeros() if gradient_ema_decay is not None else nothing(),
-            gradient_square_ema=zeros(),
-            update_ema=zeros() if update_ema_decay is not None else nothing(),
+            gradient_ema=zeros if gradient_ema_decay is not None else nothing,
+            gradient_square_ema=zeros,
+            update_ema=zeros if update_ema_decay is not None else nothing,
         )
         return state, (extra.init(params) if extra is not None else EmptyState())
 
@@ -682,66 +705,39 @@ def adastar_optimizer(
         opt, extra_state = state
         count = opt.count + 1
         g_leaves, treedef = jax.tree_util.tree_flatten(grads)
-        as_list = lambda tree: treedef.flatten_up_to(tree)  # noqa: E731
-        new_g_ema, new_g2_ema, new_u_ema, raws, smoothed = [], [], [], [], []
-        for g, m_old, v_old, u_old in zip(
-            g_leaves, as_list(opt.gradient_ema), as_list(opt.gradient_square_ema),
-            as_list(opt.update_ema),
-        ):
-            g32 = g.astype(jnp.float32)
-            if gradient_ema_decay is not None:
-                m_old, m = ema(m_old, g32, gradient_ema_decay, gradient_ema_debias, count)
-            else:
-                m = g32
-            v_old, v = ema(v_old, g32 * g32 + eps_square, gradient_square_ema_decay,
-                           gradient_square_ema_debias, count)
-            raw = m / (jnp.sqrt(v) + eps)
-            if raw_update_clipping_threshold is not None:
-                raw = raw / jnp.maximum(1.0, _rms(raw) / raw_update_clipping_threshold)
-            raws.append(raw)
-            if update_ema_decay is not None:
-                u_old, u = ema(u_old, raw, update_ema_decay, update_ema_debias, count)
-            else:
-                u = raw
-            new_g_ema.append(m_old if gradient_ema_decay is not None else None)
-            new_g2_ema.append(v_old)
-            new_u_ema.append(u_old if update_ema_decay is not None else None)
-            smoothed.append(u)
+        per_param = zip(
+            g_leaves,
+            treedef.flatten_up_to(opt.gradient_ema),  # None leaves without a gradient EMA.
+            treedef.flatten_up_to(opt.gradient_square_ema),
+            treedef.flatten_up_to(opt.update_ema),  # None leaves without an update EMA.
+        )
+        results = [update_one(g, m, v, u, count) for g, m, v, u in per_param]
+        m, v, u, raws, smoothed = (list(x) for x in zip(*results)) if results else ([],) * 5
         if verbosity >= 1:
-            jax.debug.print("adastar step {} raw update rms {}", count, global_norm(raws) /
-                            jnp.sqrt(sum(r.size for r in raws)))
+            raw_rms = global_norm(raws) / jnp.sqrt(sum(r.size for r in raws))
+            jax.debug.print("adastar step {} raw update rms {}", count, raw_rms)
         direction = treedef.unflatten(smoothed)
         if extra is not None:
             direction, extra_state = extra.update(direction, extra_state, params)
-        s_t = schedule(opt.count)
-        step = _final_updates(
-            direction,
-            grads,
+        decay = _weight_decay_terms(
             params,
-            lr=lr(opt.count) * s_t,
+            grads,
             weight_decay=weight_decay,
-            wd_multiplier=s_t,
             weight_decay_per_param_scale=weight_decay_per_param_scale,
             what="adastar_optimizer",
         )
-        new_state = AdastarState(
-            count=count,
-            gradient_ema=treedef.unflatten(new_g_ema) if gradient_ema_decay is not None
-            else opt.gradient_ema,
-            gradient_square_ema=treedef.unflatten(new_g2_ema),
-            update_ema=treedef.unflatten(new_u_ema) if update_ema_decay is not None
-            else opt.update_ema,
-        )
+        s_t = schedule(opt.count)
+        step = _final_updates(direction, grads, decay, lr=lr(opt.count) * s_t, wd_multiplier=s_t)
+        new_state = AdastarState(count, *(treedef.unflatten(x) for x in (m, v, u)))
         return step, (new_state, extra_state)
 
     def partition(param_specs):
-        like = lambda: _like_params(param_specs)  # noqa: E731
-        nothing = lambda: _nothing_like(param_specs)  # noqa: E731
+        like, nothing = _like_params(param_specs), _nothing_like(param_specs)
         state = AdastarState(
             count=_scalar_spec(),
-            gradient_ema=like() if gradient_ema_decay is not None else nothing(),
-            gradient_square_ema=like(),
-            update_ema=like() if update_ema_decay is not None else nothing(),
+            gradient_ema=like if gradient_ema_decay is not None else nothing,
+            gradient_square_ema=like,
+            update_ema=like if update_ema_decay is not None else nothing,
         )
         return state, (extra.partition(param_specs) if extra is not None else EmptyState())
 
@@ -786,16 +782,15 @@ def lion_optimizer(
         momentum = jax.tree.map(
             lambda m, g: (b2 * m + (1 - b2) * g).astype(m.dtype), state.momentum, grads
         )
-        step = _final_updates(
-            direction,
-            grads,
+        decay = _weight_decay_terms(
             params,
-            lr=lr(state.count),
+            grads,
             weight_decay=weight_decay,
-            wd_multiplier=lr(state.count),
             weight_decay_per_param_scale=weight_decay_per_param_scale,
             what="lion_optimizer",
         )
+        lr_t = lr(state.count)
+        step = _final_updates(direction, grads, decay, lr=lr_t, wd_multiplier=lr_t)
         return step, MomentumState(count=state.count + 1, momentum=momentum)
 
     def partition(param_specs):
@@ -828,17 +823,17 @@ def sgd_optimizer(
         return MomentumState(count=_count_init(), momentum=buf)
 
     def update(grads, state, params=None):
-        # The decay term enters the gradient here (L2), so take it from _final_updates
-        # with lr = -1: d = g + wd * scale * p.
-        direction = _final_updates(
-            jax.tree.map(lambda g: g.astype(jnp.float32), grads),
-            grads,
+        g_leaves, treedef = jax.tree_util.tree_flatten(grads)
+        decay = _weight_decay_terms(
             params,
-            lr=-1.0,
+            grads,
             weight_decay=weight_decay,
-            wd_multiplier=-1.0,
             weight_decay_per_param_scale=weight_decay_per_param_scale,
             what="sgd_optimizer",
+        )
+        # L2 regularization: the decay term joins the gradient before momentum.
+        direction = treedef.unflatten(
+            [g.astype(jnp.float32) + (0.0 if w is None else w) for g, w in zip(g_leaves, decay)]
         )
         buf = state.momentum
         if momentum:
@@ -921,10 +916,12 @@ def adafactor_optimizer(
     keeps full second moments everywhere.
     """
     lr = as_schedule_fn(learning_rate)
-    decay = as_schedule_fn(b2) if b2 is not None else (lambda t: 1.0 - (t + 1.0) ** -0.8)
+    decay = as_schedule_fn(b2) if b2 is not None else adafactor_decay_rate()
 
     def axes_of(info):
-        return _factored_axes(info, factored=factored, min_dim_size_to_factor=min_dim_size_to_factor)
+        return _factored_axes(
+            info, factored=factored, min_dim_size_to_factor=min_dim_size_to_factor
+        )
 
     def layout(tree, make_full, make_reduced):
         """State trees (v_row, v_col, v) from per-parameter constructors."""
@@ -951,62 +948,64 @@ def adafactor_optimizer(
         momentum = jax.tree.map(jnp.zeros_like, values) if b1 is not None else _nothing_like(values)
         return AdafactorState(_count_init(), v_row, v_col, v, momentum)
 
+    def second_moment(info, g2, r, c, v, beta):
+        """New (r, c, v) state of one parameter and its second-moment estimate."""
+        axes = axes_of(info)
+        if axes is None:
+            v = (beta * v + (1 - beta) * g2).astype(v.dtype)
+            return r, c, v, v
+        row, col = axes
+        r = (beta * r + (1 - beta) * jnp.mean(g2, axis=col)).astype(r.dtype)
+        c = (beta * c + (1 - beta) * jnp.mean(g2, axis=row)).astype(c.dtype)
+        # r lacks the col axis and c the row axis: put them back to broadcast.
+        r_mean = jnp.mean(r, axis=row if row < col else row - 1)
+        estimate = (
+            jnp.expand_dims(r, col)
+            * jnp.expand_dims(c, row)
+            / jnp.expand_dims(r_mean, sorted((row, col)))
+        )
+        return r, c, v, estimate
+
     def update(grads, state, params=None):
         params = _require_params(params, "adafactor_optimizer")
-        infos = _param_infos(params)
-        values = _values_list(params)
         g_leaves, treedef = jax.tree_util.tree_flatten(grads)
-        as_list = treedef.flatten_up_to
-        beta = decay(state.count)
-        new_row, new_col, new_v, new_m, directions = [], [], [], [], []
-        for info, p, g, r, c, v, m in zip(
-            infos, values, g_leaves, as_list(state.v_row), as_list(state.v_col),
-            as_list(state.v), as_list(state.momentum),
-        ):
-            g2 = jnp.square(g.astype(jnp.float32)) + eps
-            axes = axes_of(info)
-            if axes is None:
-                v = (beta * v + (1 - beta) * g2).astype(v.dtype)
-                v_hat = v
-            else:
-                row, col = axes
-                r = (beta * r + (1 - beta) * jnp.mean(g2, axis=col)).astype(r.dtype)
-                c = (beta * c + (1 - beta) * jnp.mean(g2, axis=row)).astype(c.dtype)
-                # r lacks the col axis and c the row axis; put them back to broadcast.
-                r_full = jnp.expand_dims(r, col)
-                c_full = jnp.expand_dims(c, row)
-                r_mean = jnp.mean(r, axis=row if row < col else row - 1)
-                r_mean = jnp.expand_dims(r_mean, sorted((row, col)))
-                v_hat = r_full * c_full / r_mean
-            u = g.astype(jnp.float32) / jnp.sqrt(v_hat)
+        beta, lr_t = decay(state.count), lr(state.count)
+        old_states = (state.v_row, state.v_col, state.v, state.momentum)
+        per_param = zip(
+            _param_infos(params),
+            _values_list(params),
+            g_leaves,
+            *(treedef.flatten_up_to(x) for x in old_states),
+        )
+        new_r, new_c, new_v, new_m, directions = [], [], [], [], []
+        for info, p, g, r, c, v, m in per_param:
+            g = g.astype(jnp.float32)
+            r, c, v, v_hat = second_moment(info, jnp.square(g) + eps, r, c, v, beta)
+            u = g / jnp.sqrt(v_hat)
             if clipping_threshold is not None:
                 u = u / jnp.maximum(1.0, _rms(u) / clipping_threshold)
             if b1 is not None:
                 m = (b1 * m + (1 - b1) * u).astype(m.dtype)
                 u = m
-            step_size = lr(state.count)
-            if multiply_by_parameter_scale:
-                step_size = step_size * jnp.maximum(eps_scale, _rms(p))
-            directions.append(u * step_size)
-            for states, x in ((new_row, r), (new_col, c), (new_v, v), (new_m, m)):
+            step_size = lr_t
+            if multiply_by_parameter_scale:  # A relative step: scaled by the parameter's RMS.
+                step_size = lr_t * jnp.maximum(eps_scale, _rms(p))
+            directions.append(step_size * u)
+            for states, x in ((new_r, r), (new_c, c), (new_v, v), (new_m, m)):
                 states.append(x)
-        # The learning rate is folded into `directions` (it may depend on the parameter).
-        step = _final_updates(
-            treedef.unflatten(directions),
-            grads,
+        decay_terms = _weight_decay_terms(
             params,
-            lr=1.0,
+            grads,
             weight_decay=weight_decay,
-            wd_multiplier=lr(state.count),
             weight_decay_per_param_scale=weight_decay_per_param_scale,
             what="adafactor_optimizer",
         )
+        # The step size is already in `directions` (it may depend on the parameter).
+        step = _final_updates(
+            treedef.unflatten(directions), grads, decay_terms, lr=1.0, wd_multiplier=lr_t
+        )
         new_state = AdafactorState(
-            count=state.count + 1,
-            v_row=treedef.unflatten(new_row),
-            v_col=treedef.unflatten(new_col),
-            v=treedef.unflatten(new_v),
-            momentum=treedef.unflatten(new_m),
+            state.count + 1, *(treedef.unflatten(x) for x in (new_r, new_c, new_v, new_m))
         )
         return step, new_state
 
@@ -1129,7 +1128,8 @@ def muon_optimizer(
     lr = as_schedule_fn(learning_rate)
     adam_lr = as_schedule_fn(adamw_learning_rate) if adamw_learning_rate is not None else lr
     rules = []
-    for i, (pattern, target) in enumerate(muon_rules if muon_rules is not None else DEFAULT_MUON_RULES):
+    muon_rules = muon_rules if muon_rules is not None else DEFAULT_MUON_RULES
+    for i, (pattern, target) in enumerate(muon_rules):
         if target not in ("muon", "adamw"):
             raise ConfigError(f"muon_rules[{i}]: target must be 'muon' or 'adamw', got {target!r}")
         rules.append((re.compile(pattern), target))
@@ -1170,48 +1170,42 @@ def muon_optimizer(
 
     def update(grads, state, params=None):
         params = _require_params(params, "muon_optimizer")
-        infos = _param_infos(params)
         g_leaves, treedef = jax.tree_util.tree_flatten(grads)
-        as_list = treedef.flatten_up_to
+        decay = _weight_decay_terms(
+            params,
+            grads,
+            weight_decay=weight_decay,
+            weight_decay_per_param_scale=weight_decay_per_param_scale,
+            what="muon_optimizer",
+        )
         count = state.count + 1
         muon_lr, adamw_lr = lr(state.count), adam_lr(state.count)
-        new_buf, new_mu, new_nu, directions = [], [], [], []
-        for info, g, buf, mu, nu in zip(
-            infos, g_leaves, as_list(state.momentum), as_list(state.mu), as_list(state.nu)
-        ):
+        per_param = zip(
+            _param_infos(params),
+            g_leaves,
+            decay,
+            *(treedef.flatten_up_to(x) for x in (state.momentum, state.mu, state.nu)),
+        )
+        new_buf, new_mu, new_nu, steps = [], [], [], []
+        for info, g, w, buf, mu, nu in per_param:
             g32 = g.astype(jnp.float32)
             if uses_muon(info):
                 buf32 = momentum * buf + (1 - momentum) * g32
                 d = (1 - momentum) * g32 + momentum * buf32 if nesterov else buf32
-                directions.append(muon_lr * orthogonalized(info, d))
+                lr_t, d = muon_lr, orthogonalized(info, d)
                 buf = buf32.astype(buf.dtype)
             else:
                 mu = (adamw_b1 * mu + (1 - adamw_b1) * g32).astype(mu.dtype)
                 nu = (adamw_b2 * nu + (1 - adamw_b2) * g32 * g32).astype(nu.dtype)
-                d = _debias(mu, adamw_b1, count) / (
-                    jnp.sqrt(_debias(nu, adamw_b2, count)) + adamw_eps
-                )
-                directions.append(adamw_lr * d)
+                v_hat = _debias(nu, adamw_b2, count)
+                lr_t, d = adamw_lr, _debias(mu, adamw_b1, count) / (jnp.sqrt(v_hat) + adamw_eps)
+            # Weight decay is scaled by the learning rate of the parameter's group.
+            step = lr_t * (d if w is None else d + w)
+            steps.append((-step).astype(g.dtype))
             for states, x in ((new_buf, buf), (new_mu, mu), (new_nu, nu)):
                 states.append(x)
-        # Learning rates are folded into `directions`; weight decay is lr-scaled per group.
-        d_leaves = directions
-        if weight_decay:
-            values = _values_list(params)
-            scales = _weight_decay_scales(params, weight_decay_per_param_scale)
-            d_leaves = [
-                d + (weight_decay * s * (muon_lr if uses_muon(info) else adamw_lr)) * p
-                if s != 0.0 else d
-                for d, p, s, info in zip(directions, values, scales, infos)
-            ]
-        step = treedef.unflatten([(-d).astype(g.dtype) for d, g in zip(d_leaves, g_leaves)])
-        new_state = MuonState(
-            count=count,
-            momentum=treedef.unflatten(new_buf),
-            mu=treedef.unflatten(new_mu),
-            nu=treedef.unflatten(new_nu),
-        )
-        return step, new_state
+        new_state = MuonState(count, *(treedef.unflatten(x) for x in (new_buf, new_mu, new_nu)))
+        return treedef.unflatten(steps), new_state
 
     def partition(param_specs):
         return MuonState(_scalar_spec(), *split(param_specs, _state_spec, _state_spec))
