@@ -216,25 +216,33 @@ def fixture_tfds_dir(tmp_path_factory):
     return str(data_dir)
 
 
-def test_tfds_input_matches_the_token_path(tfds_dir, tmp_path):
+def _tfds_lm_input(tfds_dir, *, split, is_training, batch, length, newline):
+    """An Input over the local TFDS dataset, built like the spec's eval input."""
     source = config_for_function(tfds_input).set(
         dataset_name="tiny_texts",
-        split="test",
-        max_sequence_length=8,
-        replace_newlines_with="<n>",
-        train_shuffle_buffer_size=16,
+        split=split,
+        max_sequence_length=length,
+        replace_newlines_with=newline,
+        train_shuffle_buffer_size=8,
         vocab_cfg=config_for_function(vocab).set(sentencepiece_model_name="bytes"),
-        is_training=False,
+        is_training=is_training,
         data_dir=tfds_dir,
     )
     cfg = input_tf_data.Input.default_config().set(
         name="input",
-        is_training=False,
+        is_training=is_training,
         source=source,
         processor=config_for_function(input_tf_data.identity),
-        batcher=config_for_function(input_tf_data.batch).set(global_batch_size=4),
+        batcher=config_for_function(input_tf_data.batch).set(global_batch_size=batch),
     )
-    tf_batches = list(cfg.instantiate(parent=None).dataset())
+    return cfg.instantiate(parent=None)
+
+
+def test_tfds_input_matches_the_token_path(tfds_dir, tmp_path):
+    tf_input = _tfds_lm_input(
+        tfds_dir, split="test", is_training=False, batch=4, length=8, newline="<n>"
+    )
+    tf_batches = list(tf_input.dataset())
     # TFDS stores examples in its own order; the token path reads them in that order.
     raw = input_tf_data.tfds_dataset(
         "tiny_texts", split="test", is_training=False, data_dir=tfds_dir
@@ -283,24 +291,9 @@ def test_unknown_tfds_dataset_is_named(tmp_path):
 
 def test_shuffled_tfds_training_input_resumes_exactly(tfds_dir):
     def make():
-        source = config_for_function(tfds_input).set(
-            dataset_name="tiny_texts",
-            split="train",
-            max_sequence_length=4,
-            replace_newlines_with=None,
-            train_shuffle_buffer_size=8,
-            vocab_cfg=config_for_function(vocab).set(sentencepiece_model_name="bytes"),
-            is_training=True,
-            data_dir=tfds_dir,
+        return _tfds_lm_input(
+            tfds_dir, split="train", is_training=True, batch=2, length=4, newline=None
         )
-        cfg = input_tf_data.Input.default_config().set(
-            name="input",
-            is_training=True,
-            source=source,
-            processor=config_for_function(input_tf_data.identity),
-            batcher=config_for_function(input_tf_data.batch).set(global_batch_size=2),
-        )
-        return cfg.instantiate(parent=None)
 
     expected = _take(make().dataset(), 10)
     first = make()

@@ -14,7 +14,8 @@ batch (`global_batch_size // process_count` rows; process i holds rows [i*b, (i+
 
 - Training inputs repeat forever. Their position is counted in consumed batches:
   `get_state()` after n batches returns a JSON-able dict from which `set_state()` makes
-  the next `dataset()` continue with batch n, exactly as if never interrupted.
+  the next `dataset()` continue with batch n, exactly as if never interrupted. (Keep one
+  training iterator alive at a time: each one advances the same count.)
 - Evaluation inputs (`is_training=False`) are finite; every `dataset()` call starts a
   new pass. The last global batch is filled with padding rows (all-zero targets) so
   every batch has the same shape, and every process yields the same number of batches.

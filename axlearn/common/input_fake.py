@@ -75,7 +75,8 @@ class FakeLmInput(BaseInput):
     def host_batch(self, step: int) -> Batch:
         """This process's rows of global batch `step`."""
         cfg = self.config
-        rows = np.arange(self.host_rows().start, self.host_rows().stop)
+        host_rows = self.host_rows()
+        rows = np.arange(host_rows.start, host_rows.stop)
         length = cfg.max_sequence_length
         tokens = fake_tokens(
             seed=cfg.seed, step=step, rows=rows, length=length + 1, vocab_size=cfg.vocab_size

@@ -204,7 +204,8 @@ class TokenShardInput(BaseInput):
     def host_batch(self, step: int) -> Batch:
         """This process's rows of global batch `step`."""
         cfg = self.config
-        rows = np.arange(self.host_rows().start, self.host_rows().stop, dtype=np.int64)
+        host_rows = self.host_rows()
+        rows = np.arange(host_rows.start, host_rows.stop, dtype=np.int64)
         chunks = step * cfg.global_batch_size + rows
         positions = chunks[:, None] * cfg.max_sequence_length + np.arange(cfg.max_sequence_length)
         if cfg.is_training:
