@@ -235,7 +235,8 @@ class SpmdTrainer(Module):
     def _init_fn(self, prng_key: jax.Array) -> TrainerState:
         init_key, train_key = jax.random.split(prng_key)
         params = self.model.initialize_parameters_recursively(init_key)
-        return TrainerState(prng_key=train_key, model=params, learner=self.learner.init(params))
+        learner_state = self.learner.init(params, param_specs=self._model_param_specs)
+        return TrainerState(prng_key=train_key, model=params, learner=learner_state)
 
     def init_state(self, prng_key: jax.Array) -> TrainerState:
         """Initializes model and learner state directly in their shardings."""
@@ -288,7 +289,7 @@ class SpmdTrainer(Module):
             self._loss_fn, state.model, input_batch, step_key
         )
         new_params, new_learner_state, learner_summaries = self.learner.update(
-            state.model, grads, state.learner
+            state.model, grads, state.learner, param_specs=self._model_param_specs
         )
         summaries = dict(loss=loss, learner=learner_summaries, model=aux["summaries"])
         return TrainerState(prng_key=prng_key, model=new_params, learner=new_learner_state), summaries
