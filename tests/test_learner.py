@@ -325,11 +325,15 @@ SHARDED_SCRIPT = textwrap.dedent(
         "w": ParameterSpec(shape=[16, 8], dtype=jnp.float32, mesh_axes=("fsdp", "model")),
         "norm": ParameterSpec(shape=[8], dtype=jnp.float32, mesh_axes=(None,)),
     }
+    adastar = config_for_function(opt.adastar_optimizer).set(
+        learning_rate=0.1, gradient_ema_decay=None, gradient_ema_debias=None,
+        gradient_square_ema_decay=0.95, gradient_square_ema_debias=True, eps=0.0,
+        eps_square=1e-30, raw_update_clipping_threshold=1.0, update_ema_decay=0.9,
+        update_ema_debias=False, update_schedule=1.0)
     optimizer = config_for_function(opt.skip_and_clip_by_global_norm).set(
-        inner=config_for_function(opt.adamw_optimizer).set(learning_rate=0.1),
-        drop_norm=100.0, max_norm=1.0)
+        inner=adastar, drop_norm=100.0, max_norm=1.0)
     learner = Learner.default_config().set(
-        name="learner", optimizer=optimizer,
+        name="learner", optimizer=optimizer, update_rules=[("norm", "no_update")],
         ema=config_for_function(opt.param_ema).set(decay=0.9)).instantiate(parent=None)
     to_sharding = lambda s: NamedSharding(mesh, s.partition_spec)
     is_spec = lambda x: isinstance(x, ParameterSpec)
@@ -343,9 +347,13 @@ SHARDED_SCRIPT = textwrap.dedent(
     step = jax.jit(lambda p, g, s: learner.update(p, g, s, param_specs=specs)[:2],
                    out_shardings=(param_shardings, state_shardings))
     params, state = step(params, jax.tree.map(jnp.ones_like, params), state)
-    mu = state["optimizer"].inner_state[0].mu["w"]
-    assert mu.sharding.spec == jax.sharding.PartitionSpec("fsdp", "model"), mu.sharding
-    assert mu.addressable_shards[0].data.shape == (4, 4)
+    adastar_state = state["optimizer"].inner_state[0]
+    v = adastar_state.gradient_square_ema["w"]
+    assert v.sharding.spec == jax.sharding.PartitionSpec("fsdp", "model"), v.sharding
+    assert v.addressable_shards[0].data.shape == (4, 4)
+    assert adastar_state.update_ema["w"].addressable_shards[0].data.shape == (4, 4)
+    assert adastar_state.gradient_ema["w"] is None and adastar_state.update_ema["norm"] is None
+    assert float(params["norm"][0]) == 1.0 and float(params["w"][0, 0]) != 1.0
     assert state["ema"].ema["w"].addressable_shards[0].data.shape == (4, 4)
     assert state["optimizer"].nonvalid_count.sharding.is_fully_replicated
     print("OK")
