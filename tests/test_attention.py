@@ -1,0 +1,681 @@
+"""Tests of axlearn.common.attention: numerics against NumPy, decoding, stacks, remat, sharding."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axlearn.common import attention as attn
+from axlearn.common.config import ConfigError, parse_flat_text
+from axlearn.common.layers import RMSNorm
+from axlearn.common.module import F
+from axlearn.common.param_init import default_initializer_config
+
+SPEC = "/work/shared/spec/000_f33cfaded1b52723.txt"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RNG = np.random.default_rng(0)
+
+# ----- configs and helpers -----
+
+
+def _rms_norm():
+    return RMSNorm.default_config().set(eps=1e-5, forward_dtype=None)
+
+
+def _gqa_attention(*, num_heads=4, num_kv_heads=2, theta=500000.0, qk_norm=True, cap=None):
+    """The spec's attention: fused GQA projection, RoPE, QK-norm, no biases."""
+    cfg = attn.GroupedQueryAttention.default_config().set(
+        num_heads=num_heads, causal=True, atten_logit_cap=cap
+    )
+    cfg.input_linear = attn.RoFormerQKVLinear.default_config().set(
+        input_linear=attn.FusedGroupedQKVLinear.default_config().set(
+            num_kv_heads=num_kv_heads,
+            layer=attn.MultiheadInputLinear.default_config().set(bias=False),
+        ),
+        rotary_value=False,
+    )
+    cfg.input_linear.rope_pos_emb_layer.theta = theta
+    cfg.output_linear.bias = False
+    if qk_norm:
+        cfg.query_scale.norm = _rms_norm()
+        cfg.key_scale.norm = _rms_norm()
+    return cfg
+
+
+def _layer_config(*, structure="prenorm", **attention_kwargs):
+    """A Llama-like transformer layer: RMSNorm, GQA + RoPE + QK-norm, SwiGLU."""
+    cfg = attn.TransformerLayer.default_config()
+    cfg.self_attention.set(
+        attention=_gqa_attention(**attention_kwargs), norm=_rms_norm(), structure=structure
+    )
+    cfg.feed_forward.set(
+        hidden_dim=24, activation=("nn.silu", "linear"), norm=_rms_norm(), structure=structure
+    )
+    cfg.feed_forward.linear1.bias = False
+    cfg.feed_forward.linear2.bias = False
+    return cfg
+
+
+def _build(cfg, seed=0):
+    layer = cfg.set(name="layer", param_init=default_initializer_config()).instantiate(parent=None)
+    params = layer.initialize_parameters_recursively(jax.random.PRNGKey(seed))
+    return layer, params
+
+
+def _randomize(params, scale=0.5):
+    """Random values everywhere (norm scales too), so every parameter matters."""
+    return jax.tree_util.tree_map(
+        lambda p: jnp.asarray(RNG.normal(size=p.shape) * scale + (p == 1) * 1.0, p.dtype), params
+    )
+
+
+def _call(layer, params, method="forward", is_training=False, prng_key=None, **inputs):
+    """Calls `layer.<method>(**inputs)` under jit (much faster than op-by-op on CPU)."""
+    arrays = {k: v for k, v in inputs.items() if isinstance(v, (jax.Array, np.ndarray, dict))}
+    static = tuple(sorted((k, v) for k, v in inputs.items() if k not in arrays))
+    cache_key = (id(layer), method, is_training, static)
+    if cache_key not in _JITTED:
+
+        def fn(params, prng_key, arrays):
+            out, _ = F(
+                layer,
+                state=params,
+                inputs=dict(arrays, **dict(static)),
+                prng_key=prng_key,
+                is_training=is_training,
+                method=method,
+            )
+            return out
+
+        _JITTED[cache_key] = (layer, jax.jit(fn))  # Holding the layer keeps its id unique.
+    return _JITTED[cache_key][1](params, prng_key, arrays)
+
+
+_JITTED = {}
+
+
+def _assert_trees_close(actual, desired, rtol=1e-4):
+    """Elementwise closeness, with an absolute tolerance relative to each tensor's scale."""
+
+    def check(a, b):
+        scale = float(np.max(np.abs(b))) or 1.0
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale)
+
+    jax.tree_util.tree_map(check, actual, desired)
+
+
+# ----- NumPy reference -----
+
+
+def np_rms_norm(x, scale, eps=1e-5):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def np_rope(x, positions, theta):
+    """Rotary embedding as complex rotation of the pairs (x[i], x[i + H/2])."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-np.arange(half) * 2.0 / x.shape[-1])
+    angles = positions[..., None, None] * freqs  # [B, T, 1, half]
+    z = (x[..., :half] + 1j * x[..., half:]) * np.exp(1j * angles)
+    return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def np_softmax_attention(q, k, v, mask, cap=None):
+    """q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] bool -> [B,T,N,H]."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+    logits = np.einsum("btnh,bsnh->bnts", q, k)
+    if cap is not None:
+        logits = cap * np.tanh(logits / cap)
+    logits = np.where(mask[:, None], logits, -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bnts,bsnh->btnh", probs, v)
+
+
+def np_causal_mask(batch, length, segment_ids=None):
+    mask = np.tril(np.ones((length, length), bool))[None].repeat(batch, 0)
+    if segment_ids is not None:
+        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    return mask
+
+
+def np_gqa_attention(x, p, *, num_heads, num_kv_heads, theta, positions, mask, qk_norm, cap=None):
+    w = np.asarray(p["i_proj"]["i_proj"]["qkv_proj"]["weight"], np.float64)
+    qkv = np.einsum("btd,dnh->btnh", x, w)
+    n, k = num_heads, num_kv_heads
+    q, key, value = qkv[:, :, :n], qkv[:, :, n : n + k], qkv[:, :, n + k :]
+    q, key = np_rope(q, positions, theta), np_rope(key, positions, theta)
+    if qk_norm:
+        q = np_rms_norm(q, np.asarray(p["scale_query"]["norm"]["scale"]))
+        key = np_rms_norm(key, np.asarray(p["scale_key"]["norm"]["scale"]))
+    q = q / np.sqrt(q.shape[-1])
+    context = np_softmax_attention(q, key, value, mask, cap)
+    return np.einsum("btnh,dnh->btd", context, np.asarray(p["o_proj"]["weight"], np.float64))
+
+
+def np_swiglu(x, p):
+    w0, w1, w2 = (np.asarray(p[n]["weight"], np.float64) for n in ("linear1_0", "linear1_1", "linear2"))
+    gate = x @ w0
+    return (gate / (1 + np.exp(-gate)) * (x @ w1)) @ w2
+
+
+def np_transformer_layer(x, p, *, positions, mask, theta=500000.0, **kw):
+    a, f = p["self_attention"], p["feed_forward"]
+    h = np_rms_norm(x, np.asarray(a["norm"]["scale"]))
+    x = x + np_gqa_attention(
+        h, a["attention"], num_heads=4, num_kv_heads=2, theta=theta, positions=positions,
+        mask=mask, qk_norm=True, **kw,
+    )
+    return x + np_swiglu(np_rms_norm(x, np.asarray(f["norm"]["scale"])), f)
+
+
+# ----- numerics -----
+
+
+def test_transformer_layer_matches_numpy():
+    layer, params = _build(_layer_config().set(input_dim=16))
+    params = _randomize(params)
+    x = RNG.normal(size=(2, 6, 16))
+    positions = np.broadcast_to(np.arange(6), (2, 6))
+    out = _call(layer, params, data=jnp.asarray(x, jnp.float32))
+    expected = np_transformer_layer(x, params, positions=positions, mask=np_causal_mask(2, 6))
+    np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-4)
+
+
+def test_explicit_positions_drive_rope():
+    layer, params = _build(_layer_config().set(input_dim=16))
+    params = _randomize(params)
+    x = RNG.normal(size=(1, 5, 16))
+    positions = np.array([[7, 3, 11, 0, 2]])
+    out = _call(layer, params, data=jnp.asarray(x, jnp.float32), positions=jnp.asarray(positions))
+    expected = np_transformer_layer(x, params, positions=positions, mask=np_causal_mask(1, 5))
+    np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-4)
+
+
+def test_segment_ids_mask_attention_across_documents():
+    layer, params = _build(_layer_config().set(input_dim=16))
+    params = _randomize(params)
+    x = RNG.normal(size=(2, 7, 16))
+    segment_ids = np.array([[1, 1, 1, 2, 2, 3, 3], [1, 1, 1, 1, 1, 0, 0]])
+    # Positions restart in each document, as a packing input pipeline provides them.
+    positions = np.array([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 0, 1]])
+    out = _call(
+        layer,
+        params,
+        data=jnp.asarray(x, jnp.float32),
+        segment_ids=jnp.asarray(segment_ids),
+        positions=jnp.asarray(positions),
+    )
+    expected = np_transformer_layer(
+        x, params, positions=positions, mask=np_causal_mask(2, 7, segment_ids)
+    )
+    np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-4)
+    # A packed document gives what it gives alone.
+    alone = _call(layer, params, data=jnp.asarray(x[:1, 3:5], jnp.float32))
+    np.testing.assert_allclose(out[:1, 3:5], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_multihead_attention_with_biases_matches_numpy():
+    cfg = attn.MultiheadAttention.default_config().set(
+        query_dim=12, key_dim=12, value_dim=12, output_dim=10, num_heads=3, causal=True
+    )
+    layer, params = _build(cfg)
+    params = _randomize(params)
+    x = RNG.normal(size=(2, 5, 12))
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    proj = {
+        n: np.einsum("btd,dnh->btnh", x, p["i_proj"][n]["weight"]) + p["i_proj"][n]["bias"]
+        for n in ("q_proj", "k_proj", "v_proj")
+    }
+    context = np_softmax_attention(
+        proj["q_proj"] / 2.0, proj["k_proj"], proj["v_proj"], np_causal_mask(2, 5)
+    )
+    expected = np.einsum("btnh,dnh->btd", context, p["o_proj"]["weight"]) + p["o_proj"]["bias"]
+    out = _call(layer, params, query=jnp.asarray(x, jnp.float32))
+    assert out.shape == (2, 5, 10)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_cross_attention_reads_keys_from_source():
+    cfg = attn.MultiheadAttention.default_config().set(
+        query_dim=8, key_dim=6, value_dim=6, output_dim=8, num_heads=2
+    )
+    layer, params = _build(cfg)
+    params = _randomize(params)
+    query, source = RNG.normal(size=(1, 3, 8)), RNG.normal(size=(1, 4, 6))
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    q = np.einsum("btd,dnh->btnh", query, p["i_proj"]["q_proj"]["weight"]) + p["i_proj"]["q_proj"]["bias"]
+    k = np.einsum("btd,dnh->btnh", source, p["i_proj"]["k_proj"]["weight"]) + p["i_proj"]["k_proj"]["bias"]
+    v = np.einsum("btd,dnh->btnh", source, p["i_proj"]["v_proj"]["weight"]) + p["i_proj"]["v_proj"]["bias"]
+    context = np_softmax_attention(q / 2.0, k, v, np.ones((1, 3, 4), bool))
+    expected = np.einsum("btnh,dnh->btd", context, p["o_proj"]["weight"]) + p["o_proj"]["bias"]
+    src = jnp.asarray(source, jnp.float32)
+    out = _call(layer, params, query=jnp.asarray(query, jnp.float32), key=src, value=src)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_matches_transformers_llama_rotation():
+    torch = pytest.importorskip("torch")
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    theta, head_dim = 10000.0, 8
+    emb_layer = attn.RoFormerSinusoidalPositionalEmbedding.default_config().set(
+        name="rope", dim=head_dim, theta=theta
+    ).instantiate(parent=None)
+    positions = np.array([[0, 1, 5, 9]])
+    x = RNG.normal(size=(1, 4, 3, head_dim)).astype(np.float32)
+    ours = attn.apply_rotary_position_embeddings(
+        jnp.asarray(x), _call(emb_layer, {}, positions=jnp.asarray(positions))
+    )
+    # Hugging Face's formulation: cos/sin of cat(freqs, freqs), rotate_half.
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    freqs = positions[..., None] * inv_freq
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    xt = torch.tensor(x).transpose(1, 2)  # [B, N, T, H]
+    ref, _ = llama.apply_rotary_pos_emb(
+        xt, xt, torch.tensor(np.cos(emb), dtype=torch.float32), torch.tensor(np.sin(emb), dtype=torch.float32)
+    )
+    np.testing.assert_allclose(ours, ref.transpose(1, 2).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_value_rotates_values_too():
+    cfg = attn.RoFormerQKVLinear.default_config().set(
+        query_dim=8, key_dim=8, value_dim=8, num_heads=2, per_head_dim=4, rotary_value=True
+    )
+    layer, params = _build(cfg)
+    x = RNG.normal(size=(1, 3, 8))
+    q, k, v = _call(layer, params, query=jnp.asarray(x, jnp.float32))
+    raw_v = np.einsum("btd,dnh->btnh", x, params["i_proj"]["v_proj"]["weight"])
+    raw_v += np.asarray(params["i_proj"]["v_proj"]["bias"])
+    np.testing.assert_allclose(v, np_rope(raw_v, np.arange(3)[None], 10000.0), rtol=1e-4, atol=1e-5)
+
+
+def test_attention_matches_jax_dot_product_attention():
+    cfg = _gqa_attention(qk_norm=False).set(
+        query_dim=16, key_dim=16, value_dim=16, output_dim=16, attention_implementation="xla"
+    )
+    layer, params = _build(cfg)
+    params = _randomize(params)
+    x = RNG.normal(size=(2, 9, 16))
+    qkv = np.einsum("btd,dnh->btnh", x, params["i_proj"]["i_proj"]["qkv_proj"]["weight"])
+    positions = np.arange(9)[None]
+    q = np_rope(qkv[:, :, :4], positions, 500000.0)
+    k = np_rope(qkv[:, :, 4:6], positions, 500000.0)
+    as_f32 = lambda a: jnp.asarray(a, jnp.float32)
+    context = jax.nn.dot_product_attention(
+        as_f32(q), as_f32(k), as_f32(qkv[:, :, 6:]), is_causal=True, implementation="xla"
+    )
+    expected = np.einsum("btnh,dnh->btd", context, params["o_proj"]["weight"])
+    out = _call(layer, params, query=as_f32(x))
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_atten_logit_cap_matches_numpy():
+    layer, params = _build(_layer_config(cap=2.0).set(input_dim=16))
+    params = _randomize(params, scale=1.5)
+    x = RNG.normal(size=(1, 5, 16))
+    out = _call(layer, params, data=jnp.asarray(x, jnp.float32))
+    expected = np_transformer_layer(
+        x, params, positions=np.arange(5)[None], mask=np_causal_mask(1, 5), cap=2.0
+    )
+    np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-4)
+
+
+def _ffn_config(**kwargs):
+    return attn.TransformerFeedForwardLayer.default_config().set(input_dim=6, hidden_dim=10, **kwargs)
+
+
+def test_feed_forward_squared_relu_with_residual_weight_matches_numpy():
+    layer, params = _build(_ffn_config(activation="squared_relu", residual_weight=0.5))
+    params = _randomize(params)
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    x = RNG.normal(size=(2, 3, 6))
+    mean = x.mean(-1, keepdims=True)
+    h = (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-8)
+    h = h * p["norm"]["scale"] + p["norm"]["bias"]
+    hidden = np.maximum(h @ p["linear1"]["weight"] + p["linear1"]["bias"], 0) ** 2
+    expected = x + 0.5 * (hidden @ p["linear2"]["weight"] + p["linear2"]["bias"])
+    out = _call(layer, params, inputs=jnp.asarray(x, jnp.float32))
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("structure", ["prenorm", "postnorm", "hybridnorm"])
+def test_feed_forward_structures_match_numpy(structure):
+    cfg = _ffn_config(activation=("nn.silu", "linear"), norm=_rms_norm(), structure=structure)
+    cfg.linear1.bias = cfg.linear2.bias = False
+    layer, params = _build(cfg)
+    params = _randomize(params)
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    x = RNG.normal(size=(2, 3, 6))
+    if structure == "prenorm":
+        expected = x + np_swiglu(np_rms_norm(x, p["norm"]["scale"]), p)
+    elif structure == "postnorm":
+        expected = np_rms_norm(x + np_swiglu(x, p), p["norm"]["scale"])
+    else:
+        branch = np_swiglu(np_rms_norm(x, p["prenorm"]["scale"]), p)
+        expected = x + np_rms_norm(branch, p["postnorm"]["scale"])
+    out = _call(layer, params, inputs=jnp.asarray(x, jnp.float32))
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_feed_forward_summaries_match_numpy():
+    cfg = _ffn_config(
+        activation=("nn.relu", "linear"),
+        add_dead_neuron_summary=True,
+        add_value_rms_norm_summary=["inputs", "linear2_outputs"],
+    )
+    layer, params = _build(cfg)
+    params = _randomize(params)
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    x = RNG.normal(size=(2, 3, 6))
+    _, collection = F(
+        layer, state=params, inputs=dict(inputs=jnp.asarray(x, jnp.float32)), prng_key=None,
+        is_training=False,
+    )
+    mean = x.mean(-1, keepdims=True)
+    h = (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-8)
+    h = h * p["norm"]["scale"] + p["norm"]["bias"]
+    gate = np.maximum(h @ p["linear1_0"]["weight"] + p["linear1_0"]["bias"], 0)
+    hidden = gate * (h @ p["linear1_1"]["weight"] + p["linear1_1"]["bias"])
+    branch = hidden @ p["linear2"]["weight"] + p["linear2"]["bias"]
+    summaries = collection.summaries
+    np.testing.assert_allclose(summaries["rms_norm/inputs"], np.sqrt((x**2).mean()), rtol=1e-5)
+    np.testing.assert_allclose(summaries["rms_norm/linear2_outputs"], np.sqrt((branch**2).mean()), rtol=1e-4)
+    assert float(summaries["dead_neurons/linear1_0"]) == (gate.reshape(-1, 10).max(0) <= 0).sum()
+
+
+def test_feed_forward_hidden_dim_from_function_config():
+    from axlearn.common.config import config_for_function
+    from axlearn.common.layers import scaled_hidden_dim
+
+    cfg = _ffn_config().set(hidden_dim=config_for_function(scaled_hidden_dim).set(scale=8 / 3, round_up_to_multiples_of=8))
+    layer, params = _build(cfg)
+    assert layer.hidden_dim == 16
+    assert params["linear1"]["weight"].shape == (6, 16)
+
+
+# ----- parameter layout -----
+
+
+def test_parameter_paths_match_the_spec_optimizer_regexes():
+    import re
+
+    cfg = attn.RepeatedTransformerLayer.default_config().set(
+        input_dim=16, num_layers=2, layer=_layer_config()
+    )
+    layer, params = _build(cfg)
+    from axlearn.common.base_layer import flatten_with_paths
+
+    paths = [path for path, _ in flatten_with_paths(params)]
+    for regex in (
+        ".*attention/o_proj/weight",
+        ".*attention/i_proj/i_proj/qkv_proj/weight",
+        ".*feed_forward/linear1_0/weight",
+        ".*feed_forward/linear1_1/weight",
+        ".*feed_forward/linear2/weight",
+        ".*attention/scale_query/norm/scale",
+    ):
+        assert any(re.fullmatch(regex, p) for p in paths), regex
+    qkv = params["repeat"]["layer"]["self_attention"]["attention"]["i_proj"]["i_proj"]["qkv_proj"]
+    assert qkv["weight"].shape == (2, 16, 4 + 2 * 2, 4)
+
+
+def test_multihead_attention_rejects_grouped_projection():
+    cfg = _gqa_attention()
+    cfg = attn.MultiheadAttention.default_config().set(
+        query_dim=16, key_dim=16, value_dim=16, output_dim=16, num_heads=4,
+        input_linear=cfg.input_linear,
+    )
+    with pytest.raises(ConfigError, match="GroupedQueryAttention"):
+        _build(cfg)
+
+
+def test_cudnn_with_logit_cap_is_rejected_at_construction():
+    cfg = _gqa_attention(cap=30.0).set(
+        query_dim=16, key_dim=16, value_dim=16, output_dim=16, attention_implementation="cudnn"
+    )
+    with pytest.raises(ConfigError, match="atten_logit_cap"):
+        _build(cfg)
+
+
+def test_unknown_attention_implementation_is_rejected():
+    cfg = _gqa_attention().set(
+        query_dim=16, key_dim=16, value_dim=16, output_dim=16, attention_implementation="flash"
+    )
+    with pytest.raises(ConfigError, match="attention_implementation"):
+        _build(cfg)
+
+
+# ----- decoding -----
+
+
+def _stack_config(kind, num_layers=3, **layer_kwargs):
+    klass = {"stacked": attn.StackedTransformerLayer, "repeated": attn.RepeatedTransformerLayer}[kind]
+    return klass.default_config().set(
+        input_dim=16, num_layers=num_layers, layer=_layer_config(**layer_kwargs)
+    )
+
+
+@pytest.mark.parametrize("kind", ["layer", "stacked", "repeated"])
+def test_extend_step_matches_forward(kind):
+    cfg = _layer_config().set(input_dim=16) if kind == "layer" else _stack_config(kind)
+    layer, params = _build(cfg)
+    params = _randomize(params, scale=0.3)
+    x = jnp.asarray(RNG.normal(size=(2, 7, 16)), jnp.float32)
+    expected = _call(layer, params, data=x)
+    cache = _call(layer, params, method="init_states", batch_size=2, max_len=10)
+    # Prefill three tokens, then decode one at a time.
+    cache, prefill = _call(
+        layer, params, method="extend_step", cached_states=cache, data=x[:, :3],
+        time_step=jnp.zeros(2, jnp.int32),
+    )
+    outputs = [prefill]
+    for t in range(3, 7):
+        cache, out = _call(
+            layer, params, method="extend_step", cached_states=cache, data=x[:, t : t + 1],
+            time_step=jnp.full(2, t, jnp.int32),
+        )
+        outputs.append(out)
+    np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_extend_step_handles_different_time_steps_per_example():
+    layer, params = _build(_layer_config().set(input_dim=16))
+    params = _randomize(params, scale=0.3)
+    x = jnp.asarray(RNG.normal(size=(2, 5, 16)), jnp.float32)
+    expected = _call(layer, params, data=x)
+    cache = _call(layer, params, method="init_states", batch_size=2, max_len=6)
+    # Example 0 has 4 tokens cached, example 1 has 2.
+    cache, _ = _call(
+        layer, params, method="extend_step", cached_states=cache, data=x[:, :4],
+        time_step=jnp.zeros(2, jnp.int32),
+    )
+    step_inputs = jnp.stack([x[0, 4:5], x[1, 2:3]])
+    _, out = _call(
+        layer, params, method="extend_step", cached_states=cache, data=step_inputs,
+        time_step=jnp.array([4, 2], jnp.int32),
+    )
+    np.testing.assert_allclose(out[0], expected[0, 4:5], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[1], expected[1, 2:3], rtol=1e-5, atol=1e-5)
+
+
+def test_init_states_uses_cache_dtype_and_stacks_layers():
+    cfg = _stack_config("repeated", num_layers=3)
+    cfg.layer.self_attention.attention.input_linear.cache_dtype = jnp.bfloat16
+    layer, _ = _build(cfg)
+    cache = _call(layer, {}, method="init_states", batch_size=2, max_len=5)
+    key = cache["self_attention"]["key"]
+    assert key.shape == (3, 2, 5, 2, 4) and key.dtype == jnp.bfloat16
+    layer, _ = _build(_layer_config().set(input_dim=16))
+    cache = _call(layer, {}, method="init_states", batch_size=2, max_len=5)
+    assert cache["self_attention"]["value"].dtype == jnp.float32
+
+
+# ----- stacked vs repeated -----
+
+
+def _stacked_params_from_repeated(repeated_params, num_layers):
+    layer = repeated_params["repeat"]["layer"]
+    return {
+        f"layer{i}": jax.tree_util.tree_map(lambda p, i=i: p[i], layer) for i in range(num_layers)
+    }
+
+
+def test_stacked_and_repeated_give_same_outputs_and_gradients():
+    repeated, rep_params = _build(_stack_config("repeated"))
+    rep_params = _randomize(rep_params, scale=0.3)
+    stacked, _ = _build(_stack_config("stacked"))
+    stk_params = _stacked_params_from_repeated(rep_params, 3)
+    x = jnp.asarray(RNG.normal(size=(2, 5, 16)), jnp.float32)
+    segment_ids = jnp.array([[1, 1, 2, 2, 2], [1, 1, 1, 1, 1]])
+
+    def loss(layer, params):
+        out = _call(layer, params, is_training=True, prng_key=jax.random.PRNGKey(1), data=x, segment_ids=segment_ids)
+        return jnp.sum(out**2), out
+
+    (rep_loss, rep_out), rep_grads = jax.value_and_grad(lambda p: loss(repeated, p), has_aux=True)(rep_params)
+    (stk_loss, stk_out), stk_grads = jax.value_and_grad(lambda p: loss(stacked, p), has_aux=True)(stk_params)
+    np.testing.assert_allclose(rep_out, stk_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(rep_loss, stk_loss, rtol=1e-5)
+    _assert_trees_close(_stacked_params_from_repeated(rep_grads, 3), stk_grads)
+
+
+# ----- the spec's config and remat -----
+
+
+def _spec_transformer_config():
+    prefix = "model.decoder.transformer."
+    with open(SPEC, encoding="utf-8") as f:
+        lines = [l[len(prefix) :] for l in f.read().splitlines() if l.startswith(prefix)]
+    return lines, parse_flat_text("\n".join(lines), source=SPEC)
+
+
+def test_spec_transformer_config_dumps_back_to_the_spec_lines():
+    lines, cfg = _spec_transformer_config()
+    assert cfg.debug_string() == "\n".join(sorted(lines))
+
+
+def _small_spec_transformer(remat_spec="spec"):
+    _, cfg = _spec_transformer_config()
+    cfg.set(input_dim=32, num_layers=2)
+    cfg.layer.self_attention.attention.num_heads = 4
+    cfg.layer.self_attention.attention.input_linear.input_linear.num_kv_heads = 2
+    cfg.layer.feed_forward.hidden_dim = 48
+    if remat_spec != "spec":
+        cfg.layer.remat_spec = remat_spec
+    return cfg
+
+
+def _grads(cfg, params, x):
+    layer = cfg.set(name="layer", param_init=default_initializer_config()).instantiate(parent=None)
+
+    def loss(p):
+        return jnp.sum(_call(layer, p, is_training=True, prng_key=jax.random.PRNGKey(2), data=x) ** 2)
+
+    return jax.jit(jax.grad(loss))(params)
+
+
+def test_spec_remat_policies_give_identical_gradients():
+    layer, params = _build(_small_spec_transformer())
+    params = _randomize(params, scale=0.2)
+    x = jnp.asarray(RNG.normal(size=(2, 8, 32)), jnp.float32)
+    reference = _grads(_small_spec_transformer(remat_spec=None), params, x)
+    for remat_spec in (
+        "spec",
+        attn.build_remat_spec(names_which_can_be_saved=None),
+        {"prevent_cse": True, "policy": "nothing_saveable"},
+    ):
+        grads = _grads(_small_spec_transformer(remat_spec), params, x)
+        assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
+        _assert_trees_close(grads, reference, rtol=1e-5)
+
+
+def _saved_residuals(capsys, cfg, x):
+    layer, params = _build(cfg)
+
+    def loss(p):
+        out, _ = F(layer, state=p, inputs=dict(data=x), prng_key=None, is_training=True)
+        return jnp.sum(out**2)
+
+    jax.ad_checkpoint.print_saved_residuals(loss, params)
+    return capsys.readouterr().out
+
+
+def test_spec_remat_policy_saves_the_named_projections(capsys):
+    x = jnp.asarray(RNG.normal(size=(2, 8, 32)), jnp.float32)
+    saved = _saved_residuals(capsys, _small_spec_transformer().layer.set(input_dim=32), x)
+    for name in ("q_proj", "k_proj", "v_proj", "context", "o_proj"):
+        assert f"named 'GroupedQueryAttention.{name}'" in saved, saved
+    # The feed-forward hidden activations [B,T,48] are recomputed, not saved.
+    assert "f32[2,8,48]" not in saved, saved
+
+
+def test_repeated_layers_recompute_hidden_activations_under_the_spec_policy(capsys):
+    x = jnp.asarray(RNG.normal(size=(2, 8, 32)), jnp.float32)
+    # Saved residuals of the scan carry a leading layer axis: [L,B,T,48].
+    assert "f32[2,2,8,48]" in _saved_residuals(capsys, _small_spec_transformer(None), x)
+    saved = _saved_residuals(capsys, _small_spec_transformer(), x)
+    assert "f32[2,2,8,48]" not in saved and "f32[2,2,8,4,8]" in saved, saved
+
+
+# ----- sharding -----
+
+# Meshes (pipeline, data, expert, fsdp, seq, model) the sharded run is checked on. (A mesh
+# with data, fsdp and model all > 1 is left out: jax 0.10.2's CPU SPMD partitioner gives
+# wrong values for x[(data,fsdp),.,model] @ w[model,fsdp] there, even in plain JAX.)
+_MESHES = [(1, 1, 1, 4, 1, 2), (1, 2, 1, 4, 1, 1)]
+
+_SHARDED_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import sys
+    sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
+    import jax, jax.numpy as jnp, numpy as np
+    from test_attention import _MESHES, _assert_trees_close, _build, _call, _randomize, _small_spec_transformer
+    from axlearn.common.base_layer import is_parameter_spec
+    from axlearn.common.sharding import create_mesh, named_sharding
+
+    layer, params = _build(_small_spec_transformer())
+    params = _randomize(params, scale=0.2)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 8, 32)), jnp.float32)
+
+    def loss(p, x):
+        out = _call(layer, p, is_training=True, prng_key=jax.random.PRNGKey(0), data=x)
+        return jnp.sum(out ** 2), out
+
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (ref_loss, ref_out), ref_grads = step(params, x)
+    specs = layer.create_parameter_specs_recursively()
+    for shape in _MESHES:
+        mesh = create_mesh(shape, ("pipeline", "data", "expert", "fsdp", "seq", "model"))
+        shardings = jax.tree_util.tree_map(
+            lambda s: named_sharding(mesh, s.partition_spec), specs, is_leaf=is_parameter_spec
+        )
+        with jax.set_mesh(mesh):
+            sharded = jax.device_put(params, shardings)
+            xs = jax.device_put(x, named_sharding(mesh, (("data", "expert", "fsdp"), None, None)))
+            (loss_value, out), grads = step(sharded, xs)
+        qkv = sharded["repeat"]["layer"]["self_attention"]["attention"]["i_proj"]["i_proj"]["qkv_proj"]
+        expected_shard = (2, 32 // shape[3], 8 // shape[5], 8)
+        assert qkv["weight"].addressable_shards[0].data.shape == expected_shard, shape
+        np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(loss_value, ref_loss, rtol=1e-5)
+        _assert_trees_close(grads, ref_grads)
+    print("SHARDED_OK")
+    """
+)
+
+
+def test_repeated_transformer_sharded_over_8_devices_matches_single_device():
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, "-c", _SHARDED_SCRIPT.format(repo=REPO)],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert "SHARDED_OK" in result.stdout, result.stdout + result.stderr

@@ -1,0 +1,183 @@
+"""Tests of axlearn.common.layers against NumPy re-derivations."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axlearn.common import layers
+from axlearn.common.config import ConfigError
+from axlearn.common.module import F
+from axlearn.common.param_init import default_initializer_config
+
+RNG = np.random.default_rng(0)
+
+
+def _build(cfg):
+    layer = cfg.set(name="layer", param_init=default_initializer_config()).instantiate(parent=None)
+    params = layer.initialize_parameters_recursively(jax.random.PRNGKey(0))
+    return layer, params
+
+
+def _call(layer, params, *inputs, is_training=False, prng_key=None, method="forward"):
+    out, _ = F(
+        layer,
+        state=params,
+        inputs=inputs,
+        prng_key=prng_key,
+        is_training=is_training,
+        method=method,
+    )
+    return out
+
+
+def _random_params(params):
+    """Replaces every parameter by random values, so scales and biases are exercised."""
+    return jax.tree_util.tree_map(
+        lambda p: jnp.asarray(RNG.normal(size=p.shape), p.dtype), params
+    )
+
+
+def test_rmsnorm_matches_numpy():
+    layer, params = _build(layers.RMSNorm.default_config().set(input_dim=6, eps=1e-5))
+    params = _random_params(params)
+    x = RNG.normal(size=(2, 3, 6)).astype(np.float32)
+    expected = x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + 1e-5) * params["scale"]
+    np.testing.assert_allclose(_call(layer, params, jnp.asarray(x)), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rmsnorm_scale_starts_at_one():
+    _, params = _build(layers.RMSNorm.default_config().set(input_dim=4))
+    np.testing.assert_array_equal(params["scale"], np.ones(4))
+
+
+def test_rmsnorm_keeps_input_dtype():
+    layer, params = _build(
+        layers.RMSNorm.default_config().set(input_dim=4, forward_dtype=None)
+    )
+    x = jnp.ones((2, 4), jnp.bfloat16)
+    assert _call(layer, params, x).dtype == jnp.bfloat16
+
+
+def test_layernorm_matches_numpy():
+    layer, params = _build(layers.LayerNorm.default_config().set(input_dim=5, eps=1e-6))
+    params = _random_params(params)
+    x = RNG.normal(size=(4, 5)).astype(np.float32)
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    expected = (x - mean) / np.sqrt(var + 1e-6) * params["scale"] + params["bias"]
+    np.testing.assert_allclose(_call(layer, params, jnp.asarray(x)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_matches_numpy():
+    layer, params = _build(layers.Linear.default_config().set(input_dim=4, output_dim=3))
+    params = _random_params(params)
+    x = RNG.normal(size=(2, 5, 4)).astype(np.float32)
+    expected = x @ np.asarray(params["weight"]) + np.asarray(params["bias"])
+    np.testing.assert_allclose(_call(layer, params, jnp.asarray(x)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_without_bias_has_only_a_weight():
+    layer, params = _build(layers.Linear.default_config().set(input_dim=4, output_dim=3, bias=False))
+    assert set(params) == {"weight"}
+    assert params["weight"].shape == (4, 3)
+
+
+def test_linear_weight_init_has_fan_in_variance():
+    _, params = _build(layers.Linear.default_config().set(input_dim=400, output_dim=300))
+    np.testing.assert_allclose(np.var(params["weight"]), 1 / 400, rtol=0.05)
+
+
+def test_embedding_lookup_and_attend():
+    layer, params = _build(layers.Embedding.default_config().set(num_embeddings=7, dim=4))
+    table = np.asarray(params["weight"])
+    ids = np.array([[0, 6, 3], [2, 2, 1]])
+    np.testing.assert_array_equal(_call(layer, params, jnp.asarray(ids)), table[ids])
+    x = RNG.normal(size=(2, 3, 4)).astype(np.float32)
+    np.testing.assert_allclose(
+        _call(layer, params, jnp.asarray(x), method="attend"), x @ table.T, rtol=1e-5, atol=1e-5
+    )
+
+
+def test_dropout_is_identity_when_not_training_or_rate_is_none():
+    x = jnp.ones((4, 8))
+    layer, params = _build(layers.Dropout.default_config().set(rate=0.5))
+    np.testing.assert_array_equal(_call(layer, params, x, is_training=False), x)
+    layer, params = _build(layers.Dropout.default_config())
+    out = _call(layer, params, x, is_training=True, prng_key=jax.random.PRNGKey(1))
+    np.testing.assert_array_equal(out, x)
+
+
+def test_dropout_zeroes_about_rate_and_rescales_the_rest():
+    layer, params = _build(layers.Dropout.default_config().set(rate=0.25))
+    x = jnp.ones((200, 100))
+    out = np.asarray(_call(layer, params, x, is_training=True, prng_key=jax.random.PRNGKey(1)))
+    np.testing.assert_allclose(np.unique(out), [0.0, 1 / 0.75], rtol=1e-6)
+    np.testing.assert_allclose((out == 0).mean(), 0.25, atol=0.01)
+
+
+def test_dropout_rejects_rate_of_one():
+    with pytest.raises(ConfigError, match="rate"):
+        _build(layers.Dropout.default_config().set(rate=1.0))
+
+
+def test_stochastic_depth_row_mode_drops_whole_examples():
+    layer, params = _build(layers.StochasticDepth.default_config().set(rate=0.5, mode="row"))
+    x = jnp.ones((64, 3, 4))
+    out = np.asarray(_call(layer, params, x, is_training=True, prng_key=jax.random.PRNGKey(3)))
+    per_row = out.reshape(64, -1)
+    for row in per_row:
+        assert np.all(row == 0) or np.all(row == 2.0)
+    assert 0 < (per_row[:, 0] == 0).sum() < 64
+
+
+def test_stochastic_depth_batch_mode_drops_all_or_nothing():
+    layer, params = _build(layers.StochasticDepth.default_config().set(rate=0.5, mode="batch"))
+    x = jnp.ones((8, 3))
+    for seed in range(5):
+        out = np.asarray(_call(layer, params, x, is_training=True, prng_key=jax.random.PRNGKey(seed)))
+        assert np.all(out == 0) or np.all(out == 2.0)
+
+
+def test_stochastic_depth_rejects_unknown_mode():
+    with pytest.raises(ConfigError, match="mode"):
+        _build(layers.StochasticDepth.default_config().set(rate=0.1, mode="column"))
+
+
+def _np_erf(x):
+    return np.vectorize(math.erf)(x)
+
+
+_NUMPY_ACTIVATIONS = {
+    "linear": lambda x: x,
+    "nn.relu": lambda x: np.maximum(x, 0),
+    "nn.silu": lambda x: x / (1 + np.exp(-x)),
+    "nn.gelu": lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3))),
+    "exact_gelu": lambda x: 0.5 * x * (1 + _np_erf(x / np.sqrt(2))),
+    "quick_gelu": lambda x: x / (1 + np.exp(-1.702 * x)),
+    "squared_relu": lambda x: np.maximum(x, 0) ** 2,
+    "nn.tanh": np.tanh,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_NUMPY_ACTIVATIONS))
+def test_activation_matches_numpy(name):
+    x = RNG.normal(size=(50,)).astype(np.float32) * 3
+    np.testing.assert_allclose(
+        layers.get_activation_fn(name)(jnp.asarray(x)),
+        _NUMPY_ACTIVATIONS[name](x.astype(np.float64)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_unknown_activation_lists_the_known_names():
+    with pytest.raises(ConfigError, match="nn.silu"):
+        layers.get_activation_fn("nn.swish")
+
+
+def test_scaled_hidden_dim_rounds_up_to_multiple():
+    assert layers.scaled_hidden_dim(8 / 3, round_up_to_multiples_of=128)(3072) == 8192
+    assert layers.scaled_hidden_dim(4)(10) == 40
