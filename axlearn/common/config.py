@@ -5,7 +5,8 @@ A config is a tree of typed fields. Classes expose their config through
 classes get one from `config_for_function` / `config_for_class`, whose `fn` / `klass`
 field names the callable. `cfg.instantiate()` turns a config into the object it describes.
 
-The flat text form (`debug_string()`) is one sorted `key: value` line per leaf:
+The flat text form (`debug_string()`) is one `key: value` line per leaf, config fields
+sorted by name, dict entries in insertion order, sequence items in index order:
 `a.b` for nested configs, `[i]` for sequence items and `['k']` for dict keys, with
 classes, functions and dtypes written as quoted, fully qualified names. `parse_flat_text`
 reads that text back into a config tree.
@@ -191,7 +192,8 @@ class ConfigBase:
 
         def enter(path: str, value: Any) -> bool:
             if isinstance(value, ConfigBase):
-                for name, field in value._fields.items():
+                # Fields in name order; dicts keep insertion order, sequences index order.
+                for name, field in sorted(value._fields.items()):
                     field_value = getattr(value, name)
                     if _is_omitted(field_value, field.default, omitted):
                         continue
@@ -213,10 +215,15 @@ class ConfigBase:
         field_separator: str = "\n",
         omit_default_values: Iterable[Any] = DEFAULT_OMITTED_VALUES,
     ) -> str:
-        """The golden text: sorted `key: value` lines (no trailing newline)."""
+        """The golden text: one `key: value` line per leaf (no trailing newline).
+
+        Config fields come in name order, dict entries in insertion order and sequence
+        items in index order, so that a dict written in a meaningful order (a remat
+        spec, regex rules) reads in that order.
+        """
         flat = self.to_flat_dict(omit_default_values=omit_default_values)
         return field_separator.join(
-            f"{key}{kv_separator}{format_value(value)}" for key, value in sorted(flat.items())
+            f"{key}{kv_separator}{format_value(value)}" for key, value in flat.items()
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,13 +1,65 @@
-"""Building blocks of GPT experiments.
+"""Building blocks of GPT experiments: inputs, model, learner, evalers, mesh rules.
 
-This file starts with the input builders; the model and trainer builders are added
-below by another part of the project. It must stay importable without TensorFlow:
-TensorFlow is only imported when a built source is called.
+Experiment modules (`experiments/*.py`) call these with a few numbers per size; every
+choice that is not a size lives here, once. This file must stay importable without
+TensorFlow: TensorFlow is only imported when a built tf.data source is called.
 """
 
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
-from axlearn.common.input_tf_data import BuildDatasetFn, lm_text_processor, tfds_dataset
+import jax.numpy as jnp
+
+from axlearn.common.attention import (
+    FusedGroupedQKVLinear,
+    GroupedQueryAttention,
+    RepeatedTransformerLayer,
+    RoFormerQKVLinear,
+    ScaleKey,
+    ScaleQuery,
+    StackedTransformerLayer,
+    TransformerLayer,
+    build_remat_spec,
+)
+from axlearn.common.causal_lm import Model
+from axlearn.common.checkpointer import (
+    Checkpointer,
+    TensorStoreStateStorage,
+    every_n_steps_and_last_policy,
+)
+from axlearn.common.config import ConfigBase, config_for_function
+from axlearn.common.decoder import Decoder
+from axlearn.common.evaler import ModelSummaryAccumulator, SpmdEvaler, every_n_steps_policy
+from axlearn.common.input_tf_data import (
+    BuildDatasetFn,
+    Input,
+    batch,
+    default_pad_example_fn,
+    identity,
+    lm_text_processor,
+    tfds_dataset,
+)
+from axlearn.common.layers import RMSNorm
+from axlearn.common.learner import Learner
+from axlearn.common.metrics import MetricAccumulator
+from axlearn.common.optimizers import (
+    adastar_optimizer,
+    muon_optimizer,
+    param_ema,
+    per_param_scale_by_path,
+    scale_update_per_param,
+    skip_and_clip_by_global_norm,
+)
+from axlearn.common.param_init import DefaultInitializer, WeightInitializer
+from axlearn.common.schedule import cosine_with_linear_warmup
+from axlearn.common.summary_writer import SummaryWriter
+from axlearn.common.trainer import SpmdTrainer
+from axlearn.common.trainer_config_modifier import (
+    ChainConfigModifier,
+    MeshShapeModifier,
+    RematSpecModifier,
+)
+from axlearn.experiments.text.common import vocab
 
 
 def tfds_input(
@@ -52,4 +104,379 @@ def tfds_input(
     return build
 
 
-# ----- Other GPT builders (model, learner, trainer) are added below by another helper. -----
+# ----- mesh -----
+
+MESH_AXIS_NAMES = ("pipeline", "data", "expert", "fsdp", "seq", "model")
+# Mesh axes the global batch is split over, and those that shard parameters (FSDP).
+BATCH_AXIS_NAMES = ("data", "expert", "fsdp", "seq")
+MODEL_BATCH_AXIS_NAMES = ("data", "expert", "fsdp")
+FSDP_AXIS_NAMES = ("expert", "fsdp", "seq")
+# Activations [batch, seq, dim-like]: batch over the data-parallel axes, seq, then model.
+ACTIVATION_PARTITION_SPEC = (MODEL_BATCH_AXIS_NAMES, "seq", "model")
+
+
+def mesh_shape_from_axes(
+    *, pipeline: int = 1, data: int = 1, expert: int = 1, fsdp: int = 1, seq: int = 1, model: int = 1
+) -> tuple[int, ...]:
+    """A mesh shape over MESH_AXIS_NAMES; one axis may be -1 (all remaining devices)."""
+    return (pipeline, data, expert, fsdp, seq, model)
+
+
+# ----- model -----
+
+
+def _weight_init(fan: str) -> DefaultInitializer.Config:
+    return DefaultInitializer.default_config().set(
+        init_by_param_name={
+            ".*weight$": WeightInitializer.default_config().set(
+                distribution="normal", fan=fan, scale=1.0
+            )
+        }
+    )
+
+
+def _rms_norm(eps: float) -> RMSNorm.Config:
+    # forward_dtype None: normalize in the compute dtype (bf16 under train_dtype).
+    return RMSNorm.default_config().set(eps=eps, forward_dtype=None)
+
+
+def model_config(
+    *,
+    dim: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    hidden_dim: int,
+    vocab_size: int,
+    activation: Union[str, Sequence[str]] = ("nn.silu", "linear"),
+    rope_theta: float = 500000.0,
+    qk_norm: bool = True,
+    norm_eps: float = 1e-5,
+    z_loss_scale: float = 1e-6,
+    remat_spec: Optional[dict[str, Any]] = None,
+    stack: str = "repeat",
+    lm_head: Optional[ConfigBase] = None,
+    logits_soft_cap: Optional[float] = None,
+    extra_ffn_summaries: bool = True,
+) -> Model.Config:
+    """A decoder-only LM: RoPE, grouped-query attention (fused QKV), optional QK-norm,
+    gated or plain MLP, RMSNorm pre-norm, tied embeddings unless `lm_head` is given.
+
+    `stack`: 'repeat' (layers under jax.lax.scan; fast compiles) or 'stack' (unrolled).
+    `remat_spec`: per-layer rematerialization (None: none; `build_remat_spec()` saves the
+    attention projections and context and recomputes the MLP).
+    """
+    fsdp_model = (FSDP_AXIS_NAMES, "model")
+    qkv = FusedGroupedQKVLinear.default_config().set(
+        cache_dtype=jnp.bfloat16, num_kv_heads=num_kv_heads
+    )
+    qkv.layer.set(bias=False, param_partition_spec=(FSDP_AXIS_NAMES, "model", None))
+    input_linear = RoFormerQKVLinear.default_config().set(
+        cache_dtype=jnp.bfloat16, input_linear=qkv, rotary_value=False
+    )
+    input_linear.rope_pos_emb_layer.theta = rope_theta
+    attention = GroupedQueryAttention.default_config().set(
+        causal=True, num_heads=num_heads, input_linear=input_linear
+    )
+    attention.output_linear.set(bias=False, param_partition_spec=(FSDP_AXIS_NAMES, "model", None))
+    if qk_norm:
+        attention.query_scale = ScaleQuery.default_config().set(norm=_rms_norm(norm_eps))
+        attention.key_scale = ScaleKey.default_config().set(norm=_rms_norm(norm_eps))
+
+    layer = TransformerLayer.default_config()
+    layer.self_attention.set(attention=attention, norm=_rms_norm(norm_eps), structure="prenorm")
+    ffn = layer.feed_forward
+    ffn.set(
+        activation=activation,
+        hidden_dim=hidden_dim,
+        norm=_rms_norm(norm_eps),
+        residual_weight=1.0,
+        structure="prenorm",
+    )
+    if extra_ffn_summaries:
+        ffn.set(add_dead_neuron_summary=True, add_value_rms_norm_summary=["linear2_outputs"])
+    ffn.linear1.set(
+        bias=False, output_partition_spec=ACTIVATION_PARTITION_SPEC, param_partition_spec=fsdp_model
+    )
+    ffn.linear2.set(
+        bias=False,
+        output_partition_spec=ACTIVATION_PARTITION_SPEC,
+        param_partition_spec=("model", FSDP_AXIS_NAMES),
+    )
+    layer.remat_spec = remat_spec
+
+    if stack == "repeat":
+        transformer = RepeatedTransformerLayer.default_config()
+    elif stack == "stack":
+        transformer = StackedTransformerLayer.default_config()
+    else:
+        raise ValueError(f"stack must be 'repeat' or 'stack', got {stack!r}")
+    transformer.set(layer=layer, num_layers=num_layers)
+
+    decoder = Decoder.default_config().set(
+        attention_mask=None,  # Causal masking happens inside attention (causal=True).
+        dim=dim,
+        dropout_rate=0.0,
+        eos_token_id=1,
+        pad_token_id=0,
+        vocab_size=vocab_size,
+        logits_partition_spec=ACTIVATION_PARTITION_SPEC,
+        output_norm=_rms_norm(norm_eps),
+        transformer=transformer,
+        lm_head=lm_head,
+        logits_soft_cap=logits_soft_cap,
+    )
+    decoder.emb.token_emb.set(param_init=_weight_init("fan_out"), param_partition_spec=fsdp_model)
+    return Model.default_config().set(
+        batch_axis_names=MODEL_BATCH_AXIS_NAMES,
+        seq_axis_names=("seq",),
+        decoder=decoder,
+        dtype=jnp.float32,
+        param_init=_weight_init("fan_in"),
+        z_loss_scale=z_loss_scale,
+    )
+
+
+# ----- learner -----
+
+# Hidden matrices whose Adam updates are scaled down with width (muP-style).
+MUP_SCALED_WEIGHTS = (
+    ".*attention/o_proj/weight",
+    ".*attention/i_proj/i_proj/qkv_proj/weight",
+    ".*feed_forward/linear1_0/weight",
+    ".*feed_forward/linear1_1/weight",
+    ".*feed_forward/linear2/weight",
+    ".*feed_forward/wi_0_weight",
+    ".*feed_forward/wi_1_weight",
+    ".*feed_forward/wo_weight",
+)
+MUP_BASE_DIM = 768  # The width at which the hidden-matrix scale is 1.
+
+
+def adastar_learner_config(
+    *,
+    dim: int,
+    max_step: int,
+    warmup_steps: int = 5000,
+    learning_rate: float = 0.01,
+    weight_decay: float = 0.000316,
+    alpha: float = 0.005,
+) -> Learner.Config:
+    """Adastar (Adam with update EMA and raw-update clipping) under a cosine schedule,
+    with muP-style update scales and skip-on-spike global-norm clipping."""
+    mup_scale = min(1.0, MUP_BASE_DIM / dim)
+    per_param_scale = config_for_function(per_param_scale_by_path).set(
+        default_scale=1.0,
+        description="scale_by_mup_simple",
+        scale_by_path=[(regex, mup_scale) for regex in MUP_SCALED_WEIGHTS],
+    )
+    inner = config_for_function(adastar_optimizer).set(
+        learning_rate=learning_rate,
+        gradient_ema_decay=None,
+        gradient_ema_debias=None,
+        gradient_square_ema_decay=0.95,
+        gradient_square_ema_debias=True,
+        eps=0,
+        eps_square=1e-30,
+        raw_update_clipping_threshold=1.0,
+        update_ema_decay=0.95,
+        update_ema_debias=False,
+        weight_decay=weight_decay,
+        update_schedule=config_for_function(cosine_with_linear_warmup).set(
+            peak_lr=1.0, max_step=max_step, warmup_steps=warmup_steps, begin_value=0.0, alpha=alpha
+        ),
+        adam_update_transformation=config_for_function(scale_update_per_param).set(
+            per_param_scale=per_param_scale
+        ),
+        verbosity=0,
+    )
+    optimizer = config_for_function(skip_and_clip_by_global_norm).set(
+        inner=inner, drop_norm=100, max_norm=1, eps=1e-08
+    )
+    return Learner.default_config().set(
+        optimizer=optimizer,
+        ema=config_for_function(param_ema),
+        enable_per_variable_summaries=False,
+    )
+
+
+def muon_learner_config(
+    *,
+    max_step: int,
+    learning_rate: float = 0.02,
+    adam_learning_rate: float = 0.008,
+    warmup_steps: int = 0,
+    weight_decay: float = 0.0,
+) -> Learner.Config:
+    """Muon for hidden matrices, AdamW for embeddings, norms and the rest, with a
+    warmup-stable-decay schedule on both (the speedrun recipe)."""
+    from axlearn.common.schedule import warmup_stable_decay  # pylint: disable=import-outside-toplevel
+
+    def schedule(peak_lr: float) -> ConfigBase:
+        return config_for_function(warmup_stable_decay).set(
+            peak_lr=peak_lr, max_step=max_step, warmup_steps=warmup_steps, decay_steps=0.4
+        )
+
+    optimizer = config_for_function(muon_optimizer).set(
+        learning_rate=schedule(learning_rate),
+        adamw_learning_rate=schedule(adam_learning_rate),
+        weight_decay=weight_decay,
+    )
+    return Learner.default_config().set(
+        optimizer=config_for_function(skip_and_clip_by_global_norm).set(
+            inner=optimizer, drop_norm=100, max_norm=1, eps=1e-08
+        ),
+        ema=config_for_function(param_ema),
+    )
+
+
+# ----- inputs and evaluation -----
+
+
+def tfds_train_input(
+    *, dataset_name: str, split: str = "train", global_batch_size: int
+) -> Input.Config:
+    """Pre-tokenized, pre-packed examples from a TFDS dataset, read in order."""
+    return Input.default_config().set(
+        is_training=True,
+        source=config_for_function(tfds_dataset).set(
+            dataset_name=dataset_name,
+            split=split,
+            download=False,
+            is_training=True,
+            train_shuffle_buffer_size=0,
+            train_shuffle_files=False,
+        ),
+        processor=config_for_function(identity),
+        batcher=_batcher(global_batch_size),
+    )
+
+
+def _batcher(global_batch_size: int) -> ConfigBase:
+    return config_for_function(batch).set(
+        global_batch_size=global_batch_size,
+        pad_example_fn=default_pad_example_fn,
+        prefetch_buffer_size=-1,
+    )
+
+
+def tfds_text_eval_input(
+    *,
+    dataset_name: str,
+    split: str,
+    max_sequence_length: int,
+    sentencepiece_model_name: str,
+    global_batch_size: int,
+) -> Input.Config:
+    """Raw text from a TFDS dataset, tokenized and packed on the fly."""
+    return Input.default_config().set(
+        is_training=False,
+        source=config_for_function(tfds_input).set(
+            dataset_name=dataset_name,
+            split=split,
+            is_training=False,
+            max_sequence_length=max_sequence_length,
+            replace_newlines_with="<n>",
+            train_shuffle_buffer_size=16384,
+            vocab_cfg=config_for_function(vocab).set(
+                sentencepiece_model_name=sentencepiece_model_name
+            ),
+        ),
+        processor=config_for_function(identity),
+        batcher=_batcher(global_batch_size),
+    )
+
+
+def evaler_config(
+    *, input_cfg: ConfigBase, every_n_steps: int, max_step: int, write_every_n_steps: int = 1
+) -> SpmdEvaler.Config:
+    """An evaler that reports loss, perplexity and bits per byte of `input_cfg`."""
+    return SpmdEvaler.default_config().set(
+        eval_dtype=jnp.bfloat16,
+        eval_policy=config_for_function(every_n_steps_policy).set(
+            n=every_n_steps, min_step=1, max_step=max_step
+        ),
+        input=input_cfg,
+        metric_calculator=ModelSummaryAccumulator.default_config().set(
+            metric_accumulator=MetricAccumulator.default_config(), model_method="forward"
+        ),
+        summary_writer=SummaryWriter.default_config().set(write_every_n_steps=write_every_n_steps),
+    )
+
+
+# ----- trainer -----
+
+
+def checkpointer_config(
+    *, every_n_steps: int, max_step: int, keep_last_n: int = 3, keep_every_n_steps: Optional[int] = None
+) -> Checkpointer.Config:
+    return Checkpointer.default_config().set(
+        save_policy=config_for_function(every_n_steps_and_last_policy).set(
+            n=every_n_steps, min_step=1, max_step=max_step
+        ),
+        storage=TensorStoreStateStorage.default_config().set(timeout_secs=3600),
+        keep_last_n=keep_last_n,
+        keep_every_n_steps=keep_every_n_steps,
+        gc_loop_interval_seconds=60,
+    )
+
+
+def trainer_config(
+    *,
+    model: Model.Config,
+    learner: Learner.Config,
+    train_input: ConfigBase,
+    evalers: dict[str, SpmdEvaler.Config],
+    max_step: int,
+    mesh_shape: Sequence[int],
+    mesh_rules: Sequence[tuple[str, Any]],
+    checkpointer: Checkpointer.Config,
+    summary_every_n_steps: int = 100,
+    name: str = "gpt_trainer",
+    train_dtype: Any = jnp.bfloat16,
+) -> SpmdTrainer.Config:
+    return SpmdTrainer.default_config().set(
+        name=name,
+        model=model,
+        learner=learner,
+        input=train_input,
+        evalers=evalers,
+        checkpointer=checkpointer,
+        summary_writer=SummaryWriter.default_config().set(
+            max_queue=1000, write_every_n_steps=summary_every_n_steps
+        ),
+        max_step=max_step,
+        train_dtype=train_dtype,
+        mesh_axis_names=MESH_AXIS_NAMES,
+        mesh_shape=tuple(mesh_shape),
+        mesh_rules=list(mesh_rules),
+        batch_axis_names=BATCH_AXIS_NAMES,
+        save_input_iterator=True,
+        start_trace_process_indices=[0],
+        prune_empty_state_updates=True,
+    )
+
+
+# ----- mesh rules -----
+
+# The instance types of the public clouds' GPU and TPU fleets, by name pattern.
+TPU_V4 = "tpu-v4-(256|512|1024)"
+TPU_V5E = "tpu-v5litepod-256"
+TPU_V5P = "tpu-v5p-(1024|2048|4096)"
+GPU_H100_CLUSTER = "gpu-(p5.48xlarge|p4de.24xlarge|a3-highgpu-8g)-(64|128|256|512|1024)"
+GPU_A100_CLUSTER = "gpu-p4d.24xlarge-256"
+# One host with 1, 2, 4 or 8 H100 or H200 GPUs (the lent machines: gpu-h100-1, ...).
+GPU_SINGLE_HOST = "gpu-(h100|h200)-(1|2|4|8)"
+CPU = "cpu(-[0-9]+)?"
+
+
+def single_host_gpu_rule(remat_spec: Optional[dict[str, Any]]) -> ConfigBase:
+    """All GPUs of the host in one FSDP group, and the size's remat choice."""
+    return ChainConfigModifier.default_config().set(
+        config_modifiers=[
+            MeshShapeModifier.default_config().set(mesh_shape=mesh_shape_from_axes(fsdp=-1)),
+            RematSpecModifier.default_config().set(
+                remat_policies={"model.decoder.transformer.layer": remat_spec}
+            ),
+        ]
+    )

@@ -1,0 +1,181 @@
+"""GPT trainer configs: gpt_test (CPU, built-in data) and 125M to 70B.
+
+Each size is a row of numbers; everything else comes from
+`axlearn.experiments.text.gpt.common`. `gpt_3b` is the reference trainer of
+`golden_configs/gpt/gpt_3b.txt`.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+from axlearn.common.input_builtin import BuiltinTextInput
+from axlearn.common.trainer import SpmdTrainer
+from axlearn.experiments.text.gpt import common
+
+# The corpus names of the reference configs (TFDS datasets prepared by the user).
+TRAIN_DATASET = "pajama_honeycrisp_15t_202408072230"
+EVAL_DATASET = "pile/openwebtext_2:1.0.0"
+EVAL_SPLIT = "test[:5000]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """The numbers that distinguish one model size from another."""
+
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    hidden_dim: int
+    vocab_size: int
+    sentencepiece_model_name: str
+    max_sequence_length: int
+    global_batch_size: int
+    max_step: int
+    warmup_steps: int
+    # Remat on single-host GPUs: None saves everything (fastest while memory allows).
+    single_host_remat: Optional[dict[str, Any]]
+
+
+SIZES = {
+    "125M": Size(768, 12, 12, 4, 2048, 32768, "bpe_32k_c4.model", 2048, 512, 100_000, 2000, None),
+    "350M": Size(1024, 24, 16, 8, 2816, 32768, "bpe_32k_c4.model", 2048, 512, 200_000, 2000, None),
+    "1B": Size(2048, 16, 16, 8, 8192, 32768, "bpe_32k_c4.model", 4096, 1024, 250_000, 5000, None),
+    "3B": Size(
+        3072, 26, 24, 8, 8064, 49152, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
+        common.build_remat_spec(),
+    ),
+    "7B": Size(
+        4096, 32, 32, 8, 14336, 49152, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
+        common.build_remat_spec(),
+    ),
+    "70B": Size(
+        8192, 80, 64, 8, 28672, 49152, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
+        common.build_remat_spec(names_which_can_be_saved=None),
+    ),
+}
+
+# The reference (3B) config's mesh rules, as its golden file records them.
+REFERENCE_MESH_RULES = [
+    ("tpu-v4-256", common.mesh_shape_from_axes(fsdp=-1)),
+    ("tpu-v5litepod-256", common.mesh_shape_from_axes(data=-1, fsdp=256)),
+    (common.GPU_H100_CLUSTER, common.mesh_shape_from_axes(data=-1, fsdp=8)),
+    (common.GPU_A100_CLUSTER, common.mesh_shape_from_axes(data=-1, fsdp=8)),
+    ("tpu-v5p-(1024|2048|4096)", common.mesh_shape_from_axes(data=-1)),
+]
+
+
+def mesh_rules(size: Size) -> list[tuple[str, Any]]:
+    """Cloud fleets as the reference, plus single-host H100/H200 machines and CPU."""
+    return [
+        (common.TPU_V4, common.mesh_shape_from_axes(fsdp=-1)),
+        (common.TPU_V5E, common.mesh_shape_from_axes(data=-1, fsdp=256)),
+        (common.GPU_H100_CLUSTER, common.mesh_shape_from_axes(data=-1, fsdp=8)),
+        (common.GPU_A100_CLUSTER, common.mesh_shape_from_axes(data=-1, fsdp=8)),
+        (common.TPU_V5P, common.mesh_shape_from_axes(data=-1)),
+        (common.GPU_SINGLE_HOST, common.single_host_gpu_rule(size.single_host_remat)),
+        (common.CPU, common.mesh_shape_from_axes(fsdp=-1)),
+    ]
+
+
+def gpt_trainer(size_name: str) -> SpmdTrainer.Config:
+    """The trainer of one model size on the reference corpora."""
+    size = SIZES[size_name]
+    model = common.model_config(
+        dim=size.dim,
+        num_layers=size.num_layers,
+        num_heads=size.num_heads,
+        num_kv_heads=size.num_kv_heads,
+        hidden_dim=size.hidden_dim,
+        vocab_size=size.vocab_size,
+        remat_spec=common.build_remat_spec(),
+    )
+    eval_input = common.tfds_text_eval_input(
+        dataset_name=EVAL_DATASET,
+        split=EVAL_SPLIT,
+        max_sequence_length=size.max_sequence_length,
+        sentencepiece_model_name=size.sentencepiece_model_name,
+        global_batch_size=size.global_batch_size,
+    )
+    return common.trainer_config(
+        model=model,
+        learner=common.adastar_learner_config(
+            dim=size.dim, max_step=size.max_step, warmup_steps=size.warmup_steps
+        ),
+        train_input=common.tfds_train_input(
+            dataset_name=TRAIN_DATASET, global_batch_size=size.global_batch_size
+        ),
+        evalers={
+            "openwebtext_2": common.evaler_config(
+                input_cfg=eval_input, every_n_steps=25_000, max_step=size.max_step
+            )
+        },
+        max_step=size.max_step,
+        mesh_shape=common.mesh_shape_from_axes(data=-1, fsdp=8),
+        mesh_rules=REFERENCE_MESH_RULES if size_name == "3B" else mesh_rules(size),
+        checkpointer=common.checkpointer_config(
+            every_n_steps=5000, max_step=size.max_step, keep_last_n=3, keep_every_n_steps=5000
+        ),
+    )
+
+
+def gpt_test_trainer() -> SpmdTrainer.Config:
+    """A tiny byte-level GPT that trains on the Python standard library in about a minute
+    on one CPU core; loss, bits per byte, checkpoints and summaries all appear."""
+    max_step, seq_len, batch = 300, 256, 16
+    model = common.model_config(
+        dim=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        hidden_dim=384,
+        vocab_size=384,  # The 259 byte ids, padded to a multiple of 128.
+        rope_theta=10000.0,
+        stack="stack",
+    )
+
+    def text_input(split: str, is_training: bool) -> BuiltinTextInput.Config:
+        return BuiltinTextInput.default_config().set(
+            split=split,
+            is_training=is_training,
+            global_batch_size=batch,
+            max_sequence_length=seq_len,
+            model_vocab_size=384,
+        )
+
+    cfg = common.trainer_config(
+        model=model,
+        learner=common.adastar_learner_config(dim=128, max_step=max_step, warmup_steps=30),
+        train_input=text_input("train", True),
+        evalers={
+            "validation": common.evaler_config(
+                input_cfg=text_input("validation", False), every_n_steps=100, max_step=max_step
+            )
+        },
+        max_step=max_step,
+        mesh_shape=common.mesh_shape_from_axes(fsdp=-1),
+        mesh_rules=[(common.CPU, common.mesh_shape_from_axes(fsdp=-1))],
+        checkpointer=common.checkpointer_config(every_n_steps=100, max_step=max_step, keep_last_n=2),
+        summary_every_n_steps=10,
+        name="gpt_test",
+        train_dtype=jnp.float32,  # bf16 is emulated (slow) on CPUs.
+    )
+    cfg.evalers["validation"].eval_dtype = jnp.float32
+    cfg.log_every_n_steps = 25
+    return cfg
+
+
+def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
+    return {
+        "gpt_test": gpt_test_trainer,
+        "gpt_125m": functools.partial(gpt_trainer, "125M"),
+        "gpt_350m": functools.partial(gpt_trainer, "350M"),
+        "gpt_1b": functools.partial(gpt_trainer, "1B"),
+        "gpt_3b": functools.partial(gpt_trainer, "3B"),
+        "gpt_7b": functools.partial(gpt_trainer, "7B"),
+        "gpt_70b": functools.partial(gpt_trainer, "70B"),
+    }
