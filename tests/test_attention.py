@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from axlearn.common import attention as attn
-from axlearn.common.config import ConfigError, parse_flat_text
-from axlearn.common.layers import RMSNorm
+from axlearn.common.config import ConfigError, config_for_function, parse_flat_text
+from axlearn.common.layers import RMSNorm, scaled_hidden_dim
 from axlearn.common.module import F
 from axlearn.common.param_init import default_initializer_config
 
@@ -389,14 +389,73 @@ def test_feed_forward_summaries_match_numpy():
     assert float(summaries["dead_neurons/linear1_0"]) == (gate.reshape(-1, 10).max(0) <= 0).sum()
 
 
-def test_feed_forward_hidden_dim_from_function_config():
-    from axlearn.common.config import config_for_function
-    from axlearn.common.layers import scaled_hidden_dim
-
-    cfg = _ffn_config().set(hidden_dim=config_for_function(scaled_hidden_dim).set(scale=8 / 3, round_up_to_multiples_of=8))
-    layer, params = _build(cfg)
-    assert layer.hidden_dim == 16
+def test_feed_forward_hidden_dim_from_a_rule_config():
+    rule = config_for_function(scaled_hidden_dim).set(scale=8 / 3, round_up_to_multiples_of=8)
+    layer, params = _build(_ffn_config().set(hidden_dim=rule))
+    assert layer.hidden_dim == 16  # ceil(6 * 8/3) = 16, already a multiple of 8.
     assert params["linear1"]["weight"].shape == (6, 16)
+
+
+def _times(input_dim=None, *, scale):
+    # input_dim defaults to None: the layer fills it in, and configs may not leave a
+    # nested function's argument REQUIRED.
+    return int(input_dim * scale)
+
+
+def test_feed_forward_hidden_dim_from_a_function_of_input_dim():
+    layer, _ = _build(_ffn_config().set(hidden_dim=config_for_function(_times).set(scale=3)))
+    assert layer.hidden_dim == 18
+
+
+# ----- projection variants -----
+
+
+def _np_project(x, w):
+    return np.einsum("btd,dnh->btnh", x, np.asarray(w, np.float64))
+
+
+@pytest.mark.parametrize(
+    "klass, num_kv_heads",
+    [
+        (attn.QKVLinear, None),
+        (attn.GroupedQKVLinear, 1),
+        (attn.FusedQKVLinear, None),
+        (attn.FusedGroupedQKVLinear, 1),
+    ],
+)
+def test_qkv_projections_match_numpy(klass, num_kv_heads):
+    cfg = klass.default_config().set(query_dim=8, key_dim=8, value_dim=8, num_heads=2, per_head_dim=3)
+    cfg.layer.bias = False
+    if num_kv_heads is not None:
+        cfg.num_kv_heads = num_kv_heads
+    layer, params = _build(cfg)
+    kv_heads = num_kv_heads or 2
+    assert layer.num_kv_heads == kv_heads
+    x = RNG.normal(size=(2, 4, 8))
+    q, k, v = _call(layer, params, query=jnp.asarray(x, jnp.float32))
+    if "qkv_proj" in params:
+        w = np.asarray(params["qkv_proj"]["weight"])
+        assert w.shape == (8, 2 + 2 * kv_heads, 3)
+        expected = _np_project(x, w[:, :2]), _np_project(x, w[:, 2 : 2 + kv_heads]), _np_project(x, w[:, 2 + kv_heads :])
+    else:
+        expected = tuple(_np_project(x, params[n]["weight"]) for n in ("q_proj", "k_proj", "v_proj"))
+    for actual, want in zip((q, k, v), expected):
+        np.testing.assert_allclose(actual, want, rtol=1e-5, atol=1e-5)
+
+
+def test_per_dim_scale_starts_at_one_and_scales_by_softplus():
+    cfg = attn.ScaleQuery.default_config().set(
+        per_head_dim=4, per_dim_scale=attn.PerDimScale.default_config()
+    )
+    layer, params = _build(cfg)
+    x = RNG.normal(size=(1, 2, 3, 4))
+    np.testing.assert_allclose(
+        _call(layer, params, proj=jnp.asarray(x, jnp.float32)), x / 2.0, rtol=1e-5, atol=1e-6
+    )
+    param = RNG.normal(size=4)
+    out = _call(layer, {"per_dim_scale": {"param": jnp.asarray(param, jnp.float32)}}, proj=jnp.asarray(x, jnp.float32))
+    expected = x * np.log1p(np.exp(param)) / np.log(2.0) / 2.0
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 
 # ----- parameter layout -----
@@ -557,7 +616,7 @@ def _spec_transformer_config():
 
 def test_spec_transformer_config_dumps_back_to_the_spec_lines():
     lines, cfg = _spec_transformer_config()
-    assert cfg.debug_string() == "\n".join(sorted(lines))
+    assert cfg.debug_string() == "\n".join(lines)  # In the spec's own order.
 
 
 def _small_spec_transformer(remat_spec="spec"):

@@ -459,7 +459,10 @@ class BaseScaleQK(BaseLayer):
 
 
 class ScaleQuery(BaseScaleQK):
-    """Queries: optional norm, then * scale_factor (default 1/sqrt(per_head_dim))."""
+    """Queries: optional norm, then * scale_factor (default 1/sqrt(per_head_dim)).
+
+    The attention layer applies it after i_proj, i.e. after rotary embeddings.
+    """
 
     def _default_scale(self) -> float:
         return 1.0 / math.sqrt(self._config.per_head_dim)
@@ -840,7 +843,9 @@ class TransformerFeedForwardLayer(BaseLayer):
         """Configures TransformerFeedForwardLayer."""
 
         input_dim: Required[int] = REQUIRED  # Set by TransformerLayer.
-        # An int, or a config of a function input_dim -> int (e.g. layers.scaled_hidden_dim).
+        # An int, or a function config: either with an `input_dim` field (default None;
+        # set here) that returns the size, or one returning a rule input_dim -> size
+        # (layers.scaled_hidden_dim).
         hidden_dim: Required[HiddenDim] = REQUIRED
         activation: Union[str, Sequence[str]] = "nn.relu"
         linear1: Linear.Config = Linear.default_config()
@@ -870,7 +875,10 @@ class TransformerFeedForwardLayer(BaseLayer):
                 )
         hidden_dim = cfg.hidden_dim
         if isinstance(hidden_dim, InstantiableConfig):
-            hidden_dim = maybe_instantiate(hidden_dim)(cfg.input_dim)
+            if "input_dim" in hidden_dim:  # A function of input_dim (and its other fields).
+                hidden_dim = hidden_dim.clone(input_dim=cfg.input_dim).instantiate()
+            else:  # A function that returns a rule input_dim -> hidden_dim.
+                hidden_dim = maybe_instantiate(hidden_dim)(cfg.input_dim)
         if not isinstance(hidden_dim, int) or hidden_dim <= 0:
             raise ConfigError(f"{self.path()}.hidden_dim: expected a positive int, got {hidden_dim}")
         self._hidden_dim = hidden_dim
