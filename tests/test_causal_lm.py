@@ -1,0 +1,303 @@
+"""causal_lm.Model: the loss and its summaries, chunked loss, the spec's model, counts."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axlearn.common.base_layer import is_parameter_spec
+from axlearn.common.causal_lm import Model, count_parameters, matmul_parameter_count
+from axlearn.common.config import parse_flat_text
+from axlearn.common.hf_llama import llama_model_config
+from axlearn.common.module import functional as F
+
+VOCAB, DIM, BATCH, SEQ = 29, 16, 3, 8
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+_SPEC_NAME = "000_f33cfaded1b52723.txt"
+
+
+def _spec_path() -> pathlib.Path:
+    for candidate in (_REPO / "spec" / _SPEC_NAME, pathlib.Path("/work/shared/spec") / _SPEC_NAME):
+        if candidate.exists():
+            return candidate
+    pytest.skip(f"spec file {_SPEC_NAME} not found")
+
+
+def _spec_model_lines() -> list[str]:
+    lines = _spec_path().read_text().splitlines()
+    return [line[len("model."):] for line in lines if line.startswith("model.")]
+
+
+def _random_params(layer, seed: int = 0):
+    """NumPy draws for every parameter: weights ~ N(0, 1/fan_in), norm scales near one."""
+    rng = np.random.RandomState(seed)
+
+    def draw(path, spec):
+        shape = tuple(spec.shape)
+        if getattr(path[-1], "key", None) == "scale":
+            return jnp.asarray(1.0 + 0.1 * rng.randn(*shape), jnp.float32)
+        fan_in = spec.fan_axes.fans(shape)["fan_in"]
+        return jnp.asarray(rng.randn(*shape) / np.sqrt(fan_in), jnp.float32)
+
+    specs = layer.create_parameter_specs_recursively()
+    return jax.tree_util.tree_map_with_path(draw, specs, is_leaf=is_parameter_spec)
+
+
+def _model_config(**kwargs) -> Model.Config:
+    cfg = llama_model_config(
+        vocab_size=VOCAB, dim=DIM, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=24
+    )
+    return cfg.set(**kwargs)
+
+
+def _batch(seed: int = 0) -> dict[str, jax.Array]:
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(1, VOCAB, size=(BATCH, SEQ))
+    labels = np.roll(ids, -1, axis=1)
+    labels[0, -3:] = 0  # Padding (pad_token_id 0) ...
+    labels[1, 2] = -1  # ... and an explicitly ignored target.
+    return dict(input_ids=jnp.asarray(ids, jnp.int32), target_labels=jnp.asarray(labels, jnp.int32))
+
+
+def _forward(model, params, batch, is_training=False):
+    return jax.jit(
+        lambda p, b: F(model, state=p, inputs=(b,), prng_key=jax.random.PRNGKey(0),
+                       is_training=is_training)
+    )(params, batch)
+
+
+def _np_log_softmax_stats(logits):
+    logits = np.asarray(logits, np.float64)
+    m = logits.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
+    return lse, logits
+
+
+def test_loss_and_summaries_match_numpy():
+    model = _model_config(z_loss_scale=1e-2).instantiate(parent=None)
+    params = _random_params(model)
+    batch = _batch()
+    (loss, aux), collection = _forward(model, params, batch)
+    lse, logits = _np_log_softmax_stats(aux["logits"])
+    labels = np.asarray(batch["target_labels"])
+    live = (labels > 0).astype(np.float64)  # pad_token_id is 0; -1 is ignored.
+    target = np.take_along_axis(logits, np.maximum(labels, 0)[..., None], -1)[..., 0]
+    ce_tokens = lse - target
+    n = live.sum()
+    ce = (ce_tokens * live).sum() / n
+    z = 1e-2 * (lse**2 * live).sum() / n
+    accuracy = ((logits.argmax(-1) == labels) * live).sum() / n
+    np.testing.assert_allclose(loss, ce + z, rtol=1e-5)
+    summaries = collection.summaries
+    for name, value in (("loss", ce + z), ("cross_entropy", ce), ("z_loss", z),
+                        ("perplexity", np.exp(ce)), ("accuracy", accuracy)):
+        np.testing.assert_allclose(summaries[name].mean, value, rtol=1e-5, err_msg=name)
+        assert float(summaries[name].weight) == n
+    np.testing.assert_array_equal(aux["live_targets"], live)
+    np.testing.assert_allclose(
+        aux["per_token_loss"], (ce_tokens + 1e-2 * lse**2) * live, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_bits_per_byte_is_total_nats_over_bytes_in_bits():
+    model = _model_config().instantiate(parent=None)
+    params = _random_params(model)
+    batch = dict(_batch(), target_num_bytes=jnp.array([30, 25, 41], jnp.int32))
+    (_, aux), collection = _forward(model, params, batch)
+    lse, logits = _np_log_softmax_stats(aux["logits"])
+    labels = np.asarray(batch["target_labels"])
+    live = labels > 0
+    target = np.take_along_axis(logits, np.maximum(labels, 0)[..., None], -1)[..., 0]
+    total_nats = ((lse - target) * live).sum()
+    bpb = collection.summaries["bits_per_byte"]
+    np.testing.assert_allclose(bpb.mean, total_nats / np.log(2) / 96, rtol=1e-5)
+    assert float(bpb.weight) == 96
+
+
+def _loss_and_grads(model, params, batch):
+    def loss_fn(p):
+        (loss, _), _ = F(model, state=p, inputs=(batch,), prng_key=None, is_training=True)
+        return loss
+
+    return jax.jit(jax.value_and_grad(loss_fn))(params)
+
+
+@pytest.mark.parametrize("chunk", [3, 4])
+def test_chunked_loss_equals_unchunked_loss_and_gradients(chunk):
+    cfg = _model_config(z_loss_scale=1e-3)
+    model = cfg.instantiate(parent=None)
+    chunked = cfg.clone(loss_chunk_size=chunk).instantiate(parent=None)
+    params = _random_params(model)
+    batch = _batch()
+    loss, grads = _loss_and_grads(model, params, batch)
+    chunked_loss, chunked_grads = _loss_and_grads(chunked, params, batch)
+    np.testing.assert_allclose(chunked_loss, loss, rtol=1e-6)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), chunked_grads, grads
+    )
+
+
+def _shapes_in_jaxpr(jaxpr) -> set:
+    """Shapes of every value computed in `jaxpr` and in the jaxprs nested in its equations."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        shapes.update(tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    shapes |= _shapes_in_jaxpr(inner)
+    return shapes
+
+
+def test_chunked_loss_never_builds_full_logits_forward_or_backward():
+    cfg = _model_config()
+    params = _random_params(cfg.instantiate(parent=None))
+    batch = _batch()
+    full_logits = (BATCH, SEQ, VOCAB)
+
+    def shapes(model_cfg):
+        model = model_cfg.instantiate(parent=None)
+
+        def loss_fn(p):
+            (loss, _), _ = F(model, state=p, inputs=(batch,), prng_key=None, is_training=True)
+            return loss
+
+        return _shapes_in_jaxpr(jax.make_jaxpr(jax.value_and_grad(loss_fn))(params).jaxpr)
+
+    assert full_logits in shapes(cfg)  # The check can see logits when they exist...
+    assert full_logits not in shapes(cfg.clone(loss_chunk_size=4))  # ... and chunking removes them.
+
+
+def _small_spec_model_config() -> Model.Config:
+    cfg = parse_flat_text("\n".join(_spec_model_lines()), source=str(_spec_path()))
+    decoder = cfg.decoder
+    decoder.set(dim=64, vocab_size=128)
+    decoder.transformer.num_layers = 2
+    layer = decoder.transformer.layer
+    layer.feed_forward.hidden_dim = 96
+    layer.self_attention.attention.num_heads = 4
+    layer.self_attention.attention.input_linear.input_linear.num_kv_heads = 2
+    return cfg.set(name="model")
+
+
+def test_spec_model_config_dumps_back_to_the_spec_lines():
+    lines = _spec_model_lines()
+    cfg = parse_flat_text("\n".join(lines))
+    assert sorted(cfg.debug_string().splitlines()) == sorted(lines)
+
+
+def test_spec_model_with_small_dims_runs_forward_and_backward():
+    model = _small_spec_model_config().instantiate(parent=None)
+    params = _random_params(model)
+    rng = np.random.RandomState(0)
+    ids = jnp.asarray(rng.randint(2, 128, size=(2, 16)), jnp.int32)
+    batch = dict(input_ids=ids, target_labels=jnp.roll(ids, -1, axis=1))
+    loss, grads = _loss_and_grads(model, params, batch)
+    assert np.isfinite(loss) and 3.0 < float(loss) < 8.0  # About log(128) = 4.85 at init.
+    norms = [float(jnp.linalg.norm(g)) for g in jax.tree_util.tree_leaves(grads)]
+    assert all(np.isfinite(norms)) and all(n > 0 for n in norms)
+
+
+def test_parameter_counts_of_the_full_size_spec_model_from_specs():
+    cfg = parse_flat_text("\n".join(_spec_model_lines())).set(name="model")
+    model = cfg.instantiate(parent=None)  # Builds the module tree only: nothing is allocated.
+    vocab, dim, layers, ff = 49152, 3072, 26, 8064
+    heads, kv_heads, head_dim = 24, 8, 128
+    attention = dim * (heads + 2 * kv_heads) * head_dim + dim * heads * head_dim
+    feed_forward = 3 * dim * ff
+    norms = 2 * dim + 2 * head_dim  # Two pre-norms and the query/key norms per layer.
+    expected_matmul = layers * (attention + feed_forward) + vocab * dim  # Tied head.
+    expected_total = layers * (attention + feed_forward + norms) + vocab * dim + dim
+    assert count_parameters(model) == expected_total
+    assert matmul_parameter_count(model) == expected_matmul
+    assert 2.6e9 < expected_total < 2.8e9  # The spec is a 2.7B model.
+
+
+def test_untied_head_counts_once_and_the_lookup_table_not_at_all():
+    tied = llama_model_config(vocab_size=100, dim=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                              hidden_dim=12, tie_word_embeddings=True)
+    untied = tied.clone()
+    untied.decoder.lm_head = llama_model_config(
+        vocab_size=100, dim=8, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=12
+    ).decoder.lm_head
+    layer_matmul = 8 * (2 + 2 * 1) * 4 + 8 * 2 * 4 + 3 * 8 * 12
+    tied_model, untied_model = tied.instantiate(parent=None), untied.instantiate(parent=None)
+    assert matmul_parameter_count(tied_model) == layer_matmul + 100 * 8
+    assert matmul_parameter_count(untied_model) == layer_matmul + 100 * 8
+    assert count_parameters(untied_model) == count_parameters(tied_model) + 100 * 8
+    # Arrays work as well as specs.
+    assert count_parameters(_random_params(tied_model)) == count_parameters(tied_model)
+
+
+def test_generation_wrappers_delegate_to_the_decoder():
+    model = _model_config().instantiate(parent=None)
+    params = _random_params(model)
+    prompt = jnp.array([[3, 4, 5]], jnp.int32)
+    run = lambda method, state, **kw: F(  # noqa: E731
+        getattr(model, method.split(".")[0]) if "." in method else model,
+        state=state, inputs=dict(prompt_ids=prompt, max_len=6, **kw), prng_key=None,
+        is_training=False, method=method.split(".")[-1],
+    )[0]
+    ours = run("greedy_decode", params)
+    direct = run("decoder.greedy_decode", params["decoder"])
+    np.testing.assert_array_equal(ours["sequences"], direct["sequences"])
+    sampled = run("sample_decode", params, prng_key=jax.random.PRNGKey(0), top_k=1)
+    np.testing.assert_array_equal(sampled["sequences"][:, 0], ours["sequences"])
+
+
+_SHARDED_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    sys.path.insert(0, sys.argv[1])
+    sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+    import jax, jax.numpy as jnp, numpy as np
+    import test_causal_lm as t
+    from axlearn.common.base_layer import is_parameter_spec
+    from axlearn.common.module import functional as F
+    from axlearn.common.sharding import create_mesh, named_sharding
+
+    cfg = t._small_spec_model_config()
+    model = cfg.instantiate(parent=None)
+    params = t._random_params(model)
+    ids = jnp.asarray(np.random.RandomState(0).randint(2, 128, size=(8, 16)), jnp.int32)
+    batch = dict(input_ids=ids, target_labels=jnp.roll(ids, -1, axis=1))
+
+    def loss_fn(p, b):
+        (loss, aux), _ = F(model, state=p, inputs=(b,), prng_key=None, is_training=True)
+        return loss, aux["logits"]
+
+    expected, _ = jax.jit(loss_fn)(params, batch)
+    # fsdp x model. (A mesh with data, fsdp and model all > 1 hits an XLA CPU partitioner
+    # bug in jax 0.10 on the spec's linear2 sharding: a plain matmul reproduces it.)
+    mesh = create_mesh((1, 4, 2), ("data", "fsdp", "model"))
+    specs = model.create_parameter_specs_recursively()
+    shardings = jax.tree_util.tree_map(
+        lambda s: named_sharding(mesh, s.partition_spec), specs, is_leaf=is_parameter_spec)
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(params, shardings)
+        loss, logits = jax.jit(loss_fn)(sharded, batch)
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    spec = tuple(logits.sharding.spec) + (None,) * 3
+    batch_axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    assert "fsdp" in batch_axes and spec[2] == "model", spec
+    print("OK")
+    """
+)
+
+
+def test_sharded_forward_matches_single_device_and_shards_logits():
+    _spec_path()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    result = subprocess.run(
+        [sys.executable, "-c", _SHARDED_SCRIPT, str(_REPO)],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]

@@ -1,0 +1,143 @@
+"""hf_llama: our Llama-shaped model against transformers' LlamaForCausalLM (torch, CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axlearn.common import hf_llama
+from axlearn.common.config import ConfigError
+from axlearn.common.module import functional as F
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 61
+
+
+def _hf_model(*, tied=False, head_dim=None, seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim or 8,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=tied,
+        eos_token_id=2, pad_token_id=0,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # HF starts norms at one; random scales test their conversion too.
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def _ids(batch=2, seq=9, seed=1):
+    return np.random.RandomState(seed).randint(3, VOCAB, size=(batch, seq))
+
+
+def _hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+def _our_logits(cfg, params, ids):
+    model = cfg.instantiate(parent=None)
+
+    def run(p, ids):
+        out, _ = F(model.decoder, state=p["decoder"], inputs=(ids,), prng_key=None,
+                   is_training=False)
+        return out["logits"]
+
+    return np.asarray(jax.jit(run)(params, jnp.asarray(ids)))
+
+
+def _assert_close(actual, expected):
+    rel = np.max(np.abs(actual - expected)) / np.max(np.abs(expected))
+    assert rel < 1e-4, rel
+
+
+@pytest.mark.parametrize("tied,head_dim", [(False, None), (True, 16)])
+def test_converted_hf_weights_give_hf_logits(tied, head_dim):
+    hf = _hf_model(tied=tied, head_dim=head_dim)
+    cfg = hf_llama.llama_config_from_hf(hf.config)
+    params = hf_llama.params_from_hf(hf.state_dict(), cfg)
+    ids = _ids()
+    _assert_close(_our_logits(cfg, params, ids), _hf_logits(hf, ids))
+
+
+@pytest.mark.parametrize("repeated", [True, False])
+def test_our_weights_converted_to_hf_give_our_logits(repeated):
+    cfg = hf_llama.llama_model_config(
+        vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, num_kv_heads=1, hidden_dim=40,
+        rope_theta=10000.0, norm_eps=1e-6, repeated=repeated,
+    )
+    model = cfg.instantiate(parent=None)
+    params = jax.jit(model.initialize_parameters_recursively)(jax.random.PRNGKey(0))
+    # Perturb norm scales away from one so that a misplaced scale shows.
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 1.1 if getattr(path[-1], "key", "") == "scale" else x, params
+    )
+    hf = transformers.LlamaForCausalLM(hf_llama.hf_config_from_llama_config(cfg)).eval()
+    hf.load_state_dict(hf_llama.params_to_hf(params, cfg))
+    ids = _ids(seed=2)
+    _assert_close(_hf_logits(hf, ids), _our_logits(cfg, params, ids))
+
+
+def test_params_round_trip_through_the_hf_state_dict():
+    hf = _hf_model(tied=True)
+    cfg = hf_llama.llama_config_from_hf(hf.config)
+    params = hf_llama.params_from_hf(hf.state_dict(), cfg)
+    state_dict = hf_llama.params_to_hf(params, cfg, framework="np")
+    for name, value in hf.state_dict().items():
+        if "rotary_emb" in name:
+            continue
+        np.testing.assert_array_equal(state_dict[name], value.numpy(), err_msg=name)
+    back = hf_llama.params_from_hf(state_dict, cfg)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, back, params)
+
+
+def test_converted_config_matches_the_hf_config():
+    hf = _hf_model(tied=True, head_dim=16)
+    cfg = hf_llama.llama_config_from_hf(hf.config)
+    decoder = cfg.decoder
+    attention = decoder.transformer.layer.self_attention.attention
+    assert (decoder.vocab_size, decoder.dim, decoder.transformer.num_layers) == (VOCAB, 32, 2)
+    assert attention.num_heads == 4 and attention.hidden_dim == 64
+    assert attention.input_linear.input_linear.num_kv_heads == 2
+    assert attention.input_linear.rope_pos_emb_layer.theta == 500000.0
+    assert decoder.output_norm.eps == 1e-5 and decoder.lm_head is None
+    assert (decoder.eos_token_id, decoder.pad_token_id) == (2, 0)
+
+
+def test_greedy_decoding_matches_hf_generate():
+    hf = _hf_model()
+    cfg = hf_llama.llama_config_from_hf(hf.config)
+    cfg.decoder.eos_token_id = VOCAB + 5  # Never produced: both run to the same length.
+    params = hf_llama.params_from_hf(hf.state_dict(), cfg)
+    model = cfg.instantiate(parent=None)
+    prompt = _ids(batch=1, seq=4, seed=3)
+    with torch.no_grad():
+        expected = hf.generate(
+            torch.tensor(prompt), max_new_tokens=8, do_sample=False, eos_token_id=None,
+            pad_token_id=0,
+        ).numpy()
+    out, _ = F(model, state=params, inputs=dict(prompt_ids=jnp.asarray(prompt), max_len=12),
+               prng_key=None, is_training=False, method="greedy_decode")
+    np.testing.assert_array_equal(out["sequences"], expected)
+
+
+def test_non_llama_configs_are_rejected_with_the_field_path():
+    cfg = hf_llama.llama_model_config(
+        vocab_size=VOCAB, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, hidden_dim=40
+    )
+    cfg.decoder.transformer.layer.self_attention.attention.input_linear.rotary_value = True
+    with pytest.raises(ConfigError, match="rotary_value"):
+        hf_llama.llama_dims(cfg)
+
+
+def test_unsupported_hf_options_are_rejected():
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      attention_bias=True)
+    with pytest.raises(ConfigError, match="attention_bias"):
+        hf_llama.llama_config_from_hf(config)
