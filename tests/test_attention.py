@@ -1,6 +1,7 @@
 """Tests of axlearn.common.attention: numerics against NumPy, decoding, stacks, remat, sharding."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from axlearn.common import attention as attn
+from axlearn.common.base_layer import flatten_with_paths, is_parameter_spec
 from axlearn.common.config import ConfigError, config_for_function, parse_flat_text
 from axlearn.common.layers import RMSNorm, scaled_hidden_dim
 from axlearn.common.module import F
@@ -160,7 +162,9 @@ def np_gqa_attention(x, p, *, num_heads, num_kv_heads, theta, positions, mask, q
 
 
 def np_swiglu(x, p):
-    w0, w1, w2 = (np.asarray(p[n]["weight"], np.float64) for n in ("linear1_0", "linear1_1", "linear2"))
+    w0, w1, w2 = (
+        np.asarray(p[n]["weight"], np.float64) for n in ("linear1_0", "linear1_1", "linear2")
+    )
     gate = x @ w0
     return (gate / (1 + np.exp(-gate)) * (x @ w1)) @ w2
 
@@ -250,9 +254,10 @@ def test_cross_attention_reads_keys_from_source():
     params = _randomize(params)
     query, source = RNG.normal(size=(1, 3, 8)), RNG.normal(size=(1, 4, 6))
     p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
-    q = np.einsum("btd,dnh->btnh", query, p["i_proj"]["q_proj"]["weight"]) + p["i_proj"]["q_proj"]["bias"]
-    k = np.einsum("btd,dnh->btnh", source, p["i_proj"]["k_proj"]["weight"]) + p["i_proj"]["k_proj"]["bias"]
-    v = np.einsum("btd,dnh->btnh", source, p["i_proj"]["v_proj"]["weight"]) + p["i_proj"]["v_proj"]["bias"]
+    q, k, v = (
+        np.einsum("btd,dnh->btnh", inputs, p["i_proj"][name]["weight"]) + p["i_proj"][name]["bias"]
+        for inputs, name in ((query, "q_proj"), (source, "k_proj"), (source, "v_proj"))
+    )
     context = np_softmax_attention(q / 2.0, k, v, np.ones((1, 3, 4), bool))
     expected = np.einsum("btnh,dnh->btd", context, p["o_proj"]["weight"]) + p["o_proj"]["bias"]
     src = jnp.asarray(source, jnp.float32)
@@ -278,7 +283,10 @@ def test_rope_matches_transformers_llama_rotation():
     emb = np.concatenate([freqs, freqs], axis=-1)
     xt = torch.tensor(x).transpose(1, 2)  # [B, N, T, H]
     ref, _ = llama.apply_rotary_pos_emb(
-        xt, xt, torch.tensor(np.cos(emb), dtype=torch.float32), torch.tensor(np.sin(emb), dtype=torch.float32)
+        xt,
+        xt,
+        torch.tensor(np.cos(emb), dtype=torch.float32),
+        torch.tensor(np.sin(emb), dtype=torch.float32),
     )
     np.testing.assert_allclose(ours, ref.transpose(1, 2).numpy(), rtol=1e-5, atol=1e-5)
 
@@ -327,7 +335,9 @@ def test_atten_logit_cap_matches_numpy():
 
 
 def _ffn_config(**kwargs):
-    return attn.TransformerFeedForwardLayer.default_config().set(input_dim=6, hidden_dim=10, **kwargs)
+    return attn.TransformerFeedForwardLayer.default_config().set(
+        input_dim=6, hidden_dim=10, **kwargs
+    )
 
 
 def test_feed_forward_squared_relu_with_residual_weight_matches_numpy():
@@ -385,7 +395,9 @@ def test_feed_forward_summaries_match_numpy():
     branch = hidden @ p["linear2"]["weight"] + p["linear2"]["bias"]
     summaries = collection.summaries
     np.testing.assert_allclose(summaries["rms_norm/inputs"], np.sqrt((x**2).mean()), rtol=1e-5)
-    np.testing.assert_allclose(summaries["rms_norm/linear2_outputs"], np.sqrt((branch**2).mean()), rtol=1e-4)
+    np.testing.assert_allclose(
+        summaries["rms_norm/linear2_outputs"], np.sqrt((branch**2).mean()), rtol=1e-4
+    )
     assert float(summaries["dead_neurons/linear1_0"]) == (gate.reshape(-1, 10).max(0) <= 0).sum()
 
 
@@ -424,7 +436,9 @@ def _np_project(x, w):
     ],
 )
 def test_qkv_projections_match_numpy(klass, num_kv_heads):
-    cfg = klass.default_config().set(query_dim=8, key_dim=8, value_dim=8, num_heads=2, per_head_dim=3)
+    cfg = klass.default_config().set(
+        query_dim=8, key_dim=8, value_dim=8, num_heads=2, per_head_dim=3
+    )
     cfg.layer.bias = False
     if num_kv_heads is not None:
         cfg.num_kv_heads = num_kv_heads
@@ -436,9 +450,11 @@ def test_qkv_projections_match_numpy(klass, num_kv_heads):
     if "qkv_proj" in params:
         w = np.asarray(params["qkv_proj"]["weight"])
         assert w.shape == (8, 2 + 2 * kv_heads, 3)
-        expected = _np_project(x, w[:, :2]), _np_project(x, w[:, 2 : 2 + kv_heads]), _np_project(x, w[:, 2 + kv_heads :])
+        splits = (w[:, :2], w[:, 2 : 2 + kv_heads], w[:, 2 + kv_heads :])
+        expected = tuple(_np_project(x, part) for part in splits)
     else:
-        expected = tuple(_np_project(x, params[n]["weight"]) for n in ("q_proj", "k_proj", "v_proj"))
+        names = ("q_proj", "k_proj", "v_proj")
+        expected = tuple(_np_project(x, params[n]["weight"]) for n in names)
     for actual, want in zip((q, k, v), expected):
         np.testing.assert_allclose(actual, want, rtol=1e-5, atol=1e-5)
 
@@ -453,7 +469,8 @@ def test_per_dim_scale_starts_at_one_and_scales_by_softplus():
         _call(layer, params, proj=jnp.asarray(x, jnp.float32)), x / 2.0, rtol=1e-5, atol=1e-6
     )
     param = RNG.normal(size=4)
-    out = _call(layer, {"per_dim_scale": {"param": jnp.asarray(param, jnp.float32)}}, proj=jnp.asarray(x, jnp.float32))
+    params = {"per_dim_scale": {"param": jnp.asarray(param, jnp.float32)}}
+    out = _call(layer, params, proj=jnp.asarray(x, jnp.float32))
     expected = x * np.log1p(np.exp(param)) / np.log(2.0) / 2.0
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
@@ -462,15 +479,12 @@ def test_per_dim_scale_starts_at_one_and_scales_by_softplus():
 
 
 def test_parameter_paths_match_the_spec_optimizer_regexes():
-    import re
-
     cfg = attn.RepeatedTransformerLayer.default_config().set(
         input_dim=16, num_layers=2, layer=_layer_config()
     )
-    layer, params = _build(cfg)
-    from axlearn.common.base_layer import flatten_with_paths
-
-    paths = [path for path, _ in flatten_with_paths(params)]
+    layer = cfg.set(name="layer").instantiate(parent=None)
+    specs = layer.create_parameter_specs_recursively()
+    paths = [path for path, _ in flatten_with_paths(specs, is_leaf=is_parameter_spec)]
     for regex in (
         ".*attention/o_proj/weight",
         ".*attention/i_proj/i_proj/qkv_proj/weight",
@@ -480,8 +494,8 @@ def test_parameter_paths_match_the_spec_optimizer_regexes():
         ".*attention/scale_query/norm/scale",
     ):
         assert any(re.fullmatch(regex, p) for p in paths), regex
-    qkv = params["repeat"]["layer"]["self_attention"]["attention"]["i_proj"]["i_proj"]["qkv_proj"]
-    assert qkv["weight"].shape == (2, 16, 4 + 2 * 2, 4)
+    qkv = specs["repeat"]["layer"]["self_attention"]["attention"]["i_proj"]["i_proj"]["qkv_proj"]
+    assert tuple(qkv["weight"].shape) == (2, 16, 4 + 2 * 2, 4)
 
 
 def test_multihead_attention_rejects_grouped_projection():
@@ -514,7 +528,7 @@ def test_unknown_attention_implementation_is_rejected():
 
 
 def _stack_config(kind, num_layers=3, **layer_kwargs):
-    klass = {"stacked": attn.StackedTransformerLayer, "repeated": attn.RepeatedTransformerLayer}[kind]
+    klass = dict(stacked=attn.StackedTransformerLayer, repeated=attn.RepeatedTransformerLayer)[kind]
     return klass.default_config().set(
         input_dim=16, num_layers=num_layers, layer=_layer_config(**layer_kwargs)
     )
@@ -594,11 +608,18 @@ def test_stacked_and_repeated_give_same_outputs_and_gradients():
     segment_ids = jnp.array([[1, 1, 2, 2, 2], [1, 1, 1, 1, 1]])
 
     def loss(layer, params):
-        out = _call(layer, params, is_training=True, prng_key=jax.random.PRNGKey(1), data=x, segment_ids=segment_ids)
+        out = _call(
+            layer, params, is_training=True, prng_key=jax.random.PRNGKey(1), data=x,
+            segment_ids=segment_ids,
+        )
         return jnp.sum(out**2), out
 
-    (rep_loss, rep_out), rep_grads = jax.value_and_grad(lambda p: loss(repeated, p), has_aux=True)(rep_params)
-    (stk_loss, stk_out), stk_grads = jax.value_and_grad(lambda p: loss(stacked, p), has_aux=True)(stk_params)
+    (rep_loss, rep_out), rep_grads = jax.value_and_grad(loss, argnums=1, has_aux=True)(
+        repeated, rep_params
+    )
+    (stk_loss, stk_out), stk_grads = jax.value_and_grad(loss, argnums=1, has_aux=True)(
+        stacked, stk_params
+    )
     np.testing.assert_allclose(rep_out, stk_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(rep_loss, stk_loss, rtol=1e-5)
     _assert_trees_close(_stacked_params_from_repeated(rep_grads, 3), stk_grads)
@@ -634,7 +655,8 @@ def _grads(cfg, params, x):
     layer = cfg.set(name="layer", param_init=default_initializer_config()).instantiate(parent=None)
 
     def loss(p):
-        return jnp.sum(_call(layer, p, is_training=True, prng_key=jax.random.PRNGKey(2), data=x) ** 2)
+        out = _call(layer, p, is_training=True, prng_key=jax.random.PRNGKey(2), data=x)
+        return jnp.sum(out**2)
 
     return jax.jit(jax.grad(loss))(params)
 
@@ -644,11 +666,7 @@ def test_spec_remat_policies_give_identical_gradients():
     params = _randomize(params, scale=0.2)
     x = jnp.asarray(RNG.normal(size=(2, 8, 32)), jnp.float32)
     reference = _grads(_small_spec_transformer(remat_spec=None), params, x)
-    for remat_spec in (
-        "spec",
-        attn.build_remat_spec(names_which_can_be_saved=None),
-        {"prevent_cse": True, "policy": "nothing_saveable"},
-    ):
+    for remat_spec in ("spec", {"prevent_cse": True, "policy": "nothing_saveable"}):
         grads = _grads(_small_spec_transformer(remat_spec), params, x)
         assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
         _assert_trees_close(grads, reference, rtol=1e-5)
@@ -696,7 +714,9 @@ _SHARDED_SCRIPT = textwrap.dedent(
     import sys
     sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
     import jax, jax.numpy as jnp, numpy as np
-    from test_attention import _MESHES, _assert_trees_close, _build, _call, _randomize, _small_spec_transformer
+    from test_attention import (
+        _MESHES, _assert_trees_close, _build, _call, _randomize, _small_spec_transformer
+    )
     from axlearn.common.base_layer import is_parameter_spec
     from axlearn.common.sharding import create_mesh, named_sharding
 
@@ -720,7 +740,8 @@ _SHARDED_SCRIPT = textwrap.dedent(
             sharded = jax.device_put(params, shardings)
             xs = jax.device_put(x, named_sharding(mesh, (("data", "expert", "fsdp"), None, None)))
             (loss_value, out), grads = step(sharded, xs)
-        qkv = sharded["repeat"]["layer"]["self_attention"]["attention"]["i_proj"]["i_proj"]["qkv_proj"]
+        attention = sharded["repeat"]["layer"]["self_attention"]["attention"]
+        qkv = attention["i_proj"]["i_proj"]["qkv_proj"]
         expected_shard = (2, 32 // shape[3], 8 // shape[5], 8)
         assert qkv["weight"].addressable_shards[0].data.shape == expected_shard, shape
         np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)

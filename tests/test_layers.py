@@ -80,7 +80,8 @@ def test_linear_matches_numpy():
 
 
 def test_linear_without_bias_has_only_a_weight():
-    layer, params = _build(layers.Linear.default_config().set(input_dim=4, output_dim=3, bias=False))
+    cfg = layers.Linear.default_config().set(input_dim=4, output_dim=3, bias=False)
+    layer, params = _build(cfg)
     assert set(params) == {"weight"}
     assert params["weight"].shape == (4, 3)
 
@@ -137,7 +138,8 @@ def test_stochastic_depth_batch_mode_drops_all_or_nothing():
     layer, params = _build(layers.StochasticDepth.default_config().set(rate=0.5, mode="batch"))
     x = jnp.ones((8, 3))
     for seed in range(5):
-        out = np.asarray(_call(layer, params, x, is_training=True, prng_key=jax.random.PRNGKey(seed)))
+        out = _call(layer, params, x, is_training=True, prng_key=jax.random.PRNGKey(seed))
+        out = np.asarray(out)
         assert np.all(out == 0) or np.all(out == 2.0)
 
 

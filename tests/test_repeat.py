@@ -67,7 +67,8 @@ def test_parameters_are_stacked_on_a_leading_replicated_axis():
 
 
 def test_stacked_weights_are_initialized_with_per_layer_fans():
-    layer, params = _repeat(Linear.default_config().set(input_dim=300, output_dim=200), num_layers=8)
+    linear = Linear.default_config().set(input_dim=300, output_dim=200)
+    layer, params = _repeat(linear, num_layers=8)
     assert params["layer"]["weight"].shape == (8, 300, 200)
     # fan_in is 300 (not 8 * 300): the layer axis is a batch axis.
     np.testing.assert_allclose(np.var(params["layer"]["weight"]), 1 / 300, rtol=0.05)
@@ -76,12 +77,13 @@ def test_stacked_weights_are_initialized_with_per_layer_fans():
 
 def test_repeat_equals_a_python_loop_over_the_layers():
     layer, params = _repeat(Linear.default_config().set(input_dim=5, output_dim=5), num_layers=3)
-    params = jax.tree_util.tree_map(lambda p: jnp.asarray(RNG.normal(size=p.shape), p.dtype), params)
+    params = jax.tree_util.tree_map(lambda p: jnp.asarray(RNG.normal(size=p.shape)), params)
     x = RNG.normal(size=(2, 5)).astype(np.float32)
     out, _ = _forward(layer, params, jnp.asarray(x))
     expected = x.astype(np.float64)
     for i in range(3):
-        expected = expected @ np.asarray(params["layer"]["weight"][i]) + np.asarray(params["layer"]["bias"][i])
+        weight, bias = params["layer"]["weight"][i], params["layer"]["bias"][i]
+        expected = expected @ np.asarray(weight) + np.asarray(bias)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
 
 

@@ -314,7 +314,9 @@ class RoFormerSinusoidalPositionalEmbedding(BaseLayer):
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
         if cfg.dim % 2:
-            raise ConfigError(f"{self.path()}.dim: rotary embeddings need an even dim, got {cfg.dim}")
+            raise ConfigError(
+                f"{self.path()}.dim: rotary embeddings need an even dim, got {cfg.dim}"
+            )
 
     def forward(self, positions: Tensor) -> Tensor:
         """[..., T] int positions -> [..., T, dim]: sin in the first half, cos in the second."""
@@ -394,7 +396,9 @@ class RoFormerQKVLinear(BaseQKVLinear):
         if key_positions is None:
             key_positions = query_positions if key is None else _default_positions(key)
         q_emb = self.rope_pos_emb_layer(query_positions)
-        k_emb = q_emb if key_positions is query_positions else self.rope_pos_emb_layer(key_positions)
+        k_emb = q_emb
+        if key_positions is not query_positions:
+            k_emb = self.rope_pos_emb_layer(key_positions)
         q = apply_rotary_position_embeddings(q, q_emb)
         k = apply_rotary_position_embeddings(k, k_emb)
         if self.config.rotary_value:
@@ -514,7 +518,8 @@ class MultiheadAttention(BaseLayer):
         hidden_dim = cfg.hidden_dim or cfg.query_dim
         if hidden_dim % cfg.num_heads:
             raise ConfigError(
-                f"{self.path()}: hidden_dim {hidden_dim} is not a multiple of num_heads {cfg.num_heads}"
+                f"{self.path()}: hidden_dim {hidden_dim} is not a multiple of "
+                f"num_heads {cfg.num_heads}"
             )
         if cfg.attention_implementation not in _IMPLEMENTATIONS:
             raise ConfigError(
@@ -880,7 +885,9 @@ class TransformerFeedForwardLayer(BaseLayer):
             else:  # A function that returns a rule input_dim -> hidden_dim.
                 hidden_dim = maybe_instantiate(hidden_dim)(cfg.input_dim)
         if not isinstance(hidden_dim, int) or hidden_dim <= 0:
-            raise ConfigError(f"{self.path()}.hidden_dim: expected a positive int, got {hidden_dim}")
+            raise ConfigError(
+                f"{self.path()}.hidden_dim: expected a positive int, got {hidden_dim}"
+            )
         self._hidden_dim = hidden_dim
         if isinstance(cfg.activation, str):
             self._activations = [(("linear1"), get_activation_fn(cfg.activation))]
@@ -890,12 +897,15 @@ class TransformerFeedForwardLayer(BaseLayer):
             ]
         else:
             raise ConfigError(
-                f"{self.path()}.activation: expected a name or a pair of names, got {cfg.activation}"
+                f"{self.path()}.activation: expected a name or a pair of names, "
+                f"got {cfg.activation}"
             )
         _add_norms(self, cfg.structure, cfg.norm, cfg.input_dim)
         for name, _ in self._activations:
             self._add_child(name, cfg.linear1.clone(input_dim=cfg.input_dim, output_dim=hidden_dim))
-        self._add_child("linear2", cfg.linear2.clone(input_dim=hidden_dim, output_dim=cfg.input_dim))
+        self._add_child(
+            "linear2", cfg.linear2.clone(input_dim=hidden_dim, output_dim=cfg.input_dim)
+        )
         self._add_child("dropout1", cfg.dropout)
         self._add_child("dropout2", cfg.dropout)
         self._add_child("stochastic_depth", cfg.stochastic_depth)
@@ -915,7 +925,8 @@ class TransformerFeedForwardLayer(BaseLayer):
             # Only the activated branch can die; a gate's linear partner cannot.
             if self._config.add_dead_neuron_summary and i == 0:
                 never_positive = jnp.max(h.reshape(-1, h.shape[-1]), axis=0) <= 0
-                self.add_summary(f"dead_neurons/{name}", jnp.sum(never_positive).astype(jnp.float32))
+                dead = jnp.sum(never_positive).astype(jnp.float32)
+                self.add_summary(f"dead_neurons/{name}", dead)
             hidden = h if hidden is None else hidden * h
         return hidden
 
@@ -975,7 +986,9 @@ class TransformerLayer(BaseLayer):
     def _cross(self, data: Tensor, cross_attention_data: Optional[Tensor]) -> Tensor:
         if self._config.cross_attention is None:
             if cross_attention_data is not None:
-                raise ValueError(f"{self.path()}: cross_attention_data given without cross_attention")
+                raise ValueError(
+                    f"{self.path()}: cross_attention_data given without cross_attention"
+                )
             return data
         if cross_attention_data is None:
             raise ValueError(f"{self.path()}: cross_attention needs cross_attention_data")

@@ -18,7 +18,12 @@ from typing import Any, Optional
 
 import jax
 
-from axlearn.common.base_layer import BaseLayer, ParameterSpec, flatten_with_paths, is_parameter_spec
+from axlearn.common.base_layer import (
+    BaseLayer,
+    ParameterSpec,
+    flatten_with_paths,
+    is_parameter_spec,
+)
 from axlearn.common.config import (
     REQUIRED,
     ConfigError,
@@ -101,7 +106,9 @@ class Repeat(BaseLayer):
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
         if not isinstance(cfg.num_layers, int) or cfg.num_layers < 1:
-            raise ConfigError(f"{self.path()}.num_layers: expected a positive int, got {cfg.num_layers}")
+            raise ConfigError(
+                f"{self.path()}.num_layers: expected a positive int, got {cfg.num_layers}"
+            )
         self._add_child("layer", cfg.layer)
         self._drop = maybe_instantiate(cfg.drop_output)
 
