@@ -186,12 +186,14 @@ class DecodingLayer(Module):
 
 
 def _set_causal_attention(cfg: Any) -> None:
-    """Sets `causal=True` in every nested config that has a `causal` field."""
+    """Sets `causal=True` in every nested config with a `causal` field, except inside
+    cross-attention configs (whose keys come from another sequence)."""
     if isinstance(cfg, ConfigBase):
         if "causal" in cfg:
             cfg.causal = True
-        for _, value in cfg.items():
-            _set_causal_attention(value)
+        for name, value in cfg.items():
+            if name != "cross_attention":
+                _set_causal_attention(value)
     elif isinstance(cfg, (list, tuple)):
         for value in cfg:
             _set_causal_attention(value)
@@ -292,7 +294,11 @@ class Decoder(BaseLayer):
         return self._output(x)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
-        """[B, T, dim] -> [B, T, vocab] through the LM head (tied or not) and soft cap."""
+        """[B, T, dim] -> [B, T, vocab] through the LM head (tied or not) and soft cap,
+        sharded by `logits_partition_spec`."""
+        return maybe_shard(self._logits(hidden_states), self.config.logits_partition_spec)
+
+    def _logits(self, hidden_states: Tensor) -> Tensor:
         cfg = self.config
         if "lm_head" in self.children:
             logits = self.lm_head(hidden_states)
@@ -301,7 +307,7 @@ class Decoder(BaseLayer):
         if cfg.logits_soft_cap is not None:
             cap = cfg.logits_soft_cap
             logits = cap * jnp.tanh(logits / cap)
-        return maybe_shard(logits, cfg.logits_partition_spec)
+        return logits
 
     def _output(self, x: Tensor) -> Tensor:
         if "output_norm" in self.children:
@@ -329,7 +335,9 @@ class Decoder(BaseLayer):
             cached_states["transformer"], x, time_step=time_step
         )
         hidden_states = self._output(x)
-        logits = self.compute_logits(hidden_states)
+        # No logits_partition_spec here: a few decoded positions (or a small decoding batch)
+        # need not divide the mesh axes that training shards over.
+        logits = self._logits(hidden_states)
         return dict(transformer=transformer_cache), dict(
             logits=logits, hidden_states=hidden_states
         )
@@ -386,8 +394,9 @@ class Decoder(BaseLayer):
     ) -> dict[str, Tensor]:
         """Extends each prompt with its most likely next tokens.
 
-        prompt_ids [B, P] are right-padded with pad_token_id; `prompt_lengths` [B] defaults
-        to the count of non-pad tokens. Returns dict(sequences=[B, max_len], lengths=[B]).
+        prompt_ids [B, P] are right-padded with pad_token_id; `prompt_lengths` [B] (each at
+        least 1) defaults to the count of non-pad tokens. Generation stops per row at
+        eos_token_id or max_len. Returns dict(sequences=[B, max_len], lengths=[B]).
         """
         return self._decode(
             prompt_ids,
