@@ -61,25 +61,35 @@ SIZES = {
 
 # The reference (3B) config's mesh rules, as its golden file records them.
 REFERENCE_MESH_RULES = [
-    ("tpu-v4-256", common.mesh_shape_from_axes(fsdp=-1)),
-    ("tpu-v5litepod-256", common.mesh_shape_from_axes(data=-1, fsdp=256)),
+    (common.TPU_V4.selector([256]), common.mesh_shape_from_axes(fsdp=-1)),
+    (common.TPU_V5E.selector(), common.mesh_shape_from_axes(data=-1, fsdp=256)),
+    (common.GPU_H100_CLUSTER.selector(), common.mesh_shape_from_axes(data=-1, fsdp=8)),
+    (common.GPU_A100_CLUSTER.selector(), common.mesh_shape_from_axes(data=-1, fsdp=8)),
+    (common.TPU_V5P.selector(), common.mesh_shape_from_axes(data=-1)),
+]
+
+# The mesh of each cloud fleet: FSDP within a GPU host or a TPU slice, data parallel across.
+FLEET_MESHES = (
+    (common.TPU_V4, common.mesh_shape_from_axes(fsdp=-1)),
+    (common.TPU_V5E, common.mesh_shape_from_axes(data=-1, fsdp=256)),
     (common.GPU_H100_CLUSTER, common.mesh_shape_from_axes(data=-1, fsdp=8)),
     (common.GPU_A100_CLUSTER, common.mesh_shape_from_axes(data=-1, fsdp=8)),
-    ("tpu-v5p-(1024|2048|4096)", common.mesh_shape_from_axes(data=-1)),
-]
+    (common.TPU_V5P, common.mesh_shape_from_axes(data=-1)),
+)
 
 
 def mesh_rules(size: Size) -> list[tuple[str, Any]]:
-    """Cloud fleets as the reference, plus single-host H100/H200 machines and CPU."""
-    return [
-        (common.TPU_V4, common.mesh_shape_from_axes(fsdp=-1)),
-        (common.TPU_V5E, common.mesh_shape_from_axes(data=-1, fsdp=256)),
-        (common.GPU_H100_CLUSTER, common.mesh_shape_from_axes(data=-1, fsdp=8)),
-        (common.GPU_A100_CLUSTER, common.mesh_shape_from_axes(data=-1, fsdp=8)),
-        (common.TPU_V5P, common.mesh_shape_from_axes(data=-1)),
-        (common.GPU_SINGLE_HOST, common.single_host_gpu_rule(size.single_host_remat)),
-        (common.CPU, common.mesh_shape_from_axes(fsdp=-1)),
+    """The cloud fleets (only the sizes that split the global batch evenly), single-host
+    H100/H200 machines with the size's remat choice, and CPU."""
+    rules = [
+        common.fleet_mesh_rule(fleet, shape, global_batch_size=size.global_batch_size)
+        for fleet, shape in FLEET_MESHES
     ]
+    rules.append(
+        (common.GPU_SINGLE_HOST.selector(), common.single_host_gpu_rule(size.single_host_remat))
+    )
+    rules.append((common.CPU, common.mesh_shape_from_axes(fsdp=-1)))
+    return [rule for rule in rules if rule is not None]
 
 
 def gpt_trainer(size_name: str) -> SpmdTrainer.Config:
@@ -159,7 +169,9 @@ def gpt_test_trainer() -> SpmdTrainer.Config:
         max_step=max_step,
         mesh_shape=common.mesh_shape_from_axes(fsdp=-1),
         mesh_rules=[(common.CPU, common.mesh_shape_from_axes(fsdp=-1))],
-        checkpointer=common.checkpointer_config(every_n_steps=100, max_step=max_step, keep_last_n=2),
+        checkpointer=common.checkpointer_config(
+            every_n_steps=100, max_step=max_step, keep_last_n=2
+        ),
         summary_every_n_steps=10,
         name="gpt_test",
         train_dtype=jnp.float32,  # bf16 is emulated (slow) on CPUs.

@@ -5,6 +5,9 @@ choice that is not a size lives here, once. This file must stay importable witho
 TensorFlow: TensorFlow is only imported when a built tf.data source is called.
 """
 
+import dataclasses
+import math
+import re
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -27,7 +30,7 @@ from axlearn.common.checkpointer import (
     TensorStoreStateStorage,
     every_n_steps_and_last_policy,
 )
-from axlearn.common.config import ConfigBase, config_for_function
+from axlearn.common.config import ConfigBase, ConfigError, config_for_function
 from axlearn.common.decoder import Decoder
 from axlearn.common.evaler import ModelSummaryAccumulator, SpmdEvaler, every_n_steps_policy
 from axlearn.common.input_tf_data import (
@@ -51,7 +54,7 @@ from axlearn.common.optimizers import (
     skip_and_clip_by_global_norm,
 )
 from axlearn.common.param_init import DefaultInitializer, WeightInitializer
-from axlearn.common.schedule import cosine_with_linear_warmup
+from axlearn.common.schedule import cosine_with_linear_warmup, warmup_stable_decay
 from axlearn.common.summary_writer import SummaryWriter
 from axlearn.common.trainer import SpmdTrainer
 from axlearn.common.trainer_config_modifier import (
@@ -116,7 +119,13 @@ ACTIVATION_PARTITION_SPEC = (MODEL_BATCH_AXIS_NAMES, "seq", "model")
 
 
 def mesh_shape_from_axes(
-    *, pipeline: int = 1, data: int = 1, expert: int = 1, fsdp: int = 1, seq: int = 1, model: int = 1
+    *,
+    pipeline: int = 1,
+    data: int = 1,
+    expert: int = 1,
+    fsdp: int = 1,
+    seq: int = 1,
+    model: int = 1,
 ) -> tuple[int, ...]:
     """A mesh shape over MESH_AXIS_NAMES; one axis may be -1 (all remaining devices)."""
     return (pipeline, data, expert, fsdp, seq, model)
@@ -310,7 +319,6 @@ def muon_learner_config(
 ) -> Learner.Config:
     """Muon for hidden matrices, AdamW for embeddings, norms and the rest, with a
     warmup-stable-decay schedule on both (the speedrun recipe)."""
-    from axlearn.common.schedule import warmup_stable_decay  # pylint: disable=import-outside-toplevel
 
     def schedule(peak_lr: float) -> ConfigBase:
         return config_for_function(warmup_stable_decay).set(
@@ -408,8 +416,14 @@ def evaler_config(
 
 
 def checkpointer_config(
-    *, every_n_steps: int, max_step: int, keep_last_n: int = 3, keep_every_n_steps: Optional[int] = None
+    *,
+    every_n_steps: int,
+    max_step: int,
+    keep_last_n: int = 3,
+    keep_every_n_steps: Optional[int] = None,
 ) -> Checkpointer.Config:
+    """Saves every `every_n_steps` and at `max_step`; keeps the last `keep_last_n`
+    checkpoints and every `keep_every_n_steps`-th (None: no others)."""
     return Checkpointer.default_config().set(
         save_policy=config_for_function(every_n_steps_and_last_policy).set(
             n=every_n_steps, min_step=1, max_step=max_step
@@ -459,22 +473,86 @@ def trainer_config(
 
 # ----- mesh rules -----
 
-# The instance types of the public clouds' GPU and TPU fleets, by name pattern.
-TPU_V4 = "tpu-v4-(256|512|1024)"
-TPU_V5E = "tpu-v5litepod-256"
-TPU_V5P = "tpu-v5p-(1024|2048|4096)"
-GPU_H100_CLUSTER = "gpu-(p5.48xlarge|p4de.24xlarge|a3-highgpu-8g)-(64|128|256|512|1024)"
-GPU_A100_CLUSTER = "gpu-p4d.24xlarge-256"
-# One host with 1, 2, 4 or 8 H100 or H200 GPUs (the lent machines: gpu-h100-1, ...).
-GPU_SINGLE_HOST = "gpu-(h100|h200)-(1|2|4|8)"
+
+@dataclasses.dataclass(frozen=True)
+class Fleet:
+    """Instance types `<prefix>-<size>` of one accelerator family, as mesh selectors name them."""
+
+    prefix: str  # A regex, e.g. 'gpu-(p5.48xlarge|p4de.24xlarge|a3-highgpu-8g)'.
+    sizes: tuple[int, ...]  # The sizes offered (see instance_device_count for their unit).
+
+    def selector(self, sizes: Optional[Sequence[int]] = None) -> str:
+        """The regex matching `<prefix>-<size>` for `sizes` (None: all of them)."""
+        sizes = self.sizes if sizes is None else tuple(sizes)
+        if not sizes:
+            raise ValueError(f"Fleet {self.prefix}: no sizes to select")
+        if len(sizes) == 1:
+            return f"{self.prefix}-{sizes[0]}"
+        return f"{self.prefix}-({'|'.join(str(s) for s in sizes)})"
+
+
+# The public clouds' GPU and TPU fleets, and the single hosts lent to this project.
+TPU_V4 = Fleet("tpu-v4", (256, 512, 1024))
+TPU_V5E = Fleet("tpu-v5litepod", (256,))
+TPU_V5P = Fleet("tpu-v5p", (1024, 2048, 4096))
+GPU_H100_CLUSTER = Fleet("gpu-(p5.48xlarge|p4de.24xlarge|a3-highgpu-8g)", (64, 128, 256, 512, 1024))
+GPU_A100_CLUSTER = Fleet("gpu-p4d.24xlarge", (256,))
+GPU_SINGLE_HOST = Fleet("gpu-(h100|h200)", (1, 2, 4, 8))  # E.g. --mesh_selector=gpu-h100-8.
 CPU = "cpu(-[0-9]+)?"
 
+# TPU v4 and v5p sizes count TensorCores; their two cores per chip form one JAX device
+# (megacore). Other sizes count devices: GPUs, TPU v5e chips.
+_TENSORCORES_PER_DEVICE = (("tpu-v4-", 2), ("tpu-v5p-", 2))
 
-def single_host_gpu_rule(remat_spec: Optional[dict[str, Any]]) -> ConfigBase:
-    """All GPUs of the host in one FSDP group, and the size's remat choice."""
+
+def instance_device_count(instance_type: str) -> Optional[int]:
+    """JAX devices of a concrete instance type ('tpu-v5p-1024' -> 512, 'gpu-h100-8' -> 8);
+    None when the name carries no size (e.g. 'cpu')."""
+    match = re.fullmatch(r".*-([0-9]+)", instance_type)
+    if not match:
+        return None
+    size = int(match.group(1))
+    for prefix, cores in _TENSORCORES_PER_DEVICE:
+        if instance_type.startswith(prefix):
+            return size // cores
+    return size
+
+
+def batch_split(mesh_shape: Sequence[int], num_devices: int) -> Optional[int]:
+    """Into how many shards `mesh_shape` on `num_devices` splits the global batch (the
+    product of its BATCH_AXIS_NAMES axes); None if the shape cannot cover the devices."""
+    from axlearn.common.trainer import infer_mesh_shape  # pylint: disable=import-outside-toplevel
+
+    try:
+        shape = infer_mesh_shape(mesh_shape, num_devices)
+    except ConfigError:
+        return None
+    return math.prod(shape[MESH_AXIS_NAMES.index(axis)] for axis in BATCH_AXIS_NAMES)
+
+
+def fleet_mesh_rule(
+    fleet: Fleet, mesh_shape: Sequence[int], *, global_batch_size: int
+) -> Optional[tuple[str, tuple[int, ...]]]:
+    """(selector, mesh_shape) over the sizes of `fleet` on which the mesh resolves and the
+    global batch splits evenly; None if no size qualifies (the rule is left out)."""
+    sizes = []
+    for size in fleet.sizes:
+        split = batch_split(mesh_shape, instance_device_count(f"{fleet.prefix}-{size}"))
+        if split is not None and global_batch_size % split == 0:
+            sizes.append(size)
+    return (fleet.selector(sizes), tuple(mesh_shape)) if sizes else None
+
+
+def single_host_gpu_rule(
+    remat_spec: Optional[dict[str, Any]], *, mesh_shape: Optional[Sequence[int]] = None
+) -> ConfigBase:
+    """The host's GPUs on `mesh_shape` (None: all in one FSDP group) with `remat_spec` on
+    every transformer layer (None: no remat)."""
+    if mesh_shape is None:
+        mesh_shape = mesh_shape_from_axes(fsdp=-1)
     return ChainConfigModifier.default_config().set(
         config_modifiers=[
-            MeshShapeModifier.default_config().set(mesh_shape=mesh_shape_from_axes(fsdp=-1)),
+            MeshShapeModifier.default_config().set(mesh_shape=tuple(mesh_shape)),
             RematSpecModifier.default_config().set(
                 remat_policies={"model.decoder.transformer.layer": remat_spec}
             ),

@@ -1,0 +1,133 @@
+"""golf_baseline: a speedrun-style small GPT in the same config language as the GPT sizes.
+
+The model: 9 pre-norm layers of width 512, 8 query heads sharing 4 key/value heads
+(head dim 64, RoPE, RMS QK-norm), a plain 2x MLP (hidden 1024) with ReLU^2, a 1024-token
+vocabulary, embeddings tied with the LM head and logits soft-capped at 30. Sequences of
+1024 tokens, 512 rows a step (524,288 tokens), Muon for the hidden matrices and AdamW for
+the rest.
+
+Data: token shards (`axlearn.common.input_tokens`) made with a 1024-id vocabulary, by
+default under `data/golf/` relative to the working directory:
+
+    python -m axlearn.common.input_tokens build --vocab=<1024-id sentencepiece model> \\
+        --output=data/golf/train TRAIN_FILES...
+    python -m axlearn.common.input_tokens build --vocab=<same model> \\
+        --output=data/golf/validation VALIDATION_FILES...
+
+Point elsewhere with `--config_override=input.paths="['/data/fw/train-*.tok']"` (and
+`evalers['validation'].input.paths=...`), or train on synthetic batches with
+`--data_dir=FAKE`. The evaler reports loss and bits per byte over the whole validation set.
+
+Memory on one 80 GB GPU at the full batch (estimated, bf16 activations, per layer and
+token; with packed documents attention takes the XLA path, which materializes the
+[heads, keys] logits in fp32 and probabilities in bf16):
+- no remat: ~60 KiB/token/layer saved (attention logits/probabilities ~48 KiB, the rest
+  ~14 KiB), ~270 GiB over 9 layers: fits only at 64 rows per GPU (8 GPUs, ~34 GiB);
+- saving the attention projections and context (`build_remat_spec()`): 4 KiB/token/layer
+  (18 GiB) plus the layer inputs (4.5 GiB) plus the transient of recomputing one layer's
+  attention (logits, probabilities and their gradients: up to ~48 GiB): ~72 GiB, too close
+  to 80 GB for one GPU, comfortable on 2 or 4;
+- full remat of each layer (nothing saved but its input): 4.5 GiB + ~48 GiB transient +
+  ~6 GiB for the LM head and loss + ~0.3 GiB of parameters and optimizer state: ~55-60
+  GiB. This is the one-GPU choice. These are estimates, to be measured on the GPU.
+"""
+
+from collections.abc import Callable
+
+from axlearn.common.input_tokens import TokenShardInput
+from axlearn.common.trainer import SpmdTrainer
+from axlearn.experiments.text.gpt import common
+
+# Default shard locations (globs, relative to the working directory).
+TRAIN_SHARDS = "data/golf/train-*.tok"
+VALIDATION_SHARDS = "data/golf/validation-*.tok"
+
+VOCAB_SIZE = 1024
+MAX_SEQUENCE_LENGTH = 1024
+GLOBAL_BATCH_SIZE = 512  # 512 x 1024 = 524,288 tokens a step.
+MAX_STEP = 20_000
+
+# Single-host GPU rules by GPU count: the rows each GPU holds decide the remat (see above).
+_FULL_REMAT = common.build_remat_spec(names_which_can_be_saved=None)
+_SAVE_PROJECTIONS = common.build_remat_spec()
+SINGLE_HOST_REMAT = (
+    ((1,), _FULL_REMAT),  # 512 rows.
+    ((2, 4), _SAVE_PROJECTIONS),  # 256 or 128 rows.
+    ((8,), None),  # 64 rows: everything fits without recomputation.
+)
+
+
+def _shard_input(paths: str, *, is_training: bool) -> TokenShardInput.Config:
+    return TokenShardInput.default_config().set(
+        is_training=is_training,
+        paths=[paths],
+        global_batch_size=GLOBAL_BATCH_SIZE,
+        max_sequence_length=MAX_SEQUENCE_LENGTH,
+        model_vocab_size=VOCAB_SIZE,  # Rejects shards whose ids do not fit the model.
+        shuffle=is_training,  # Evaluation reads the validation set once, in order.
+    )
+
+
+def mesh_rules() -> list[tuple[str, object]]:
+    """Data parallel everywhere: at 17M parameters, sharding them would only add traffic."""
+    data_parallel = common.mesh_shape_from_axes(data=-1)
+    rules = [
+        common.fleet_mesh_rule(fleet, data_parallel, global_batch_size=GLOBAL_BATCH_SIZE)
+        for fleet in (
+            common.TPU_V4,
+            common.TPU_V5E,
+            common.GPU_H100_CLUSTER,
+            common.GPU_A100_CLUSTER,
+            common.TPU_V5P,
+        )
+    ]
+    for gpu_counts, remat_spec in SINGLE_HOST_REMAT:
+        rules.append(
+            (
+                common.GPU_SINGLE_HOST.selector(gpu_counts),
+                common.single_host_gpu_rule(remat_spec, mesh_shape=data_parallel),
+            )
+        )
+    rules.append((common.CPU, data_parallel))
+    return [rule for rule in rules if rule is not None]
+
+
+def golf_baseline() -> SpmdTrainer.Config:
+    """The baseline trainer (see the module docstring)."""
+    model = common.model_config(
+        dim=512,
+        num_layers=9,
+        num_heads=8,
+        num_kv_heads=4,
+        hidden_dim=1024,
+        vocab_size=VOCAB_SIZE,
+        activation="squared_relu",
+        rope_theta=10000.0,
+        qk_norm=True,
+        z_loss_scale=0.0,  # The soft cap already bounds the logits.
+        remat_spec=_FULL_REMAT,
+        logits_soft_cap=30.0,
+    )
+    return common.trainer_config(
+        model=model,
+        learner=common.muon_learner_config(max_step=MAX_STEP),
+        train_input=_shard_input(TRAIN_SHARDS, is_training=True),
+        evalers={
+            "validation": common.evaler_config(
+                input_cfg=_shard_input(VALIDATION_SHARDS, is_training=False),
+                every_n_steps=1000,
+                max_step=MAX_STEP,
+            )
+        },
+        max_step=MAX_STEP,
+        mesh_shape=common.mesh_shape_from_axes(data=-1),
+        mesh_rules=mesh_rules(),
+        checkpointer=common.checkpointer_config(
+            every_n_steps=1000, max_step=MAX_STEP, keep_last_n=3
+        ),
+        name="golf_baseline",
+    )
+
+
+def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
+    return {"golf_baseline": golf_baseline}
