@@ -323,6 +323,60 @@ def test_attention_matches_jax_dot_product_attention():
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
 
 
+def _cudnn_on_xla(calls):
+    """Stands in for jax.nn.dot_product_attention on CPU: records the call, runs XLA."""
+    real = jax.nn.dot_product_attention
+
+    def fake(*args, implementation=None, **kwargs):
+        calls.append(dict(kwargs, implementation=implementation, dtype=args[0].dtype))
+        return real(*args, implementation="xla", **kwargs)
+
+    return fake
+
+
+def test_cudnn_call_masks_segments_and_matches_numpy(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.nn, "dot_product_attention", _cudnn_on_xla(calls))
+    cfg = _layer_config()
+    cfg.self_attention.attention.attention_implementation = "cudnn"
+    layer, params = _build(cfg.set(input_dim=16))
+    params = _randomize(params)
+    x = RNG.normal(size=(2, 6, 16))
+    segment_ids = np.array([[1, 1, 2, 2, 2, 3], [1, 1, 1, 1, 0, 0]])
+    positions = np.array([[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 1]])
+    out = _call(
+        layer, params, data=jnp.asarray(x, jnp.float32), segment_ids=jnp.asarray(segment_ids),
+        positions=jnp.asarray(positions),
+    )
+    assert [c["implementation"] for c in calls] == ["cudnn"]
+    assert calls[0]["is_causal"] and calls[0]["scale"] == 1.0
+    expected = np_transformer_layer(
+        x, params, positions=positions, mask=np_causal_mask(2, 6, segment_ids)
+    )
+    np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-4)
+
+
+def test_auto_implementation_picks_cudnn_on_gpu_for_bf16_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.nn, "dot_product_attention", _cudnn_on_xla(calls))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    # cuDNN needs per_head_dim % 8 == 0: 16 / 2 heads.
+    layer, params = _build(_layer_config(num_heads=2, num_kv_heads=1).set(input_dim=16))
+    x = jnp.asarray(RNG.normal(size=(2, 6, 16)))
+    _call(layer, params, data=x.astype(jnp.float32))
+    assert not calls  # float32: XLA.
+    bf16 = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), params)
+    _call(layer, bf16, data=x.astype(jnp.bfloat16))
+    assert [c["dtype"] for c in calls] == [jnp.bfloat16]
+    # Decoding never takes the cuDNN path.
+    cache = _call(layer, bf16, method="init_states", batch_size=2, max_len=8)
+    _call(
+        layer, bf16, method="extend_step", cached_states=cache, data=x[:, :2].astype(jnp.bfloat16),
+        time_step=jnp.zeros(2, jnp.int32),
+    )
+    assert len(calls) == 1
+
+
 def test_atten_logit_cap_matches_numpy():
     layer, params = _build(_layer_config(cap=2.0).set(input_dim=16))
     params = _randomize(params, scale=1.5)

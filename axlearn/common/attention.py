@@ -509,8 +509,9 @@ class MultiheadAttention(BaseLayer):
         causal: bool = False  # Whether a query attends only to keys at or before it.
         atten_logit_cap: Optional[float] = None  # cap * tanh(logits / cap); None: no cap.
         # 'xla', 'cudnn' (jax.nn.dot_product_attention's flash kernel, GPU, bf16/fp16),
-        # or None: cuDNN where it applies, XLA elsewhere. Segment ids and decoding
-        # always use the XLA path (the public cuDNN API has no segment masking).
+        # or None: cuDNN where it applies, XLA elsewhere. On cuDNN, segment ids become
+        # a [B,1,T,S] mask (the public API has no packed-segment mode); decoding
+        # (extend_step) always uses the XLA path.
         attention_implementation: Optional[str] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
@@ -592,9 +593,9 @@ class MultiheadAttention(BaseLayer):
 
     # --- the attention itself ---
 
-    def _use_cudnn(self, q: Tensor, k: Tensor, *, masked_by_ids: bool) -> bool:
+    def _use_cudnn(self, q: Tensor, k: Tensor) -> bool:
         cfg = self._config
-        if cfg.attention_implementation == "xla" or masked_by_ids:
+        if cfg.attention_implementation == "xla":
             return False
         if cfg.attention_implementation == "cudnn":
             return True
@@ -628,11 +629,13 @@ class MultiheadAttention(BaseLayer):
         """
         cfg = self._config
         k, v = k.astype(q.dtype), v.astype(q.dtype)
-        if q_index is None and kv_valid is None and self._use_cudnn(
-            q, k, masked_by_ids=segment_ids is not None
-        ):
+        if q_index is None and kv_valid is None and self._use_cudnn(q, k):
+            mask = None
+            if segment_ids is not None:
+                mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+            # The query is already scaled (ScaleQuery), hence scale=1.
             return jax.nn.dot_product_attention(
-                q, k, v, scale=1.0, is_causal=cfg.causal, implementation="cudnn"
+                q, k, v, mask=mask, scale=1.0, is_causal=cfg.causal, implementation="cudnn"
             )
         batch, q_len, num_heads, head_dim = q.shape
         kv_len, num_kv_heads = k.shape[1], k.shape[2]
