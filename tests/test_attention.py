@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import jax
 import jax.numpy as jnp
@@ -752,6 +753,16 @@ def test_repeated_layers_recompute_hidden_activations_under_the_spec_policy(caps
     assert "f32[2,2,8,48]" in _saved_residuals(capsys, _small_spec_transformer(None), x)
     saved = _saved_residuals(capsys, _small_spec_transformer(), x)
     assert "f32[2,2,8,48]" not in saved and "f32[2,2,8,4,8]" in saved, saved
+
+
+def test_spec_policy_also_saves_the_cudnn_attention_kernel_outputs():
+    kernel = types.SimpleNamespace(name="dot_product_attention_fwd_wrapper")
+    other = types.SimpleNamespace(name="dot_general")
+    spec_policy = attn.build_remat_spec()["policy"].instantiate()
+    assert spec_policy(kernel) and not spec_policy(other)
+    # A policy that does not keep the context recomputes the kernel as well.
+    ffn_only = attn.build_remat_spec(names_which_can_be_saved=".*linear1_0")["policy"]
+    assert not ffn_only.instantiate()(kernel)
 
 
 # ----- sharding -----

@@ -23,6 +23,7 @@ at those positions.
 """
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional, Union
 
@@ -1135,19 +1136,45 @@ class RepeatedTransformerLayer(BaseStackedTransformerLayer):
 # ----- rematerialization -----
 
 
+# Primitive names of the forward kernel of jax.nn.dot_product_attention(implementation=
+# "cudnn") in jax 0.10 (should a later jax rename them, the kernel is just recomputed).
+# Its outputs are the context and the softmax statistics [B,N,T].
+_CUDNN_ATTENTION_FORWARD = frozenset(
+    {"dot_product_attention_fwd_wrapper", "dot_product_attention_fwd"}
+)
+
+
 def _save_and_offload_only_these_names_regex(
     names_which_can_be_saved: Optional[str],
     names_which_can_be_offloaded: Optional[str],
     offload_src: str,
     offload_dst: str,
 ) -> Callable:
-    """A remat policy: save names matching one regex, offload the other, recompute the rest."""
-    return base_layer.save_and_offload_only_these_names_regex(
+    """A remat policy: save names matching one regex, offload the other, recompute the rest.
+
+    When the saved names include the attention context, the cuDNN attention kernel's
+    outputs are saved too: its backward needs the softmax statistics next to the
+    context, and without them the whole attention forward would run again.
+    """
+    by_name = base_layer.save_and_offload_only_these_names_regex(
         names_which_can_be_saved=names_which_can_be_saved,
         names_which_can_be_offloaded=names_which_can_be_offloaded,
         offload_src=offload_src,
         offload_dst=offload_dst,
     )
+    saves_context = names_which_can_be_saved is not None and any(
+        re.fullmatch(names_which_can_be_saved, f"{klass.__name__}.context")
+        for klass in (MultiheadAttention, GroupedQueryAttention)
+    )
+    if not saves_context:
+        return by_name
+
+    def policy(prim, *args, **params):
+        if getattr(prim, "name", None) in _CUDNN_ATTENTION_FORWARD:
+            return True
+        return by_name(prim, *args, **params)
+
+    return policy
 
 
 def build_remat_spec(
