@@ -48,13 +48,14 @@ def run_benchmark(
     warmup_steps: int,
     profile_dir: Optional[str] = None,
     xla_dump_dir: Optional[str] = None,
+    xla_flags_preset: str = "auto",
 ) -> dict[str, Any]:
     """Trains `warmup_steps + steps` steps in this process; returns the measured columns."""
     if xla_dump_dir:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={xla_dump_dir}".strip()
     from axlearn.common import launch  # pylint: disable=import-outside-toplevel
 
-    launch.setup()
+    launch.setup(xla_flags_preset=xla_flags_preset)
     import jax  # pylint: disable=import-outside-toplevel
 
     from axlearn.common import perf  # pylint: disable=import-outside-toplevel
@@ -102,6 +103,7 @@ def run_benchmark(
         "tokens_per_s_per_device": metrics["perf/tokens_per_s_per_device"],
         "mfu_percent": 100 * metrics["perf/mfu"] if "perf/mfu" in metrics else float("nan"),
         "memory_percent": 100 * memory[0] / memory[1] if memory and memory[1] else float("nan"),
+        "peak_memory_gib": memory[0] / 2**30 if memory else float("nan"),
         "jax_version": jax.__version__,
         "device": f"{jax.device_count()}x {device.device_kind}",
     }
@@ -218,6 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--warmup_steps", type=int, default=5)
     parser.add_argument("--profile_dir", default=None, help="Save a profiler trace of the timed steps.")
     parser.add_argument("--xla_dump_dir", default=None, help="Dump the compiled HLO (--xla_dump_to).")
+    parser.add_argument("--xla_flags_preset", default="auto", help="auto or none (launch.XLA_FLAG_PRESETS).")
     parser.add_argument("--compare", default=None, help="REV_A,REV_B: benchmark two git revisions.")
     parser.add_argument("--compare_dirs", default=None, help="DIR_A,DIR_B: benchmark two source trees.")
     parser.add_argument("--html", default=None, help="Write the comparison as an HTML page.")
@@ -229,6 +232,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run_args += [f"--module={args.module}"] if args.module else []
     run_args += [f"--mesh_selector={args.mesh_selector}"] if args.mesh_selector else []
     run_args += [f"--config_override={o}" for o in args.config_override]
+    run_args += [f"--xla_flags_preset={args.xla_flags_preset}"]
 
     if args.compare or args.compare_dirs:
         results = {}
@@ -252,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 config=args.config, module=args.module, mesh_selector=args.mesh_selector,
                 data_dir=args.data_dir, overrides=args.config_override, steps=args.steps,
                 warmup_steps=args.warmup_steps, profile_dir=args.profile_dir,
-                xla_dump_dir=args.xla_dump_dir,
+                xla_dump_dir=args.xla_dump_dir, xla_flags_preset=args.xla_flags_preset,
             )
         }
     if args.json_out:

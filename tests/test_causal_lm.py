@@ -301,3 +301,35 @@ def test_sharded_forward_matches_single_device_and_shards_logits():
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_attend_across_documents_ignores_segments_and_positions():
+    """With attend_across_documents, the loss is that of an unpacked batch of one document."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    from axlearn.common.module import functional  # pylint: disable=import-outside-toplevel
+    from axlearn.experiments.text.gpt.common import model_config  # pylint: disable=import-outside-toplevel
+
+    cfg = model_config(
+        dim=32, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=64, vocab_size=64, z_loss_scale=0.0
+    ).set(name="model", dtype=jnp.float32)
+    cfg.decoder.transformer.layer.self_attention.attention.input_linear.cache_dtype = None
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(2, 64, size=(2, 16)), jnp.int32)
+    labels = jnp.asarray(rng.integers(2, 64, size=(2, 16)), jnp.int32)
+    packed = dict(
+        input_ids=ids,
+        target_labels=labels,
+        input_segment_ids=jnp.asarray(np.repeat([[1, 2]], 8, axis=1).repeat(2, axis=0), jnp.int32),
+        input_positions=jnp.asarray(np.tile(np.arange(8), 2)[None].repeat(2, axis=0), jnp.int32),
+    )
+    plain = dict(input_ids=ids, target_labels=labels)
+    model = cfg.instantiate(parent=None)
+    params = model.initialize_parameters_recursively(jax.random.PRNGKey(0))
+
+    def loss(model, batch):
+        return functional(model, state=params, inputs=dict(input_batch=batch), prng_key=None, is_training=False)[0][0]
+
+    across = cfg.clone(attend_across_documents=True).instantiate(parent=None)
+    np.testing.assert_allclose(loss(across, packed), loss(model, plain), rtol=1e-6)
+    assert abs(float(loss(model, packed)) - float(loss(model, plain))) > 1e-4

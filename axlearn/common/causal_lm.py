@@ -57,6 +57,10 @@ class Model(BaseLayer):
         # If set, the sequence is cut into chunks of this many tokens for the LM head and
         # the loss, each recomputed in the backward pass (aux then has no 'logits').
         loss_chunk_size: Optional[int] = None
+        # True: packed documents see each other (plain causal attention over the whole
+        # row, positions 0..T-1), which lets cuDNN's flash kernel run without a mask.
+        # None or False: attention and positions stay within each document.
+        attend_across_documents: Optional[bool] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
@@ -83,10 +87,12 @@ class Model(BaseLayer):
         cfg = self.config
         input_ids = self._shard_tokens(input_batch["input_ids"])
         labels = self._shard_tokens(input_batch["target_labels"])
-        decoder_kwargs = dict(
-            segment_ids=self._shard_tokens(input_batch.get("input_segment_ids")),
-            positions=self._shard_tokens(input_batch.get("input_positions")),
-        )
+        decoder_kwargs = {}
+        if not cfg.attend_across_documents:
+            decoder_kwargs = dict(
+                segment_ids=self._shard_tokens(input_batch.get("input_segment_ids")),
+                positions=self._shard_tokens(input_batch.get("input_positions")),
+            )
         aux: dict[str, Any] = {}
         if cfg.loss_chunk_size is None:
             logits = self.decoder(input_ids, **decoder_kwargs)["logits"]
