@@ -7,6 +7,8 @@ from typing import Optional
 
 from absl import flags
 
+from axlearn.common.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 # XLA flags per platform, chosen by measurement (docs/benchmarks.md). They are prepended
@@ -89,7 +91,7 @@ def setup(
                 if value is None
             ]
             if missing:
-                raise ValueError(f"A multi-process run needs {', '.join(missing)} too")
+                raise ConfigError(f"A multi-process run needs {', '.join(missing)} too")
             jax.distributed.initialize(
                 coordinator_address=distributed_coordinator,
                 num_processes=num_processes,

@@ -39,11 +39,10 @@ def experiment_modules() -> list[str]:
     )
 
 
-def named_configs(module: Optional[str] = None) -> dict[str, tuple[str, Callable[[], ConfigBase]]]:
-    """Config name -> (module name, builder), over one module or all of them."""
+def _config_sources(module: Optional[str]) -> dict[str, list[tuple[str, Callable[[], ConfigBase]]]]:
+    """Config name -> every (module name, builder) defining it, over one module or all."""
     modules = [module] if module else experiment_modules()
-    found: dict[str, tuple[str, Callable[[], ConfigBase]]] = {}
-    duplicates: dict[str, list[str]] = {}
+    sources: dict[str, list[tuple[str, Callable[[], ConfigBase]]]] = {}
     for name in modules:
         try:
             mod = importlib.import_module(f"{EXPERIMENTS_PACKAGE}.{name}")
@@ -54,24 +53,34 @@ def named_configs(module: Optional[str] = None) -> dict[str, tuple[str, Callable
                 ) from e
             raise
         for config_name, builder in mod.named_trainer_configs().items():
-            if config_name in found:
-                duplicates.setdefault(config_name, [found[config_name][0]]).append(name)
-            found[config_name] = (name, builder)
-    for config_name, mods in duplicates.items():
-        found.pop(config_name)
-        log.debug("Config %s is defined in several modules: %s", config_name, mods)
-    return found
+            sources.setdefault(config_name, []).append((name, builder))
+    return sources
+
+
+def named_configs(module: Optional[str] = None) -> dict[str, tuple[str, Callable[[], ConfigBase]]]:
+    """Config name -> (module name, builder), over one module or all of them.
+
+    Names that several modules define are left out: they need `--module`.
+    """
+    return {name: found[0] for name, found in _config_sources(module).items() if len(found) == 1}
 
 
 def get_named_trainer_config(config_name: str, *, module: Optional[str] = None) -> ConfigBase:
     """The trainer config `config_name` from `module` (or from the only module defining it)."""
-    configs = named_configs(module)
-    if config_name not in configs:
-        close = difflib.get_close_matches(config_name, list(configs), n=5, cutoff=0.4)
+    sources = _config_sources(module)
+    found = sources.get(config_name, [])
+    if len(found) > 1:
+        modules = ", ".join(m for m, _ in found)
+        raise ConfigError(
+            f"Config '{config_name}' is defined in several experiment modules ({modules}); "
+            "choose one with --module"
+        )
+    if not found:
+        close = difflib.get_close_matches(config_name, list(sources), n=5, cutoff=0.4)
         hint = f" Did you mean: {', '.join(close)}?" if close else ""
         where = f"module '{module}'" if module else "the experiment modules"
         raise ConfigError(f"Unknown config '{config_name}' in {where}.{hint}")
-    return configs[config_name][1]()
+    return found[0][1]()
 
 
 def _find_field(cfg: ConfigBase, field: str) -> Optional[Any]:
@@ -150,6 +159,7 @@ def build_trainer_config(
             raise ConfigError(
                 f"--mesh_selector={mesh_selector} matches none of {config_name}'s mesh_rules: {patterns}"
             )
+        log.info("--mesh_selector=%s: applying %r", mesh_selector, rule)
         cfg = apply_mesh_rule(cfg, rule)
     if data_dir == FAKE_DATA_DIR:
         cfg = use_fake_data(cfg)

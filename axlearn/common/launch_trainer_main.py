@@ -10,6 +10,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 from axlearn.common import launch, launch_trainer
+from axlearn.common.config import ConfigError
 
 launch.define_flags()
 launch_trainer.define_flags()
@@ -19,8 +20,12 @@ def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.INFO)
-    launch.setup_from_flags(flags.FLAGS)
-    launch_trainer.run_from_flags(flags.FLAGS)
+    try:
+        launch.setup_from_flags(flags.FLAGS)
+        launch_trainer.run_from_flags(flags.FLAGS)
+    except ConfigError as e:
+        # A wrong flag or config: the message says what to change; a traceback adds nothing.
+        raise SystemExit(f"launch_trainer_main: {e}") from e
 
 
 if __name__ == "__main__":

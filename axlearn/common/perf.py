@@ -6,12 +6,11 @@ the matrix). TFLOP/s/device = FLOPs per step / step time / devices; MFU = that /
 """
 
 import dataclasses
-import math
 from typing import Any, Optional
 
 import jax
 
-from axlearn.common.base_layer import flatten_with_paths, is_parameter_spec
+from axlearn.common.causal_lm import count_parameters, matmul_parameter_count
 
 # Peak dense bf16 TFLOP/s per device, by a substring of jax's device_kind (first match).
 PEAK_TFLOPS_BY_DEVICE_KIND = (
@@ -40,22 +39,15 @@ def peak_tflops(device: Optional[jax.Device] = None) -> Optional[float]:
 def parameter_counts(param_specs: Any) -> tuple[int, int]:
     """(all parameters, matmul parameters) from a tree of ParameterSpecs.
 
-    Matmul parameters are weights of rank >= 2, except the token-embedding table when the
-    model has a separate LM head (a lookup does no FLOPs; a tied table is the LM head).
+    Matmul parameters follow `causal_lm.matmul_parameter_count`: every `weight` except
+    lookup tables, with the LM head counted (a tied token table counts once, as the head).
+    Norm scales and biases are left out, also when stacked over repeated layers.
     """
-    leaves = flatten_with_paths(param_specs, is_leaf=is_parameter_spec)
-    has_lm_head = any("lm_head" in path for path, _ in leaves)
-    total = matmul = 0
-    for path, spec in leaves:
-        size = math.prod(spec.shape)
-        total += size
-        is_embedding = path.endswith("token_emb/weight")
-        if len(spec.shape) >= 2 and not (is_embedding and has_lm_head):
-            matmul += size
-    return total, matmul
+    return count_parameters(param_specs), matmul_parameter_count(param_specs)
 
 
 def model_flops_per_token(*, matmul_params: int, num_layers: int, seq_len: int, d_model: int) -> float:
+    """Training FLOPs per token (forward and backward), the DESIGN.md formula."""
     return 6.0 * matmul_params + 6.0 * num_layers * seq_len * d_model
 
 
@@ -107,23 +99,38 @@ class StepAccounting:
         memory = device_memory()
         if memory is not None:
             out["perf/peak_memory_gib"] = memory[0] / 2**30
-            out["perf/memory_fraction"] = memory[0] / memory[1] if memory[1] else float("nan")
+            if memory[1]:
+                out["perf/memory_fraction"] = memory[0] / memory[1]
         return out
 
 
 def device_memory(device: Optional[jax.Device] = None) -> Optional[tuple[int, int]]:
-    """(peak bytes in use, bytes limit) of a local device, where the backend reports them."""
+    """(peak bytes in use, bytes limit) of a local device, where the backend reports them.
+
+    CPU devices report nothing; their memory is the host's, so the process's peak
+    resident set size stands in (limit 0: unknown).
+    """
     device = device or jax.local_devices()[0]
     try:
         stats = device.memory_stats()
     except Exception:  # pylint: disable=broad-except
-        return None
-    if not stats or "peak_bytes_in_use" not in stats:
-        return None
-    return int(stats["peak_bytes_in_use"]), int(stats.get("bytes_limit", 0))
+        stats = None
+    if stats and "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"]), int(stats.get("bytes_limit", 0))
+    if device.platform == "cpu":
+        return _host_peak_rss_bytes(), 0
+    return None
+
+
+def _host_peak_rss_bytes() -> int:
+    import resource  # pylint: disable=import-outside-toplevel
+
+    # ru_maxrss is in KiB on Linux.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:
+    """'key=value ...' sorted by key, floats to 4 significant digits."""
     return " ".join(
         f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items())
     )
@@ -143,7 +150,7 @@ def progress_line(step: int, max_step: int, summaries: dict[str, Any]) -> str:
         f"gnorm {get('learner/gradient_norm', '.3f')}",
         f"{get('perf/step_time_s', '.3f')} s/step",
         f"{get('perf/tokens_per_s_per_device', ',.0f')} tok/s/dev",
-        f"{get('perf/tflops_per_device', '.1f')} TFLOP/s/dev",
+        f"{get('perf/tflops_per_device', '.3g')} TFLOP/s/dev",
     ]
     if "perf/mfu" in summaries:
         parts.append(f"MFU {summaries['perf/mfu']:.1%}")

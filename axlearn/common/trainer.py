@@ -6,7 +6,6 @@ checkpoint in its directory or initializes; then runs one jitted, sharded `train
 per batch until `max_step`, with summaries, evaluation and checkpoints by policy.
 """
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -21,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from axlearn.common import perf
-from axlearn.common.base_layer import BaseLayer, ParameterSpec, flatten_with_paths, is_parameter_spec
+from axlearn.common.base_layer import BaseLayer, ParameterSpec, flatten_with_paths
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.evaler import SpmdEvaler
@@ -135,12 +134,12 @@ class SpmdTrainer(Module):
         super().__init__(cfg, parent=parent)
         cfg = self._config
         devices = list(jax.devices() if devices is None else devices)
-        mesh_shape = infer_mesh_shape(cfg.mesh_shape, len(devices))
-        if len(mesh_shape) != len(cfg.mesh_axis_names):
+        if len(cfg.mesh_shape) != len(cfg.mesh_axis_names):
             raise ConfigError(
-                f"mesh_shape {tuple(cfg.mesh_shape)} and mesh_axis_names "
+                f"{self.path()}: mesh_shape {tuple(cfg.mesh_shape)} and mesh_axis_names "
                 f"{tuple(cfg.mesh_axis_names)} differ in length"
             )
+        mesh_shape = infer_mesh_shape(cfg.mesh_shape, len(devices))
         self._mesh = create_mesh(mesh_shape, cfg.mesh_axis_names, devices)
         self._devices = devices
         log.info("Mesh %s over %d %s devices", dict(self._mesh.shape), len(devices), devices[0].platform)
@@ -315,7 +314,7 @@ class SpmdTrainer(Module):
     # ----- the loop -----
 
     def run(self, prng_key: Optional[jax.Array] = None) -> dict[str, Any]:
-        """Trains until max_step; returns the last step's summaries (host values)."""
+        """Trains until max_step; returns the last logged step's summaries (host values)."""
         cfg = self._config
         del prng_key  # The key comes from cfg.seed, so that restarts are reproducible.
         self._restore_or_init()
@@ -330,6 +329,7 @@ class SpmdTrainer(Module):
         batches = self._batches()
         last: dict[str, Any] = {}
         pending: Optional[tuple[int, dict[str, Any]]] = None
+        saved_step = None
         window_start, window_steps = time.perf_counter(), 0
         tracing_until = None
         try:
@@ -345,8 +345,11 @@ class SpmdTrainer(Module):
                 step = self._step
                 must_log = step % log_every == 0 or step == cfg.max_step
                 writer_due = "summary_writer" in self.children and self.summary_writer.should_write(step)
-                saving = "checkpointer" in self.children and self.checkpointer.should_save(step)
+                saving = "checkpointer" in self.children and (
+                    self.checkpointer.should_save(step) or step == cfg.max_step
+                )
                 if must_log or writer_due or saving:
+                    # Never save or report a state whose loss or parameters are not finite.
                     self._check_finite(step, summaries)
                     pending = None
                 if must_log or writer_due:
@@ -362,16 +365,19 @@ class SpmdTrainer(Module):
                 self._run_evalers(step)
                 if saving:
                     self._save(step)
+                    saved_step = step
             if pending is not None:
                 self._check_finite(*pending)
         finally:
             if tracing_until is not None:
-                jax.profiler.stop_trace()
+                self._stop_trace()
             if "checkpointer" in self.children:
                 self.checkpointer.wait_until_finished()
             if "summary_writer" in self.children:
                 self.summary_writer.flush()
-        if not last and self._state is not None and pending is None and self._step:
+        if saved_step is not None:
+            log.info("Saved step %d in %s", saved_step, self.checkpointer.directory)
+        if not last and self._step:
             last = {"step": self._step}
         return last
 
@@ -383,8 +389,7 @@ class SpmdTrainer(Module):
     def _maybe_trace(self, tracing_until: Optional[int]) -> Optional[int]:
         cfg = self._config
         if tracing_until is not None and self._step >= tracing_until:
-            jax.profiler.stop_trace()
-            log.info("Stopped trace at step %d", self._step)
+            self._stop_trace()
             tracing_until = None
         if (
             tracing_until is None
@@ -399,25 +404,47 @@ class SpmdTrainer(Module):
             tracing_until = self._step + (cfg.start_trace_num_steps or 3)
         return tracing_until
 
+    def _stop_trace(self) -> None:
+        # Wait for the traced steps to finish on the device, so the trace holds all of them.
+        jax.block_until_ready(self._state)
+        jax.profiler.stop_trace()
+        log.info("Stopped trace at step %d", self._step)
+
     def _check_finite(self, step: int, summaries: dict[str, Any]) -> None:
+        """Raises NonFiniteLossError if step `step` left a non-finite loss or parameters,
+        unless the optimizer skipped that step (then it warns)."""
+        learner_summaries = summaries.get("learner", {})
         loss = float(summaries["loss"])
-        skipped = summaries.get("learner", {}).get("skipped_steps")
+        skipped = learner_summaries.get("skipped_steps")
         skipped = None if skipped is None else int(skipped)
         newly_skipped = skipped is not None and skipped > self._skipped_steps
         if skipped is not None:
             self._skipped_steps = skipped
-        if math.isfinite(loss):
+        # The parameter norm after the update catches a finite loss whose update overflowed.
+        param_norm = learner_summaries.get("parameter_norm")
+        param_norm = 0.0 if param_norm is None else float(param_norm)
+        if math.isfinite(loss) and math.isfinite(param_norm):
             return
-        if newly_skipped:
-            log.warning("Step %d: loss is %s; the optimizer skipped the update", step, loss)
+        if newly_skipped and math.isfinite(param_norm):
+            log.warning(
+                "Step %d: loss is %s; the optimizer skipped the update (%d steps skipped so far)",
+                step, loss, skipped,
+            )
             return
         last = None
         if "checkpointer" in self.children:
+            self.checkpointer.wait_until_finished()
             last = self.checkpointer.latest_committed_step()
+        what = f"Loss became {loss}" if not math.isfinite(loss) else (
+            f"The parameter norm became {param_norm} (loss {loss})"
+        )
+        if last is None:
+            good = "no checkpoint was committed before it"
+        else:
+            good = f"the last good checkpoint is step {last} in {self.checkpointer.directory}"
         raise NonFiniteLossError(
-            f"Loss became {loss} at step {step}. Nothing was saved after it; the last good "
-            f"checkpoint is step {last} in {self._config.dir}. Lower the learning rate, enable "
-            "skip_and_clip_by_global_norm, or check the input."
+            f"{what} at step {step}. Nothing was saved after it; {good}. Lower the learning "
+            "rate, enable skip_and_clip_by_global_norm, or check the input."
         )
 
     def _host_summaries(self, summaries: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,415 @@
+"""Tests of axlearn.common.trainer (SpmdTrainer) and axlearn.common.perf.
+
+Every trainer here is tiny (tests/trainer_script.py) and trains in float32 on CPU, so a
+run compiles and trains in a few seconds.
+"""
+
+import glob
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from axlearn.common import perf
+from axlearn.common.checkpointer import Checkpointer
+from axlearn.common.config import ConfigError, apply_overrides
+from axlearn.common.input_builtin import BuiltinTextInput
+from axlearn.common.trainer import NonFiniteLossError, SpmdTrainer, infer_mesh_shape
+from axlearn.experiments.text.gpt import common
+from tests.trainer_script import (
+    BATCH,
+    SEQ_LEN,
+    VOCAB,
+    PoisonedFakeLmInput,
+    adamw_learner_config,
+    losses_by_step,
+    read_metrics,
+    tiny_model_config,
+    tiny_trainer_config,
+)
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(TESTS_DIR)
+
+
+def _committed_steps(trainer_dir) -> list[int]:
+    cfg = Checkpointer.default_config().set(
+        name="checkpointer", dir=os.path.join(trainer_dir, "checkpoints")
+    )
+    return cfg.instantiate(parent=None).committed_steps()
+
+
+def _builtin_input(split: str, is_training: bool) -> BuiltinTextInput.Config:
+    return BuiltinTextInput.default_config().set(
+        split=split,
+        is_training=is_training,
+        global_batch_size=8,
+        max_sequence_length=64,
+        model_vocab_size=384,
+    )
+
+
+# ----- training, checkpoints, summaries, resumption -----
+
+
+def test_small_trainer_loss_falls_and_writes_checkpoints_and_summaries(tmp_path):
+    cfg = tiny_trainer_config(
+        trainer_dir=str(tmp_path),
+        max_step=40,
+        save_every_n_steps=20,
+        model=tiny_model_config(vocab_size=384),
+        learner=adamw_learner_config(learning_rate=1e-2),
+        input_cfg=_builtin_input("train", True),
+    )
+    cfg.evalers = {
+        "validation": common.evaler_config(
+            input_cfg=_builtin_input("validation", False), every_n_steps=20, max_step=40
+        ).set(eval_dtype=None)
+    }
+    cfg.instantiate(parent=None).run()
+
+    losses = losses_by_step(str(tmp_path))
+    assert sorted(losses) == list(range(1, 41))
+    last = np.mean([losses[s] for s in range(36, 41)])
+    # Bytes of Python source: from about a uniform guess over 384 ids to a few bits per byte.
+    assert losses[1] > math.log(384) - 0.5 and last < losses[1] - 2.5, (losses[1], last)
+    assert _committed_steps(tmp_path) == [20, 40]
+    train_summaries = tmp_path / "summaries" / "train"
+    assert glob.glob(str(train_summaries / "events.out.tfevents.*"))
+    eval_records = [
+        json.loads(line)
+        for line in open(tmp_path / "summaries" / "validation" / "metrics.jsonl", encoding="utf-8")
+    ]
+    assert [r["step"] for r in eval_records] == [20, 40]
+    assert eval_records[-1]["loss"] < eval_records[0]["loss"]
+
+
+class _Records(logging.Handler):
+    """Collects log messages (caplog is per test; the fixtures below are per module)."""
+
+    def __init__(self):
+        super().__init__(level=logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(name="reference_run", scope="module")
+def fixture_reference_run(tmp_path_factory):
+    """An uninterrupted 6-step run: (trainer dir, its log messages, run()'s result)."""
+    trainer_dir = str(tmp_path_factory.mktemp("reference"))
+    cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=6)
+    cfg.peak_tflops_per_device = 1.0
+    logger, records = logging.getLogger("axlearn.common.trainer"), _Records()
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        result = cfg.instantiate(parent=None).run()
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    return trainer_dir, records.messages, result
+
+
+def _train_in_two_runs(trainer_dir: str, *, save_input_iterator: bool, before_second_run=None):
+    """Trains steps 1-3 (saved: the run's last step), then resumes and trains 4-6."""
+    trainers = []
+    for max_step in (3, 6):
+        if max_step == 6 and before_second_run is not None:
+            before_second_run()
+        cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=max_step)
+        cfg.save_input_iterator = save_input_iterator
+        trainers.append(cfg.instantiate(parent=None))
+        trainers[-1].run()
+    return trainers
+
+
+@pytest.fixture(name="resumed_run", scope="module")
+def fixture_resumed_run(tmp_path_factory):
+    """The reference run interrupted after step 3; the second run may not initialize."""
+    trainer_dir = str(tmp_path_factory.mktemp("resumed"))
+    monkeypatch = pytest.MonkeyPatch()
+
+    def no_init(self, prng_key):
+        raise AssertionError("a resumed trainer must not initialize its state")
+
+    try:
+        trainers = _train_in_two_runs(
+            trainer_dir,
+            save_input_iterator=True,
+            before_second_run=lambda: monkeypatch.setattr(SpmdTrainer, "init_state", no_init),
+        )
+    finally:
+        monkeypatch.undo()
+    return trainer_dir, trainers
+
+
+def test_rerun_in_the_same_directory_resumes_instead_of_reinitializing(resumed_run):
+    trainer_dir, (first, second) = resumed_run
+    assert first.step == 3 and second.step == 6
+    # The first run wrote steps 1-3; the second continued with 4-6 (and never initialized).
+    assert [r["step"] for r in read_metrics(trainer_dir)] == [1, 2, 3, 4, 5, 6]
+    assert _committed_steps(trainer_dir) == [3, 6]
+
+
+def test_resumed_run_reproduces_the_uninterrupted_losses(reference_run, resumed_run):
+    reference, resumed = losses_by_step(reference_run[0]), losses_by_step(resumed_run[0])
+    assert resumed == reference  # Bit for bit, steps 1-6.
+
+
+def test_without_the_saved_input_position_a_resumed_run_replays_old_batches(
+    reference_run, tmp_path
+):
+    _train_in_two_runs(str(tmp_path), save_input_iterator=False)
+    reference, resumed = losses_by_step(reference_run[0]), losses_by_step(str(tmp_path))
+    assert [resumed[s] for s in range(1, 4)] == [reference[s] for s in range(1, 4)]
+    # Restarting the input feeds batches 1-3 again to the step-3 model: other losses.
+    assert all(resumed[s] != reference[s] for s in range(4, 7))
+
+
+# ----- non-finite losses -----
+
+
+@pytest.mark.parametrize("bad_step", [4, 5], ids=["at_a_save_step", "between_saves"])
+def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, bad_step):
+    input_cfg = PoisonedFakeLmInput.default_config().set(
+        is_training=True,
+        global_batch_size=BATCH,
+        max_sequence_length=SEQ_LEN,
+        vocab_size=VOCAB,
+        poisoned_batches=[bad_step - 1],  # Batch i is trained at step i + 1.
+    )
+    cfg = tiny_trainer_config(
+        trainer_dir=str(tmp_path), max_step=8, save_every_n_steps=2, input_cfg=input_cfg
+    )
+    cfg.summary_writer.write_every_n_steps = 100  # Only saves force a check of the loss.
+    with pytest.raises(NonFiniteLossError) as error:
+        cfg.instantiate(parent=None).run()
+    last_good = 2 if bad_step == 4 else 4
+    message = str(error.value)
+    assert f"at step {bad_step}" in message and f"checkpoint is step {last_good}" in message
+    assert _committed_steps(tmp_path) == ([2] if bad_step == 4 else [2, 4])
+
+    # The kept checkpoint is finite and restores: a rerun without the poison resumes there.
+    trainer = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=last_good).instantiate(
+        parent=None
+    )
+    trainer.run()
+    assert trainer.step == last_good
+    for leaf in jax.tree.leaves(trainer.trainer_state.model):
+        assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+def test_learning_rate_override_that_overflows_parameters_stops_before_saving(tmp_path):
+    cfg = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=4, save_every_n_steps=1)
+    cfg = apply_overrides(cfg, ["learner.optimizer.learning_rate=1e39"])  # inf in float32.
+    with pytest.raises(NonFiniteLossError, match="parameter norm became inf .* at step 1"):
+        cfg.instantiate(parent=None).run()
+    assert _committed_steps(tmp_path) == []
+
+
+def test_skip_and_clip_skips_a_nonfinite_step_with_a_warning_and_continues(tmp_path, caplog):
+    input_cfg = PoisonedFakeLmInput.default_config().set(
+        is_training=True,
+        global_batch_size=BATCH,
+        max_sequence_length=SEQ_LEN,
+        vocab_size=VOCAB,
+        poisoned_batches=[2],
+    )
+    cfg = tiny_trainer_config(
+        trainer_dir=str(tmp_path),
+        max_step=5,
+        input_cfg=input_cfg,
+        learner=adamw_learner_config(skip_non_finite=True),
+    )
+    with caplog.at_level(logging.WARNING, logger="axlearn.common.trainer"):
+        cfg.instantiate(parent=None).run()
+    assert any(
+        "Step 3" in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records
+    ), caplog.text
+    records = {r["step"]: r for r in read_metrics(str(tmp_path))}
+    assert math.isnan(records[3]["loss"])
+    assert all(math.isfinite(records[s]["loss"]) for s in (1, 2, 4, 5))
+    assert records[3]["learner/skipped_steps"] == 1 and records[5]["learner/skipped_steps"] == 1
+    # The skipped step left the parameters exactly as they were.
+    assert records[3]["learner/parameter_norm"] == records[2]["learner/parameter_norm"]
+    assert records[4]["learner/parameter_norm"] != records[3]["learner/parameter_norm"]
+    assert _committed_steps(tmp_path) == [5]
+
+
+# ----- the mesh -----
+
+
+def test_one_minus_one_in_the_mesh_shape_is_inferred():
+    assert infer_mesh_shape((1, -1, 1, 2, 1, 1), 8) == (1, 4, 1, 2, 1, 1)
+    assert infer_mesh_shape((2, 4), 8) == (2, 4)
+    cfg = tiny_trainer_config(trainer_dir=None, mesh=dict(data=-1))
+    trainer = cfg.instantiate(parent=None)
+    assert dict(trainer.mesh.shape) == dict(pipeline=1, data=1, expert=1, fsdp=1, seq=1, model=1)
+
+
+@pytest.mark.parametrize(
+    "shape,num_devices,expected",
+    [
+        ((3, -1), 8, "cannot cover 8 devices"),
+        ((2, 2), 8, "needs 4 devices, but 8 are available"),
+        ((-1, -1), 8, "more than one -1"),
+        ((0, -1), 8, "invalid entries"),
+    ],
+)
+def test_impossible_mesh_shape_fails_naming_the_device_count(shape, num_devices, expected):
+    with pytest.raises(ConfigError, match=expected):
+        infer_mesh_shape(shape, num_devices)
+
+
+def test_trainer_with_a_mesh_too_big_for_its_devices_names_the_device_count():
+    cfg = tiny_trainer_config(trainer_dir=None, mesh=dict(data=2, fsdp=4))
+    with pytest.raises(ConfigError, match="needs 8 devices, but 1 are available"):
+        cfg.instantiate(parent=None, devices=jax.devices()[:1])
+
+
+def test_mesh_axis_names_and_mesh_shape_of_different_lengths_are_rejected():
+    cfg = tiny_trainer_config(trainer_dir=None).set(mesh_shape=(1, -1), mesh_axis_names=("data",))
+    with pytest.raises(ConfigError, match=r"mesh_shape \(1, -1\) and mesh_axis_names \('data',\)"):
+        cfg.instantiate(parent=None)
+
+
+def test_fsdp4_data2_mesh_on_eight_devices_matches_one_device(tmp_path):
+    env = dict(
+        os.environ,
+        PYTHONPATH=REPO_DIR,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+    )
+    script = os.path.join(TESTS_DIR, "trainer_script.py")
+    subprocess.run(
+        [sys.executable, script, "mesh", str(tmp_path)], env=env, check=True, timeout=300
+    )
+    with open(tmp_path / "results.json", encoding="utf-8") as f:
+        results = json.load(f)
+    assert results["single"]["mesh"]["fsdp"] == 1 and results["single"]["mesh"]["data"] == 1
+    assert results["sharded"]["mesh"] == dict(pipeline=1, data=2, expert=1, fsdp=4, seq=1, model=1)
+    single, sharded = results["single"]["losses"], results["sharded"]["losses"]
+    assert len(single) == len(sharded) == 4
+    np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-5)
+    assert single[-1] != single[0]  # The steps trained something.
+
+
+# ----- profiling and the progress line -----
+
+
+def test_profiler_writes_a_trace_for_the_configured_steps(tmp_path, caplog):
+    cfg = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=4)
+    cfg.start_trace_steps = [1]
+    cfg.start_trace_num_steps = 2
+    with caplog.at_level(logging.INFO, logger="axlearn.common.trainer"):
+        cfg.instantiate(parent=None).run()
+    traces = glob.glob(str(tmp_path / "traces" / "**" / "*.xplane.pb"), recursive=True)
+    assert len(traces) == 1, os.listdir(tmp_path)
+    assert "Tracing steps 1.." in caplog.text and "Stopped trace at step 3" in caplog.text
+
+
+def test_no_trace_starts_on_processes_not_listed(tmp_path):
+    cfg = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=2)
+    cfg.start_trace_steps = [0]
+    cfg.start_trace_process_indices = [jax.process_index() + 1]
+    trainer = cfg.instantiate(parent=None)
+    assert trainer.step == 0
+    assert trainer._maybe_trace(None) is None  # pylint: disable=protected-access
+    assert not (tmp_path / "traces").exists()
+
+
+def test_progress_line_shows_every_column_and_mfu_when_the_peak_is_known(reference_run):
+    _, messages, result = reference_run
+    lines = [m for m in messages if m.startswith("step 6/6")]
+    assert len(lines) == 1, messages
+    line = lines[0]
+    for column in ("loss ", "lr ", "gnorm ", " s/step", " tok/s/dev", " TFLOP/s/dev", "MFU ", "mem "):
+        assert column in line, (column, line)
+    assert f"loss {result['loss']:.4f}" in line
+    # Peak 1 TFLOP/s: MFU is the TFLOP/s/device itself.
+    assert math.isclose(result["perf/mfu"], result["perf/tflops_per_device"], rel_tol=1e-12)
+
+
+def test_progress_line_leaves_out_mfu_when_the_peak_is_unknown():
+    summaries = {
+        "loss": 2.5,
+        "learner/learning_rate": 1e-3,
+        "learner/gradient_norm": 0.5,
+        "perf/step_time_s": 0.25,
+        "perf/tokens_per_s_per_device": 1024.0,
+        "perf/tflops_per_device": 12.5,
+        "perf/peak_memory_gib": 3.25,
+    }
+    line = perf.progress_line(7, 100, summaries)
+    assert line == (
+        "step   7/100 | loss 2.5000 | lr 1.000e-03 | gnorm 0.500 | 0.250 s/step | "
+        "1,024 tok/s/dev | 12.5 TFLOP/s/dev | mem 3.2 GiB"
+    )
+
+
+# ----- performance accounting -----
+
+
+def _hand_counts(*, dim, layers, heads, kv_heads, hidden, vocab, tied=True) -> tuple[int, int]:
+    """(all, matmul) parameters of model_config's GPT, counted from its architecture."""
+    head_dim = dim // heads
+    qkv = dim * (heads + 2 * kv_heads) * head_dim
+    out = heads * head_dim * dim
+    mlp = 2 * dim * hidden + hidden * dim  # Gated: two input projections, one output.
+    norms = dim + dim + head_dim + head_dim  # Attention and MLP pre-norms, QK-norms.
+    matmul = layers * (qkv + out + mlp) + vocab * dim  # The tied table is the LM head.
+    total = layers * (qkv + out + mlp + norms) + vocab * dim + dim  # + output norm.
+    if not tied:
+        matmul, total = matmul + vocab * dim, total + vocab * dim
+    return total, matmul
+
+
+@pytest.mark.parametrize("stack", ["stack", "repeat"])
+def test_parameter_counts_match_a_hand_count(stack):
+    sizes = dict(dim=32, num_layers=3, num_heads=4, num_kv_heads=2, hidden_dim=48, vocab_size=96)
+    model = tiny_model_config(**sizes, stack=stack).set(name="model").instantiate(parent=None)
+    total, matmul = perf.parameter_counts(model.create_parameter_specs_recursively())
+    assert (total, matmul) == _hand_counts(
+        dim=32, layers=3, heads=4, kv_heads=2, hidden=48, vocab=96
+    )
+
+
+def test_model_flops_per_token_is_the_design_formula():
+    _, matmul = _hand_counts(dim=32, layers=2, heads=4, kv_heads=2, hidden=64, vocab=VOCAB)
+    flops = perf.model_flops_per_token(matmul_params=matmul, num_layers=2, seq_len=32, d_model=32)
+    # 6 FLOPs per matmul parameter (forward 2, backward 4) plus causal attention:
+    # QK^T and AV over half the sequence, 2 * 2 * (seq/2) * d_model forward, x3 with backward.
+    assert flops == 6 * matmul + 2 * 3 * (2 * 2 * (32 // 2) * 32)
+
+
+def test_step_accounting_turns_a_step_time_into_the_standard_columns():
+    trainer = tiny_trainer_config(trainer_dir=None).instantiate(parent=None)
+    accounting = perf.StepAccounting.for_trainer(trainer)
+    _, matmul = _hand_counts(dim=32, layers=2, heads=4, kv_heads=2, hidden=64, vocab=VOCAB)
+    tokens = BATCH * SEQ_LEN
+    assert accounting.tokens_per_step == tokens
+    assert accounting.flops_per_step == tokens * (6 * matmul + 6 * 2 * SEQ_LEN * 32)
+    accounting.peak_tflops_per_device = 2e-6
+    metrics = accounting.metrics(0.5)
+    assert metrics["perf/tokens_per_s_per_device"] == tokens / 0.5
+    assert math.isclose(metrics["perf/tflops_per_device"], accounting.flops_per_step / 0.5 / 1e12)
+    assert math.isclose(metrics["perf/mfu"], metrics["perf/tflops_per_device"] / 2e-6)
+    assert metrics["perf/peak_memory_gib"] > 0  # CPU: the process's peak resident set.
+
+
+def test_peak_tflops_are_known_for_hopper_gpus_and_unknown_for_cpus():
+    class FakeDevice:  # pylint: disable=too-few-public-methods
+        device_kind = "NVIDIA H100 80GB HBM3"
+
+    assert perf.peak_tflops(FakeDevice()) == 989.0
+    assert perf.peak_tflops(jax.devices("cpu")[0]) is None
+
