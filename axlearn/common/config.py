@@ -635,6 +635,8 @@ def _type_matches(value: Any, annotation: Any) -> bool:
         return any(_type_matches(value, a) for a in args)
     if annotation is type(None):
         return value is None
+    if annotation is RequiredFieldValue:  # The REQUIRED arm of Required[T] takes only REQUIRED.
+        return value is REQUIRED
     if origin is typing.Literal:
         return value in args
     if annotation is float:

@@ -94,7 +94,10 @@ class ModuleConfigModifier(ConfigModifier):
         old = get_recursively(cfg, path)
         if not isinstance(old, ConfigBase):
             raise ConfigError(f"ModuleConfigModifier: '{path}' is not a config")
-        defaults = type(new)()
+        # What "left at its default" means: the class's default_config() where it has one
+        # (it may differ from the bare field defaults).
+        klass = getattr(new, "klass", None) if "klass" in new.keys() else None
+        defaults = klass.default_config() if hasattr(klass, "default_config") else type(new)()
         for name in new.keys():
             if name in old.keys() and name != "klass" and getattr(new, name) == getattr(defaults, name):
                 setattr(new, name, getattr(old, name))

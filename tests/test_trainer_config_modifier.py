@@ -1,0 +1,210 @@
+"""Tests of axlearn.common.trainer_config_modifier and mesh-rule selection."""
+
+import jax
+import numpy as np
+import pytest
+
+from axlearn.common.attention import StackedTransformerLayer, build_remat_spec
+from axlearn.common.config import ConfigError
+from axlearn.common.trainer import select_mesh_rule
+from axlearn.common.trainer_config_modifier import (
+    ChainConfigModifier,
+    GradientAccumulationModifier,
+    MeshShapeModifier,
+    ModuleConfigModifier,
+    PartitionSpecModifier,
+    RematSpecModifier,
+    apply_mesh_rule,
+)
+from axlearn.experiments.text.gpt import common
+from tests.trainer_script import tiny_trainer_config
+
+LAYER_PATH = "model.decoder.transformer.layer"
+
+
+def _config():
+    return tiny_trainer_config(trainer_dir=None, max_step=3)
+
+
+def _apply(modifier_cfg, cfg):
+    return modifier_cfg.instantiate()(cfg)
+
+
+def _param_specs(cfg):
+    model = cfg.model.clone(name="model").instantiate(parent=None)
+    return model.create_parameter_specs_recursively()
+
+
+# ----- mesh rules -----
+
+
+RULES = [
+    ("gpu-(h100|h200)-(1|2|4|8)", common.mesh_shape_from_axes(fsdp=-1)),
+    ("gpu-h100-.*", common.mesh_shape_from_axes(data=-1)),
+    ("cpu", MeshShapeModifier.default_config().set(mesh_shape=(1, 1, 1, 1, 1, -1))),
+]
+
+
+def test_select_mesh_rule_picks_the_first_rule_whose_regex_fully_matches():
+    assert select_mesh_rule(RULES, "gpu-h100-8") == common.mesh_shape_from_axes(fsdp=-1)
+    # Both the first and second patterns match a prefix of 'gpu-h100-16'; only the second
+    # matches all of it.
+    assert select_mesh_rule(RULES, "gpu-h100-16") == common.mesh_shape_from_axes(data=-1)
+    assert select_mesh_rule(RULES, "cpu") is RULES[2][1]
+
+
+def test_select_mesh_rule_returns_none_when_nothing_matches():
+    assert select_mesh_rule(RULES, "tpu-v5p-1024") is None
+    assert select_mesh_rule(RULES, "xgpu-h100-8") is None  # Search would match; fullmatch not.
+    assert select_mesh_rule(None, "cpu") is None
+
+
+def test_a_mesh_rule_value_may_be_a_mesh_shape_or_a_modifier():
+    cfg = apply_mesh_rule(_config(), (1, 2, 1, -1, 1, 1))
+    assert cfg.mesh_shape == (1, 2, 1, -1, 1, 1)
+    cfg = apply_mesh_rule(cfg, RULES[2][1])
+    assert cfg.mesh_shape == (1, 1, 1, 1, 1, -1)
+    assert apply_mesh_rule(cfg, None).mesh_shape == (1, 1, 1, 1, 1, -1)
+
+
+def test_a_mesh_rule_value_of_another_kind_is_rejected():
+    with pytest.raises(ConfigError, match="mesh shape or a ConfigModifier config, got 'fsdp'"):
+        apply_mesh_rule(_config(), "fsdp")
+
+
+# ----- the modifiers -----
+
+
+def test_mesh_shape_modifier_sets_the_mesh_shape():
+    cfg = _apply(MeshShapeModifier.default_config().set(mesh_shape=[1, -1, 1, 4, 1, 1]), _config())
+    assert cfg.mesh_shape == (1, -1, 1, 4, 1, 1)
+
+
+def _remat_text(cfg) -> str:
+    # Function configs compare by identity of their generated classes: compare the text.
+    return cfg.model.decoder.transformer.layer.debug_string()
+
+
+def test_remat_spec_modifier_sets_remat_spec_at_each_path():
+    cfg = _apply(
+        RematSpecModifier.default_config().set(remat_policies={LAYER_PATH: build_remat_spec()}),
+        _config(),
+    )
+    text = _remat_text(cfg)
+    assert "remat_spec['policy'].names_which_can_be_saved: '.*([qkvo]_proj|context)'" in text
+    cfg = _apply(
+        RematSpecModifier.default_config().set(remat_policies={LAYER_PATH: None}), cfg
+    )
+    assert cfg.model.decoder.transformer.layer.remat_spec is None
+
+
+def test_remat_spec_modifier_names_a_path_without_remat_spec():
+    modifier = RematSpecModifier.default_config().set(remat_policies={"learner": None})
+    with pytest.raises(ConfigError, match="'learner' is not a config with a 'remat_spec'"):
+        _apply(modifier, _config())
+
+
+def test_gradient_accumulation_modifier_sets_the_learner_microbatches():
+    cfg = _apply(GradientAccumulationModifier.default_config().set(grad_acc_steps=4), _config())
+    assert cfg.learner.gradient_accumulation_steps == 4
+
+
+@pytest.mark.parametrize("steps", [0, -2, 1.5])
+def test_gradient_accumulation_modifier_rejects_non_positive_steps(steps):
+    modifier = GradientAccumulationModifier.default_config().set(grad_acc_steps=steps)
+    with pytest.raises(ConfigError, match="grad_acc_steps must be >= 1"):
+        _apply(modifier, _config())
+
+
+def test_gradient_accumulation_trains_the_same_model_as_the_full_batch():
+    plain = _config()
+    accumulated = _apply(
+        GradientAccumulationModifier.default_config().set(grad_acc_steps=2), _config()
+    )
+    results, params = [], []
+    for cfg in (plain, accumulated):
+        trainer = cfg.instantiate(parent=None)
+        results.append(trainer.run())
+        params.append(jax.tree.leaves(trainer.trainer_state.model))
+    np.testing.assert_allclose(results[1]["loss"], results[0]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(
+        results[1]["learner/gradient_norm"], results[0]["learner/gradient_norm"], rtol=1e-5
+    )
+    assert len(params[0]) == len(params[1])
+    for full, micro in zip(*params):
+        np.testing.assert_allclose(np.asarray(micro), np.asarray(full), rtol=1e-4, atol=1e-6)
+
+
+def test_module_config_modifier_swaps_the_module_and_keeps_shared_fields():
+    cfg = _config()
+    old = cfg.model.decoder.transformer
+    modifier = ModuleConfigModifier.default_config().set(
+        target_config="model.decoder.transformer",
+        modification=StackedTransformerLayer.default_config(),
+    )
+    cfg = _apply(modifier, cfg)
+    new = cfg.model.decoder.transformer
+    assert new.klass is StackedTransformerLayer and old.klass is not StackedTransformerLayer
+    assert new.num_layers == old.num_layers and new.layer == old.layer
+    # The swapped model builds: one child per layer instead of stacked parameters.
+    transformer_specs = _param_specs(cfg)["decoder"]["transformer"]
+    assert sorted(transformer_specs) == ["layer0", "layer1"]
+
+
+def test_module_config_modifier_fields_set_in_the_modification_win():
+    modifier = ModuleConfigModifier.default_config().set(
+        target_config="model.decoder.transformer",
+        modification=StackedTransformerLayer.default_config().set(num_layers=1),
+    )
+    cfg = _apply(modifier, _config())
+    assert cfg.model.decoder.transformer.num_layers == 1
+    assert sorted(_param_specs(cfg)["decoder"]["transformer"]) == ["layer0"]
+
+
+def test_module_config_modifier_names_a_bad_target_path():
+    modifier = ModuleConfigModifier.default_config().set(
+        target_config="model.decoder.transformr",
+        modification=StackedTransformerLayer.default_config(),
+    )
+    with pytest.raises(ConfigError, match="no field 'transformr'.*transformer"):
+        _apply(modifier, _config())
+
+
+def test_partition_spec_modifier_sets_partition_specs_by_path():
+    modifier = PartitionSpecModifier.default_config().set(
+        partition_specs={
+            "model.decoder.emb.token_emb": {"param_partition_spec": (None, "model")},
+        }
+    )
+    cfg = _apply(modifier, _config())
+    assert cfg.model.decoder.emb.token_emb.param_partition_spec == (None, "model")
+    spec = _param_specs(cfg)["decoder"]["emb"]["token_emb"]["weight"]
+    assert tuple(spec.mesh_axes) == (None, "model")
+
+
+def test_partition_spec_modifier_only_sets_partition_spec_fields():
+    modifier = PartitionSpecModifier.default_config().set(
+        partition_specs={"model.decoder.emb.token_emb": {"num_embeddings": 3}}
+    )
+    with pytest.raises(ConfigError, match="token_emb.num_embeddings' is not a partition spec"):
+        _apply(modifier, _config())
+
+
+def test_chain_config_modifier_applies_its_modifiers_in_order():
+    chain = ChainConfigModifier.default_config().set(
+        config_modifiers=[
+            MeshShapeModifier.default_config().set(mesh_shape=(1, 1, 1, -1, 1, 1)),
+            GradientAccumulationModifier.default_config().set(grad_acc_steps=2),
+            MeshShapeModifier.default_config().set(mesh_shape=(1, -1, 1, 1, 1, 1)),
+        ]
+    )
+    cfg = _apply(chain, _config())
+    assert cfg.mesh_shape == (1, -1, 1, 1, 1, 1)  # The later mesh modifier wins.
+    assert cfg.learner.gradient_accumulation_steps == 2
+
+
+def test_single_host_gpu_rule_of_the_gpt_experiments_is_a_chain():
+    rule = common.single_host_gpu_rule(build_remat_spec())
+    cfg = apply_mesh_rule(_config(), rule)
+    assert cfg.mesh_shape == common.mesh_shape_from_axes(fsdp=-1)
+    assert "remat_spec['policy']" in _remat_text(cfg)
