@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 COLUMNS = (
@@ -49,8 +49,12 @@ def run_benchmark(
     profile_dir: Optional[str] = None,
     xla_dump_dir: Optional[str] = None,
     xla_flags_preset: str = "auto",
+    modify: Optional[Callable[[Any], Any]] = None,
 ) -> dict[str, Any]:
-    """Trains `warmup_steps + steps` steps in this process; returns the measured columns."""
+    """Trains `warmup_steps + steps` steps in this process; returns the measured columns.
+
+    `modify`: applied to the trainer config after overrides (benchmark variants).
+    """
     if xla_dump_dir:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={xla_dump_dir}".strip()
     from axlearn.common import launch  # pylint: disable=import-outside-toplevel
@@ -68,6 +72,8 @@ def run_benchmark(
         data_dir=data_dir,
         config_overrides=list(overrides),
     )
+    if modify is not None:
+        cfg = modify(cfg)
     cfg.dir = None  # No checkpoints or summaries: only the step is measured.
     cfg.evalers = {}
     trainer = cfg.instantiate(parent=None)
@@ -88,6 +94,7 @@ def run_benchmark(
             step_times.append(elapsed)
     if profile_dir:
         jax.profiler.stop_trace()
+        print(summarize_trace(profile_dir, steps=steps))
     avg = statistics.median(step_times)
     metrics = accounting.metrics(avg)
     memory = perf.device_memory()
@@ -107,6 +114,32 @@ def run_benchmark(
         "jax_version": jax.__version__,
         "device": f"{jax.device_count()}x {device.device_kind}",
     }
+
+
+def summarize_trace(profile_dir: str, *, steps: int, top: int = 25) -> str:
+    """GPU kernel time per step by kernel name, from the trace under `profile_dir`."""
+    import glob  # pylint: disable=import-outside-toplevel
+
+    import jax  # pylint: disable=import-outside-toplevel
+
+    files = sorted(glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True))
+    if not files:
+        return f"No trace found under {profile_dir}"
+    totals: dict[str, float] = {}
+    for plane in jax.profiler.ProfileData.from_file(files[-1]).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            # Kernels run on the stream lines; the 'XLA Ops'/'XLA Modules' lines repeat them.
+            if "stream" not in line.name.lower():
+                continue
+            for event in line.events:
+                totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns / 1e6
+    total = sum(totals.values())
+    rows = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    lines = [f"GPU kernel time: {total / steps:.2f} ms/step over {steps} steps"]
+    lines += [f"{ms / steps:9.3f} ms/step {100 * ms / total:5.1f}%  {name[:110]}" for name, ms in rows]
+    return "\n".join(lines)
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
@@ -138,7 +171,8 @@ def _fmt(fmt: str, value: Any) -> str:
 
 
 def _diff(a: Any, b: Any, better: int) -> str:
-    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or better == 0 or not a:
+    numbers = all(isinstance(x, (int, float)) and x == x for x in (a, b))  # x == x: not NaN.
+    if not numbers or better == 0 or not a:
         return ""
     delta = b - a
     relative = delta / abs(a)
