@@ -163,7 +163,8 @@ def test_mesh_selector_can_apply_a_config_modifier():
 
 
 def test_unmatched_mesh_selector_fails_listing_the_rules():
-    with pytest.raises(ConfigError, match=r"--mesh_selector=gpu-z100-3 matches none of gpt_1b's mesh_rules: \["):
+    message = r"--mesh_selector=gpu-z100-3 matches none of gpt_1b's mesh_rules: \["
+    with pytest.raises(ConfigError, match=message):
         build_trainer_config(config_name="gpt_1b", mesh_selector="gpu-z100-3")
 
 
@@ -254,7 +255,9 @@ def _two_processes(trainer_dir, max_step: int) -> list[str]:
 def fixture_single_process_run(tmp_path_factory):
     """gpt_test on fake data, 6 steps, one process with 2 devices: (dir, output)."""
     trainer_dir = tmp_path_factory.mktemp("single")
-    result = _main(*TINY_RUN, f"--trainer_dir={trainer_dir}", "--config_override=max_step=6", devices=2)
+    result = _main(
+        *TINY_RUN, f"--trainer_dir={trainer_dir}", "--config_override=max_step=6", devices=2
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return trainer_dir, result.stderr
 

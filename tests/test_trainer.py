@@ -210,7 +210,8 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_
 
 def test_learning_rate_override_that_overflows_parameters_stops_before_saving(tmp_path):
     cfg = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=4, save_every_n_steps=1)
-    cfg = apply_overrides(cfg, ["learner.optimizer.learning_rate=1e39"])  # inf in float32.
+    # Updates of about 1e30 per weight: the squared parameter norm overflows float32.
+    cfg = apply_overrides(cfg, ["learner.optimizer.learning_rate=1e30"])
     with pytest.raises(NonFiniteLossError, match="parameter norm became inf .* at step 1"):
         cfg.instantiate(parent=None).run()
     assert _committed_steps(tmp_path) == []
@@ -314,7 +315,7 @@ def test_profiler_writes_a_trace_for_the_configured_steps(tmp_path, caplog):
         cfg.instantiate(parent=None).run()
     traces = glob.glob(str(tmp_path / "traces" / "**" / "*.xplane.pb"), recursive=True)
     assert len(traces) == 1, os.listdir(tmp_path)
-    assert "Tracing steps 1.." in caplog.text and "Stopped trace at step 3" in caplog.text
+    assert "Tracing steps 2-3 into" in caplog.text and "Stopped trace at step 3" in caplog.text
 
 
 def test_no_trace_starts_on_processes_not_listed(tmp_path):
@@ -332,7 +333,8 @@ def test_progress_line_shows_every_column_and_mfu_when_the_peak_is_known(referen
     lines = [m for m in messages if m.startswith("step 6/6")]
     assert len(lines) == 1, messages
     line = lines[0]
-    for column in ("loss ", "lr ", "gnorm ", " s/step", " tok/s/dev", " TFLOP/s/dev", "MFU ", "mem "):
+    columns = ("loss ", "lr ", "gnorm ", " s/step", " tok/s/dev", " TFLOP/s/dev", "MFU ", "mem ")
+    for column in columns:
         assert column in line, (column, line)
     assert f"loss {result['loss']:.4f}" in line
     # Peak 1 TFLOP/s: MFU is the TFLOP/s/device itself.

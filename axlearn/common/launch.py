@@ -27,23 +27,37 @@ XLA_FLAG_PRESETS: dict[str, Sequence[str]] = {
 }
 
 
-def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
-    """Flags shared by every launcher."""
-    flags.DEFINE_string("jax_backend", None, "cpu, gpu or tpu; None: JAX's default.", flag_values=flag_values)
-    flags.DEFINE_string(
-        "xla_flags_preset", "auto", "auto: the preset for the backend; none: no preset.", flag_values=flag_values
-    )
-    flags.DEFINE_string(
-        "distributed_coordinator", None, "host:port of process 0, for multi-process runs.", flag_values=flag_values
-    )
-    flags.DEFINE_integer("num_processes", None, "Number of processes of a multi-process run.", flag_values=flag_values)
-    flags.DEFINE_integer("process_id", None, "This process's index in a multi-process run.", flag_values=flag_values)
-    flags.DEFINE_bool(
+# (define function, name, default, help): the flags every launcher shares.
+FLAGS_TABLE = (
+    (flags.DEFINE_string, "jax_backend", None, "cpu, gpu or tpu; None: JAX's default."),
+    (
+        flags.DEFINE_string,
+        "xla_flags_preset",
+        "auto",
+        "auto: the preset for the backend; none: no preset.",
+    ),
+    (
+        flags.DEFINE_string,
+        "distributed_coordinator",
+        None,
+        "host:port of process 0, for multi-process runs.",
+    ),
+    (flags.DEFINE_integer, "num_processes", None, "Number of processes of a multi-process run."),
+    (flags.DEFINE_integer, "process_id", None, "This process's index in a multi-process run."),
+    (
+        flags.DEFINE_bool,
         "distributed_auto",
         False,
-        "Call jax.distributed.initialize() with no arguments (cluster auto-detection: SLURM, TPU, ...).",
-        flag_values=flag_values,
-    )
+        "Call jax.distributed.initialize() with no arguments (cluster auto-detection: SLURM, "
+        "TPU, ...).",
+    ),
+)
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Flags shared by every launcher."""
+    for define, name, default, help_text in FLAGS_TABLE:
+        define(name, default, help_text, flag_values=flag_values)
 
 
 def apply_xla_flag_preset(backend: Optional[str], preset: str = "auto") -> None:

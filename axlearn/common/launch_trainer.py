@@ -21,22 +21,43 @@ EXPERIMENTS_PACKAGE = "experiments"
 FAKE_DATA_DIR = "FAKE"
 
 
+# (define function, name, default, help): the flags of launch_trainer_main.
+FLAGS_TABLE = (
+    (
+        flags.DEFINE_string,
+        "module",
+        None,
+        "Experiment module under experiments/ (optional when the config name is unique).",
+    ),
+    (flags.DEFINE_string, "config", None, "Name of the trainer config, e.g. gpt_test."),
+    (flags.DEFINE_string, "trainer_dir", None, "Directory for checkpoints, summaries, traces."),
+    (
+        flags.DEFINE_string,
+        "mesh_selector",
+        None,
+        "Instance type matched against the config's mesh_rules, e.g. gpu-h100-8.",
+    ),
+    (flags.DEFINE_string, "data_dir", None, "Data directory of the inputs; FAKE: synthetic."),
+    (
+        flags.DEFINE_multi_string,
+        "config_override",
+        [],
+        "path=value (a Python literal), type-checked; repeatable, applied in order.",
+    ),
+    (flags.DEFINE_bool, "print_config", False, "Print the flat config and exit (no training)."),
+)
+
+
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
-    flags.DEFINE_string("module", None, "Experiment module under experiments/ (optional when the config name is unique).", flag_values=flag_values)
-    flags.DEFINE_string("config", None, "Name of the trainer config, e.g. gpt_test.", flag_values=flag_values)
-    flags.DEFINE_string("trainer_dir", None, "Directory for checkpoints, summaries and traces.", flag_values=flag_values)
-    flags.DEFINE_string("mesh_selector", None, "Instance type matched against the config's mesh_rules, e.g. gpu-h100-1.", flag_values=flag_values)
-    flags.DEFINE_string("data_dir", None, "Data directory for the inputs; FAKE: synthetic batches.", flag_values=flag_values)
-    flags.DEFINE_multi_string("config_override", [], "path=value (Python literal), repeatable.", flag_values=flag_values)
-    flags.DEFINE_bool("print_config", False, "Print the flat config and exit without training.", flag_values=flag_values)
+    for define, name, default, help_text in FLAGS_TABLE:
+        define(name, default, help_text, flag_values=flag_values)
 
 
 def experiment_modules() -> list[str]:
     """Names of the experiment modules (experiments.<name>)."""
     package = importlib.import_module(EXPERIMENTS_PACKAGE)
-    return sorted(
-        info.name for info in pkgutil.iter_modules(package.__path__) if not info.name.startswith("_")
-    )
+    names = (info.name for info in pkgutil.iter_modules(package.__path__))
+    return sorted(name for name in names if not name.startswith("_"))
 
 
 def _config_sources(module: Optional[str]) -> dict[str, list[tuple[str, Callable[[], ConfigBase]]]]:
@@ -149,7 +170,8 @@ def build_trainer_config(
 ) -> ConfigBase:
     """The whole launch-time recipe: name -> mesh rule -> data dir -> overrides."""
     from axlearn.common.trainer import select_mesh_rule  # pylint: disable=import-outside-toplevel
-    from axlearn.common.trainer_config_modifier import apply_mesh_rule  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.trainer_config_modifier import apply_mesh_rule
 
     cfg = get_named_trainer_config(config_name, module=module)
     if mesh_selector:
@@ -157,7 +179,8 @@ def build_trainer_config(
         if rule is None:
             patterns = [p for p, _ in cfg.mesh_rules or ()]
             raise ConfigError(
-                f"--mesh_selector={mesh_selector} matches none of {config_name}'s mesh_rules: {patterns}"
+                f"--mesh_selector={mesh_selector} matches none of {config_name}'s mesh_rules: "
+                f"{patterns}"
             )
         log.info("--mesh_selector=%s: applying %r", mesh_selector, rule)
         cfg = apply_mesh_rule(cfg, rule)

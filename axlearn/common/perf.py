@@ -46,7 +46,9 @@ def parameter_counts(param_specs: Any) -> tuple[int, int]:
     return count_parameters(param_specs), matmul_parameter_count(param_specs)
 
 
-def model_flops_per_token(*, matmul_params: int, num_layers: int, seq_len: int, d_model: int) -> float:
+def model_flops_per_token(
+    *, matmul_params: int, num_layers: int, seq_len: int, d_model: int
+) -> float:
     """Training FLOPs per token (forward and backward), the DESIGN.md formula."""
     return 6.0 * matmul_params + 6.0 * num_layers * seq_len * d_model
 
@@ -127,6 +129,10 @@ def _host_peak_rss_bytes() -> int:
 
     # ru_maxrss is in KiB on Linux.
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+# The evaluation metrics the trainer's console line shows (the evaler writes them all).
+EVAL_HEADLINE_METRICS = ("loss", "perplexity", "bits_per_byte", "accuracy")
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:

@@ -122,7 +122,8 @@ class SpmdTrainer(Module):
         batch_axis_names: Union[str, Sequence[str]] = "data"  # Mesh axes the batch is split over.
         save_input_iterator: bool = False  # Save the input position with each checkpoint.
         start_trace_process_indices: Sequence[int] = (0,)  # Processes that record traces.
-        start_trace_steps: Optional[Sequence[int]] = None  # Steps at which a trace starts.
+        # A trace starts once this many steps are done (s: it records steps s+1, s+2, ...).
+        start_trace_steps: Optional[Sequence[int]] = None
         start_trace_num_steps: Optional[int] = None  # Steps per trace; None: 3.
         prune_empty_state_updates: bool = True
         log_every_n_steps: Optional[int] = None  # None: summary_writer.write_every_n_steps.
@@ -142,7 +143,9 @@ class SpmdTrainer(Module):
         mesh_shape = infer_mesh_shape(cfg.mesh_shape, len(devices))
         self._mesh = create_mesh(mesh_shape, cfg.mesh_axis_names, devices)
         self._devices = devices
-        log.info("Mesh %s over %d %s devices", dict(self._mesh.shape), len(devices), devices[0].platform)
+        log.info(
+            "Mesh %s over %d %s devices", dict(self._mesh.shape), len(devices), devices[0].platform
+        )
 
         self._add_child("model", cfg.model)
         self._add_child("learner", cfg.learner)
@@ -225,7 +228,9 @@ class SpmdTrainer(Module):
     def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Assembles the global batch from this process's rows."""
         return {
-            k: jax.make_array_from_process_local_data(self._batch_sharding(np.ndim(v)), np.asarray(v))
+            k: jax.make_array_from_process_local_data(
+                self._batch_sharding(np.ndim(v)), np.asarray(v)
+            )
             for k, v in local_batch.items()
         }
 
@@ -291,7 +296,8 @@ class SpmdTrainer(Module):
             state.model, grads, state.learner, param_specs=self._model_param_specs
         )
         summaries = dict(loss=loss, learner=learner_summaries, model=aux["summaries"])
-        return TrainerState(prng_key=prng_key, model=new_params, learner=new_learner_state), summaries
+        new_state = TrainerState(prng_key=prng_key, model=new_params, learner=new_learner_state)
+        return new_state, summaries
 
     def _compile_train_step(self):
         shardings = self._state_shardings()
@@ -319,13 +325,17 @@ class SpmdTrainer(Module):
         del prng_key  # The key comes from cfg.seed, so that restarts are reproducible.
         self._restore_or_init()
         accounting = perf.StepAccounting.for_trainer(self)
+        has_writer = "summary_writer" in self.children
+        has_checkpointer = "checkpointer" in self.children
         log_every = cfg.log_every_n_steps or (
-            self.summary_writer.config.write_every_n_steps if "summary_writer" in self.children else 100
+            self.summary_writer.config.write_every_n_steps if has_writer else 100
         )
         log.info(
             "Model: %s parameters, %.3g model FLOPs per step", f"{accounting.num_params:,}",
             accounting.flops_per_step,
         )
+        if self._step >= cfg.max_step:
+            log.info("Step %d is at max_step %d: nothing to train", self._step, cfg.max_step)
         batches = self._batches()
         last: dict[str, Any] = {}
         pending: Optional[tuple[int, dict[str, Any]]] = None
@@ -344,8 +354,8 @@ class SpmdTrainer(Module):
                 pending = (self._step, summaries)
                 step = self._step
                 must_log = step % log_every == 0 or step == cfg.max_step
-                writer_due = "summary_writer" in self.children and self.summary_writer.should_write(step)
-                saving = "checkpointer" in self.children and (
+                writer_due = has_writer and self.summary_writer.should_write(step)
+                saving = has_checkpointer and (
                     self.checkpointer.should_save(step) or step == cfg.max_step
                 )
                 if must_log or writer_due or saving:
@@ -371,12 +381,12 @@ class SpmdTrainer(Module):
         finally:
             if tracing_until is not None:
                 self._stop_trace()
-            if "checkpointer" in self.children:
+            if has_checkpointer:
                 self.checkpointer.wait_until_finished()
-            if "summary_writer" in self.children:
+            if has_writer:
                 self.summary_writer.flush()
         if saved_step is not None:
-            log.info("Saved step %d in %s", saved_step, self.checkpointer.directory)
+            log.info("Finished at step %d; latest checkpoint: step %d", self._step, saved_step)
         if not last and self._step:
             last = {"step": self._step}
         return last
@@ -400,8 +410,8 @@ class SpmdTrainer(Module):
         ):
             trace_dir = os.path.join(cfg.dir, "traces")
             jax.profiler.start_trace(trace_dir)
-            log.info("Tracing steps %d.. into %s", self._step, trace_dir)
             tracing_until = self._step + (cfg.start_trace_num_steps or 3)
+            log.info("Tracing steps %d-%d into %s", self._step + 1, tracing_until, trace_dir)
         return tracing_until
 
     def _stop_trace(self) -> None:
@@ -465,9 +475,12 @@ class SpmdTrainer(Module):
                     step, prng_key=jax.random.PRNGKey(step), model_params=self._state.model
                 )
             if results:
-                log.info("eval %s step %d: %s", name, step, perf.format_metrics(results))
+                # The evaler logs every metric; this line keeps the headline ones readable.
+                headline = {k: v for k, v in results.items() if k in perf.EVAL_HEADLINE_METRICS}
+                log.info("eval %s step %d: %s", name, step, perf.format_metrics(headline))
 
     def _save(self, step: int) -> None:
+        log.info("Saving checkpoint step %d in %s", step, self.checkpointer.directory)
         extra = {}
         if self._config.save_input_iterator:
             extra["input_iterator"] = self.input.get_state()

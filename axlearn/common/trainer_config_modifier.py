@@ -70,7 +70,9 @@ class GradientAccumulationModifier(ConfigModifier):
     def __call__(self, cfg):
         steps = self.config.grad_acc_steps
         if not isinstance(steps, int) or steps < 1:
-            raise ConfigError(f"GradientAccumulationModifier.grad_acc_steps must be >= 1, got {steps!r}")
+            raise ConfigError(
+                f"GradientAccumulationModifier.grad_acc_steps must be >= 1, got {steps!r}"
+            )
         cfg.learner.gradient_accumulation_steps = steps
         return cfg
 
@@ -99,7 +101,8 @@ class ModuleConfigModifier(ConfigModifier):
         klass = getattr(new, "klass", None) if "klass" in new.keys() else None
         defaults = klass.default_config() if hasattr(klass, "default_config") else type(new)()
         for name in new.keys():
-            if name in old.keys() and name != "klass" and getattr(new, name) == getattr(defaults, name):
+            shared = name in old.keys() and name != "klass"
+            if shared and getattr(new, name) == getattr(defaults, name):
                 setattr(new, name, getattr(old, name))
         set_recursively(cfg, path, new)
         return cfg
@@ -119,7 +122,9 @@ class PartitionSpecModifier(ConfigModifier):
         for path, fields in self.config.partition_specs.items():
             for field, spec in fields.items():
                 if "partition_spec" not in field:
-                    raise ConfigError(f"PartitionSpecModifier: '{path}.{field}' is not a partition spec")
+                    raise ConfigError(
+                        f"PartitionSpecModifier: '{path}.{field}' is not a partition spec"
+                    )
                 target = _module_config(cfg, path, field)
                 setattr(target, field, spec)
         return cfg
@@ -156,4 +161,6 @@ def apply_mesh_rule(cfg: ConfigBase, rule_value: Optional[Any]) -> ConfigBase:
     if isinstance(rule_value, (list, tuple)) and all(isinstance(d, int) for d in rule_value):
         cfg.mesh_shape = tuple(rule_value)
         return cfg
-    raise ConfigError(f"A mesh rule's value must be a mesh shape or a ConfigModifier config, got {rule_value!r}")
+    raise ConfigError(
+        f"A mesh rule's value must be a mesh shape or a ConfigModifier config, got {rule_value!r}"
+    )
