@@ -122,8 +122,9 @@ def test_gradient_accumulation_trains_the_same_model_as_the_full_batch():
         GradientAccumulationModifier.default_config().set(grad_acc_steps=2), _config()
     )
     results, params = [], []
-    for cfg in (plain, accumulated):
+    for cfg, microbatches in ((plain, None), (accumulated, 2)):
         trainer = cfg.instantiate(parent=None)
+        assert trainer.learner.config.gradient_accumulation_steps == microbatches
         results.append(trainer.run())
         params.append(jax.tree.leaves(trainer.trainer_state.model))
     np.testing.assert_allclose(results[1]["loss"], results[0]["loss"], rtol=1e-5)
