@@ -81,7 +81,9 @@ def run_benchmark(
     from axlearn.common.input_prefetch import prefetch_in_thread  # pylint: disable=import-outside-toplevel
 
     # Host batches are made in a thread and the step is dispatched ahead, as in training.
-    batches = prefetch_in_thread(trainer._batches(), size=2)  # pylint: disable=protected-access
+    batches = prefetch_in_thread(  # pylint: disable=protected-access
+        (batch for _, batch in trainer._batches()), size=2
+    )
     losses = []
     for _ in range(warmup_steps):
         losses.append(float(trainer.train_step(next(batches))["loss"]))
@@ -95,6 +97,7 @@ def run_benchmark(
     for loss in pending:
         jax.block_until_ready(loss)
         done.append(time.perf_counter())
+    batches.close()
     step_times = [b - a for a, b in zip([start] + done[:-1], done)]
     losses += [float(loss) for loss in pending]
     if profile_dir:

@@ -47,8 +47,10 @@ def across(cfg):
 
 def remat(names_which_can_be_saved):
     def apply(cfg):
+        # Outside a scan, XLA's CSE would undo the recomputation unless prevented.
+        unrolled_layers = isinstance(cfg.model.decoder.transformer, StackedTransformerLayer.Config)
         cfg.model.decoder.transformer.layer.remat_spec = build_remat_spec(
-            names_which_can_be_saved=names_which_can_be_saved
+            names_which_can_be_saved=names_which_can_be_saved, prevent_cse=unrolled_layers
         )
         return cfg
 
@@ -86,6 +88,8 @@ VARIANTS = {
     "across_remat_proj": chain(across, remat(".*([qkvo]_proj|context)")),
     "across_remat_all": chain(across, remat(".*([qkvo]_proj|context|linear1_[01]|linear2)")),
     "across_unrolled_remat_proj": chain(across, unrolled, remat(".*([qkvo]_proj|context)")),
+    "across_unrolled_remat_none_saved": chain(across, unrolled, remat(None)),
+    "across_unrolled_b8": chain(across, unrolled, lambda cfg: _set("input.global_batch_size")(cfg, 8)),
     "across_unrolled_chunk": chain(across, unrolled, chunk(1024)),
     "across_noremat": chain(across, no_remat),
     "across_unrolled_noremat": chain(across, unrolled, no_remat),
@@ -102,6 +106,7 @@ def main():
     parser.add_argument("--warmup_steps", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out_dir", default=os.environ.get("OUT", tempfile.gettempdir()))
+    parser.add_argument("--tag", default="", help="Appended to result names (e.g. an XLA flag set).")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -111,7 +116,7 @@ def main():
             profile_dir=os.path.join(tempfile.gettempdir(), f"prof_{args.one}") if args.profile else None,
             modify=VARIANTS[args.one],
         )
-        with open(os.path.join(args.out_dir, f"{args.config}_{args.one}.json"), "w", encoding="utf-8") as f:
+        with open(os.path.join(args.out_dir, f"{args.config}_{args.one}{args.tag}.json"), "w", encoding="utf-8") as f:
             json.dump(result, f)
         return
     results = {}
@@ -119,12 +124,12 @@ def main():
         cmd = [sys.executable, __file__, f"--one={name}", *sys.argv[1:]]
         print(f"=== {name}", flush=True)
         proc = subprocess.run(cmd, check=False)
-        path = os.path.join(args.out_dir, f"{args.config}_{name}.json")
+        path = os.path.join(args.out_dir, f"{args.config}_{name}{args.tag}.json")
         if proc.returncode == 0 and os.path.exists(path):
             with open(path, encoding="utf-8") as f:
-                results[name] = json.load(f)
+                results[name + args.tag] = json.load(f)
         else:
-            results[name] = {"final_loss": None, "device": f"failed (exit {proc.returncode})"}
+            results[name + args.tag] = {"final_loss": None, "device": f"failed (exit {proc.returncode})"}
     print(bench.format_table(results))
 
 

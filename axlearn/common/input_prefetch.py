@@ -68,6 +68,8 @@ def prefetch_in_thread(items: Iterator[T], size: int) -> Iterator[T]:
             yield item
     finally:
         stop.set()
+        # A daemon thread still inside jax when the interpreter exits aborts the process.
+        thread.join(timeout=30)
 
 
 def _global_shape(local: np.ndarray, process_count: int) -> tuple[int, ...]:

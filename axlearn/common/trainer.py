@@ -24,6 +24,7 @@ from axlearn.common.base_layer import BaseLayer, ParameterSpec, flatten_with_pat
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.evaler import SpmdEvaler
+from axlearn.common.input_prefetch import prefetch_in_thread
 from axlearn.common.learner import Learner
 from axlearn.common.module import Module, functional
 from axlearn.common.sharding import create_mesh, named_sharding
@@ -174,6 +175,7 @@ class SpmdTrainer(Module):
             )
         self._step = 0
         self._skipped_steps = 0
+        self._input_state: Optional[dict[str, Any]] = None  # After the last consumed batch.
         self._state: Optional[TrainerState] = None
         self._jit_train_step = None
 
@@ -336,7 +338,9 @@ class SpmdTrainer(Module):
         )
         if self._step >= cfg.max_step:
             log.info("Step %d is at max_step %d: nothing to train", self._step, cfg.max_step)
-        batches = self._batches()
+        # Batches are read and put on the devices in a thread, two steps ahead, so the
+        # host never makes the accelerator wait for input.
+        batches = prefetch_in_thread(self._batches(), size=2)
         last: dict[str, Any] = {}
         pending: Optional[tuple[int, dict[str, Any]]] = None
         saved_step = None
@@ -345,7 +349,8 @@ class SpmdTrainer(Module):
         try:
             while self._step < cfg.max_step:
                 tracing_until = self._maybe_trace(tracing_until)
-                input_batch = next(batches)
+                # The prefetcher reads ahead, so the position to save travels with the batch.
+                self._input_state, input_batch = next(batches)
                 summaries = self.train_step(input_batch)
                 window_steps += 1
                 # Check the previous step's loss now: that sync overlaps with this step.
@@ -379,6 +384,7 @@ class SpmdTrainer(Module):
             if pending is not None:
                 self._check_finite(*pending)
         finally:
+            batches.close()
             if tracing_until is not None:
                 self._stop_trace()
             if has_checkpointer:
@@ -392,9 +398,9 @@ class SpmdTrainer(Module):
         return last
 
     def _batches(self):
-        local = iter(self.input.dataset())
-        for batch in local:
-            yield self.global_batch(batch)
+        """Yields (input state after this batch, global batch)."""
+        for batch in self.input.dataset():
+            yield self.input.get_state(), self.global_batch(batch)
 
     def _maybe_trace(self, tracing_until: Optional[int]) -> Optional[int]:
         cfg = self._config
@@ -483,7 +489,7 @@ class SpmdTrainer(Module):
         log.info("Saving checkpoint step %d in %s", step, self.checkpointer.directory)
         extra = {}
         if self._config.save_input_iterator:
-            extra["input_iterator"] = self.input.get_state()
+            extra["input_iterator"] = self._input_state
         self.checkpointer.save(step, _to_state_dict(self._state), extra=extra)
 
 
