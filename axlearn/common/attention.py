@@ -1041,7 +1041,7 @@ class BaseStackedTransformerLayer(BaseLayer):
 
         input_dim: Required[int] = REQUIRED  # Set by the decoder.
         num_layers: Required[int] = REQUIRED
-        layer: BaseLayer.Config = TransformerLayer.default_config()
+        layer: Required[BaseLayer.Config] = REQUIRED  # The layer config to stack.
 
 
 class StackedTransformerLayer(BaseStackedTransformerLayer):

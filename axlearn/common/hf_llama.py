@@ -39,6 +39,7 @@ from axlearn.common.attention import (
     RepeatedTransformerLayer,
     RoFormerQKVLinear,
     StackedTransformerLayer,
+    TransformerLayer,
 )
 from axlearn.common.causal_lm import Model
 from axlearn.common.config import ConfigError
@@ -81,7 +82,9 @@ def llama_model_config(
     head_dim = head_dim or dim // num_heads
     norm = RMSNorm.default_config().set(eps=norm_eps)
     stack = RepeatedTransformerLayer if repeated else StackedTransformerLayer
-    transformer = stack.default_config().set(num_layers=num_layers)
+    transformer = stack.default_config().set(
+        num_layers=num_layers, layer=TransformerLayer.default_config()
+    )
     layer = transformer.layer
     layer.self_attention.norm = norm.clone()
     attention = GroupedQueryAttention.default_config().set(

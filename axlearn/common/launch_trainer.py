@@ -182,7 +182,8 @@ def build_trainer_config(
                 f"--mesh_selector={mesh_selector} matches none of {config_name}'s mesh_rules: "
                 f"{patterns}"
             )
-        log.info("--mesh_selector=%s: applying %r", mesh_selector, rule)
+        what = type(rule).__qualname__.split(".")[0] if hasattr(rule, "klass") else f"mesh {rule}"
+        log.info("--mesh_selector=%s: applying %s (see --print_config)", mesh_selector, what)
         cfg = apply_mesh_rule(cfg, rule)
     if data_dir == FAKE_DATA_DIR:
         cfg = use_fake_data(cfg)
