@@ -264,3 +264,14 @@ def test_field_without_default_is_rejected():
         @config_class
         class Bad(config_lib.ConfigBase):  # pylint: disable=unused-variable
             x: int
+
+
+def test_dict_entries_keep_insertion_order_and_fields_sort_by_name():
+    """A remat spec written as {'prevent_cse': ..., 'policy': ...} reads in that order."""
+    cfg = Tree.default_config().set(
+        name="x", rules={"prevent_cse": False, "policy": config_for_function(optional_args).set(x=1.0)}
+    )
+    keys = list(cfg.to_flat_dict())
+    assert keys.index("rules['prevent_cse']") < keys.index("rules['policy'].fn")
+    top_level = [k.split(".")[0].split("[")[0] for k in keys]
+    assert top_level == sorted(top_level)
