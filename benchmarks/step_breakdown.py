@@ -1,0 +1,82 @@
+"""Splits a train step's time into forward, backward and optimizer update.
+
+    PYTHONPATH=. python benchmarks/step_breakdown.py --config=gpt_1b --mesh_selector=gpu-h100-1 \
+        --config_override=input.global_batch_size=4
+
+Each part is jitted on its own and timed (median of repeated calls after warm-up), so
+the parts need not add up exactly to the fused step; they tell where to look.
+"""
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+from axlearn.common import launch
+from axlearn.common.launch_trainer import build_trainer_config
+
+
+def timeit(fn, *args, iters: int = 10) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--mesh_selector", default=None)
+    parser.add_argument("--config_override", action="append", default=[])
+    args = parser.parse_args()
+    launch.setup()
+    cfg = build_trainer_config(
+        config_name=args.config, mesh_selector=args.mesh_selector, data_dir="FAKE",
+        config_overrides=args.config_override,
+    )
+    cfg.dir, cfg.evalers = None, {}
+    trainer = cfg.instantiate(parent=None)
+    state = trainer.init_state(jax.random.PRNGKey(0))
+    batch = next(trainer._batches())[1]  # pylint: disable=protected-access
+    learner, specs = trainer.learner, trainer.model_param_specs
+    key = jax.random.PRNGKey(1)
+
+    with jax.set_mesh(trainer.mesh):
+        forward = jax.jit(lambda p, b: trainer._loss_fn(p, b, key)[0])  # pylint: disable=protected-access
+        grads_fn = jax.jit(
+            lambda p, b: learner.compute_gradients(trainer._loss_fn, p, b, key)[2]  # pylint: disable=protected-access
+        )
+        update = jax.jit(lambda p, g, s: learner.update(p, g, s, param_specs=specs)[:2])
+        grads = grads_fn(state.model, batch)
+        parts = {
+            "forward (loss)": timeit(forward, state.model, batch),
+            "forward + backward": timeit(grads_fn, state.model, batch),
+            "optimizer update (learner.update)": timeit(update, state.model, grads, state.learner),
+        }
+        step = trainer._compile_train_step()  # pylint: disable=protected-access
+        state, _ = step(state, batch)
+
+        def full(state):
+            new_state, summaries = step(state, batch)
+            return new_state, summaries["loss"]
+
+        # The step donates its state: time it on a chain of states.
+        state, loss = full(state)
+        jax.block_until_ready(loss)
+        times = []
+        for _ in range(10):
+            start = time.perf_counter()
+            state, loss = full(state)
+            jax.block_until_ready(loss)
+            times.append(time.perf_counter() - start)
+        parts["full train step"] = float(np.median(times)) * 1e3
+    for name, ms in parts.items():
+        print(f"{name:40s} {ms:8.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
