@@ -144,7 +144,7 @@ def gpt_trainer(size_name: str) -> SpmdTrainer.Config:
 def gpt_test_trainer() -> SpmdTrainer.Config:
     """A tiny byte-level GPT that trains on the Python standard library in about a minute
     on one CPU core; loss, bits per byte, checkpoints and summaries all appear."""
-    max_step, seq_len, batch = 300, 256, 16
+    max_step, seq_len, batch = 200, 256, 16
     model = common.model_config(
         dim=128,
         num_layers=2,

@@ -287,7 +287,8 @@ class SpmdEvaler(Module):
             self.summary_writer(step, summaries)
             self.summary_writer.flush()
         result = {name: self._host_number(value) for name, value in summaries.items()}
-        logging.info(
+        # The trainer logs the headline metrics; every summary is at debug level.
+        logging.debug(
             "%s step %d (%d batches, %.1fs): %s",
             self.path(),
             step,
