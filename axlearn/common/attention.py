@@ -61,17 +61,23 @@ _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 # ----- projections -----
 
 
-class MultiheadInputLinear(BaseLayer):
-    """[..., model_dim] -> [..., num_heads, per_head_dim]; weight [model_dim, N, H]."""
+class _MultiheadLinear(BaseLayer):
+    """A projection between model_dim and (num_heads, per_head_dim); weight [model_dim, N, H]."""
 
     @config_class
     class Config(BaseLayer.Config):
-        """Configures MultiheadInputLinear."""
+        """Configures a multi-head projection."""
 
         model_dim: Required[int] = REQUIRED
         num_heads: Required[int] = REQUIRED
         per_head_dim: Required[int] = REQUIRED
         bias: bool = True
+
+    # Set by subclasses: which weight axes are the fan-in and fan-out.
+    _FAN_AXES: FanAxes
+
+    def _bias_shape_and_axes(self, spec) -> tuple[list[int], Optional[tuple]]:
+        raise NotImplementedError(type(self))
 
     def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
         cfg = self.config
@@ -80,16 +86,25 @@ class MultiheadInputLinear(BaseLayer):
             weight=ParameterSpec(
                 shape=[cfg.model_dim, cfg.num_heads, cfg.per_head_dim],
                 mesh_axes=spec,
-                fan_axes=FanAxes(in_axis=-3, out_axis=(-2, -1)),
+                fan_axes=self._FAN_AXES,
             )
         )
         if cfg.bias:
+            shape, mesh_axes = self._bias_shape_and_axes(spec)
             specs["bias"] = ParameterSpec(
-                shape=[cfg.num_heads, cfg.per_head_dim],
-                mesh_axes=tuple(spec[1:]) if spec else None,
-                initializer=constant_initializer(0.0),
+                shape=shape, mesh_axes=mesh_axes, initializer=constant_initializer(0.0)
             )
         return specs
+
+
+class MultiheadInputLinear(_MultiheadLinear):
+    """[..., model_dim] -> [..., num_heads, per_head_dim]; weight [model_dim, N, H]."""
+
+    _FAN_AXES = FanAxes(in_axis=-3, out_axis=(-2, -1))
+
+    def _bias_shape_and_axes(self, spec):
+        cfg = self.config
+        return [cfg.num_heads, cfg.per_head_dim], (tuple(spec[1:]) if spec else None)
 
     def forward(self, x: Tensor) -> Tensor:
         y = jnp.einsum("...d,dnh->...nh", x, self.parameters["weight"])
@@ -98,35 +113,13 @@ class MultiheadInputLinear(BaseLayer):
         return y
 
 
-class MultiheadOutputLinear(BaseLayer):
+class MultiheadOutputLinear(_MultiheadLinear):
     """[..., num_heads, per_head_dim] -> [..., model_dim]; weight [model_dim, N, H]."""
 
-    @config_class
-    class Config(BaseLayer.Config):
-        """Configures MultiheadOutputLinear."""
+    _FAN_AXES = FanAxes(in_axis=(-2, -1), out_axis=-3)
 
-        model_dim: Required[int] = REQUIRED
-        num_heads: Required[int] = REQUIRED
-        per_head_dim: Required[int] = REQUIRED
-        bias: bool = True
-
-    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
-        cfg = self.config
-        spec = cfg.param_partition_spec
-        specs = dict(
-            weight=ParameterSpec(
-                shape=[cfg.model_dim, cfg.num_heads, cfg.per_head_dim],
-                mesh_axes=spec,
-                fan_axes=FanAxes(in_axis=(-2, -1), out_axis=-3),
-            )
-        )
-        if cfg.bias:
-            specs["bias"] = ParameterSpec(
-                shape=[cfg.model_dim],
-                mesh_axes=(spec[0],) if spec else None,
-                initializer=constant_initializer(0.0),
-            )
-        return specs
+    def _bias_shape_and_axes(self, spec):
+        return [self.config.model_dim], ((spec[0],) if spec else None)
 
     def forward(self, x: Tensor) -> Tensor:
         y = jnp.einsum("...nh,dnh->...d", x, self.parameters["weight"])
