@@ -172,6 +172,7 @@ def test_sharded_corpus_reads_like_one_shard(tmp_path):
         _write(tmp_path, docs[:5], sizes[:5], name="part-0.tok"),
         _write(tmp_path, docs[5:], sizes[5:], name="part-1.tok"),
     ]
+    assert sorted(map(str, tmp_path.glob("part-*.tok"))) == sorted(map(str, parts))
     a = list(_input([single], is_training=False, batch=4, length=8).dataset())
     b = list(_input([str(tmp_path / "part-*.tok")], is_training=False, batch=4, length=8).dataset())
     for key in FEATURE_KEYS:

@@ -282,7 +282,7 @@ class FusedQKVLinear(FusedGroupedQKVLinear):
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         if cfg.num_kv_heads not in (None, cfg.num_heads):
             raise ConfigError(
-                f"FusedQKVLinear.num_kv_heads: must be unset (it equals num_heads); "
+                "FusedQKVLinear.num_kv_heads: must be unset (it equals num_heads); "
                 "use FusedGroupedQKVLinear for grouped heads"
             )
         super().__init__(cfg, parent=parent)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from axlearn.common.base_layer import ParameterSpec, flatten_with_paths
-from axlearn.common.config import ConfigError, ConfigOr, InstantiableConfig, maybe_instantiate
+from axlearn.common.config import ConfigError, ConfigOr, maybe_instantiate
 from axlearn.common.param_init import FanAxes
 from axlearn.common.schedule import ScheduleLike, adafactor_decay_rate, as_schedule_fn
 

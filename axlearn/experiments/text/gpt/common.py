@@ -22,7 +22,7 @@ from axlearn.common.attention import (
     ScaleQuery,
     StackedTransformerLayer,
     TransformerLayer,
-    build_remat_spec,
+    build_remat_spec,  # noqa: F401 (experiment modules use common.build_remat_spec)
 )
 from axlearn.common.causal_lm import Model
 from axlearn.common.checkpointer import (
