@@ -62,6 +62,22 @@ def no_remat(cfg):
     return cfg
 
 
+def no_qk_norm(cfg):
+    """Llama-style attention: no RMS norm on queries and keys."""
+    attention = cfg.model.decoder.transformer.layer.self_attention.attention
+    attention.query_scale.norm = None
+    attention.key_scale.norm = None
+    return cfg
+
+
+def no_ffn_summaries(cfg):
+    """Drops the dead-neuron and value-RMS summaries (reductions over the MLP activations)."""
+    cfg.model.decoder.transformer.layer.feed_forward.set(
+        add_dead_neuron_summary=None, add_value_rms_norm_summary=None
+    )
+    return cfg
+
+
 def chain(*fns):
     def apply(cfg):
         for fn in fns:
@@ -81,6 +97,9 @@ def chunk(size):
 
 VARIANTS = {
     "base": lambda cfg: cfg,
+    "no_qk_norm": no_qk_norm,
+    "no_ffn_summaries": no_ffn_summaries,
+    "no_qk_norm_no_ffn_summaries": chain(no_qk_norm, no_ffn_summaries),
     "across": across,
     "unrolled": unrolled,
     "across_unrolled": chain(across, unrolled),
