@@ -74,11 +74,18 @@ class BaseInput(Module):
 
     @property
     def global_batch_size(self) -> int:
-        raise NotImplementedError(type(self))
+        """Rows of a global batch: the config's `global_batch_size` unless overridden."""
+        return self._config_field("global_batch_size")
 
     @property
     def max_sequence_length(self) -> int:
-        raise NotImplementedError(type(self))
+        """Tokens per row: the config's `max_sequence_length` unless overridden."""
+        return self._config_field("max_sequence_length")
+
+    def _config_field(self, name: str) -> int:
+        if name not in self._config.keys():
+            raise NotImplementedError(f"{type(self).__name__} must define {name}")
+        return getattr(self._config, name)
 
     def _host_batches(self, start: int) -> Iterator[Batch]:
         """This process's batches, beginning with global batch `start`."""

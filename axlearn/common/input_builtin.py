@@ -145,13 +145,5 @@ class BuiltinTextInput(BaseInput):
             "tokens", tokens_cfg, **self._process_overrides()
         )
 
-    @property
-    def global_batch_size(self) -> int:
-        return self.config.global_batch_size
-
-    @property
-    def max_sequence_length(self) -> int:
-        return self.config.max_sequence_length
-
     def _host_batches(self, start: int) -> Iterator[Batch]:
         return self._tokens._host_batches(start)  # pylint: disable=protected-access

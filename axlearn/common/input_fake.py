@@ -64,14 +64,6 @@ class FakeLmInput(BaseInput):
                 f"{self.path()}.vocab_size: must exceed {_FIRST_TOKEN}, got {cfg.vocab_size}"
             )
 
-    @property
-    def global_batch_size(self) -> int:
-        return self.config.global_batch_size
-
-    @property
-    def max_sequence_length(self) -> int:
-        return self.config.max_sequence_length
-
     def host_batch(self, step: int) -> Batch:
         """This process's rows of global batch `step`."""
         cfg = self.config

@@ -188,14 +188,6 @@ class TokenShardInput(BaseInput):
         return shards
 
     @property
-    def global_batch_size(self) -> int:
-        return self.config.global_batch_size
-
-    @property
-    def max_sequence_length(self) -> int:
-        return self.config.max_sequence_length
-
-    @property
     def num_eval_batches(self) -> int:
         """Global batches of one evaluation pass (the last one padded)."""
         num_chunks = -(-self._corpus.num_tokens // self.max_sequence_length)
