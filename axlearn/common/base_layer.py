@@ -59,6 +59,19 @@ def flatten_with_paths(tree: Any, separator: str = "/", is_leaf=None) -> list[tu
     return [(separator.join(_key_str(k) for k in path), leaf) for path, leaf in leaves]
 
 
+def cast_floats(tree: Any, dtype: Optional[jnp.dtype]) -> Any:
+    """Casts the floating-point leaves of `tree` to `dtype` (None: unchanged)."""
+    if dtype is None:
+        return tree
+
+    def cast(x):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
 def tree_paths(tree: Any, separator: str = "/", is_leaf=None) -> Any:
     """A tree of the same structure whose leaves are their own paths."""
     return jax.tree_util.tree_map_with_path(

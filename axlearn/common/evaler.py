@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from axlearn.common.base_layer import ParameterSpec
+from axlearn.common.base_layer import ParameterSpec, cast_floats
 from axlearn.common.config import (
     REQUIRED,
     ConfigError,
@@ -224,13 +224,9 @@ class SpmdEvaler(Module):
                     is_leaf=_is_spec_leaf,
                 )
 
-            def cast(params):
-                return jax.tree_util.tree_map(
-                    lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                    params,
-                )
-
-            self._cast_fns[key] = jax.jit(cast, out_shardings=out_shardings)
+            self._cast_fns[key] = jax.jit(
+                lambda params: cast_floats(params, dtype), out_shardings=out_shardings
+            )
         return self._cast_fns[key](model_params)
 
     def _global_batch(self, batch: Mapping[str, Any]) -> Any:

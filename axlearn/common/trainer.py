@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from axlearn.common import perf
-from axlearn.common.base_layer import BaseLayer, ParameterSpec, flatten_with_paths
+from axlearn.common.base_layer import BaseLayer, ParameterSpec, cast_floats, flatten_with_paths
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.evaler import SpmdEvaler
@@ -62,19 +62,6 @@ def infer_mesh_shape(mesh_shape: MeshShape, num_devices: int) -> tuple[int, ...]
             f"but {num_devices} are available"
         )
     return tuple(shape)
-
-
-def cast_floats(tree: Any, dtype: Optional[jnp.dtype]) -> Any:
-    """Casts floating-point leaves to `dtype` (None: unchanged)."""
-    if dtype is None:
-        return tree
-
-    def cast(x):
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
-            return x.astype(dtype)
-        return x
-
-    return jax.tree.map(cast, tree)
 
 
 @dataclasses.dataclass
