@@ -252,9 +252,11 @@ class Module(Configurable):
         state = parent_context.state
         child_state = state.get(self.name, {}) if isinstance(state, dict) else {}
         prng_key = child_prng_key(parent_context.prng_key, self.name)
-        outputs, collection = self._functional_call(
-            method, child_state, prng_key, parent_context.is_training, args, kwargs
-        )
+        # The scope names this module's ops in HLO metadata, so profiles say where time goes.
+        with jax.named_scope(self.name):
+            outputs, collection = self._functional_call(
+                method, child_state, prng_key, parent_context.is_training, args, kwargs
+            )
         parent_context.output_collection.update_child(self.name, collection)
         return outputs
 

@@ -281,9 +281,10 @@ class SpmdTrainer(Module):
         loss, aux, grads = self.learner.compute_gradients(
             self._loss_fn, state.model, input_batch, step_key
         )
-        new_params, new_learner_state, learner_summaries = self.learner.update(
-            state.model, grads, state.learner, param_specs=self._model_param_specs
-        )
+        with jax.named_scope("learner"):
+            new_params, new_learner_state, learner_summaries = self.learner.update(
+                state.model, grads, state.learner, param_specs=self._model_param_specs
+            )
         summaries = dict(loss=loss, learner=learner_summaries, model=aux["summaries"])
         new_state = TrainerState(prng_key=prng_key, model=new_params, learner=new_learner_state)
         return new_state, summaries
