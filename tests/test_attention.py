@@ -292,6 +292,23 @@ def test_rope_matches_transformers_llama_rotation():
     np.testing.assert_allclose(ours, ref.transpose(1, 2).numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_rope_gradients_match_a_numpy_derivation():
+    # The rotation has a hand-written VJP; check it and the angles' cotangents against
+    # the rotation written out as a matrix: y = R x per (position, pair), so dx = R^T dy.
+    half = 3
+    x = RNG.normal(size=(2, 4, 3, 2 * half)).astype(np.float32)
+    sin_cos = RNG.normal(size=(2, 4, 2 * half)).astype(np.float32)
+    dy = RNG.normal(size=x.shape).astype(np.float32)
+    loss = lambda x_, sc: jnp.sum(attn.apply_rotary_position_embeddings(x_, sc) * dy)
+    dx, dsc = jax.grad(loss, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(sin_cos))
+    s, c = sin_cos[..., None, :half], sin_cos[..., None, half:]
+    x1, x2, g1, g2 = x[..., :half], x[..., half:], dy[..., :half], dy[..., half:]
+    np.testing.assert_allclose(dx[..., :half], g1 * c + g2 * s, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx[..., half:], g2 * c - g1 * s, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dsc[..., :half], np.sum(x1 * g2 - x2 * g1, axis=2), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dsc[..., half:], np.sum(x1 * g1 + x2 * g2, axis=2), rtol=1e-4, atol=1e-4)
+
+
 def test_rotary_value_rotates_values_too():
     cfg = attn.RoFormerQKVLinear.default_config().set(
         query_dim=8, key_dim=8, value_dim=8, num_heads=2, per_head_dim=4, rotary_value=True
@@ -824,3 +841,12 @@ def test_repeated_transformer_sharded_over_8_devices_matches_single_device():
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert "SHARDED_OK" in result.stdout, result.stdout + result.stderr
+
+
+def test_split_heads_gradient_concatenates_the_parts():
+    x = jnp.asarray(RNG.normal(size=(2, 3, 7, 4)), jnp.float32)
+    w = [jnp.asarray(RNG.normal(size=(2, 3, n, 4)), jnp.float32) for n in (3, 2, 2)]
+    loss = lambda x_: sum(jnp.sum(p * w_) for p, w_ in zip(attn.split_heads(x_, (3, 2, 2)), w))
+    parts = attn.split_heads(x, (3, 2, 2))
+    np.testing.assert_array_equal(jnp.concatenate(parts, axis=2), x)
+    np.testing.assert_array_equal(jax.grad(loss)(x), jnp.concatenate(w, axis=2))

@@ -22,6 +22,7 @@ example at position `time_step` and returns their outputs, equal to `forward`'s 
 at those positions.
 """
 
+import functools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from axlearn.common import base_layer
 from axlearn.common.base_layer import BaseLayer, ParameterSpec
@@ -46,7 +48,9 @@ from axlearn.common.layers import (
     LayerNorm,
     Linear,
     StochasticDepth,
+    gated_product,
     get_activation_fn,
+    residual_add,
     rms,
 )
 from axlearn.common.module import Module, Tensor
@@ -219,6 +223,31 @@ class GroupedQKVLinear(QKVLinear):
         return self._config.num_kv_heads
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def split_heads(x: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
+    """Splits x [..., N, H] along its heads axis into parts of `sizes` heads.
+
+    The backward pass concatenates the parts' cotangents. Autodiff of the slices would
+    pad each to N heads and add them, which XLA fuses with the RoPE and QK-norm backward
+    into one kernel that evaluates every pad at every element: measured on an H100 at
+    up to 2.9 ms a layer of golf_baseline (docs/benchmarks.md).
+    """
+    starts = np.cumsum((0,) + tuple(sizes))
+    return tuple(x[..., a:b, :] for a, b in zip(starts[:-1], starts[1:]))
+
+
+def _split_heads_fwd(x, sizes):
+    return split_heads(x, sizes), None
+
+
+def _split_heads_bwd(sizes, _, cotangents):
+    del sizes
+    return (jnp.concatenate(cotangents, axis=-2),)
+
+
+split_heads.defvjp(_split_heads_fwd, _split_heads_bwd)
+
+
 class FusedGroupedQKVLinear(BaseQKVLinear):
     """One projection (child `qkv_proj`) to num_heads + 2 * num_kv_heads heads.
 
@@ -266,8 +295,7 @@ class FusedGroupedQKVLinear(BaseQKVLinear):
         if key is not None or value is not None:
             raise ValueError(f"{self.path()}: a fused projection supports self-attention only")
         n, k = self._config.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(query)
-        return QKV(qkv[..., :n, :], qkv[..., n : n + k, :], qkv[..., n + k :, :])
+        return QKV(*split_heads(self.qkv_proj(query), (n, k, k)))
 
 
 class FusedQKVLinear(FusedGroupedQKVLinear):
@@ -321,6 +349,52 @@ class RoFormerSinusoidalPositionalEmbedding(BaseLayer):
         return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
 
 
+def _rotate(x: Tensor, sin: Tensor, cos: Tensor) -> Tensor:
+    """[x1 cos - x2 sin, x2 cos + x1 sin] in float32, x = [x1, x2] split in halves."""
+    half = x.shape[-1] // 2
+    # The halves on their own axis: XLA then indexes whole contiguous rows of `half`
+    # elements instead of splitting the minor axis, which vectorizes (docs/benchmarks.md).
+    y = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, half)
+    x1, x2 = y[..., 0, :], y[..., 1, :]
+    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-2)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+@jax.custom_vjp
+def _rotate_halves(x: Tensor, sin: Tensor, cos: Tensor) -> Tensor:
+    return _rotate(x, sin, cos)
+
+
+def _rotate_halves_fwd(x, sin, cos):
+    return _rotate(x, sin, cos), (x, sin, cos)
+
+
+def _rotate_halves_bwd(residuals, dy):
+    # The rotation is orthogonal, so its transpose rotates by the opposite angle: the
+    # backward pass is one fusion shaped like the forward one. Autodiff of the halves'
+    # slices and concatenation instead builds pads that XLA fuses into one slow kernel
+    # (measured: 2.9 ms a layer of golf_baseline on an H100, docs/benchmarks.md).
+    x, sin, cos = residuals
+    half = x.shape[-1] // 2
+    dx = _rotate(dy, -sin, cos)
+    # The angles' cotangents (summed over heads); unused when positions are integers,
+    # in which case XLA drops this computation.
+    y, g = x.astype(jnp.float32), dy.astype(jnp.float32)
+    x1, x2, g1, g2 = y[..., :half], y[..., half:], g[..., :half], g[..., half:]
+    dsin = _sum_to_shape(x1 * g2 - x2 * g1, sin.shape).astype(sin.dtype)
+    dcos = _sum_to_shape(x1 * g1 + x2 * g2, cos.shape).astype(cos.dtype)
+    return dx, dsin, dcos
+
+
+def _sum_to_shape(x: Tensor, shape: Sequence[int]) -> Tensor:
+    """Sums x over the axes along which an operand of `shape` was broadcast to x's shape."""
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True)
+
+
+_rotate_halves.defvjp(_rotate_halves_fwd, _rotate_halves_bwd)
+
+
 def apply_rotary_position_embeddings(x: Tensor, sin_cos: Tensor) -> Tensor:
     """Rotates x [B,T,N,H] by the angles of sin_cos [B,T,H].
 
@@ -328,11 +402,7 @@ def apply_rotary_position_embeddings(x: Tensor, sin_cos: Tensor) -> Tensor:
     Llama), so weights converted from those models need no permutation.
     """
     half = x.shape[-1] // 2
-    sin, cos = sin_cos[..., None, :half], sin_cos[..., None, half:]
-    y = x.astype(jnp.float32)
-    x1, x2 = y[..., :half], y[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return _rotate_halves(x, sin_cos[..., None, :half], sin_cos[..., None, half:])
 
 
 def _default_positions(x: Tensor) -> Tensor:
@@ -795,7 +865,7 @@ class TransformerAttentionLayer(BaseLayer):
             y = self.postnorm(attend(self.prenorm(target)))
         else:
             y = attend(target)
-        y = target + self.stochastic_depth(self.dropout(y))
+        y = residual_add(target, self.stochastic_depth(self.dropout(y)))
         return self.norm(y) if structure == "postnorm" else y
 
     def forward(
@@ -916,16 +986,16 @@ class TransformerFeedForwardLayer(BaseLayer):
             self.add_summary(f"rms_norm/{name}", rms(x))
 
     def _hidden(self, x: Tensor) -> Tensor:
-        hidden = None
-        for i, (name, activation) in enumerate(self._activations):
-            h = activation(getattr(self, name)(x))
-            # Only the activated branch can die; a gate's linear partner cannot.
-            if self._config.add_dead_neuron_summary and i == 0:
-                never_positive = jnp.max(h.reshape(-1, h.shape[-1]), axis=0) <= 0
-                dead = jnp.sum(never_positive).astype(jnp.float32)
-                self.add_summary(f"dead_neurons/{name}", dead)
-            hidden = h if hidden is None else hidden * h
-        return hidden
+        pre = [getattr(self, name)(x) for name, _ in self._activations]
+        (name, activation), a = self._activations[0], pre[0]
+        # Only the activated branch can die; a gate's linear partner cannot.
+        if self._config.add_dead_neuron_summary:
+            h = activation(a)
+            never_positive = jnp.max(h.reshape(-1, h.shape[-1]), axis=0) <= 0
+            self.add_summary(f"dead_neurons/{name}", jnp.sum(never_positive).astype(jnp.float32))
+        if len(pre) == 1:
+            return activation(a)
+        return gated_product(activation, self._activations[1][1], a, pre[1])
 
     def forward(self, inputs: Tensor) -> Tensor:
         """[B,T,input_dim] -> [B,T,input_dim]."""
@@ -946,7 +1016,7 @@ class TransformerFeedForwardLayer(BaseLayer):
         y = self.stochastic_depth(self.dropout2(y))
         if cfg.residual_weight != 1.0:
             y = y * cfg.residual_weight
-        y = inputs + y
+        y = residual_add(inputs, y)
         return self.norm(y) if cfg.structure == "postnorm" else y
 
 
