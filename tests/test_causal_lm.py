@@ -333,3 +333,29 @@ def test_attend_across_documents_ignores_segments_and_positions():
     across = cfg.clone(attend_across_documents=True).instantiate(parent=None)
     np.testing.assert_allclose(loss(across, packed), loss(model, plain), rtol=1e-6)
     assert abs(float(loss(model, packed)) - float(loss(model, plain))) > 1e-4
+
+
+def test_cross_entropy_gradient_matches_a_numpy_derivation():
+    # _cross_entropy has a hand-written VJP: d/dlogits of (w_ce * ce + w_z * lse) is
+    # (w_ce + w_z) * softmax - w_ce * onehot(label).
+    from axlearn.common.causal_lm import _cross_entropy  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(2, 5, 11)).astype(np.float32)
+    labels = rng.integers(-1, 11, size=(2, 5)).astype(np.int32)
+    w_ce, w_z = rng.normal(size=(2, 5)), rng.normal(size=(2, 5))
+
+    def loss(x):
+        ce, lse = _cross_entropy(x, jnp.asarray(labels))
+        return jnp.sum(ce * w_ce + lse * w_z)
+
+    got = jax.grad(loss)(jnp.asarray(logits))
+    shifted = logits - logits.max(-1, keepdims=True)
+    probs = np.exp(shifted) / np.exp(shifted).sum(-1, keepdims=True)
+    onehot = np.eye(11)[np.maximum(labels, 0)]
+    want = (w_ce + w_z)[..., None] * probs - w_ce[..., None] * onehot
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    ce, lse = _cross_entropy(jnp.asarray(logits), jnp.asarray(labels))
+    want_lse = np.log(np.exp(logits).sum(-1))
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
+    np.testing.assert_allclose(ce, want_lse - np.take_along_axis(logits, np.maximum(labels, 0)[..., None], -1)[..., 0], rtol=1e-5)
