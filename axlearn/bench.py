@@ -36,6 +36,30 @@ COLUMNS = (
 )
 
 
+def build_benchmark_config(
+    config: str,
+    *,
+    module: Optional[str] = None,
+    mesh_selector: Optional[str] = None,
+    data_dir: str = "FAKE",
+    overrides: Sequence[str] = (),
+) -> Any:
+    """The named trainer config as benchmarks run it: no trainer directory (so no
+    checkpoints or summaries) and no evalers; only the step is measured."""
+    from axlearn.common.launch_trainer import build_trainer_config  # pylint: disable=import-outside-toplevel
+
+    cfg = build_trainer_config(
+        config_name=config,
+        module=module,
+        mesh_selector=mesh_selector,
+        data_dir=data_dir,
+        config_overrides=list(overrides),
+    )
+    cfg.dir = None
+    cfg.evalers = {}
+    return cfg
+
+
 def run_benchmark(
     *,
     config: str,
@@ -62,19 +86,12 @@ def run_benchmark(
     import jax  # pylint: disable=import-outside-toplevel
 
     from axlearn.common import perf  # pylint: disable=import-outside-toplevel
-    from axlearn.common.launch_trainer import build_trainer_config  # pylint: disable=import-outside-toplevel
 
-    cfg = build_trainer_config(
-        config_name=config,
-        module=module,
-        mesh_selector=mesh_selector,
-        data_dir=data_dir,
-        config_overrides=list(overrides),
+    cfg = build_benchmark_config(
+        config, module=module, mesh_selector=mesh_selector, data_dir=data_dir, overrides=overrides
     )
     if modify is not None:
         cfg = modify(cfg)
-    cfg.dir = None  # No checkpoints or summaries: only the step is measured.
-    cfg.evalers = {}
     trainer = cfg.instantiate(parent=None)
     accounting = perf.StepAccounting.for_trainer(trainer)
     trainer._state = trainer.init_state(jax.random.PRNGKey(0))  # pylint: disable=protected-access
@@ -125,17 +142,16 @@ def run_benchmark(
     }
 
 
-def summarize_trace(profile_dir: str, *, steps: int, top: int = 25) -> str:
-    """GPU kernel time per step by kernel name, from the trace under `profile_dir`."""
+def gpu_kernel_times(profile_dir: str) -> dict[str, tuple[float, int]]:
+    """Kernel name -> (total ms, launches) on the GPU streams of the trace under
+    `profile_dir` (empty if there is none)."""
     import glob  # pylint: disable=import-outside-toplevel
 
     import jax  # pylint: disable=import-outside-toplevel
 
     files = sorted(glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True))
-    if not files:
-        return f"No trace found under {profile_dir}"
-    totals: dict[str, float] = {}
-    for plane in jax.profiler.ProfileData.from_file(files[-1]).planes:
+    totals: dict[str, tuple[float, int]] = {}
+    for plane in jax.profiler.ProfileData.from_file(files[-1]).planes if files else ():
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
@@ -143,7 +159,16 @@ def summarize_trace(profile_dir: str, *, steps: int, top: int = 25) -> str:
             if "stream" not in line.name.lower():
                 continue
             for event in line.events:
-                totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns / 1e6
+                ms, count = totals.get(event.name, (0.0, 0))
+                totals[event.name] = (ms + event.duration_ns / 1e6, count + 1)
+    return totals
+
+
+def summarize_trace(profile_dir: str, *, steps: int, top: int = 25) -> str:
+    """GPU kernel time per step by kernel name, from the trace under `profile_dir`."""
+    totals = {name: ms for name, (ms, _) in gpu_kernel_times(profile_dir).items()}
+    if not totals:
+        return f"No GPU kernels in a trace under {profile_dir}"
     total = sum(totals.values())
     rows = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
     lines = [f"GPU kernel time: {total / steps:.2f} ms/step over {steps} steps"]

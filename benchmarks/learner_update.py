@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from axlearn.bench import build_benchmark_config
 from axlearn.common import launch, learner as learner_lib
-from axlearn.common.launch_trainer import build_trainer_config
 
 
 def _without_norms(update):
@@ -45,11 +45,9 @@ def main():
     parser.add_argument("--config_override", action="append", default=[])
     args = parser.parse_args()
     launch.setup()
-    cfg = build_trainer_config(
-        config_name=args.config, mesh_selector=args.mesh_selector, data_dir="FAKE",
-        config_overrides=args.config_override,
+    cfg = build_benchmark_config(
+        args.config, mesh_selector=args.mesh_selector, overrides=args.config_override
     )
-    cfg.dir, cfg.evalers = None, {}
     original = learner_lib.Learner.update
     for mode in args.modes.split(","):
         cfg.learner.enable_per_variable_summaries = mode == "per_variable"

@@ -19,6 +19,8 @@ import json
 import os
 import re
 
+from axlearn.bench import gpu_kernel_times
+
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
@@ -68,26 +70,17 @@ def classify(op_name: str) -> tuple[str, str]:
     return phase, re.sub(r"layer\d+", "layerN", path) or "-"
 
 
-def gpu_op_times(profile_dir: str) -> dict[str, tuple[float, int]]:
-    """HLO op -> (total ms, kernel count) over the GPU stream lines of the trace.
-
-    XLA names a fusion's kernel after the fusion ('_' for '.'); library kernels (cuBLAS,
-    cuDNN) keep their own names."""
-    import jax  # pylint: disable=import-outside-toplevel
-
-    files = sorted(glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True))
-    totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
-    for plane in jax.profiler.ProfileData.from_file(files[-1]).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "stream" not in line.name.lower():
-                continue
-            for event in line.events:
-                op = event.name  # The 'hlo_op' stat names the command buffer, not the kernel.
-                totals[op][0] += event.duration_ns / 1e6
-                totals[op][1] += 1
-    return {k: (v[0], v[1]) for k, v in totals.items()}
+def library_kind(kernel: str) -> str:
+    """gemm / attention / copy / other for a kernel that is no HLO fusion (its library's
+    name; the command buffer hides which HLO op launched it)."""
+    name = kernel.lower()
+    if name.startswith(("nvjet", "cutlass", "sm90_xmma", "ampere_", "gemm")):
+        return "gemm"
+    if "cudnn" in name or "fmha" in name or "flash" in name:
+        return "attention"
+    if name.startswith("memcpy") or name.startswith("memset"):
+        return "copy"
+    return "other"
 
 
 def main():
@@ -98,12 +91,14 @@ def main():
     parser.add_argument("--json_out", default=None)
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
-    times = gpu_op_times(args.profile_dir)
+    # XLA names a fusion's kernel after the fusion ('_' for '.'); library kernels (cuBLAS,
+    # cuDNN) keep their own names.
+    times = gpu_kernel_times(args.profile_dir)
     names = hlo_op_names(args.xla_dump_dir)
     names.update({k.replace(".", "_"): v for k, v in list(names.items())})
     rows = []
     for op, (ms, count) in times.items():
-        op_name, kind = names.get(op, ("", "?"))
+        op_name, kind = names.get(op, ("", library_kind(op)))
         phase, part = classify(op_name)
         rows.append(dict(op=op, ms_per_step=ms / args.steps, count=count, kind=kind or "other",
                          phase=phase, part=part, op_name=op_name))

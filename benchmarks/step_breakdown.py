@@ -13,8 +13,8 @@ import time
 import jax
 import numpy as np
 
+from axlearn.bench import build_benchmark_config
 from axlearn.common import launch
-from axlearn.common.launch_trainer import build_trainer_config
 
 
 def timeit(fn, *args, iters: int = 10) -> float:
@@ -34,11 +34,9 @@ def main():
     parser.add_argument("--config_override", action="append", default=[])
     args = parser.parse_args()
     launch.setup()
-    cfg = build_trainer_config(
-        config_name=args.config, mesh_selector=args.mesh_selector, data_dir="FAKE",
-        config_overrides=args.config_override,
+    cfg = build_benchmark_config(
+        args.config, mesh_selector=args.mesh_selector, overrides=args.config_override
     )
-    cfg.dir, cfg.evalers = None, {}
     trainer = cfg.instantiate(parent=None)
     state = trainer.init_state(jax.random.PRNGKey(0))
     batch = next(trainer._batches())[1]  # pylint: disable=protected-access

@@ -20,8 +20,8 @@ Point elsewhere with `--config_override=input.paths="['/data/fw/train-*.tok']"` 
 
 Measured on one H100 80GB (docs/benchmarks.md): with layers unrolled, no remat and
 unmasked cuDNN attention (attend_across_documents), a step of 524,288 tokens peaks at
-~54 GiB and runs at ~1.93M tokens/s; saving only the attention projections and context
-(`build_remat_spec()`, prevent_cse) lowers the peak to ~28 GiB at 1.81M tokens/s.
+~54 GiB and runs at ~2.06M tokens/s; saving only the attention projections and context
+(`build_remat_spec()`, prevent_cse) lowered the peak to ~28 GiB at 6% less speed.
 Parameters and optimizer state are negligible (17M parameters, ~0.3 GiB).
 """
 

@@ -1,0 +1,69 @@
+"""The benchmark tool: its table, its Diff column, and a two-tree comparison on the CPU."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from axlearn import bench
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _result(tokens_per_s: float, step_s: float, loss: float) -> dict:
+    return dict(
+        num_params=1000,
+        final_loss=loss,
+        tflops_per_device=1.0,
+        tokens_per_s_per_device=tokens_per_s,
+        avg_step_time_s=step_s,
+        memory_percent=50.0,
+        mfu_percent=float("nan"),
+        jax_version="x",
+        device="1x cpu",
+        losses=[3.0, loss],
+        step_times=[step_s, step_s],
+    )
+
+
+def test_table_has_a_diff_column_that_marks_direction():
+    table = bench.format_table(
+        {"main": _result(1000.0, 0.2, 2.0), "branch": _result(1200.0, 0.25, 2.0)}
+    )
+    lines = {line.split("|")[0].strip(): line for line in table.splitlines()}
+    assert "Diff (branch - main)" in lines["Metric"]
+    assert "+200 (+20.0%) improved" in lines["Tokens/s/device"]
+    assert "(+25.0%) REGRESSED" in lines["Avg s/step"]  # Slower steps are worse.
+    assert "~" in lines["Final loss"]  # Under 1%: no mark either way.
+    assert lines["MFU"].count("nan") == 2  # Unknown peak: shown, never compared.
+
+
+def test_summarize_trace_without_a_trace(tmp_path):
+    assert "No GPU kernels" in bench.summarize_trace(str(tmp_path), steps=1)
+
+
+def test_compare_dirs_runs_both_trees_and_writes_the_page(tmp_path):
+    trees = []
+    for name in ("base", "head"):
+        tree = tmp_path / name
+        tree.mkdir()
+        for package in ("axlearn", "experiments"):
+            (tree / package).symlink_to(REPO / package)
+        trees.append(str(tree))
+    page, out = tmp_path / "cmp.html", tmp_path / "cmp.json"
+    cmd = [
+        sys.executable, "-m", "axlearn.bench", "--config=gpt_test", "--steps=2",
+        "--warmup_steps=1", f"--compare_dirs={','.join(trees)}", f"--html={page}",
+        f"--json_out={out}",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Diff (head - base)" in proc.stdout
+    results = json.loads(out.read_text())
+    assert set(results) == {"base", "head"}
+    for result in results.values():
+        assert result["tokens_per_s_per_device"] > 0 and len(result["losses"]) == 3
+    text = page.read_text()
+    assert "<svg" in text and "Loss per step" in text and "Diff (head - base)" in text
