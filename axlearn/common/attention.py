@@ -372,8 +372,8 @@ def _rotate_halves_fwd(x, sin, cos):
 def _rotate_halves_bwd(residuals, dy):
     # The rotation is orthogonal, so its transpose rotates by the opposite angle: the
     # backward pass is one fusion shaped like the forward one. Autodiff of the halves'
-    # slices and concatenation instead builds pads that XLA fuses into one slow kernel
-    # (measured: 2.9 ms a layer of golf_baseline on an H100, docs/benchmarks.md).
+    # slices and concatenation instead builds pads, which XLA fuses with the rest of the
+    # QKV backward into one slow kernel (docs/benchmarks.md).
     x, sin, cos = residuals
     half = x.shape[-1] // 2
     dx = _rotate(dy, -sin, cos)
