@@ -30,13 +30,7 @@ from axlearn.common.config import (
 )
 from axlearn.common.embedding import TransformerTextEmbeddings
 from axlearn.common.layers import Dropout, RMSNorm
-from axlearn.common.module import (
-    InvocationContext,
-    Module,
-    Tensor,
-    new_output_collection,
-    set_current_context,
-)
+from axlearn.common.module import Module, Tensor
 from axlearn.common.sharding import MeshAxes, maybe_shard
 
 # step(cache, token_ids [B, S], time_step [B]) -> (new_cache, logits [B, S, vocab]).
@@ -351,15 +345,10 @@ class Decoder(BaseLayer):
         state = self.get_invocation_context().state
 
         def step(cache, input_ids, time_step):
-            context = InvocationContext(
-                module=self,
-                state=state,
-                prng_key=None,
-                is_training=False,
-                output_collection=new_output_collection(),
+            (cache, outputs), _ = self._functional_call(
+                type(self).extend_step, state, None, False, (cache, input_ids),
+                dict(time_step=time_step),
             )
-            with set_current_context(context):
-                cache, outputs = self.extend_step(cache, input_ids, time_step=time_step)
             return cache, outputs["logits"]
 
         return step
