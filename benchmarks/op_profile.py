@@ -5,11 +5,12 @@
     PYTHONPATH=. python benchmarks/op_profile.py --profile_dir=/tmp/prof --xla_dump_dir=/tmp/dump \
         --steps=5 --json_out=ops.json
 
-The trace names each op by its HLO instruction; the optimized HLO of the dump gives each
-instruction its JAX name stack (`metadata={op_name=...}`), which says forward, backward
-(`transpose(jvp(...))`) or optimizer, and which layer part. Ops are grouped by
-(pass, kind, part): kind is gemm / attention / fusion / other, part the last
-module-path component that is not a primitive (e.g. `feed_forward`, `norm`).
+The trace names each kernel; a fusion's kernel is named after its HLO instruction, whose
+JAX name stack in the dump's optimized HLO (`metadata={op_name=...}`) says forward,
+backward (`transpose(jvp(...))`) or learner, and which module. Library kernels (cuBLAS,
+cuDNN, copies) run inside the step's CUDA graph, which hides their HLO op, so they are
+grouped by library only. Time is summed by (pass, kind, module path with layer numbers
+folded into 'layerN'); kind is gemm / attention / fusion / copy / custom-call / other.
 """
 
 import argparse
@@ -25,31 +26,39 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
-def hlo_op_names(dump_dir: str) -> dict[str, str]:
-    """instruction name -> op_name metadata, from the largest optimized module in the dump."""
+def _kind(instruction: str) -> str:
+    """gemm / attention / fusion / custom-call / '' for the text right of an HLO '='."""
+    if "cudnn" in instruction and "fmha" in instruction:
+        return "attention"
+    if "__cublas$gemm" in instruction or "__cublas$lt" in instruction:
+        return "gemm"
+    if " fusion(" in instruction:
+        is_gemm = "gemm" in instruction or "triton" in instruction
+        return "gemm" if "kind=kCustom" in instruction and is_gemm else "fusion"
+    return "custom-call" if "custom-call(" in instruction else ""
+
+
+def hlo_op_names(dump_dir: str) -> dict[str, tuple[str, str]]:
+    """Kernel or instruction name -> (op_name metadata, kind), from the dump's optimized
+    train step (else its largest optimized module).
+
+    XLA names a fusion's kernel after the fusion with '_' for '.', so both spellings are
+    keys; library kernels (cuBLAS, cuDNN) keep their own names and are not here.
+    """
     files = glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))
     steps = [f for f in files if "train_step" in os.path.basename(f)]
     if not files:
         return {}
-    path = max(steps or files, key=os.path.getsize)
     names = {}
-    with open(path, encoding="utf-8") as f:
+    with open(max(steps or files, key=os.path.getsize), encoding="utf-8") as f:
         for line in f:
             match = _INSTRUCTION.match(line)
             if not match:
                 continue
-            op_name = _OP_NAME.search(match.group(2))
-            kind = "custom-call" if "custom-call(" in match.group(2) else ""
-            if "__cudnn$fmha" in match.group(2) or "cudnn" in match.group(2) and "fmha" in match.group(2):
-                kind = "attention"
-            elif "__cublas$gemm" in match.group(2) or "__cublas$lt" in match.group(2):
-                kind = "gemm"
-            elif " fusion(" in match.group(2):
-                if "kind=kCustom" in match.group(2) and ("gemm" in match.group(2) or "triton" in match.group(2)):
-                    kind = "gemm"
-                else:
-                    kind = "fusion"
-            names[match.group(1)] = (op_name.group(1) if op_name else "", kind)
+            name, instruction = match.groups()
+            op_name = _OP_NAME.search(instruction)
+            value = (op_name.group(1) if op_name else "", _kind(instruction))
+            names[name] = names[name.replace(".", "_")] = value
     return names
 
 
@@ -91,11 +100,8 @@ def main():
     parser.add_argument("--json_out", default=None)
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
-    # XLA names a fusion's kernel after the fusion ('_' for '.'); library kernels (cuBLAS,
-    # cuDNN) keep their own names.
     times = gpu_kernel_times(args.profile_dir)
     names = hlo_op_names(args.xla_dump_dir)
-    names.update({k.replace(".", "_"): v for k, v in list(names.items())})
     rows = []
     for op, (ms, count) in times.items():
         op_name, kind = names.get(op, ("", library_kind(op)))
