@@ -995,7 +995,8 @@ class TransformerFeedForwardLayer(BaseLayer):
             self.add_summary(f"dead_neurons/{name}", jnp.sum(never_positive).astype(jnp.float32))
         if len(pre) == 1:
             return activation(a)
-        return gated_product(activation, self._activations[1][1], a, pre[1])
+        partition_spec = self._config.linear1.output_partition_spec
+        return gated_product(activation, self._activations[1][1], a, pre[1], partition_spec)
 
     def forward(self, inputs: Tensor) -> Tensor:
         """[B,T,input_dim] -> [B,T,input_dim]."""

@@ -14,6 +14,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from axlearn.common import gpu_kernels
 from axlearn.common.base_layer import BaseLayer, MeshAxes, ParameterSpec
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.module import Tensor
@@ -45,6 +46,13 @@ _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
+# The activations whose derivatives the Triton kernel computes (erf does not lower).
+_KERNEL_ACTIVATIONS = frozenset(
+    _ACTIVATIONS[name]
+    for name in ("linear", "nn.relu", "nn.silu", "nn.gelu", "quick_gelu", "squared_relu", "nn.sigmoid")
+)
+
+
 def get_activation_fn(name: str) -> Callable[[Tensor], Tensor]:
     """The elementwise activation called `name` (e.g. 'nn.silu', 'linear')."""
     if name not in _ACTIVATIONS:
@@ -52,23 +60,43 @@ def get_activation_fn(name: str) -> Callable[[Tensor], Tensor]:
     return _ACTIVATIONS[name]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def gated_product(act0: Callable, act1: Callable, a: Tensor, b: Tensor) -> Tensor:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 4))
+def gated_product(
+    act0: Callable, act1: Callable, a: Tensor, b: Tensor, partition_spec: Optional[MeshAxes] = None
+) -> Tensor:
     """act0(a) * act1(b) for elementwise activations (a gated MLP's hidden units).
 
-    Its backward pass is one expression for both cotangents, which XLA emits as a single
-    kernel; autodiff leaves two that each re-read the [tokens, hidden] inputs (measured
-    on an H100 in docs/benchmarks.md).
+    Its backward pass is one expression for both cotangents; autodiff leaves two that
+    each re-read the [tokens, hidden] inputs. On GPU, with activations the Triton kernel
+    can differentiate, it is `gpu_kernels.gated_product_backward`, one pass over a, b and
+    the cotangent (inside a train step XLA splits the expression into two kernels; both
+    measured on an H100 in docs/benchmarks.md). `partition_spec`, how a and b are split
+    over the mesh, lets the kernel run per device on a mesh of several.
     """
     return act0(a) * act1(b)
 
 
-def _gated_product_fwd(act0, act1, a, b):
+def _gated_product_fwd(act0, act1, a, b, partition_spec):
+    del partition_spec
     return act0(a) * act1(b), (a, b)
 
 
-def _gated_product_bwd(act0, act1, residuals, dh):
+def _gated_product_bwd(act0, act1, partition_spec, residuals, dh):
     a, b = residuals
+    interpret = None
+    if {act0, act1} <= _KERNEL_ACTIVATIONS and a.shape == b.shape == dh.shape:
+        interpret = gpu_kernels.kernel_mode(a, partition_spec)
+    if interpret is not None:
+        return gpu_kernels.sharded_gated_product_backward(
+            act0, act1, a, b, dh, partition_spec=partition_spec, interpret=interpret
+        )
+    return gated_product_xla_backward(act0, act1, a, b, dh)
+
+
+def gated_product_xla_backward(
+    act0: Callable, act1: Callable, a: Tensor, b: Tensor, dh: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(da, db) of act0(a) * act1(b) for the cotangent dh, as one XLA expression."""
     # Elementwise activations: the JVP with a tangent of ones is the derivative.
     h0, d0 = jax.jvp(act0, (a,), (jnp.ones_like(a),))
     h1, d1 = jax.jvp(act1, (b,), (jnp.ones_like(b),))

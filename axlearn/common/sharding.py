@@ -57,6 +57,25 @@ def _filter_axes(spec: MeshAxes, known: dict[str, int]) -> PartitionSpec:
     return PartitionSpec(*[keep(e) for e in spec])
 
 
+def mesh_partition_spec(spec: MeshAxes) -> PartitionSpec:
+    """`spec` for the mesh set with `jax.set_mesh`: axis names it lacks are dropped."""
+    return _filter_axes(spec, current_mesh_axes())
+
+
+def local_shape(shape: Sequence[int], spec: PartitionSpec) -> Optional[tuple[int, ...]]:
+    """Each device's block of an array of `shape` split by `spec` over the current mesh, or
+    None where an axis does not divide evenly."""
+    sizes = current_mesh_axes()
+    local = []
+    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        parts = int(np.prod([sizes[n] for n in names])) if names else 1
+        if dim % parts:
+            return None
+        local.append(dim // parts)
+    return tuple(local)
+
+
 def maybe_shard(x: jax.Array, spec: Optional[MeshAxes]) -> jax.Array:
     """`with_sharding_constraint(x, spec)` when a mesh is set and `spec` is given."""
     if spec is None:

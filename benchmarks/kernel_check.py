@@ -1,0 +1,73 @@
+"""Times `gpu_kernels.gated_product_backward` against XLA at gpt_1b's MLP shape.
+
+    PYTHONPATH=. python benchmarks/kernel_check.py [--json_out=kernels.json]
+
+GPU milliseconds per call (kernel time in a profiler trace of 20 calls, so no dispatch
+overhead), the bandwidth the op's minimal traffic implies (read a, b, dh; write da, db),
+and the kernel's largest difference from XLA. Then a sweep of the kernel's block shape
+and warp count.
+
+Alone, XLA emits the expression as one kernel too; inside a train step it splits it in
+two (benchmarks/op_profile.py shows it), which is why the kernel pays off there.
+"""
+
+import argparse
+import json
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from axlearn.bench import gpu_kernel_times
+from axlearn.common import gpu_kernels, layers
+
+_TOKENS, _HIDDEN = 16384, 8192
+
+
+def _gpu_ms(fn, *args, calls: int = 20) -> float:
+    """GPU kernel time of one call of `fn`, from a profiler trace."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+        return sum(ms for ms, _ in gpu_kernel_times(trace_dir).values()) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json_out", default=None)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    a, b, dh = (jnp.asarray(rng.normal(size=(_TOKENS, _HIDDEN)), jnp.bfloat16) for _ in range(3))
+    min_bytes = 5 * a.nbytes
+    silu, linear = layers.get_activation_fn("nn.silu"), layers.get_activation_fn("linear")
+
+    xla = jax.jit(lambda *t: layers.gated_product_xla_backward(silu, linear, *t))
+    variants = {"xla": xla}
+    for block in ((8, 1024), (2, 4096), (32, 256)):
+        for warps in (4, 8):
+            variants[f"kernel block={block} warps={warps}"] = jax.jit(
+                lambda *t, bl=block, w=warps: gpu_kernels.gated_product_backward(
+                    silu, linear, *t, block=bl, num_warps=w
+                )
+            )
+    want = xla(a, b, dh)
+    results = {}
+    for name, fn in variants.items():
+        got = fn(a, b, dh)
+        err = max(
+            float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))))
+            for g, w in zip(got, want)
+        )
+        ms = _gpu_ms(fn, a, b, dh)
+        results[name] = dict(ms=ms, tb_per_s=min_bytes / ms / 1e9, max_abs_diff_from_xla=err)
+        print(f"{name:36s} {ms:7.3f} ms ({min_bytes / ms / 1e9:5.2f} TB/s)  max |diff| {err:.3g}")
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
