@@ -1,4 +1,4 @@
-"""A Pallas (Triton) kernel for the gated MLP's backward pass on one GPU.
+"""A Pallas (Triton) kernel for the gated MLP's backward pass on GPU.
 
 The elementwise work of a transformer step is limited by memory bandwidth, so its cost
 is the number of times each [tokens, hidden] tensor crosses HBM. Inside a whole train
@@ -54,7 +54,7 @@ def kernel_mode(a: Tensor, partition_spec: Optional[MeshAxes] = None) -> Optiona
     device under `shard_map`, and only where `partition_spec` says how `a` is split.
     """
     mesh_devices = math.prod(current_mesh_axes().values())
-    if mesh_devices > 1 and partition_spec is None:
+    if mesh_devices > 1 and (partition_spec is None or len(partition_spec) != a.ndim):
         return None
     spec = mesh_partition_spec(partition_spec or (None,) * a.ndim)
     block = local_shape(a.shape, spec)
