@@ -12,6 +12,7 @@ two (benchmarks/op_profile.py shows it), which is why the kernel pays off there.
 """
 
 import argparse
+import functools
 import json
 import tempfile
 
@@ -42,15 +43,19 @@ def main() -> None:
     rng = np.random.default_rng(0)
     a, b, dh = (jnp.asarray(rng.normal(size=(_TOKENS, _HIDDEN)), jnp.bfloat16) for _ in range(3))
     min_bytes = 5 * a.nbytes
-    silu, linear = layers.get_activation_fn("nn.silu"), layers.get_activation_fn("linear")
+    swiglu = functools.partial(
+        layers.gated_product_cotangents,
+        layers.get_activation_fn("nn.silu"),
+        layers.get_activation_fn("linear"),
+    )
 
-    xla = jax.jit(lambda *t: layers.gated_product_xla_backward(silu, linear, *t))
+    xla = jax.jit(swiglu)
     variants = {"xla": xla}
     for block in ((8, 1024), (2, 4096), (32, 256)):
         for warps in (4, 8):
             variants[f"kernel block={block} warps={warps}"] = jax.jit(
                 lambda *t, bl=block, w=warps: gpu_kernels.gated_product_backward(
-                    silu, linear, *t, block=bl, num_warps=w
+                    swiglu, *t, block=bl, num_warps=w
                 )
             )
     want = xla(a, b, dh)

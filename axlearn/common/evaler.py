@@ -32,7 +32,7 @@ from axlearn.common.config import (
 )
 from axlearn.common.metrics import MetricAccumulator
 from axlearn.common.module import Module, Tensor, functional
-from axlearn.common.sharding import named_sharding
+from axlearn.common.sharding import axis_names, named_sharding
 from axlearn.common.summary import WeightedScalar
 from axlearn.common.summary_writer import SummaryWriter, flatten_summaries, host_value
 
@@ -234,8 +234,7 @@ class SpmdEvaler(Module):
         mesh = _current_mesh()
         if mesh is None:
             return jax.tree_util.tree_map(jnp.asarray, batch)
-        names = self._config.batch_axis_names or _DEFAULT_BATCH_AXIS_NAMES
-        names = (names,) if isinstance(names, str) else names
+        names = axis_names(self._config.batch_axis_names or _DEFAULT_BATCH_AXIS_NAMES)
         axes = tuple(name for name in names if name in mesh.axis_names)
 
         num_shards = int(np.prod([mesh.shape[name] for name in axes]))

@@ -88,19 +88,21 @@ def _gated_product_bwd(act0, act1, partition_spec, residuals, dh):
         interpret = gpu_kernels.kernel_mode(a, partition_spec)
     if interpret is not None:
         return gpu_kernels.sharded_gated_product_backward(
-            act0, act1, a, b, dh, partition_spec=partition_spec, interpret=interpret
+            functools.partial(gated_product_cotangents, act0, act1), a, b, dh,
+            partition_spec=partition_spec, interpret=interpret,
         )
-    return gated_product_xla_backward(act0, act1, a, b, dh)
+    da, db = gated_product_cotangents(act0, act1, a, b, dh)
+    return da.astype(a.dtype), db.astype(b.dtype)
 
 
-def gated_product_xla_backward(
+def gated_product_cotangents(
     act0: Callable, act1: Callable, a: Tensor, b: Tensor, dh: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """(da, db) of act0(a) * act1(b) for the cotangent dh, as one XLA expression."""
+    """(da, db) of act0(a) * act1(b) for the cotangent dh, as one elementwise expression."""
     # Elementwise activations: the JVP with a tangent of ones is the derivative.
     h0, d0 = jax.jvp(act0, (a,), (jnp.ones_like(a),))
     h1, d1 = jax.jvp(act1, (b,), (jnp.ones_like(b),))
-    return (dh * h1 * d0).astype(a.dtype), (dh * h0 * d1).astype(b.dtype)
+    return dh * h1 * d0, dh * h0 * d1
 
 
 gated_product.defvjp(_gated_product_fwd, _gated_product_bwd)

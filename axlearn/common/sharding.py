@@ -42,14 +42,18 @@ def current_mesh_axes() -> dict[str, int]:
     return dict(mesh.shape)
 
 
+def axis_names(entry: Optional[Union[str, Sequence[str]]]) -> tuple[str, ...]:
+    """The mesh axes one partition-spec entry names: None -> (), 'a' -> ('a',)."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _filter_axes(spec: MeshAxes, known: dict[str, int]) -> PartitionSpec:
     """Drops axis names the current mesh lacks, so one config serves every mesh."""
 
     def keep(entry):
-        if entry is None:
-            return None
-        names = (entry,) if isinstance(entry, str) else tuple(entry)
-        names = tuple(n for n in names if n in known)
+        names = tuple(n for n in axis_names(entry) if n in known)
         if not names:
             return None
         return names[0] if len(names) == 1 else names
@@ -68,8 +72,7 @@ def local_shape(shape: Sequence[int], spec: PartitionSpec) -> Optional[tuple[int
     sizes = current_mesh_axes()
     local = []
     for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        parts = int(np.prod([sizes[n] for n in names])) if names else 1
+        parts = int(np.prod([sizes[n] for n in axis_names(entry)]))
         if dim % parts:
             return None
         local.append(dim // parts)
