@@ -8,7 +8,8 @@
         --compare=main,HEAD --html=/tmp/bench.html
 
 Every run prints the standard columns: Parameters, Final loss, TFLOP/s/device,
-Tokens/s/device, Avg s/step, Memory %, MFU, JAX version, device.
+Tokens/s/device, Avg s/step, Memory %, MFU, JAX version, device; on NVIDIA GPUs also the
+mean SM clock and board power over the timed steps (see GpuSampler).
 """
 
 import argparse
@@ -31,6 +32,8 @@ COLUMNS = (
     ("Avg s/step", "avg_step_time_s", "{:.4f}", -1),
     ("Memory %", "memory_percent", "{:.1f}", -1),
     ("MFU", "mfu_percent", "{:.1f}%", +1),
+    ("SM clock (MHz)", "sm_clock_mhz", "{:,.0f}", 0),
+    ("GPU power (W)", "gpu_power_w", "{:.0f}", 0),
     ("JAX version", "jax_version", "{}", 0),
     ("Device", "device", "{}", 0),
 )
@@ -101,6 +104,7 @@ def run_benchmark(
     batches = prefetch_in_thread(  # pylint: disable=protected-access
         (batch for _, batch in trainer._batches()), size=2
     )
+    sampler = GpuSampler() if jax.default_backend() == "gpu" else None
     losses = []
     for _ in range(warmup_steps):
         losses.append(float(trainer.train_step(next(batches))["loss"]))
@@ -108,12 +112,17 @@ def run_benchmark(
         jax.profiler.start_trace(profile_dir)
     # Dispatch every timed step without waiting; then read each step's completion time in
     # order (steps run one after another on the device), so no host sync sits between steps.
-    start = time.perf_counter()
-    pending = [trainer.train_step(next(batches))["loss"] for _ in range(steps)]
-    done = []
-    for loss in pending:
-        jax.block_until_ready(loss)
-        done.append(time.perf_counter())
+    if sampler is not None:
+        sampler.start()
+    try:
+        start = time.perf_counter()
+        pending = [trainer.train_step(next(batches))["loss"] for _ in range(steps)]
+        done = []
+        for loss in pending:
+            jax.block_until_ready(loss)
+            done.append(time.perf_counter())
+    finally:
+        gpu_samples = sampler.stop() if sampler is not None else {}
     batches.close()
     step_times = [b - a for a, b in zip([start] + done[:-1], done)]
     losses += [float(loss) for loss in pending]
@@ -137,9 +146,72 @@ def run_benchmark(
         "mfu_percent": 100 * metrics["perf/mfu"] if "perf/mfu" in metrics else float("nan"),
         "memory_percent": 100 * memory[0] / memory[1] if memory and memory[1] else float("nan"),
         "peak_memory_gib": memory[0] / 2**30 if memory else float("nan"),
+        "sm_clock_mhz": gpu_samples.get("sm_clock_mhz"),
+        "gpu_power_w": gpu_samples.get("gpu_power_w"),
         "jax_version": jax.__version__,
         "device": f"{jax.device_count()}x {device.device_kind}",
     }
+
+
+def parse_gpu_samples(text: str) -> list[tuple[float, float]]:
+    """(SM clock in MHz, board power in W) for each line of `nvidia-smi
+    --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits`; lines it cannot read
+    (a '[N/A]' reading, a line cut off when the sampler stopped) are skipped."""
+    samples = []
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            clock, power = float(fields[0]), float(fields[1])
+        except (ValueError, IndexError):
+            continue
+        samples.append((clock, power))
+    return samples
+
+
+class GpuSampler:
+    """Samples the SM clock and board power of the visible NVIDIA GPUs with nvidia-smi
+    between `start()` and `stop()`.
+
+    A Hopper card at its power limit (700 W) lowers its clock under a long run of matrix
+    multiplies, and how far differs from card to card: the same code ran 69,766-72,731
+    tokens/s on three H100s (docs/benchmarks.md). The mean clock tells such a difference
+    from one made by the code. Without nvidia-smi nothing is sampled.
+    """
+
+    def __init__(self, interval_ms: int = 200):
+        self._interval_ms = interval_ms
+        self._process: Optional[subprocess.Popen] = None
+        self._output = None
+
+    def start(self) -> None:
+        command = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                   "--format=csv,noheader,nounits", f"--loop-ms={self._interval_ms}"]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        if visible:
+            command.append(f"--id={visible}")
+        self._output = tempfile.TemporaryFile(mode="w+")
+        try:
+            self._process = subprocess.Popen(command, stdout=self._output, stderr=subprocess.DEVNULL)
+        except OSError:  # No nvidia-smi on this machine.
+            self._process = None
+
+    def stop(self) -> dict[str, float]:
+        """{'sm_clock_mhz', 'gpu_power_w'}: means over all samples of all visible GPUs;
+        empty if nothing was sampled."""
+        if self._process is None or self._output is None:
+            return {}
+        self._process.terminate()
+        self._process.wait()
+        self._output.seek(0)
+        samples = parse_gpu_samples(self._output.read())
+        self._output.close()
+        self._process = self._output = None
+        if not samples:
+            return {}
+        return {
+            "sm_clock_mhz": sum(c for c, _ in samples) / len(samples),
+            "gpu_power_w": sum(p for _, p in samples) / len(samples),
+        }
 
 
 def gpu_kernel_times(profile_dir: str) -> dict[str, tuple[float, int]]:
@@ -162,6 +234,20 @@ def gpu_kernel_times(profile_dir: str) -> dict[str, tuple[float, int]]:
                 ms, count = totals.get(event.name, (0.0, 0))
                 totals[event.name] = (ms + event.duration_ns / 1e6, count + 1)
     return totals
+
+
+def gpu_time_ms(fn: Callable, *args, calls: int = 10) -> tuple[float, dict[str, float]]:
+    """GPU kernel time of one call of `fn(*args)` from a profiler trace of `calls` calls
+    (so no dispatch overhead), and that time by kernel name. Calls once first to compile."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+        per_kernel = {name: ms / calls for name, (ms, _) in gpu_kernel_times(trace_dir).items()}
+    return sum(per_kernel.values()), per_kernel
 
 
 def summarize_trace(profile_dir: str, *, steps: int, top: int = 25) -> str:

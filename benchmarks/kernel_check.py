@@ -14,26 +14,15 @@ two (benchmarks/op_profile.py shows it), which is why the kernel pays off there.
 import argparse
 import functools
 import json
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axlearn.bench import gpu_kernel_times
+from axlearn.bench import gpu_time_ms
 from axlearn.common import gpu_kernels, layers
 
 _TOKENS, _HIDDEN = 16384, 8192
-
-
-def _gpu_ms(fn, *args, calls: int = 20) -> float:
-    """GPU kernel time of one call of `fn`, from a profiler trace."""
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(calls):
-                jax.block_until_ready(fn(*args))
-        return sum(ms for ms, _ in gpu_kernel_times(trace_dir).values()) / calls
 
 
 def main() -> None:
@@ -66,7 +55,7 @@ def main() -> None:
             float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))))
             for g, w in zip(got, want)
         )
-        ms = _gpu_ms(fn, a, b, dh)
+        ms, _ = gpu_time_ms(fn, a, b, dh, calls=20)
         results[name] = dict(ms=ms, tb_per_s=min_bytes / ms / 1e9, max_abs_diff_from_xla=err)
         print(f"{name:36s} {ms:7.3f} ms ({min_bytes / ms / 1e9:5.2f} TB/s)  max |diff| {err:.3g}")
     if args.json_out:

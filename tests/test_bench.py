@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,6 +41,67 @@ def test_table_has_a_diff_column_that_marks_direction():
     assert "(+25.0%) REGRESSED" in lines["Avg s/step"]  # Slower steps are worse.
     assert "~" in lines["Final loss"]  # Under 1%: no mark either way.
     assert lines["MFU"].count("nan") == 2  # Unknown peak: shown, never compared.
+
+
+def test_gpu_rows_show_a_dash_where_nothing_was_sampled():
+    with_gpu = dict(_result(1000.0, 0.2, 2.0), sm_clock_mhz=1512.4, gpu_power_w=695.2)
+    table = bench.format_table({"h100": with_gpu, "cpu": _result(1000.0, 0.2, 2.0)})
+    lines = {line.split("|")[0].strip(): line for line in table.splitlines()}
+    assert [c.strip() for c in lines["SM clock (MHz)"].split("|")[1:3]] == ["1,512", "-"]
+    assert [c.strip() for c in lines["GPU power (W)"].split("|")[1:3]] == ["695", "-"]
+
+
+def test_parse_gpu_samples_skips_what_it_cannot_read():
+    text = "1980, 126.66\n1455, 693.00\n[N/A], [N/A]\n1500\n\n1470, 69"
+    assert bench.parse_gpu_samples(text) == [(1980.0, 126.66), (1455.0, 693.0), (1470.0, 69.0)]
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, body: str) -> pathlib.Path:
+    """An 'nvidia-smi' first on PATH that logs its arguments and runs `body`."""
+    script = tmp_path / "bin" / "nvidia-smi"
+    script.parent.mkdir()
+    script.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/args\n{body}\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path / "args"
+
+
+def test_gpu_sampler_averages_the_samples_of_the_visible_gpus(tmp_path, monkeypatch):
+    printed = tmp_path / "printed"
+    args = _fake_nvidia_smi(
+        tmp_path,
+        monkeypatch,
+        f"echo '1500, 700.0'; echo '1700, 500.0'; echo '[N/A], 1.0'; touch {printed}; exec sleep 30",
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    sampler = bench.GpuSampler(interval_ms=50)
+    sampler.start()
+    deadline = time.monotonic() + 10
+    while not printed.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sampler.stop() == {"sm_clock_mhz": 1600.0, "gpu_power_w": 600.0}
+    logged = args.read_text()
+    assert "--query-gpu=clocks.sm,power.draw" in logged
+    assert "--loop-ms=50" in logged and "--id=2,3" in logged
+
+
+def test_gpu_sampler_without_nvidia_smi_samples_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # No nvidia-smi anywhere on it.
+    sampler = bench.GpuSampler()
+    sampler.start()
+    assert sampler.stop() == {}
+
+
+def test_gpu_time_ms_calls_once_to_compile_then_traces_the_calls():
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        return x + 1
+
+    total, per_kernel = bench.gpu_time_ms(fn, 1.0, calls=3)
+    assert len(calls) == 4
+    assert (total, per_kernel) == (0.0, {})  # The CPU has no GPU stream in its trace.
 
 
 def test_summarize_trace_without_a_trace(tmp_path):
