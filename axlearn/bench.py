@@ -7,6 +7,9 @@
     python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 \
         --compare=main,HEAD --html=/tmp/bench.html
 
+    # ... each side twice, in the order main HEAD HEAD main, the table showing the means:
+    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 --compare=main,HEAD --rounds=2
+
 Every run prints the standard columns: Parameters, Final loss, TFLOP/s/device,
 Tokens/s/device, Avg s/step, Memory %, MFU, JAX version, device; on NVIDIA GPUs also the
 mean SM clock and board power over the timed steps (see GpuSampler).
@@ -346,6 +349,35 @@ def write_html(results: dict[str, dict[str, Any]], path: str, title: str) -> Non
         f.write(page)
 
 
+def run_in_rounds(
+    trees: dict[str, str], run: Callable[[str], dict[str, Any]], *, rounds: int = 1
+) -> dict[str, dict[str, Any]]:
+    """Runs `run(tree)` for every tree, `rounds` times, reversing the order every other
+    round (A B, B A, A B, ...): the run that goes second in a call tends to be slower (a
+    warmer card, docs/benchmarks.md), so alternating keeps that from favouring one side.
+
+    Returns per tree its first run's result with each numeric column of the table replaced
+    by the mean over its runs, and 'runs_tokens_per_s_per_device' listing every run's rate.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    names = list(trees)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names if i % 2 == 0 else reversed(names):
+            runs[name].append(run(trees[name]))
+    results = {}
+    for name in names:
+        result = dict(runs[name][0])
+        for _, key, _, _ in COLUMNS:
+            values = [r.get(key) for r in runs[name]]
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                result[key] = sum(values) / len(values)
+        result["runs_tokens_per_s_per_device"] = [r.get("tokens_per_s_per_device") for r in runs[name]]
+        results[name] = result
+    return results
+
+
 def _export_revision(rev: str, repo: str, dest: str) -> None:
     """Writes the tree of `rev` into `dest` (git archive: no checkout of ours is touched)."""
     os.makedirs(dest, exist_ok=True)
@@ -378,6 +410,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--compare", default=None, help="REV_A,REV_B: benchmark two git revisions.")
     parser.add_argument("--compare_dirs", default=None, help="DIR_A,DIR_B: benchmark two source trees.")
     parser.add_argument("--html", default=None, help="Write the comparison as an HTML page.")
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="With --compare/--compare_dirs: run each side this many times, in the order "
+        "A B, then B A, ...; the table shows the means.",
+    )
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args(argv)
 
@@ -389,7 +426,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run_args += [f"--xla_flags_preset={args.xla_flags_preset}"]
 
     if args.compare or args.compare_dirs:
-        results = {}
         tmp = tempfile.mkdtemp(prefix="axlearn-bench-")
         try:
             if args.compare:
@@ -400,8 +436,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     _export_revision(rev, repo, trees[rev])
             else:
                 trees = {os.path.basename(d.rstrip("/")) or d: d for d in args.compare_dirs.split(",")}
-            for name, tree in trees.items():
-                results[name] = _run_in_tree(tree, run_args)
+            results = run_in_rounds(
+                trees, lambda tree: _run_in_tree(tree, run_args), rounds=args.rounds
+            )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     else:

@@ -104,6 +104,26 @@ def test_gpu_time_ms_calls_once_to_compile_then_traces_the_calls():
     assert (total, per_kernel) == (0.0, {})  # The CPU has no GPU stream in its trace.
 
 
+def test_rounds_alternate_the_order_and_average_each_side():
+    order = []
+    rates = {"main": iter([100.0, 110.0, 120.0]), "branch": iter([200.0, 190.0, 180.0])}
+
+    def run(tree):
+        order.append(tree)
+        rate = next(rates[tree])
+        return dict(_result(rate, 1.0 / rate, 2.0), losses=[len(order)])
+
+    results = bench.run_in_rounds({"main": "main", "branch": "branch"}, run, rounds=3)
+    assert order == ["main", "branch", "branch", "main", "main", "branch"]
+    assert results["main"]["tokens_per_s_per_device"] == 110.0
+    assert results["branch"]["runs_tokens_per_s_per_device"] == [200.0, 190.0, 180.0]
+    assert results["branch"]["avg_step_time_s"] == sum(1 / r for r in (200, 190, 180)) / 3
+    assert results["main"]["losses"] == [1]  # Curves and text columns: the first run's.
+    assert results["main"]["device"] == "1x cpu"
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        bench.run_in_rounds({"main": "main"}, run, rounds=0)
+
+
 def test_summarize_trace_without_a_trace(tmp_path):
     assert "No GPU kernels" in bench.summarize_trace(str(tmp_path), steps=1)
 
