@@ -107,17 +107,18 @@ def run_benchmark(
     batches = prefetch_in_thread(  # pylint: disable=protected-access
         (batch for _, batch in trainer._batches()), size=2
     )
-    sampler = GpuSampler() if jax.default_backend() == "gpu" else None
     losses = []
     for _ in range(warmup_steps):
         losses.append(float(trainer.train_step(next(batches))["loss"]))
     if profile_dir:
         jax.profiler.start_trace(profile_dir)
-    # Dispatch every timed step without waiting; then read each step's completion time in
-    # order (steps run one after another on the device), so no host sync sits between steps.
+    sampler = GpuSampler() if jax.default_backend() == "gpu" else None
     if sampler is not None:
         sampler.start()
     try:
+        # Dispatch every timed step without waiting; then read each step's completion time
+        # in order (steps run one after another on the device), so no host sync sits
+        # between steps.
         start = time.perf_counter()
         pending = [trainer.train_step(next(batches))["loss"] for _ in range(steps)]
         done = []
@@ -217,15 +218,15 @@ class GpuSampler:
         }
 
 
-def gpu_kernel_times(profile_dir: str) -> dict[str, tuple[float, int]]:
-    """Kernel name -> (total ms, launches) on the GPU streams of the trace under
-    `profile_dir` (empty if there is none)."""
+def gpu_kernel_events(profile_dir: str) -> list[tuple[int, str, float]]:
+    """(start ns, kernel name, ms) of every kernel on the GPU streams of the trace under
+    `profile_dir`, in order of start (empty if there is none)."""
     import glob  # pylint: disable=import-outside-toplevel
 
     import jax  # pylint: disable=import-outside-toplevel
 
     files = sorted(glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True))
-    totals: dict[str, tuple[float, int]] = {}
+    events = []
     for plane in jax.profiler.ProfileData.from_file(files[-1]).planes if files else ():
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -233,9 +234,17 @@ def gpu_kernel_times(profile_dir: str) -> dict[str, tuple[float, int]]:
             # Kernels run on the stream lines; the 'XLA Ops'/'XLA Modules' lines repeat them.
             if "stream" not in line.name.lower():
                 continue
-            for event in line.events:
-                ms, count = totals.get(event.name, (0.0, 0))
-                totals[event.name] = (ms + event.duration_ns / 1e6, count + 1)
+            events += [(e.start_ns, e.name, e.duration_ns / 1e6) for e in line.events]
+    return sorted(events)
+
+
+def gpu_kernel_times(profile_dir: str) -> dict[str, tuple[float, int]]:
+    """Kernel name -> (total ms, launches) on the GPU streams of the trace under
+    `profile_dir` (empty if there is none)."""
+    totals: dict[str, tuple[float, int]] = {}
+    for _, name, ms in gpu_kernel_events(profile_dir):
+        total, count = totals.get(name, (0.0, 0))
+        totals[name] = (total + ms, count + 1)
     return totals
 
 

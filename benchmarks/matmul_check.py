@@ -13,16 +13,14 @@ calls run slower, which is what the step's profile sees (docs/benchmarks.md).
 """
 
 import argparse
-import glob
 import json
-import os
 import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axlearn.bench import gpu_time_ms
+from axlearn.bench import gpu_kernel_events, gpu_time_ms
 
 # gpt_1b: 16,384 tokens a step; weight name -> (input dim, output dim, uses a step).
 _TOKENS = 16384
@@ -48,17 +46,9 @@ def _back_to_back_ms(fn, args, calls: int) -> list[float]:
         with jax.profiler.trace(trace_dir):
             outs = [fn(*args) for _ in range(calls)]
             jax.block_until_ready(outs)
-        del outs
-        path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
-        events = []
-        for plane in jax.profiler.ProfileData.from_file(path).planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                if "stream" in line.name.lower():
-                    events += [(e.start_ns, e.duration_ns / 1e6) for e in line.events
-                               if not e.name.startswith("Memset")]
-    return [ms for _, ms in sorted(events)]
+        del outs  # Free the card before whatever runs next.
+        events = gpu_kernel_events(trace_dir)
+    return [ms for _, name, ms in events if not name.startswith("Memset")]
 
 
 def main() -> None:

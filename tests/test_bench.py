@@ -15,6 +15,16 @@ from axlearn import bench
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _run_bench_cli(tmp_path, *flags: str) -> str:
+    """Runs `python -m axlearn.bench --config=gpt_test --warmup_steps=1 FLAGS` on the CPU
+    in `tmp_path`; returns its stdout."""
+    cmd = [sys.executable, "-m", "axlearn.bench", "--config=gpt_test", "--warmup_steps=1", *flags]
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def _result(tokens_per_s: float, step_s: float, loss: float) -> dict:
     return dict(
         num_params=1000,
@@ -137,15 +147,11 @@ def test_compare_dirs_runs_both_trees_and_writes_the_page(tmp_path):
             (tree / package).symlink_to(REPO / package)
         trees.append(str(tree))
     page, out = tmp_path / "cmp.html", tmp_path / "cmp.json"
-    cmd = [
-        sys.executable, "-m", "axlearn.bench", "--config=gpt_test", "--steps=2",
-        "--warmup_steps=1", f"--compare_dirs={','.join(trees)}", f"--html={page}",
+    stdout = _run_bench_cli(
+        tmp_path, "--steps=2", f"--compare_dirs={','.join(trees)}", f"--html={page}",
         f"--json_out={out}",
-    ]
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Diff (head - base)" in proc.stdout
+    )
+    assert "Diff (head - base)" in stdout
     results = json.loads(out.read_text())
     assert set(results) == {"base", "head"}
     for result in results.values():
@@ -156,13 +162,7 @@ def test_compare_dirs_runs_both_trees_and_writes_the_page(tmp_path):
 
 def test_profile_and_xla_dump_switches_save_a_trace_and_the_hlo(tmp_path):
     profile, dump = tmp_path / "prof", tmp_path / "dump"
-    cmd = [
-        sys.executable, "-m", "axlearn.bench", "--config=gpt_test", "--steps=1",
-        "--warmup_steps=1", f"--profile_dir={profile}", f"--xla_dump_dir={dump}",
-    ]
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_bench_cli(tmp_path, "--steps=1", f"--profile_dir={profile}", f"--xla_dump_dir={dump}")
     assert list(profile.rglob("*.xplane.pb")), "no trace of the timed steps"
     assert [p for p in dump.glob("*train_step*after_optimizations.txt")], "no optimized HLO"
 
@@ -173,12 +173,6 @@ def test_compare_benchmarks_two_git_revisions(tmp_path):
     if subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
     revs = "HEAD,HEAD^{tree}"
-    cmd = [
-        sys.executable, "-m", "axlearn.bench", "--config=gpt_test", "--steps=1",
-        "--warmup_steps=1", f"--compare={revs}", f"--json_out={tmp_path / 'cmp.json'}",
-    ]
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Diff (HEAD^{tree} - HEAD)" in proc.stdout
+    stdout = _run_bench_cli(tmp_path, "--steps=1", f"--compare={revs}", f"--json_out={tmp_path / 'cmp.json'}")
+    assert "Diff (HEAD^{tree} - HEAD)" in stdout
     assert set(json.loads((tmp_path / "cmp.json").read_text())) == {"HEAD", "HEAD^{tree}"}
