@@ -103,13 +103,18 @@ def run_benchmark(
     trainer._state = trainer.init_state(jax.random.PRNGKey(0))  # pylint: disable=protected-access
     from axlearn.common.input_prefetch import prefetch_in_thread  # pylint: disable=import-outside-toplevel
 
-    # Host batches are made in a thread and the step is dispatched ahead, as in training.
-    batches = prefetch_in_thread(  # pylint: disable=protected-access
-        (batch for _, batch in trainer._batches()), size=2
+    # As in training (SpmdTrainer.run): host batches are made in a thread, put on the
+    # devices in this one, and the steps are dispatched ahead.
+    host_batches = prefetch_in_thread(  # pylint: disable=protected-access
+        (batch for _, batch in trainer._host_batches()), size=2
     )
+
+    def step() -> Any:
+        return trainer.train_step(trainer.global_batch(next(host_batches)))["loss"]
+
     losses = []
     for _ in range(warmup_steps):
-        losses.append(float(trainer.train_step(next(batches))["loss"]))
+        losses.append(float(step()))
     if profile_dir:
         jax.profiler.start_trace(profile_dir)
     sampler = GpuSampler() if jax.default_backend() == "gpu" else None
@@ -120,14 +125,14 @@ def run_benchmark(
         # in order (steps run one after another on the device), so no host sync sits
         # between steps.
         start = time.perf_counter()
-        pending = [trainer.train_step(next(batches))["loss"] for _ in range(steps)]
+        pending = [step() for _ in range(steps)]
         done = []
         for loss in pending:
             jax.block_until_ready(loss)
             done.append(time.perf_counter())
     finally:
         gpu_samples = sampler.stop() if sampler is not None else {}
-    batches.close()
+    host_batches.close()
     step_times = [b - a for a, b in zip([start] + done[:-1], done)]
     losses += [float(loss) for loss in pending]
     if profile_dir:

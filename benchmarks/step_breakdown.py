@@ -39,7 +39,7 @@ def main():
     )
     trainer = cfg.instantiate(parent=None)
     state = trainer.init_state(jax.random.PRNGKey(0))
-    batch = next(trainer._batches())[1]  # pylint: disable=protected-access
+    batch = trainer.global_batch(next(trainer._host_batches())[1])  # pylint: disable=protected-access
     learner, specs = trainer.learner, trainer.model_param_specs
     key = jax.random.PRNGKey(1)
 

@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -302,6 +303,32 @@ def test_fsdp4_data2_mesh_on_eight_devices_matches_one_device(tmp_path):
     assert len(single) == len(sharded) == 4
     np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-5)
     assert single[-1] != single[0]  # The steps trained something.
+
+
+def test_batches_are_read_in_a_thread_and_put_on_devices_in_the_dispatching_one(
+    tmp_path, monkeypatch
+):
+    # Device memory taken from the reading thread split golf_baseline's step buffer from
+    # the rest of the pool on GPUs (docs/benchmarks.md): placement must stay in run()'s thread.
+    cfg = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=3)
+    trainer = cfg.instantiate(parent=None)
+    read_in, placed_in = set(), []
+    dataset, global_batch = trainer.input.dataset, trainer.global_batch
+
+    def reading():
+        for batch in dataset():
+            read_in.add(threading.current_thread())
+            yield batch
+
+    def placing(batch):
+        placed_in.append(threading.current_thread())
+        return global_batch(batch)
+
+    monkeypatch.setattr(trainer.input, "dataset", reading)
+    monkeypatch.setattr(trainer, "global_batch", placing)
+    trainer.run()
+    assert threading.current_thread() not in read_in
+    assert placed_in == [threading.current_thread()] * 3
 
 
 # ----- profiling and the progress line -----

@@ -6,6 +6,11 @@
   global `jax.Array`s on `sharding` with `jax.make_array_from_process_local_data`,
   `size` batches ahead (device transfers are asynchronous, so the next batches copy
   while the current step runs).
+
+Put batches on devices in the thread that dispatches the steps, never inside
+`prefetch_in_thread`: device memory taken from another thread can land just above a
+step's large temporary buffer while that buffer is held, and the next step's buffer then
+fits neither below nor above it (`SpmdTrainer.run`, docs/benchmarks.md).
 """
 
 import collections

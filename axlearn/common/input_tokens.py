@@ -9,8 +9,8 @@ computed directly from its index (no sequential state), which makes it
 - per process: each process reads only the rows of the global batch it owns;
 - resumable: restoring `{'batches_consumed': n}` continues with batch n exactly;
 - fast: a batch is a few vectorized NumPy gathers from the memory map, produced
-  `prefetch_batches` ahead in a background thread (`input_prefetch.prefetch_to_device`
-  moves them onto devices).
+  `prefetch_batches` ahead in a background thread; the trainer puts each on the devices
+  as it dispatches the step.
 
 Commands:
     python -m axlearn.common.input_tokens build --vocab=bytes --output=DIR/train FILE...

@@ -326,9 +326,14 @@ class SpmdTrainer(Module):
         )
         if self._step >= cfg.max_step:
             log.info("Step %d is at max_step %d: nothing to train", self._step, cfg.max_step)
-        # Batches are read and put on the devices in a thread, two steps ahead, so the
-        # host never makes the accelerator wait for input.
-        batches = prefetch_in_thread(self._batches(), size=2)
+        # Host batches are read in a thread, two steps ahead, so the host never makes the
+        # accelerator wait for input. They are put on the devices here, in this thread:
+        # device memory is then always taken in the same order, between one step's
+        # dispatch and the next. Taken from the reading thread, a batch could land just
+        # above a step's large temporary buffer while it was held, and the next step's
+        # buffer could then fit neither below nor above it (golf_baseline ran out of
+        # memory that way; docs/benchmarks.md).
+        batches = prefetch_in_thread(self._host_batches(), size=2)
         last: dict[str, Any] = {}
         pending: Optional[tuple[int, dict[str, Any]]] = None
         saved_step = None
@@ -338,8 +343,8 @@ class SpmdTrainer(Module):
             while self._step < cfg.max_step:
                 tracing_until = self._maybe_trace(tracing_until)
                 # The prefetcher reads ahead, so the position to save travels with the batch.
-                self._input_state, input_batch = next(batches)
-                summaries = self.train_step(input_batch)
+                self._input_state, host_batch = next(batches)
+                summaries = self.train_step(self.global_batch(host_batch))
                 window_steps += 1
                 # Check the previous step's loss now: that sync overlaps with this step.
                 if pending is not None:
@@ -385,10 +390,10 @@ class SpmdTrainer(Module):
             last = {"step": self._step}
         return last
 
-    def _batches(self):
-        """Yields (input state after this batch, global batch)."""
+    def _host_batches(self):
+        """Yields (input state after this batch, this process's rows of the batch)."""
         for batch in self.input.dataset():
-            yield self.input.get_state(), self.global_batch(batch)
+            yield self.input.get_state(), batch
 
     def _maybe_trace(self, tracing_until: Optional[int]) -> Optional[int]:
         cfg = self._config
