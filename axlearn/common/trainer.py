@@ -27,7 +27,7 @@ from axlearn.common.evaler import SpmdEvaler
 from axlearn.common.input_prefetch import prefetch_in_thread
 from axlearn.common.learner import Learner
 from axlearn.common.module import Module, functional
-from axlearn.common.sharding import create_mesh, named_sharding
+from axlearn.common.sharding import axis_names, create_mesh, named_sharding
 from axlearn.common.summary import WeightedScalar, scalar_value
 from axlearn.common.summary_writer import SummaryWriter
 
@@ -207,9 +207,7 @@ class SpmdTrainer(Module):
         )
 
     def _batch_axes(self) -> tuple[str, ...]:
-        names = self._config.batch_axis_names
-        names = (names,) if isinstance(names, str) else tuple(names)
-        return tuple(n for n in names if n in self._mesh.shape)
+        return tuple(n for n in axis_names(self._config.batch_axis_names) if n in self._mesh.shape)
 
     def _batch_sharding(self, ndim: int) -> NamedSharding:
         return NamedSharding(self._mesh, PartitionSpec(self._batch_axes(), *([None] * (ndim - 1))))
