@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 COLUMNS = (
     ("Parameters", "num_params", "{:,.0f}", +1),
@@ -223,9 +223,21 @@ class GpuSampler:
         }
 
 
-def gpu_kernel_events(profile_dir: str) -> list[tuple[int, str, float]]:
-    """(start ns, kernel name, ms) of every kernel on the GPU streams of the trace under
-    `profile_dir`, in order of start (empty if there is none)."""
+class KernelEvent(NamedTuple):
+    """One kernel run on a GPU stream of a profiler trace."""
+
+    start_ns: int
+    name: str  # The kernel's name (a fusion's kernel is named after its HLO instruction).
+    ms: float
+    # The HLO instruction that launched it, as the trace records it: a library call's
+    # custom-call (cuBLAS, cuDNN) too, except inside a CUDA graph, where every kernel is
+    # recorded under the graph's thunk ('command_buffer_N').
+    hlo_op: str
+
+
+def gpu_kernel_events(profile_dir: str) -> list[KernelEvent]:
+    """Every kernel on the GPU streams of the trace under `profile_dir`, in order of start
+    (empty if there is none)."""
     import glob  # pylint: disable=import-outside-toplevel
 
     import jax  # pylint: disable=import-outside-toplevel
@@ -239,7 +251,9 @@ def gpu_kernel_events(profile_dir: str) -> list[tuple[int, str, float]]:
             # Kernels run on the stream lines; the 'XLA Ops'/'XLA Modules' lines repeat them.
             if "stream" not in line.name.lower():
                 continue
-            events += [(e.start_ns, e.name, e.duration_ns / 1e6) for e in line.events]
+            for e in line.events:
+                hlo_op = next((str(v) for k, v in e.stats if k == "hlo_op"), "")
+                events.append(KernelEvent(e.start_ns, e.name, e.duration_ns / 1e6, hlo_op))
     return sorted(events)
 
 
@@ -247,9 +261,9 @@ def gpu_kernel_times(profile_dir: str) -> dict[str, tuple[float, int]]:
     """Kernel name -> (total ms, launches) on the GPU streams of the trace under
     `profile_dir` (empty if there is none)."""
     totals: dict[str, tuple[float, int]] = {}
-    for _, name, ms in gpu_kernel_events(profile_dir):
-        total, count = totals.get(name, (0.0, 0))
-        totals[name] = (total + ms, count + 1)
+    for event in gpu_kernel_events(profile_dir):
+        total, count = totals.get(event.name, (0.0, 0))
+        totals[event.name] = (total + event.ms, count + 1)
     return totals
 
 

@@ -8,9 +8,14 @@
 The trace names each kernel; a fusion's kernel is named after its HLO instruction, whose
 JAX name stack in the dump's optimized HLO (`metadata={op_name=...}`) says forward,
 backward (`transpose(jvp(...))`) or learner, and which module. Library kernels (cuBLAS,
-cuDNN, copies) run inside the step's CUDA graph, which hides their HLO op, so they are
-grouped by library only. Time is summed by (pass, kind, module path with layer numbers
-folded into 'layerN'); kind is gemm / attention / fusion / copy / custom-call / other.
+cuDNN, copies) run inside the step's CUDA graph, where the trace records only the graph,
+so they are grouped by library. To see each of them under its own HLO op (which matmul,
+its output shape), profile with the graphs off; the step then runs 1-2% slower:
+
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python -m axlearn.bench ... --profile_dir=...
+
+Time is summed by (pass, kind, module path with layer numbers folded into 'layerN'); kind
+is gemm / attention / fusion / copy / custom-call / other.
 """
 
 import argparse
@@ -19,11 +24,24 @@ import glob
 import json
 import os
 import re
+from collections.abc import Sequence
+from typing import NamedTuple
 
-from axlearn.bench import gpu_kernel_times
+from axlearn.bench import KernelEvent, gpu_kernel_events
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+# The result of an instruction: the text up to its opcode, e.g. 'bf16[16384,2048]{1,0}'
+# or a tuple '(bf16[16384,2048]{1,0}, s8[33554432]{0})'.
+_RESULT = re.compile(r"^(\(.*?\)|\S+)\s")
+
+
+class HloOp(NamedTuple):
+    """What the optimized HLO says of one instruction."""
+
+    op_name: str  # Its JAX name stack ('' if none).
+    kind: str  # gemm / attention / fusion / custom-call / ''.
+    result: str  # Its result shape(s), layouts dropped.
 
 
 def _kind(instruction: str) -> str:
@@ -38,9 +56,9 @@ def _kind(instruction: str) -> str:
     return "custom-call" if "custom-call(" in instruction else ""
 
 
-def hlo_op_names(dump_dir: str) -> dict[str, tuple[str, str]]:
-    """Kernel or instruction name -> (op_name metadata, kind), from the dump's optimized
-    train step (else its largest optimized module).
+def hlo_op_names(dump_dir: str) -> dict[str, HloOp]:
+    """Kernel or instruction name -> its HloOp, from the dump's optimized train step (else
+    its largest optimized module).
 
     XLA names a fusion's kernel after the fusion with '_' for '.', so both spellings are
     keys; library kernels (cuBLAS, cuDNN) keep their own names and are not here.
@@ -57,7 +75,12 @@ def hlo_op_names(dump_dir: str) -> dict[str, tuple[str, str]]:
                 continue
             name, instruction = match.groups()
             op_name = _OP_NAME.search(instruction)
-            value = (op_name.group(1) if op_name else "", _kind(instruction))
+            result = _RESULT.match(instruction)
+            value = HloOp(
+                op_name.group(1) if op_name else "",
+                _kind(instruction),
+                re.sub(r"\{[^}]*\}", "", result.group(1)) if result else "",
+            )
             names[name] = names[name.replace(".", "_")] = value
     return names
 
@@ -92,6 +115,45 @@ def library_kind(kernel: str) -> str:
     return "other"
 
 
+def op_rows(events: Sequence[KernelEvent], names: dict[str, HloOp], steps: int) -> list[dict]:
+    """One row per HLO op (or, where the trace names none, per kernel name) with its GPU
+    time per step, launches, kind, pass, module path, JAX name stack and result shape."""
+    totals: dict[str, list] = {}
+    for event in events:
+        # A kernel launched outside a CUDA graph carries its instruction; inside one, only
+        # the graph's thunk: then a fusion is still known by its kernel's name.
+        key = event.hlo_op if event.hlo_op in names else event.name
+        total = totals.setdefault(key, [0.0, 0])
+        total[0] += event.ms
+        total[1] += 1
+    rows = []
+    for op, (ms, count) in totals.items():
+        hlo = names.get(op, HloOp("", library_kind(op), ""))
+        phase, part = classify(hlo.op_name)
+        rows.append(dict(op=op, ms_per_step=ms / steps, count=count, kind=hlo.kind or "other",
+                         phase=phase, part=part, op_name=hlo.op_name, result=hlo.result))
+    return rows
+
+
+def top_ops(rows: Sequence[dict]) -> list[dict]:
+    """`rows` merged by (kind, JAX name stack with layer numbers folded, result shape), so
+    that one matmul or fusion of all layers is one row; slowest first. A merged row keeps
+    the first op's name."""
+    merged: dict[tuple, dict] = {}
+    for r in rows:
+        # Ops without a name stack (library kernels under a CUDA graph) stay apart.
+        if r["op_name"]:
+            key = (r["kind"], re.sub(r"layer\d+", "layerN", r["op_name"]), r["result"])
+        else:
+            key = (r["op"],)
+        if key in merged:
+            merged[key]["ms_per_step"] += r["ms_per_step"]
+            merged[key]["count"] += r["count"]
+        else:
+            merged[key] = dict(r, op_name=key[1] if len(key) > 1 else r["op_name"])
+    return sorted(merged.values(), key=lambda r: -r["ms_per_step"])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--profile_dir", required=True)
@@ -100,14 +162,7 @@ def main():
     parser.add_argument("--json_out", default=None)
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
-    times = gpu_kernel_times(args.profile_dir)
-    names = hlo_op_names(args.xla_dump_dir)
-    rows = []
-    for op, (ms, count) in times.items():
-        op_name, kind = names.get(op, ("", library_kind(op)))
-        phase, part = classify(op_name)
-        rows.append(dict(op=op, ms_per_step=ms / args.steps, count=count, kind=kind or "other",
-                         phase=phase, part=part, op_name=op_name))
+    rows = op_rows(gpu_kernel_events(args.profile_dir), hlo_op_names(args.xla_dump_dir), args.steps)
     total = sum(r["ms_per_step"] for r in rows)
     groups = collections.defaultdict(float)
     for r in rows:
@@ -121,9 +176,10 @@ def main():
     print("--- by (pass, kind, part)")
     for (phase, kind, part), ms in sorted(groups.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"{ms:9.2f} ms  {phase:14s} {kind:10s} {part}")
-    print("--- top ops")
-    for r in sorted(rows, key=lambda r: -r["ms_per_step"])[: args.top]:
-        print(f"{r['ms_per_step']:8.3f} ms x{r['count'] // args.steps:<3d} {r['kind']:9s} {r['op'][:28]:28s} {r['op_name'][-90:]}")
+    print("--- top ops (the same op of every layer summed)")
+    for r in top_ops(rows)[: args.top]:
+        print(f"{r['ms_per_step']:8.3f} ms x{r['count'] // args.steps:<3d} {r['kind']:9s} "
+              f"{r['op'][:28]:28s} {r['result'][:36]:36s} {r['op_name'][-80:]}")
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump(rows, f)
