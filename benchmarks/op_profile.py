@@ -141,16 +141,14 @@ def top_ops(rows: Sequence[dict]) -> list[dict]:
     the first op's name."""
     merged: dict[tuple, dict] = {}
     for r in rows:
+        op_name = re.sub(r"layer\d+", "layerN", r["op_name"])
         # Ops without a name stack (library kernels under a CUDA graph) stay apart.
-        if r["op_name"]:
-            key = (r["kind"], re.sub(r"layer\d+", "layerN", r["op_name"]), r["result"])
-        else:
-            key = (r["op"],)
+        key = (r["kind"], op_name, r["result"]) if op_name else (r["op"],)
         if key in merged:
             merged[key]["ms_per_step"] += r["ms_per_step"]
             merged[key]["count"] += r["count"]
         else:
-            merged[key] = dict(r, op_name=key[1] if len(key) > 1 else r["op_name"])
+            merged[key] = dict(r, op_name=op_name)
     return sorted(merged.values(), key=lambda r: -r["ms_per_step"])
 
 
