@@ -247,6 +247,20 @@ def test_skip_and_clip_skips_a_nonfinite_step_with_a_warning_and_continues(tmp_p
     assert _committed_steps(tmp_path) == [5]
 
 
+def test_parameter_norm_is_reported_where_the_loop_logs_and_is_that_of_the_kept_state(tmp_path):
+    cfg = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=4)
+    cfg.summary_writer.write_every_n_steps = 2
+    trainer = cfg.instantiate(parent=None)
+    trainer.run()
+    records = {r["step"]: r for r in read_metrics(str(tmp_path))}
+    assert sorted(records) == [2, 4]
+    params = np.concatenate(
+        [np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(trainer.trainer_state.model)]
+    )
+    np.testing.assert_allclose(records[4]["learner/parameter_norm"], np.linalg.norm(params), rtol=1e-5)
+    assert records[2]["learner/parameter_norm"] != records[4]["learner/parameter_norm"]
+
+
 # ----- the mesh -----
 
 

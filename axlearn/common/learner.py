@@ -62,8 +62,9 @@ class Learner(Module):
         optimizer: Required[InstantiableConfig] = REQUIRED
         # A config of an EMA transformation of the parameters; param_ema(decay=None) keeps none.
         ema: InstantiableConfig = config_for_function(param_ema)
-        # Adds update_norm and parameter_norm/<path>, gradient_norm/<path> and
-        # update_norm/<path> summaries (on GPU at the cost of a copy of the state a step).
+        # Adds parameter_norm, update_norm and parameter_norm/<path>, gradient_norm/<path>
+        # and update_norm/<path> summaries to every step (on GPU at the cost of a copy of the
+        # state a step).
         enable_per_variable_summaries: bool = False
         # (regex, 'all' | 'no_update') pairs; the first that fully matches a parameter's
         # '/'-path decides. None or no match: 'all'. 'no_update' parameters stay unchanged
@@ -201,12 +202,15 @@ class Learner(Module):
 
         summaries: 'learning_rate' (of this step; absent if the optimizer has none),
         'gradient_norm' (of the updated parameters' gradients, before clipping),
-        'parameter_norm' (after the step), 'skipped_steps' (steps skipped by
-        skip_and_clip_by_global_norm so far; 0 without it), and with
-        enable_per_variable_summaries 'update_norm' and all three norms per parameter path.
+        'skipped_steps' (steps skipped by skip_and_clip_by_global_norm so far; 0 without
+        it), and with enable_per_variable_summaries 'parameter_norm' (after the step),
+        'update_norm' and all three norms per parameter path.
 
-        The update norm is opt-in because it costs a copy of every parameter and optimizer
-        state on GPU (see below).
+        The norms of the new parameters and of the update are opt-in: reading the new
+        parameters once more costs ~1% of gpt_1b's step on an H100, and a norm that XLA
+        fuses into the update makes it copy every parameter and optimizer state instead
+        of updating them in place (docs/benchmarks.md). The trainer reports the parameter
+        norm where it logs, from the state it keeps (`Trainer.parameter_norm`).
         """
         params = self._trainable(self._with_specs(model_params, param_specs))
         trainable_grads = self._trainable(grads)
@@ -222,23 +226,15 @@ class Learner(Module):
         new_params = treedef.unflatten([p + u for p, u in zip(param_leaves, full_updates)])
         full_updates = treedef.unflatten(full_updates)
         _, new_ema = self._ema.update(full_updates, learner_state["ema"], model_params)
-        # XLA writes the new parameters and optimizer state over the donated old ones only
-        # if no norm is fused into the update: a fused reduction makes it copy every
-        # parameter and state tensor instead (gpt_1b on an H100: 162 copies, 5.9 ms of a
-        # 237 ms step; docs/benchmarks.md). The barrier makes the parameter norm a
-        # separate read of the new parameters.
-        if not self._config.enable_per_variable_summaries:
-            new_params = jax.lax.optimization_barrier(new_params)
-
         summaries = {}
         lr = learning_rate_at(self._optimizer, opt_state)
         if lr is not None:
             summaries["learning_rate"] = lr
         summaries["gradient_norm"] = global_norm(trainable_grads)
-        summaries["parameter_norm"] = global_norm(new_params)
         skipped = [s.nonvalid_count for s in find_states(new_opt_state, SkipClipState)]
         summaries["skipped_steps"] = sum(skipped) if skipped else jnp.zeros([], jnp.int32)
         if self._config.enable_per_variable_summaries:
+            summaries["parameter_norm"] = global_norm(new_params)
             summaries["update_norm"] = global_norm(updates)
             for name, tree in (
                 ("parameter_norm", new_params),

@@ -27,6 +27,7 @@ from axlearn.common.evaler import SpmdEvaler
 from axlearn.common.input_prefetch import prefetch_in_thread
 from axlearn.common.learner import Learner
 from axlearn.common.module import Module, functional
+from axlearn.common.optimizers import global_norm
 from axlearn.common.sharding import axis_names, create_mesh, named_sharding
 from axlearn.common.summary import WeightedScalar, scalar_value
 from axlearn.common.summary_writer import SummaryWriter
@@ -165,6 +166,7 @@ class SpmdTrainer(Module):
         self._input_state: Optional[dict[str, Any]] = None  # After the last consumed batch.
         self._state: Optional[TrainerState] = None
         self._jit_train_step = None
+        self._jit_parameter_norm = None
 
     # ----- properties -----
 
@@ -305,6 +307,19 @@ class SpmdTrainer(Module):
         self._step += 1
         return summaries
 
+    def parameter_norm(self) -> jax.Array:
+        """The L2 norm of all model parameters of the current state (float32, on device).
+
+        Computed here, where the loop logs or saves, rather than in every step: the read
+        of all parameters it costs is ~1% of gpt_1b's step on an H100. A non-finite
+        parameter also shows as a non-finite loss one step later, which the loop checks
+        every step.
+        """
+        if self._jit_parameter_norm is None:
+            self._jit_parameter_norm = jax.jit(global_norm)
+        with jax.set_mesh(self._mesh):
+            return self._jit_parameter_norm(self._state.model)
+
     # ----- the loop -----
 
     def run(self, prng_key: Optional[jax.Array] = None) -> dict[str, Any]:
@@ -356,6 +371,7 @@ class SpmdTrainer(Module):
                 )
                 if must_log or writer_due or saving:
                     # Never save or report a state whose loss or parameters are not finite.
+                    summaries["learner"].setdefault("parameter_norm", self.parameter_norm())
                     self._check_finite(step, summaries)
                     pending = None
                 if must_log or writer_due:
@@ -427,7 +443,8 @@ class SpmdTrainer(Module):
         newly_skipped = skipped is not None and skipped > self._skipped_steps
         if skipped is not None:
             self._skipped_steps = skipped
-        # The parameter norm after the update catches a finite loss whose update overflowed.
+        # The parameter norm after the update (on the steps the loop logs or saves) catches a
+        # finite loss whose update overflowed.
         param_norm = learner_summaries.get("parameter_norm")
         param_norm = 0.0 if param_norm is None else float(param_norm)
         if math.isfinite(loss) and math.isfinite(param_norm):
