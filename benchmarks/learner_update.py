@@ -40,7 +40,8 @@ def main():
         "--modes",
         default="base,per_variable,no_norms",
         help="base: the learner as configured; per_variable: with "
-        "enable_per_variable_summaries (adds update_norm); no_norms: no norm summaries.",
+        "enable_per_variable_summaries (adds parameter_norm and update_norm); no_norms: no "
+        "norm summaries.",
     )
     parser.add_argument("--config_override", action="append", default=[])
     args = parser.parse_args()

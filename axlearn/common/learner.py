@@ -207,7 +207,7 @@ class Learner(Module):
         'update_norm' and all three norms per parameter path.
 
         The norms of the new parameters and of the update are opt-in: reading the new
-        parameters once more costs ~1% of gpt_1b's step on an H100, and a norm that XLA
+        parameters once more cost 0.4% of gpt_1b's step on an H100, and a norm that XLA
         fuses into the update makes it copy every parameter and optimizer state instead
         of updating them in place (docs/benchmarks.md). The trainer reports the parameter
         norm where it logs, from the state it keeps (`Trainer.parameter_norm`).

@@ -311,7 +311,7 @@ class SpmdTrainer(Module):
         """The L2 norm of all model parameters of the current state (float32, on device).
 
         Computed here, where the loop logs or saves, rather than in every step: the read
-        of all parameters it costs is ~1% of gpt_1b's step on an H100. A non-finite
+        of all parameters it costs was 0.4% of gpt_1b's step on an H100. A non-finite
         parameter also shows as a non-finite loss one step later, which the loop checks
         every step.
         """
