@@ -127,6 +127,19 @@ def test_without_max_queue_every_write_is_on_disk_at_once(tmp_path):
     writer.close()
 
 
+def test_open_before_the_first_write_creates_the_files_once(tmp_path):
+    # The trainer opens its writer before the first step, so no step waits on the import.
+    writer = _writer(tmp_path)
+    writer.open()
+    writer.open()
+    event_files = [f for f in os.listdir(tmp_path) if f.startswith("events.out.tfevents.")]
+    assert len(event_files) == 1 and _jsonl(tmp_path) == []
+    writer(0, {"x": 1.0})
+    assert [f for f in os.listdir(tmp_path) if f.startswith("events.out.")] == event_files
+    assert [e.value for e in _events(tmp_path).Scalars("x")] == [1.0]
+    writer.close()
+
+
 def test_processes_other_than_0_write_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     writer = _writer(tmp_path / "out")

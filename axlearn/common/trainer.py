@@ -339,6 +339,8 @@ class SpmdTrainer(Module):
         )
         if self._step >= cfg.max_step:
             log.info("Step %d is at max_step %d: nothing to train", self._step, cfg.max_step)
+        if has_writer:
+            self.summary_writer.open()
         # Host batches are read in a thread, two steps ahead, so the host never makes the
         # accelerator wait for input. They are put on the devices here, in this thread:
         # device memory is then always taken in the same order, between one step's
