@@ -169,6 +169,11 @@ def test_adastar_with_a_debiased_gradient_ema_matches_numpy():
     adastar_case(b1=0.9, b3=None, threshold=None, transformation=mup_transformation())
 
 
+def test_adastar_with_a_gradient_ema_and_clipped_raw_updates_matches_numpy():
+    # A threshold small enough to clip every step: the clipping pass reads the gradient EMA too.
+    adastar_case(b1=0.9, b3=0.95, threshold=0.05, transformation=mup_transformation())
+
+
 def test_adastar_rejects_a_missing_debias_switch():
     with pytest.raises(ConfigError, match="gradient_ema_debias"):
         opt.adastar_optimizer(
