@@ -257,7 +257,8 @@ def test_parameter_norm_is_reported_where_the_loop_logs_and_is_that_of_the_kept_
     params = np.concatenate(
         [np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(trainer.trainer_state.model)]
     )
-    np.testing.assert_allclose(records[4]["learner/parameter_norm"], np.linalg.norm(params), rtol=1e-5)
+    want = np.linalg.norm(params)
+    np.testing.assert_allclose(records[4]["learner/parameter_norm"], want, rtol=1e-5)
     assert records[2]["learner/parameter_norm"] != records[4]["learner/parameter_norm"]
 
 
