@@ -373,7 +373,8 @@ class SpmdTrainer(Module):
                 )
                 if must_log or writer_due or saving:
                     # Never save or report a state whose loss or parameters are not finite.
-                    summaries["learner"].setdefault("parameter_norm", self.parameter_norm())
+                    if "parameter_norm" not in summaries["learner"]:  # Per-variable mode has it.
+                        summaries["learner"]["parameter_norm"] = self.parameter_norm()
                     self._check_finite(step, summaries)
                     pending = None
                 if must_log or writer_due:
