@@ -85,11 +85,14 @@ def mesh_rules(size: Size) -> list[tuple[str, Any]]:
         common.fleet_mesh_rule(fleet, shape, global_batch_size=size.global_batch_size)
         for fleet, shape in FLEET_MESHES
     ]
+    unrolled = size.num_layers <= 32
     rules.append(
         (
             common.GPU_SINGLE_HOST.selector(),
             common.single_host_gpu_rule(
-                size.single_host_remat, unrolled_layers=size.num_layers <= 32
+                size.single_host_remat,
+                unrolled_layers=unrolled,
+                carry_train_dtype_weights=unrolled,
             ),
         )
     )

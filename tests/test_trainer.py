@@ -14,10 +14,12 @@ import sys
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from axlearn.common import perf
+from axlearn.common.base_layer import cast_floats_with_copies, flatten_with_paths
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import ConfigError, apply_overrides
 from axlearn.common.input_builtin import BuiltinTextInput
@@ -262,6 +264,112 @@ def test_parameter_norm_is_reported_where_the_loop_logs_and_is_that_of_the_kept_
     assert records[2]["learner/parameter_norm"] != records[4]["learner/parameter_norm"]
 
 
+# ----- weight copies carried between steps -----
+
+
+def test_cast_with_copies_takes_values_from_the_copies_and_gives_gradients_to_the_leaves():
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(3, 4)).astype(np.float32)
+    scale = rng.normal(size=(4,)).astype(np.float32)
+    c = rng.normal(size=(3, 4)).astype(np.float32)
+    # A copy that is NOT the cast of w, to see which one the forward reads.
+    copy = jnp.asarray(w + 1.0, jnp.bfloat16)
+
+    def loss(params):
+        cast = cast_floats_with_copies(params, {"w": copy, "scale": None}, jnp.bfloat16)
+        assert cast["w"].dtype == cast["scale"].dtype == jnp.bfloat16
+        return jnp.sum(cast["w"].astype(jnp.float32) ** 2 * c) + jnp.sum(
+            cast["scale"].astype(jnp.float32)
+        )
+
+    value, grads = jax.value_and_grad(loss)({"w": jnp.asarray(w), "scale": jnp.asarray(scale)})
+    used = np.asarray(copy, np.float32)
+    bf16_scale = np.asarray(jnp.asarray(scale, jnp.bfloat16), np.float32)
+    np.testing.assert_allclose(value, np.sum(used**2 * c) + np.sum(bf16_scale), rtol=1e-5)
+    # d/dw of sum(w^2 c) at the value used, rounded to bf16 where the cast's transpose
+    # carries it, and returned in the leaf's dtype.
+    want = np.asarray(jnp.asarray(2 * used * c, jnp.bfloat16), np.float32)
+    assert grads["w"].dtype == jnp.float32
+    np.testing.assert_allclose(grads["w"], want, rtol=1e-2)
+    np.testing.assert_array_equal(grads["scale"], np.ones(4, np.float32))
+
+
+def _bf16_trainer_config(trainer_dir, *, max_step, carry):
+    cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=max_step)
+    cfg.train_dtype = jnp.bfloat16
+    cfg.carry_train_dtype_weights = carry
+    return cfg
+
+
+@pytest.fixture(name="bf16_runs", scope="module")
+def fixture_bf16_runs(tmp_path_factory):
+    """Five bf16 steps with and without carried weight copies: {carry: (dir, trainer)}."""
+    runs = {}
+    for carry in (None, True):
+        trainer_dir = str(tmp_path_factory.mktemp(f"bf16_carry_{carry}"))
+        trainer = _bf16_trainer_config(trainer_dir, max_step=5, carry=carry).instantiate(
+            parent=None
+        )
+        trainer.run()
+        runs[carry] = (trainer_dir, trainer)
+    return runs
+
+
+def test_carried_weight_copies_train_bit_for_bit_like_casting_every_step(bf16_runs):
+    (cast_dir, cast_trainer), (carry_dir, carry_trainer) = bf16_runs[None], bf16_runs[True]
+    assert losses_by_step(carry_dir) == losses_by_step(cast_dir)
+    for a, b in zip(
+        jax.tree.leaves(carry_trainer.trainer_state.model),
+        jax.tree.leaves(cast_trainer.trainer_state.model),
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert cast_trainer.trainer_state.weight_copies is None
+
+
+def _assert_copies_are_the_weights_cast(state) -> dict:
+    """Checks that each copy equals its parameter cast to bf16; returns the copies by path."""
+    params = dict(flatten_with_paths(state.model))
+    copies = dict(flatten_with_paths(state.weight_copies))
+    assert copies
+    for path, copy in copies.items():
+        assert copy.dtype == jnp.bfloat16
+        want = np.asarray(params[path]).astype(jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(copy), want)
+    return copies
+
+
+def test_carried_copies_are_the_weights_cast_and_norm_scales_have_none(bf16_runs):
+    state = bf16_runs[True][1].trainer_state
+    copies = _assert_copies_are_the_weights_cast(state)
+    # The weights of matrix products and the embedding; no norm scale.
+    assert "decoder/emb/token_emb/weight" in copies
+    assert any(path.endswith("qkv_proj/weight") for path in copies)
+    params = dict(flatten_with_paths(state.model))
+    assert {p for p in params if not p.endswith("scale")} == set(copies)
+
+
+def test_a_resumed_run_rebuilds_the_copies_it_does_not_checkpoint(bf16_runs, tmp_path):
+    # pylint: disable=protected-access
+    trainer_dir = str(tmp_path)
+    for max_step in (3, 5):
+        trainer = _bf16_trainer_config(trainer_dir, max_step=max_step, carry=True).instantiate(
+            parent=None
+        )
+        assert set(trainer._state_template()) == {"prng_key", "model", "learner"}
+        if max_step == 5:
+            trainer._restore_or_init()
+            assert trainer.step == 3
+            _assert_copies_are_the_weights_cast(trainer.trainer_state)
+        trainer.run()
+    assert losses_by_step(trainer_dir) == losses_by_step(bf16_runs[True][0])
+
+
+def test_carrying_weight_copies_needs_a_train_dtype():
+    cfg = tiny_trainer_config(trainer_dir=None).set(train_dtype=None, carry_train_dtype_weights=True)
+    with pytest.raises(ConfigError, match="carry_train_dtype_weights needs a train_dtype"):
+        cfg.instantiate(parent=None)
+
+
 # ----- the mesh -----
 
 
@@ -318,6 +426,12 @@ def test_fsdp4_data2_mesh_on_eight_devices_matches_one_device(tmp_path):
     assert len(single) == len(sharded) == 4
     np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-5)
     assert single[-1] != single[0]  # The steps trained something.
+    # Carried weight copies on the sharded mesh: the same steps as casting every step,
+    # each copy sharded like its parameter.
+    assert results["sharded_bf16_carried"]["losses"] == results["sharded_bf16"]["losses"]
+    copy_specs = results["sharded_bf16_carried"]["copy_specs"]
+    assert copy_specs and all(copy == param for copy, param in copy_specs)
+    assert any("fsdp" in copy for copy, _ in copy_specs)
 
 
 def test_batches_are_read_in_a_thread_and_put_on_devices_in_the_dispatching_one(

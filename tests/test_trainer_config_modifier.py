@@ -14,6 +14,7 @@ from axlearn.common.trainer_config_modifier import (
     ModuleConfigModifier,
     PartitionSpecModifier,
     RematSpecModifier,
+    TrainerFieldsModifier,
     apply_mesh_rule,
 )
 from axlearn.experiments.text.gpt import common
@@ -209,3 +210,24 @@ def test_single_host_gpu_rule_of_the_gpt_experiments_is_a_chain():
     cfg = apply_mesh_rule(_config(), rule)
     assert cfg.mesh_shape == common.mesh_shape_from_axes(fsdp=-1)
     assert "remat_spec['policy']" in _remat_text(cfg)
+
+
+def test_trainer_fields_modifier_sets_trainer_fields():
+    modifier = TrainerFieldsModifier.default_config().set(
+        fields={"carry_train_dtype_weights": True, "log_every_n_steps": 7}
+    )
+    cfg = _apply(modifier, _config())
+    assert cfg.carry_train_dtype_weights is True and cfg.log_every_n_steps == 7
+
+
+def test_trainer_fields_modifier_names_a_field_the_trainer_lacks():
+    modifier = TrainerFieldsModifier.default_config().set(fields={"carry_weights": True})
+    with pytest.raises(ConfigError, match="no 'carry_weights'"):
+        _apply(modifier, _config())
+
+
+@pytest.mark.parametrize("carry", [False, True])
+def test_single_host_gpu_rule_carries_weight_copies_only_when_asked(carry):
+    rule = common.single_host_gpu_rule(None, carry_train_dtype_weights=carry)
+    cfg = apply_mesh_rule(_config(), rule)
+    assert bool(cfg.carry_train_dtype_weights) is carry

@@ -7,8 +7,9 @@ AdamW (optionally under skip_and_clip_by_global_norm), and FakeLmInput batches.
     python tests/trainer_script.py mesh OUT_DIR
 
 trains the same config for a few steps on one device and on an 8-device mesh with
-fsdp=4 and data=2 (the caller sets XLA_FLAGS for 8 fake CPU devices) and writes both
-runs' meshes and per-step losses to OUT_DIR/results.json.
+fsdp=4 and data=2 (the caller sets XLA_FLAGS for 8 fake CPU devices), and on that mesh
+in bf16 with and without carried weight copies; it writes the runs' meshes, per-step
+losses and the copies' sharding specs to OUT_DIR/results.json.
 """
 
 import json
@@ -134,18 +135,32 @@ def _mesh_main(out_dir: str) -> None:
 
     assert jax.device_count() == 8, jax.devices()
     results = {}
-    for name, mesh, devices in (
-        ("single", {}, jax.devices()[:1]),
-        ("sharded", dict(data=2, fsdp=4), None),
+    sharded = dict(data=2, fsdp=4)
+    for name, mesh, devices, carry in (
+        ("single", {}, jax.devices()[:1], None),
+        ("sharded", sharded, None, None),
+        ("sharded_bf16", sharded, None, None),
+        ("sharded_bf16_carried", sharded, None, True),
     ):
         trainer_dir = os.path.join(out_dir, name)
         cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=4, mesh=mesh)
+        if name.startswith("sharded_bf16"):
+            cfg.set(train_dtype=jnp.bfloat16, carry_train_dtype_weights=carry)
         trainer = cfg.instantiate(parent=None, devices=devices)
         trainer.run()
         losses = losses_by_step(trainer_dir)
+        state = trainer.trainer_state
+        params, treedef = jax.tree_util.tree_flatten(state.model)
+        copies = treedef.flatten_up_to(state.weight_copies) if carry else [None] * len(params)
         results[name] = dict(
             mesh={k: int(v) for k, v in trainer.mesh.shape.items()},
             losses=[losses[step] for step in sorted(losses)],
+            # Each carried copy's sharding spec and that of its parameter.
+            copy_specs=[
+                [str(copy.sharding.spec), str(param.sharding.spec)]
+                for copy, param in zip(copies, params)
+                if copy is not None
+            ],
         )
     with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
         json.dump(results, f)

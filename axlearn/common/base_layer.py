@@ -72,6 +72,42 @@ def cast_floats(tree: Any, dtype: Optional[jnp.dtype]) -> Any:
     return jax.tree.map(cast, tree)
 
 
+def cast_floats_with_copies(tree: Any, copies: Any, dtype: Optional[jnp.dtype]) -> Any:
+    """cast_floats(tree, dtype), taking the cast of each leaf that has a copy in `copies`
+    (a tree like `tree` with None for leaves without one) from that copy.
+
+    Each copy must equal its leaf cast to `dtype` (the trainer writes them together).
+    Gradients flow to `tree` as through the cast, and the leaf itself is not read, so
+    a step that carries the copies skips the cast's read of the wider leaves.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    copy_leaves = treedef.flatten_up_to(copies)
+    cast = cast_floats(leaves, dtype)
+    return treedef.unflatten(
+        [c if copy is None else _precast(x, copy) for x, c, copy in zip(leaves, cast, copy_leaves)]
+    )
+
+
+@jax.custom_vjp
+def _precast(x: Tensor, x_cast: Tensor) -> Tensor:
+    """x_cast, standing for x.astype(x_cast.dtype): the value comes from x_cast, the
+    gradient goes to x."""
+    del x
+    return x_cast
+
+
+def _precast_fwd(x, x_cast):
+    # The cotangent's dtype for x, as a zero-size array (residuals must be arrays).
+    return x_cast, jnp.zeros((0,), x.dtype)
+
+
+def _precast_bwd(residual, g):
+    return g.astype(residual.dtype), None
+
+
+_precast.defvjp(_precast_fwd, _precast_bwd)
+
+
 def tree_paths(tree: Any, separator: str = "/", is_leaf=None) -> Any:
     """A tree of the same structure whose leaves are their own paths."""
     return jax.tree_util.tree_map_with_path(

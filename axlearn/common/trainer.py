@@ -7,6 +7,7 @@ per batch until `max_step`, with summaries, evaluation and checkpoints by policy
 """
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -20,7 +21,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from axlearn.common import perf
-from axlearn.common.base_layer import BaseLayer, ParameterSpec, cast_floats, flatten_with_paths
+from axlearn.common.base_layer import (
+    BaseLayer,
+    ParameterSpec,
+    cast_floats,
+    cast_floats_with_copies,
+    flatten_with_paths,
+    is_parameter_spec,
+)
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.evaler import SpmdEvaler
@@ -72,10 +80,14 @@ class TrainerState:
     prng_key: jax.Array
     model: Any
     learner: Any
+    # train_dtype copies of the model's weights, None in place of the other parameters
+    # (SpmdTrainer.Config.carry_train_dtype_weights); None: not carried. Derived from
+    # `model`, so not checkpointed.
+    weight_copies: Any = None
 
 
 jax.tree_util.register_dataclass(
-    TrainerState, data_fields=["prng_key", "model", "learner"], meta_fields=[]
+    TrainerState, data_fields=["prng_key", "model", "learner", "weight_copies"], meta_fields=[]
 )
 
 
@@ -104,6 +116,12 @@ class SpmdTrainer(Module):
         max_step: Required[int] = REQUIRED
         # Parameters stay in model.dtype; the forward and backward run in this dtype.
         train_dtype: Optional[jnp.dtype] = None
+        # Keep train_dtype copies of the weights (of matrix products and embeddings: the
+        # parameters with fan axes) from one step to the next: each step writes them with
+        # the new parameters, and the next step reads them instead of casting every weight
+        # again. Costs train_dtype's bytes per weight of memory; needs train_dtype. None:
+        # no copies (and the field stays out of golden files).
+        carry_train_dtype_weights: Optional[bool] = None
         mesh_shape: Required[MeshShape] = REQUIRED  # One entry may be -1 (inferred).
         mesh_axis_names: Required[Sequence[str]] = REQUIRED
         # [(instance-type regex, mesh shape or config modifier)]; applied by the launcher.
@@ -129,6 +147,8 @@ class SpmdTrainer(Module):
                 f"{self.path()}: mesh_shape {tuple(cfg.mesh_shape)} and mesh_axis_names "
                 f"{tuple(cfg.mesh_axis_names)} differ in length"
             )
+        if cfg.carry_train_dtype_weights and cfg.train_dtype is None:
+            raise ConfigError(f"{self.path()}.carry_train_dtype_weights needs a train_dtype")
         mesh_shape = infer_mesh_shape(cfg.mesh_shape, len(devices))
         self._mesh = create_mesh(mesh_shape, cfg.mesh_axis_names, devices)
         self._devices = devices
@@ -202,10 +222,20 @@ class SpmdTrainer(Module):
 
     def _state_shardings(self) -> TrainerState:
         learner_specs = self.learner.create_state_partition_specs(self._model_param_specs)
+        model = self._param_shardings(self._model_param_specs)
+        weight_copies = None
+        if self._config.carry_train_dtype_weights:
+            weight_copies = jax.tree.map(
+                lambda spec, sharding: sharding if self._has_weight_copy(spec) else None,
+                self._model_param_specs,
+                model,
+                is_leaf=is_parameter_spec,
+            )
         return TrainerState(
             prng_key=NamedSharding(self._mesh, PartitionSpec()),
-            model=self._param_shardings(self._model_param_specs),
+            model=model,
             learner=self._param_shardings(learner_specs),
+            weight_copies=weight_copies,
         )
 
     def _batch_axes(self) -> tuple[str, ...]:
@@ -225,11 +255,38 @@ class SpmdTrainer(Module):
 
     # ----- state -----
 
+    def _has_weight_copy(self, spec: ParameterSpec) -> bool:
+        """Whether the parameter of `spec` has a carried train_dtype copy: the weights of
+        matrix products and embeddings (the parameters with fan axes), not norm scales
+        or biases, whose casts XLA fuses into their users."""
+        return (
+            spec.fan_axes is not None
+            and jnp.issubdtype(spec.dtype, jnp.floating)
+            and spec.dtype != self._config.train_dtype
+        )
+
+    def _weight_copies(self, params: Any) -> Any:
+        """The carried train_dtype copies of `params` (TrainerState.weight_copies)."""
+        if not self._config.carry_train_dtype_weights:
+            return None
+        dtype = self._config.train_dtype
+        return jax.tree.map(
+            lambda spec, p: p.astype(dtype) if self._has_weight_copy(spec) else None,
+            self._model_param_specs,
+            params,
+            is_leaf=is_parameter_spec,
+        )
+
     def _init_fn(self, prng_key: jax.Array) -> TrainerState:
         init_key, train_key = jax.random.split(prng_key)
         params = self.model.initialize_parameters_recursively(init_key)
         learner_state = self.learner.init(params, param_specs=self._model_param_specs)
-        return TrainerState(prng_key=train_key, model=params, learner=learner_state)
+        return TrainerState(
+            prng_key=train_key,
+            model=params,
+            learner=learner_state,
+            weight_copies=self._weight_copies(params),
+        )
 
     def init_state(self, prng_key: jax.Array) -> TrainerState:
         """Initializes model and learner state directly in their shardings."""
@@ -237,7 +294,8 @@ class SpmdTrainer(Module):
             return jax.jit(self._init_fn, out_shardings=self._state_shardings())(prng_key)
 
     def _state_template(self) -> dict[str, Any]:
-        """Shapes, dtypes and shardings of the state, for restoring without allocating."""
+        """Shapes, dtypes and shardings of the checkpointed state, for restoring without
+        allocating."""
         shapes = jax.eval_shape(self._init_fn, jax.random.PRNGKey(0))
         return _to_state_dict(
             jax.tree.map(
@@ -247,13 +305,22 @@ class SpmdTrainer(Module):
             )
         )
 
+    def _with_weight_copies(self, state: TrainerState) -> TrainerState:
+        """`state` with the weight copies its parameters call for (after a restore)."""
+        if not self._config.carry_train_dtype_weights:
+            return state
+        shardings = self._state_shardings().weight_copies
+        with jax.set_mesh(self._mesh):
+            copies = jax.jit(self._weight_copies, out_shardings=shardings)(state.model)
+        return dataclasses.replace(state, weight_copies=copies)
+
     def _restore_or_init(self) -> None:
         cfg = self._config
         seed = 0 if cfg.seed is None else cfg.seed
         if "checkpointer" in self.children:
             step, restored, extra = self.checkpointer.restore(state=self._state_template())
             if step is not None:
-                self._state = _from_state_dict(restored)
+                self._state = self._with_weight_copies(_from_state_dict(restored))
                 self._step = step
                 if cfg.save_input_iterator and extra and "input_iterator" in extra:
                     self.input.set_state(extra["input_iterator"])
@@ -264,8 +331,11 @@ class SpmdTrainer(Module):
 
     # ----- the train step -----
 
-    def _loss_fn(self, model_params, input_batch, prng_key):
-        params = cast_floats(model_params, self._config.train_dtype)
+    def _loss_fn(self, model_params, input_batch, prng_key, weight_copies=None):
+        if weight_copies is None:
+            params = cast_floats(model_params, self._config.train_dtype)
+        else:
+            params = cast_floats_with_copies(model_params, weight_copies, self._config.train_dtype)
         (loss, aux), collection = functional(
             self.model,
             state=params,
@@ -278,15 +348,21 @@ class SpmdTrainer(Module):
 
     def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
         prng_key, step_key = jax.random.split(state.prng_key)
+        loss_fn = functools.partial(self._loss_fn, weight_copies=state.weight_copies)
         loss, aux, grads = self.learner.compute_gradients(
-            self._loss_fn, state.model, input_batch, step_key
+            loss_fn, state.model, input_batch, step_key
         )
         with jax.named_scope("learner"):
             new_params, new_learner_state, learner_summaries = self.learner.update(
                 state.model, grads, state.learner, param_specs=self._model_param_specs
             )
         summaries = dict(loss=loss, learner=learner_summaries, model=aux["summaries"])
-        new_state = TrainerState(prng_key=prng_key, model=new_params, learner=new_learner_state)
+        new_state = TrainerState(
+            prng_key=prng_key,
+            model=new_params,
+            learner=new_learner_state,
+            weight_copies=self._weight_copies(new_params),
+        )
         return new_state, summaries
 
     def _compile_train_step(self):

@@ -2,7 +2,7 @@
 
 Mesh rules map an instance type to either a mesh shape or one of these modifiers, so
 that what changes on new hardware (mesh, remat policy, gradient accumulation, partition
-specs, any module's config) is data that shows up in golden configs.
+specs, any module's config, trainer fields) is data that shows up in golden configs.
 """
 
 from collections.abc import Sequence
@@ -55,6 +55,23 @@ class RematSpecModifier(ConfigModifier):
         for path, remat_spec in self.config.remat_policies.items():
             target = _module_config(cfg, path, "remat_spec")
             target.remat_spec = remat_spec
+        return cfg
+
+
+class TrainerFieldsModifier(ConfigModifier):
+    """Sets fields of the trainer config itself, e.g. `carry_train_dtype_weights`."""
+
+    @config_class
+    class Config(ConfigModifier.Config):
+        """Configures TrainerFieldsModifier."""
+
+        fields: Required[dict[str, Any]] = REQUIRED  # Field name -> value.
+
+    def __call__(self, cfg):
+        for name, value in self.config.fields.items():
+            if name not in cfg.keys():
+                raise ConfigError(f"TrainerFieldsModifier: the trainer config has no '{name}'")
+            setattr(cfg, name, value)
         return cfg
 
 
