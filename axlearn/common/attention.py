@@ -355,8 +355,13 @@ def _rotate(x: Tensor, sin: Tensor, cos: Tensor) -> Tensor:
     # The halves on their own axis: XLA then indexes whole contiguous rows of `half`
     # elements instead of splitting the minor axis, which vectorizes (docs/benchmarks.md).
     y = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, half)
-    x1, x2 = y[..., 0, :], y[..., 1, :]
-    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-2)
+    # y * cos + (y with its halves swapped) * [-sin, sin]: elementwise with a reversal,
+    # one loop fusion for XLA, where stacking the two halves' results made it a
+    # concatenation (docs/benchmarks.md). The same float32 formula (a + (-b) is a - b);
+    # where XLA contracts a product and a sum into one FMA, a result may differ in its
+    # last bf16 bit.
+    signs = jnp.asarray([[-1.0], [1.0]], jnp.float32)
+    out = y * cos[..., None, :] + jnp.flip(y, axis=-2) * (sin[..., None, :] * signs)
     return out.reshape(x.shape).astype(x.dtype)
 
 
