@@ -82,9 +82,11 @@ def cast_floats_with_copies(tree: Any, copies: Any, dtype: Optional[jnp.dtype]) 
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     copy_leaves = treedef.flatten_up_to(copies)
-    cast = cast_floats(leaves, dtype)
     return treedef.unflatten(
-        [c if copy is None else _precast(x, copy) for x, c, copy in zip(leaves, cast, copy_leaves)]
+        [
+            cast_floats(x, dtype) if copy is None else _precast(x, copy)
+            for x, copy in zip(leaves, copy_leaves)
+        ]
     )
 
 

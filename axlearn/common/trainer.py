@@ -223,19 +223,11 @@ class SpmdTrainer(Module):
     def _state_shardings(self) -> TrainerState:
         learner_specs = self.learner.create_state_partition_specs(self._model_param_specs)
         model = self._param_shardings(self._model_param_specs)
-        weight_copies = None
-        if self._config.carry_train_dtype_weights:
-            weight_copies = jax.tree.map(
-                lambda spec, sharding: sharding if self._has_weight_copy(spec) else None,
-                self._model_param_specs,
-                model,
-                is_leaf=is_parameter_spec,
-            )
         return TrainerState(
             prng_key=NamedSharding(self._mesh, PartitionSpec()),
             model=model,
             learner=self._param_shardings(learner_specs),
-            weight_copies=weight_copies,
+            weight_copies=self._copied_weights(model),
         )
 
     def _batch_axes(self) -> tuple[str, ...]:
@@ -265,17 +257,23 @@ class SpmdTrainer(Module):
             and spec.dtype != self._config.train_dtype
         )
 
-    def _weight_copies(self, params: Any) -> Any:
-        """The carried train_dtype copies of `params` (TrainerState.weight_copies)."""
+    def _copied_weights(self, tree: Any) -> Any:
+        """`tree` (shaped like the parameters) with None in place of every parameter
+        without a carried copy; None if no copies are carried."""
         if not self._config.carry_train_dtype_weights:
             return None
-        dtype = self._config.train_dtype
         return jax.tree.map(
-            lambda spec, p: p.astype(dtype) if self._has_weight_copy(spec) else None,
+            lambda spec, x: x if self._has_weight_copy(spec) else None,
             self._model_param_specs,
-            params,
+            tree,
             is_leaf=is_parameter_spec,
         )
+
+    def _weight_copies(self, params: Any) -> Any:
+        """The carried train_dtype copies of `params` (TrainerState.weight_copies)."""
+        dtype = self._config.train_dtype
+        # None leaves are empty subtrees: the map skips them.
+        return jax.tree.map(lambda p: p.astype(dtype), self._copied_weights(params))
 
     def _init_fn(self, prng_key: jax.Array) -> TrainerState:
         init_key, train_key = jax.random.split(prng_key)
