@@ -66,6 +66,32 @@ def build_benchmark_config(
     return cfg
 
 
+def time_steps(step: Callable[[], Any], steps: int) -> tuple[list[float], list[Any]]:
+    """Runs `steps` calls of `step` (each dispatches one train step and returns its loss
+    without waiting) as the training loop does: the next step is dispatched before the
+    host waits for the current one, so the device always has a step queued and never
+    waits for the host.
+
+    Returns each step's seconds, from the previous step's completion to its own (the
+    first from the start, so it includes the first dispatch), and the steps' losses.
+    Waiting on each step in turn is what makes these per-step times: dispatching every
+    step first and reading the completions afterwards would mostly time the dispatch
+    loop, which the runtime blocks once a few steps are in flight.
+    """
+    import jax  # pylint: disable=import-outside-toplevel
+
+    start = time.perf_counter()
+    done, losses = [], []
+    current = step()
+    for i in range(steps):
+        following = step() if i + 1 < steps else None
+        jax.block_until_ready(current)
+        done.append(time.perf_counter())
+        losses.append(current)
+        current = following
+    return [b - a for a, b in zip([start] + done[:-1], done)], losses
+
+
 def run_benchmark(
     *,
     config: str,
@@ -121,25 +147,16 @@ def run_benchmark(
     if sampler is not None:
         sampler.start()
     try:
-        # Dispatch every timed step without waiting; then read each step's completion time
-        # in order (steps run one after another on the device), so no host sync sits
-        # between steps.
-        start = time.perf_counter()
-        pending = [step() for _ in range(steps)]
-        done = []
-        for loss in pending:
-            jax.block_until_ready(loss)
-            done.append(time.perf_counter())
+        step_times, timed_losses = time_steps(step, steps)
     finally:
         gpu_samples = sampler.stop() if sampler is not None else {}
     host_batches.close()
-    step_times = [b - a for a, b in zip([start] + done[:-1], done)]
-    losses += [float(loss) for loss in pending]
+    losses += [float(loss) for loss in timed_losses]
     if profile_dir:
         jax.profiler.stop_trace()
         print(summarize_trace(profile_dir, steps=steps))
     # The mean over the timed steps: the first includes the dispatch lead-in.
-    avg = (done[-1] - start) / steps
+    avg = sum(step_times) / steps
     metrics = accounting.metrics(avg)
     memory = perf.device_memory()
     device = jax.devices()[0]

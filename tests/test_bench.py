@@ -114,6 +114,47 @@ def test_gpu_time_ms_calls_once_to_compile_then_traces_the_calls():
     assert (total, per_kernel) == (0.0, {})  # The CPU has no GPU stream in its trace.
 
 
+class _FakeDevice:
+    """Runs dispatched steps one after another, each taking `step_s`, and blocks a
+    dispatch while `max_in_flight` steps are unfinished (as the runtime does)."""
+
+    def __init__(self, step_s: float, max_in_flight: int):
+        self.step_s, self.max_in_flight = step_s, max_in_flight
+        self.finish_times: list[float] = []
+        self.awaited_ahead: list[int] = []  # Steps dispatched beyond the one awaited.
+
+    def dispatch(self):
+        now = time.perf_counter()
+        unfinished = [t for t in self.finish_times if t > now]
+        if len(unfinished) >= self.max_in_flight:
+            time.sleep(unfinished[-self.max_in_flight] - now)
+        begin = max([time.perf_counter()] + self.finish_times[-1:])
+        self.finish_times.append(begin + self.step_s)
+        return _FakeLoss(self, len(self.finish_times) - 1)
+
+
+class _FakeLoss:
+    def __init__(self, device: _FakeDevice, index: int):
+        self.device, self.index = device, index
+
+    def block_until_ready(self):
+        self.device.awaited_ahead.append(len(self.device.finish_times) - 1 - self.index)
+        time.sleep(max(0.0, self.device.finish_times[self.index] - time.perf_counter()))
+        return self
+
+
+def test_time_steps_times_each_step_with_the_next_one_queued():
+    device = _FakeDevice(step_s=0.05, max_in_flight=2)
+    step_times, losses = bench.time_steps(device.dispatch, 6)
+    assert [loss.index for loss in losses] == list(range(6))
+    # Every step after the first takes the device's step time, although the dispatch
+    # blocks: the times are not the dispatch loop's.
+    assert all(abs(t - 0.05) < 0.02 for t in step_times[1:]), step_times
+    assert sum(step_times) == pytest.approx(6 * 0.05, abs=0.03)
+    # One step is always queued behind the awaited one, except after the last.
+    assert device.awaited_ahead == [1, 1, 1, 1, 1, 0]
+
+
 def test_rounds_alternate_the_order_and_average_each_side():
     order = []
     rates = {"main": iter([100.0, 110.0, 120.0]), "branch": iter([200.0, 190.0, 180.0])}
