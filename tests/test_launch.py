@@ -162,6 +162,15 @@ def test_mesh_selector_can_apply_a_config_modifier():
     assert selected.model.decoder.transformer.layer.remat_spec is None
 
 
+@pytest.mark.parametrize("config_name,carried", [("gpt_1b", True), ("gpt_7b", False)])
+def test_single_host_gpu_rule_carries_weight_copies_only_without_remat(config_name, carried):
+    # Measured (docs/benchmarks.md): a gain on gpt_1b, which saves all activations; none on
+    # gpt_7b, whose layers are rematerialized, for more memory.
+    cfg = build_trainer_config(config_name=config_name, mesh_selector="gpu-h100-8")
+    assert (cfg.model.decoder.transformer.layer.remat_spec is None) is carried
+    assert bool(cfg.carry_train_dtype_weights) is carried
+
+
 def test_unmatched_mesh_selector_fails_listing_the_rules():
     message = r"--mesh_selector=gpu-z100-3 matches none of gpt_1b's mesh_rules: \["
     with pytest.raises(ConfigError, match=message):
