@@ -1,14 +1,17 @@
-"""Benchmarks named trainer configs and compares git revisions side by side.
+r"""Benchmarks named trainer configs and compares git revisions side by side.
 
-    # One config, synthetic data, 20 timed steps after 5 warm-up steps:
-    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 --steps=20
+    # One config, synthetic data, 20 timed steps after 5 warm-up steps (4 sequences a
+    # step: gpt_1b's configured 1,024 are for a cluster):
+    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 --steps=20 \
+        --config_override=input.global_batch_size=4
 
     # The same on two revisions, in one invocation, with an HTML report:
     python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 \
-        --compare=main,HEAD --html=/tmp/bench.html
+        --config_override=input.global_batch_size=4 --compare=main,HEAD --html=/tmp/bench.html
 
     # ... each side twice, in the order main HEAD HEAD main, the table showing the means:
-    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 --compare=main,HEAD --rounds=2
+    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 \
+        --config_override=input.global_batch_size=4 --compare=main,HEAD --rounds=2
 
 Every run prints the standard columns: Parameters, Final loss, TFLOP/s/device,
 Tokens/s/device, Avg s/step, Memory %, MFU, JAX version, device; on NVIDIA GPUs also the

@@ -1,4 +1,4 @@
-"""Measures named variants of a trainer config on the local accelerator, each in a
+r"""Measures named variants of a trainer config on the local accelerator, each in a
 fresh process, and prints one table (the standard columns) plus GPU-kernel profiles.
 
     PYTHONPATH=. python benchmarks/gpt_variants.py --config=gpt_1b --mesh_selector=gpu-h100-1 \

@@ -1,4 +1,4 @@
-"""Times each matrix multiply of a gpt_1b step alone, and one of them back to back.
+r"""Times each matrix multiply of a gpt_1b step alone, and one of them back to back.
 
     PYTHONPATH=. python benchmarks/matmul_check.py [--back_to_back=1500] [--stacked_mlp_input=400] \
         [--json_out=mm.json]

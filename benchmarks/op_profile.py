@@ -1,4 +1,4 @@
-"""Per-HLO-op GPU time from a profiler trace, grouped by where the op comes from.
+r"""Per-HLO-op GPU time from a profiler trace, grouped by where the op comes from.
 
     python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 --steps=5 \
         --config_override=input.global_batch_size=4 --profile_dir=/tmp/prof --xla_dump_dir=/tmp/dump

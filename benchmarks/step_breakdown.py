@@ -1,4 +1,4 @@
-"""Splits a train step's time into forward, backward and optimizer update.
+r"""Splits a train step's time into forward, backward and optimizer update.
 
     PYTHONPATH=. python benchmarks/step_breakdown.py --config=gpt_1b --mesh_selector=gpu-h100-1 \
         --config_override=input.global_batch_size=4
