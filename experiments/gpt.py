@@ -23,6 +23,23 @@ EVAL_SPLIT = "test[:5000]"
 
 
 @dataclasses.dataclass(frozen=True)
+class SingleHost:
+    """How a size trains on one H100/H200 host (`--mesh_selector=gpu-h100-8`, ...).
+
+    The GPUs hold the training state in FSDP: float32 weights and two float32 moments, and
+    a float32 gradient sum while accumulating, 16 bytes a parameter. A host qualifies when
+    its share of that is at most half of the allocator's default 75% of an 80 GB card
+    (30 GB), leaving the other half for activations.
+    """
+
+    gpu_counts: tuple[int, ...]  # The host sizes whose GPUs hold the state (see above).
+    # Sequences a GPU computes at once; a larger share of the global batch is accumulated
+    # over microbatches of this size (SpmdTrainer.Config.per_device_microbatch_size).
+    microbatch: int
+    remat: Optional[dict[str, Any]]  # None saves everything (fastest while memory allows).
+
+
+@dataclasses.dataclass(frozen=True)
 class Size:
     """The numbers that distinguish one model size from another."""
 
@@ -37,25 +54,34 @@ class Size:
     global_batch_size: int
     max_step: int
     warmup_steps: int
-    # Remat on single-host GPUs: None saves everything (fastest while memory allows).
-    single_host_remat: Optional[dict[str, Any]]
+    single_host: Optional[SingleHost]  # None: too large for one host; clusters only.
 
 
 SIZES = {
-    "125M": Size(768, 12, 12, 4, 2048, 32768, "bpe_32k_c4.model", 2048, 512, 100_000, 2000, None),
-    "350M": Size(1024, 24, 16, 8, 2816, 32768, "bpe_32k_c4.model", 2048, 512, 200_000, 2000, None),
-    "1B": Size(2048, 16, 16, 8, 8192, 32768, "bpe_32k_c4.model", 4096, 1024, 250_000, 5000, None),
+    "125M": Size(
+        768, 12, 12, 4, 2048, 32768, "bpe_32k_c4.model", 2048, 512, 100_000, 2000,
+        SingleHost((1, 2, 4, 8), microbatch=32, remat=None),
+    ),
+    "350M": Size(
+        1024, 24, 16, 8, 2816, 32768, "bpe_32k_c4.model", 2048, 512, 200_000, 2000,
+        SingleHost((1, 2, 4, 8), microbatch=16, remat=None),
+    ),
+    "1B": Size(
+        2048, 16, 16, 8, 8192, 32768, "bpe_32k_c4.model", 4096, 1024, 250_000, 5000,
+        SingleHost((1, 2, 4, 8), microbatch=4, remat=None),
+    ),
     "3B": Size(
         3072, 26, 24, 8, 8064, 49152, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
-        common.build_remat_spec(),
+        None,  # The reference config keeps the mesh rules of its golden file.
     ),
     "7B": Size(
         4096, 32, 32, 8, 14336, 49152, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
-        common.build_remat_spec(),
+        SingleHost((4, 8), microbatch=2, remat=common.build_remat_spec()),
     ),
+    # 70B's state (1.1 TB) is 140 GB a GPU on an 8-GPU host.
     "70B": Size(
         8192, 80, 64, 8, 28672, 49152, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
-        common.build_remat_spec(names_which_can_be_saved=None),
+        None,
     ),
 }
 
@@ -80,24 +106,28 @@ FLEET_MESHES = (
 
 def mesh_rules(size: Size) -> list[tuple[str, Any]]:
     """The cloud fleets (only the sizes that split the global batch evenly), single-host
-    H100/H200 machines with the size's remat choice, and CPU."""
+    H100/H200 machines that hold the size (SingleHost), and CPU."""
     rules = [
         common.fleet_mesh_rule(fleet, shape, global_batch_size=size.global_batch_size)
         for fleet, shape in FLEET_MESHES
     ]
-    unrolled = size.num_layers <= 32
-    rules.append(
-        (
-            common.GPU_SINGLE_HOST.selector(),
-            common.single_host_gpu_rule(
-                size.single_host_remat,
-                unrolled_layers=unrolled,
-                # Carried bf16 weights gained 0.5-0.7% on gpt_1b (no remat); on gpt_7b (remat,
-                # FSDP over 4 H100s) they gained nothing and held 1.4 GiB more a GPU.
-                carry_train_dtype_weights=unrolled and size.single_host_remat is None,
-            ),
+    single_host = size.single_host
+    if single_host is not None:
+        unrolled = size.num_layers <= 32
+        rules.append(
+            (
+                common.GPU_SINGLE_HOST.selector(single_host.gpu_counts),
+                common.single_host_gpu_rule(
+                    single_host.remat,
+                    unrolled_layers=unrolled,
+                    # Carried bf16 weights gained 0.5-0.7% on gpt_1b (no remat); on gpt_7b
+                    # (remat, FSDP over 4 H100s) they gained nothing and held 1.4 GiB more
+                    # a GPU.
+                    carry_train_dtype_weights=unrolled and single_host.remat is None,
+                    per_device_microbatch_size=single_host.microbatch,
+                ),
+            )
         )
-    )
     rules.append((common.CPU, common.mesh_shape_from_axes(fsdp=-1)))
     return [rule for rule in rules if rule is not None]
 

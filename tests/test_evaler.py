@@ -225,6 +225,26 @@ def test_eval_step_reports_exact_perplexity_and_bits_per_byte_over_uneven_batche
         assert abs(value / reference[name] - 1) > 1e-3, name
 
 
+def test_microbatched_eval_feeds_pieces_and_reports_the_whole_batches_metrics():
+    evaler, _ = make_evaler(per_device_microbatch_size=2)
+    batch = make_batches()[0]
+    pieces = evaler._microbatches(batch)  # One device: the whole batch is its share.
+    assert [p["input_ids"].shape[0] for p in pieces] == [2, 2, 2, 2]
+    for name, value in batch.items():
+        np.testing.assert_array_equal(np.concatenate([p[name] for p in pieces]), value)
+    params = make_params()
+    results = evaler.eval_step(
+        5, prng_key=jax.random.PRNGKey(0), model_params=jax.tree.map(jnp.asarray, params)
+    )
+    assert_matches_reference(results, reference_metrics(params, make_batches()))
+
+
+def test_microbatch_size_that_does_not_divide_an_eval_batch_names_the_field():
+    evaler, _ = make_evaler(per_device_microbatch_size=3)
+    with pytest.raises(ValueError, match="eval_set.per_device_microbatch_size=3 does not divide"):
+        evaler._microbatches(make_batches()[0])
+
+
 def test_eval_step_runs_only_when_the_policy_says_so():
     policy = config_for_function(every_n_steps_policy).set(n=4, min_step=1, max_step=10)
     evaler, _ = make_evaler(eval_policy=policy)

@@ -18,7 +18,9 @@ from axlearn.common import launch, launch_trainer
 from axlearn.common.config import ConfigError
 from axlearn.common.input_fake import FakeLmInput
 from axlearn.common.launch_trainer import build_trainer_config, get_named_trainer_config
+from axlearn.common.causal_lm import count_parameters
 from axlearn.experiments.text.gpt import common
+from experiments import gpt
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(TESTS_DIR)
@@ -169,6 +171,25 @@ def test_single_host_gpu_rule_carries_weight_copies_only_without_remat(config_na
     cfg = build_trainer_config(config_name=config_name, mesh_selector="gpu-h100-8")
     assert (cfg.model.decoder.transformer.layer.remat_spec is None) is carried
     assert bool(cfg.carry_train_dtype_weights) is carried
+
+
+@pytest.mark.parametrize("size_name", ["125M", "350M", "1B", "7B", "70B"])  # Not the reference.
+def test_single_host_rules_name_the_hosts_that_hold_the_state(size_name):
+    size, config_name = gpt.SIZES[size_name], f"gpt_{size_name.lower()}"
+    model = get_named_trainer_config(config_name).model.clone(name="model")
+    state_bytes = 16 * count_parameters(model.instantiate(parent=None))
+    fits = tuple(n for n in (1, 2, 4, 8) if state_bytes / n <= 30e9)
+    assert (size.single_host.gpu_counts if size.single_host else ()) == fits
+    for n in (1, 2, 4, 8):
+        selector = f"gpu-h100-{n}"
+        if n not in fits:
+            with pytest.raises(ConfigError, match=f"--mesh_selector={selector} matches none"):
+                build_trainer_config(config_name=config_name, mesh_selector=selector)
+            continue
+        cfg = build_trainer_config(config_name=config_name, mesh_selector=selector)
+        assert cfg.per_device_microbatch_size == size.single_host.microbatch
+        # The configured batch splits into whole microbatches on every such host.
+        assert (size.global_batch_size // n) % size.single_host.microbatch == 0
 
 
 def test_unmatched_mesh_selector_fails_listing_the_rules():

@@ -15,7 +15,7 @@ from axlearn.common import optimizers as opt
 from axlearn.common import schedule
 from axlearn.common.base_layer import ParameterSpec
 from axlearn.common.config import ConfigError, config_for_function, parse_flat_text
-from axlearn.common.learner import Learner, regularizer_lines
+from axlearn.common.learner import Learner, regularizer_lines, split_microbatches
 from axlearn.common.summary import WeightedScalar
 
 SPEC = "/work/shared/spec/000_f33cfaded1b52723.txt"
@@ -151,11 +151,69 @@ def test_gradient_accumulation_equals_one_full_batch_step():
         np.testing.assert_allclose(new_acc[name], new_full[name], rtol=1e-6, atol=1e-6)
 
 
+def test_microbatch_i_holds_every_kth_row():
+    x = np.arange(24).reshape(12, 2)
+    split = np.asarray(split_microbatches(jnp.asarray(x), k=3))
+    assert split.shape == (3, 4, 2)
+    for i in range(3):
+        np.testing.assert_array_equal(split[i], x[i::3])
+
+
+def _run_script_ok(script: str) -> None:
+    """Runs `script` in a fresh Python (it sets its own fake device count) and checks that
+    it printed OK."""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+SPLIT_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+    from axlearn.common.learner import split_microbatches
+    from axlearn.common.sharding import create_mesh
+
+    mesh = create_mesh((8,), ("fsdp",))  # Auto axes, as the trainer's.
+    x = jax.device_put(
+        jnp.arange(32 * 3, dtype=jnp.float32).reshape(32, 3),
+        NamedSharding(mesh, PartitionSpec("fsdp", None)),
+    )
+
+    def row_sums(x, split):
+        # One microbatch at a time, as gradient accumulation runs them.
+        return jax.lax.scan(lambda c, m: (c, jnp.sum(m, axis=1)), 0.0, split(x))[1]
+
+    strided = jax.jit(lambda x: row_sums(x, lambda a: split_microbatches(a, k=2)))
+    contiguous = jax.jit(lambda x: row_sums(x, lambda a: a.reshape((2, 16, 3))))
+    collectives = ("all-to-all", "all-gather", "collective-permute", "all-reduce")
+    moved = lambda f: [c for c in collectives if c in f.lower(x).compile().as_text()]
+    assert moved(strided) == [], moved(strided)
+    # The contiguous split puts each microbatch on half of the devices: data must move.
+    assert moved(contiguous), "the contiguous split was expected to move data"
+    np.testing.assert_array_equal(strided(x), np.asarray(x).reshape(16, 2, 3).sum(2).T)
+    print("OK")
+    """
+)
+
+
+def test_strided_microbatches_of_a_sharded_batch_stay_on_their_devices():
+    _run_script_ok(SPLIT_SCRIPT)
+
+
 def test_gradient_accumulation_rejects_a_batch_it_cannot_split():
     learner = sgd_learner(gradient_accumulation_steps=3)
     params = {"w": jnp.zeros((4, 6)), "v": jnp.zeros((6, 1))}
     inputs = {"x": jnp.zeros((8, 4)), "y": jnp.zeros((8,))}
-    with pytest.raises(ValueError, match="input 'x' of shape \\(8, 4\\).*=3"):
+    with pytest.raises(ValueError, match="input 'x' of shape \\(8, 4\\).* into 3 gradient"):
         learner.compute_gradients(regression_loss, params, inputs, None)
 
 
@@ -367,12 +425,4 @@ SHARDED_SCRIPT = textwrap.dedent(
 
 
 def test_learner_state_is_sharded_like_the_parameters_on_a_mesh():
-    result = subprocess.run(
-        [sys.executable, "-c", SHARDED_SCRIPT],
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=REPO),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    _run_script_ok(SHARDED_SCRIPT)

@@ -407,6 +407,55 @@ def test_mesh_axis_names_and_mesh_shape_of_different_lengths_are_rejected():
         cfg.instantiate(parent=None)
 
 
+@pytest.mark.parametrize(
+    "microbatch,expected", [(None, None), (1, 8), (2, 4), (8, 1), (64, 1)]
+)
+def test_per_device_microbatch_size_sets_the_microbatch_count(microbatch, expected):
+    cfg = tiny_trainer_config(trainer_dir=None).set(per_device_microbatch_size=microbatch)
+    trainer = cfg.instantiate(parent=None, devices=jax.devices()[:1])
+    assert trainer.num_microbatches(BATCH) == expected
+
+
+def test_per_device_microbatch_size_that_does_not_divide_the_share_names_both():
+    cfg = tiny_trainer_config(trainer_dir=None).set(per_device_microbatch_size=3)
+    trainer = cfg.instantiate(parent=None, devices=jax.devices()[:1])
+    message = (
+        r"trainer.per_device_microbatch_size=3 does not divide the 8 rows a device gets of a "
+        r"global batch of 8 over 1 batch shards; change it or input.global_batch_size"
+    )
+    with pytest.raises(ConfigError, match=message):
+        trainer.num_microbatches(BATCH)
+
+
+def test_evalers_take_the_trainers_microbatch_size_unless_they_set_their_own():
+    cfg = tiny_trainer_config(trainer_dir=None).set(per_device_microbatch_size=2)
+    eval_input = _builtin_input("validation", False)
+    cfg.evalers = {
+        "inherits": common.evaler_config(input_cfg=eval_input, every_n_steps=1, max_step=6),
+        "own": common.evaler_config(input_cfg=eval_input, every_n_steps=1, max_step=6).set(
+            per_device_microbatch_size=4
+        ),
+    }
+    trainer = cfg.instantiate(parent=None)
+    assert trainer.inherits.config.per_device_microbatch_size == 2
+    assert trainer.own.config.per_device_microbatch_size == 4
+
+
+@pytest.mark.parametrize("microbatch", [0, -1, 2.0])
+def test_per_device_microbatch_size_must_be_a_positive_int(microbatch):
+    cfg = tiny_trainer_config(trainer_dir=None).set(per_device_microbatch_size=microbatch)
+    with pytest.raises(ConfigError, match="trainer.per_device_microbatch_size must be None or"):
+        cfg.instantiate(parent=None)
+
+
+def test_per_device_microbatch_size_and_learner_accumulation_are_exclusive():
+    cfg = tiny_trainer_config(trainer_dir=None).set(per_device_microbatch_size=2)
+    cfg.learner.gradient_accumulation_steps = 2
+    message = "set per_device_microbatch_size or learner.gradient_accumulation_steps, not both"
+    with pytest.raises(ConfigError, match=message):
+        cfg.instantiate(parent=None)
+
+
 def test_fsdp4_data2_mesh_on_eight_devices_matches_one_device(tmp_path):
     env = dict(
         os.environ,
@@ -432,6 +481,10 @@ def test_fsdp4_data2_mesh_on_eight_devices_matches_one_device(tmp_path):
     copy_specs = results["sharded_bf16_carried"]["copy_specs"]
     assert copy_specs and all(copy == param for copy, param in copy_specs)
     assert any("fsdp" in copy for copy, _ in copy_specs)
+    # Two rows a device in microbatches of one: the same steps as the whole batch at once.
+    microbatched = results["microbatched"]
+    assert microbatched["num_microbatches"] == 2 and results["single"]["num_microbatches"] is None
+    np.testing.assert_allclose(microbatched["losses"], single, rtol=1e-5, atol=1e-5)
 
 
 def test_batches_are_read_in_a_thread_and_put_on_devices_in_the_dispatching_one(

@@ -8,8 +8,9 @@ AdamW (optionally under skip_and_clip_by_global_norm), and FakeLmInput batches.
 
 trains the same config for a few steps on one device and on an 8-device mesh with
 fsdp=4 and data=2 (the caller sets XLA_FLAGS for 8 fake CPU devices), and on that mesh
-in bf16 with and without carried weight copies; it writes the runs' meshes, per-step
-losses and the copies' sharding specs to OUT_DIR/results.json.
+in bf16 with and without carried weight copies, and on a data=2, fsdp=2 mesh of 4 devices
+in microbatches of one row a device; it writes the runs' meshes, microbatch counts,
+per-step losses and the copies' sharding specs to OUT_DIR/results.json.
 """
 
 import json
@@ -141,11 +142,14 @@ def _mesh_main(out_dir: str) -> None:
         ("sharded", sharded, None, None),
         ("sharded_bf16", sharded, None, None),
         ("sharded_bf16_carried", sharded, None, True),
+        ("microbatched", dict(data=2, fsdp=2), jax.devices()[:4], None),
     ):
         trainer_dir = os.path.join(out_dir, name)
         cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=4, mesh=mesh)
         if name.startswith("sharded_bf16"):
             cfg.set(train_dtype=jnp.bfloat16, carry_train_dtype_weights=carry)
+        if name == "microbatched":
+            cfg.set(per_device_microbatch_size=1)  # 2 rows a device: 2 microbatches.
         trainer = cfg.instantiate(parent=None, devices=devices)
         trainer.run()
         losses = losses_by_step(trainer_dir)
@@ -154,6 +158,7 @@ def _mesh_main(out_dir: str) -> None:
         copies = treedef.flatten_up_to(state.weight_copies) if carry else [None] * len(params)
         results[name] = dict(
             mesh={k: int(v) for k, v in trainer.mesh.shape.items()},
+            num_microbatches=trainer.num_microbatches(BATCH),
             losses=[losses[step] for step in sorted(losses)],
             # Each carried copy's sharding spec and that of its parameter.
             copy_specs=[

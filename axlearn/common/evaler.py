@@ -11,6 +11,7 @@ when the model reports it, and the model's other summaries.
 """
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -170,6 +171,10 @@ class SpmdEvaler(Module):
         # ('data', 'expert', 'fsdp', 'seq') that the current mesh has. Axes the mesh
         # lacks are ignored.
         batch_axis_names: Optional[Union[str, Sequence[str]]] = None
+        # Rows each device runs at once: a larger share of an eval batch is fed to the
+        # model in pieces of this size, with the same summaries as the whole batch. The
+        # trainer sets its own per_device_microbatch_size here when this is None.
+        per_device_microbatch_size: Optional[int] = None
 
     def __init__(
         self,
@@ -229,15 +234,40 @@ class SpmdEvaler(Module):
             )
         return self._cast_fns[key](model_params)
 
+    def _batch_axes(self, mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+        names = axis_names(self._config.batch_axis_names or _DEFAULT_BATCH_AXIS_NAMES)
+        return tuple(name for name in names if name in mesh.axis_names)
+
+    def _microbatches(self, batch: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        """`batch` in host-local pieces of per_device_microbatch_size rows a device."""
+        microbatch, mesh = self._config.per_device_microbatch_size, _current_mesh()
+        rows = [np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)]
+        if microbatch is None or not rows:
+            return [batch]
+        shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in self._batch_axes(mesh))
+        per_device = rows[0] * jax.process_count() // shards
+        if per_device <= microbatch:
+            return [batch]
+        if per_device % microbatch:
+            raise ValueError(
+                f"{self.path()}.per_device_microbatch_size={microbatch} does not divide the "
+                f"{per_device} rows a device gets of an eval batch"
+            )
+        k = per_device // microbatch
+        piece = rows[0] // k  # Host-local rows; each piece splits evenly over the devices.
+
+        def rows_of(i: int) -> Callable[[Any], Any]:
+            return lambda x: x[i * piece : (i + 1) * piece] if np.ndim(x) else x
+
+        return [jax.tree_util.tree_map(rows_of(i), batch) for i in range(k)]
+
     def _global_batch(self, batch: Mapping[str, Any]) -> Any:
         """Host-local numpy arrays -> jax arrays, split over the batch axes of the mesh."""
         mesh = _current_mesh()
         if mesh is None:
             return jax.tree_util.tree_map(jnp.asarray, batch)
-        names = axis_names(self._config.batch_axis_names or _DEFAULT_BATCH_AXIS_NAMES)
-        axes = tuple(name for name in names if name in mesh.axis_names)
-
-        num_shards = int(np.prod([mesh.shape[name] for name in axes]))
+        axes = self._batch_axes(mesh)
+        num_shards = math.prod(mesh.shape[name] for name in axes)
 
         def to_global(x):
             x = np.asarray(x)
@@ -269,12 +299,15 @@ class SpmdEvaler(Module):
         calculator.start()
         num_batches = 0
         for batch in self.input.dataset():
-            calculator.add_batch(
-                model_params=params,
-                prng_key=None if prng_key is None else jax.random.fold_in(prng_key, num_batches),
-                input_batch=self._global_batch(batch),
-            )
-            num_batches += 1
+            for microbatch in self._microbatches(batch):
+                calculator.add_batch(
+                    model_params=params,
+                    prng_key=(
+                        None if prng_key is None else jax.random.fold_in(prng_key, num_batches)
+                    ),
+                    input_batch=self._global_batch(microbatch),
+                )
+                num_batches += 1
         if num_batches == 0:
             raise ValueError(f"{self.path()}: the eval input yielded no batches")
         summaries = _with_derived_metrics(flatten_summaries(calculator.summaries()))

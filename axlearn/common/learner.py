@@ -8,12 +8,14 @@
     loss, aux, grads = learner.compute_gradients(loss_fn, params, inputs, prng_key)
     params, state, summaries = learner.update(params, grads, state, param_specs=param_specs)
 
-`update_rules` freeze parameters by path; `gradient_accumulation_steps` splits a batch
-into microbatches whose averaged gradients equal the full batch's.
+`update_rules` freeze parameters by path; `gradient_accumulation_steps` (or the count the
+trainer derives from its `per_device_microbatch_size`) splits a batch into microbatches
+whose averaged gradients equal the full batch's.
 `regularizer_lines` lists each parameter's effective weight-decay scale for the
 `_regularizer.txt` golden files.
 """
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
@@ -145,19 +147,25 @@ class Learner(Module):
         return model_params if param_specs is None else with_param_specs(model_params, param_specs)
 
     def compute_gradients(
-        self, loss_fn: LossFn, model_params: Nested, inputs: Nested, prng_key: Optional[Tensor]
+        self,
+        loss_fn: LossFn,
+        model_params: Nested,
+        inputs: Nested,
+        prng_key: Optional[Tensor],
+        *,
+        num_microbatches: Optional[int] = None,
     ) -> tuple[Tensor, Any, Nested]:
         """(loss, aux, grads) of `loss_fn(params, inputs, prng_key) -> (loss, aux)`.
 
-        With k = gradient_accumulation_steps > 1, the leading (batch) axis of every array
-        in `inputs` is split into k equal microbatches, run one after another under
-        jax.lax.scan with keys fold_in(prng_key, i); loss and gradients are averaged over
-        microbatches, so a loss that is a mean over examples gives the full-batch result.
-        aux leaves are averaged too, except WeightedScalars (combined by weight) and
-        integer leaves (summed).
+        With k microbatches (`num_microbatches`, or else gradient_accumulation_steps) > 1,
+        the leading (batch) axis of every array in `inputs` is split into k equal
+        microbatches (`split_microbatches`), run one after another under jax.lax.scan with
+        keys fold_in(prng_key, i); loss and gradients are averaged over microbatches, so a
+        loss that is a mean over examples gives the full-batch result. aux leaves are
+        averaged too, except WeightedScalars (combined by weight) and integer leaves (summed).
         """
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        k = self._accumulation_steps
+        k = self._accumulation_steps if num_microbatches is None else num_microbatches
         if k == 1:
             (loss, aux), grads = grad_fn(model_params, inputs, prng_key)
             return loss, aux, grads
@@ -167,11 +175,9 @@ class Learner(Module):
             if not shape or shape[0] % k:
                 raise ValueError(
                     f"{self.path()}: input '{path}' of shape {shape} cannot be split into "
-                    f"gradient_accumulation_steps={k} microbatches along its leading axis"
+                    f"{k} gradient accumulation microbatches along its leading axis"
                 )
-        microbatches = jax.tree.map(
-            lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), inputs
-        )
+        microbatches = jax.tree.map(functools.partial(split_microbatches, k=k), inputs)
         zero_grads = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), model_params)
 
         def step(carry, xs):
@@ -244,6 +250,17 @@ class Learner(Module):
                 for path, x in flatten_with_paths(tree):
                     summaries[f"{name}/{path}"] = global_norm(x)
         return new_params, dict(optimizer=new_opt_state, ema=new_ema), summaries
+
+
+def split_microbatches(x: Tensor, *, k: int) -> Tensor:
+    """[B, ...] -> [k, B / k, ...], where microbatch i holds rows i, i + k, i + 2k, ...
+
+    Strided rather than contiguous because the batch is sharded in contiguous blocks:
+    each device's block of B / n rows then holds B / (n k) rows of every microbatch, so
+    the split moves no data between devices. (Contiguous microbatches would each live on
+    n / k of the devices, and every microbatch would first be resharded.)
+    """
+    return jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
 
 
 def _combine_microbatches(auxes: Nested) -> Nested:

@@ -122,6 +122,12 @@ class SpmdTrainer(Module):
         # again. Costs train_dtype's bytes per weight of memory; needs train_dtype. None:
         # no copies (and the field stays out of golden files).
         carry_train_dtype_weights: Optional[bool] = None
+        # Batch rows each device computes gradients for at once. A device's share of a
+        # larger global batch is run as microbatches of this size, with the gradients
+        # accumulated (the step equals the full-batch step; Learner.compute_gradients).
+        # Lets one config run its cluster-sized batch on fewer devices. None: the whole
+        # share at once. Not together with learner.gradient_accumulation_steps.
+        per_device_microbatch_size: Optional[int] = None
         mesh_shape: Required[MeshShape] = REQUIRED  # One entry may be -1 (inferred).
         mesh_axis_names: Required[Sequence[str]] = REQUIRED
         # [(instance-type regex, mesh shape or config modifier)]; applied by the launcher.
@@ -149,6 +155,18 @@ class SpmdTrainer(Module):
             )
         if cfg.carry_train_dtype_weights and cfg.train_dtype is None:
             raise ConfigError(f"{self.path()}.carry_train_dtype_weights needs a train_dtype")
+        microbatch = cfg.per_device_microbatch_size
+        if microbatch is not None:
+            if not isinstance(microbatch, int) or microbatch < 1:
+                raise ConfigError(
+                    f"{self.path()}.per_device_microbatch_size must be None or an int >= 1, "
+                    f"got {microbatch!r}"
+                )
+            if (cfg.learner.gradient_accumulation_steps or 1) > 1:
+                raise ConfigError(
+                    f"{self.path()}: set per_device_microbatch_size or "
+                    "learner.gradient_accumulation_steps, not both"
+                )
         mesh_shape = infer_mesh_shape(cfg.mesh_shape, len(devices))
         self._mesh = create_mesh(mesh_shape, cfg.mesh_axis_names, devices)
         self._devices = devices
@@ -173,6 +191,10 @@ class SpmdTrainer(Module):
         for name, evaler_cfg in cfg.evalers.items():
             # Evaluation batches are split over the same mesh axes as training batches.
             evaler_cfg = evaler_cfg.clone(batch_axis_names=cfg.batch_axis_names)
+            if evaler_cfg.per_device_microbatch_size is None:
+                # Eval batches are as large as training ones: a share that training runs
+                # in microbatches would not fit one forward pass either.
+                evaler_cfg.per_device_microbatch_size = cfg.per_device_microbatch_size
             if trainer_dir is not None and "dir" in evaler_cfg.summary_writer.keys():
                 evaler_cfg.summary_writer.dir = os.path.join(trainer_dir, "summaries", name)
             self._evalers[name] = self._add_child(
@@ -344,11 +366,39 @@ class SpmdTrainer(Module):
         aux = {k: v for k, v in (aux or {}).items() if k != "logits"}
         return loss, dict(aux=aux, summaries=collection.summaries)
 
+    def num_microbatches(self, global_batch_size: int) -> Optional[int]:
+        """Microbatches a step of `global_batch_size` rows runs in (per_device_microbatch_size);
+        None: as the learner is configured."""
+        microbatch = self._config.per_device_microbatch_size
+        if microbatch is None:
+            return None
+        shards = math.prod(self._mesh.shape[axis] for axis in self._batch_axes())
+        per_device = global_batch_size // shards
+        if per_device <= microbatch:
+            return 1
+        if per_device % microbatch:
+            raise ConfigError(
+                f"{self.path()}.per_device_microbatch_size={microbatch} does not divide the "
+                f"{per_device} rows a device gets of a global batch of {global_batch_size} "
+                f"over {shards} batch shards; change it or input.global_batch_size"
+            )
+        log.info(
+            "Each step accumulates gradients over %d microbatches of %d rows a device",
+            per_device // microbatch,
+            microbatch,
+        )
+        return per_device // microbatch
+
     def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
         prng_key, step_key = jax.random.split(state.prng_key)
         loss_fn = functools.partial(self._loss_fn, weight_copies=state.weight_copies)
+        global_batch_size = jax.tree.leaves(input_batch)[0].shape[0]
         loss, aux, grads = self.learner.compute_gradients(
-            loss_fn, state.model, input_batch, step_key
+            loss_fn,
+            state.model,
+            input_batch,
+            step_key,
+            num_microbatches=self.num_microbatches(global_batch_size),
         )
         with jax.named_scope("learner"):
             new_params, new_learner_state, learner_summaries = self.learner.update(

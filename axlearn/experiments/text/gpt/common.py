@@ -555,6 +555,7 @@ def single_host_gpu_rule(
     mesh_shape: Optional[Sequence[int]] = None,
     unrolled_layers: bool = False,
     carry_train_dtype_weights: bool = False,
+    per_device_microbatch_size: Optional[int] = None,
 ) -> ConfigBase:
     """The host's GPUs on `mesh_shape` (None: all in one FSDP group) with `remat_spec` on
     every transformer layer (None: no remat).
@@ -568,6 +569,10 @@ def single_host_gpu_rule(
     next (SpmdTrainer.Config.carry_train_dtype_weights) instead of casting them in every
     step. With unrolled layers the step held all the casts at once anyway: gpt_1b's peak
     memory stayed the same and it gained 0.5-0.7% on two H100s (docs/benchmarks.md).
+
+    `per_device_microbatch_size`: the rows a GPU computes at once
+    (SpmdTrainer.Config.per_device_microbatch_size); a cluster-sized global batch is
+    accumulated over microbatches of this size. None: the whole share at once.
     """
     if mesh_shape is None:
         mesh_shape = mesh_shape_from_axes(fsdp=-1)
@@ -587,10 +592,11 @@ def single_host_gpu_rule(
             remat_policies={"model.decoder.transformer.layer": remat_spec}
         )
     )
+    trainer_fields = {}
     if carry_train_dtype_weights:
-        modifiers.append(
-            TrainerFieldsModifier.default_config().set(
-                fields={"carry_train_dtype_weights": True}
-            )
-        )
+        trainer_fields["carry_train_dtype_weights"] = True
+    if per_device_microbatch_size is not None:
+        trainer_fields["per_device_microbatch_size"] = per_device_microbatch_size
+    if trainer_fields:
+        modifiers.append(TrainerFieldsModifier.default_config().set(fields=trainer_fields))
     return ChainConfigModifier.default_config().set(config_modifiers=modifiers)
