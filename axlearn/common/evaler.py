@@ -11,7 +11,6 @@ when the model reports it, and the model's other summaries.
 """
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,7 +32,7 @@ from axlearn.common.config import (
 )
 from axlearn.common.metrics import MetricAccumulator
 from axlearn.common.module import Module, Tensor, functional
-from axlearn.common.sharding import axis_names, named_sharding
+from axlearn.common.sharding import batch_axes, batch_shards, named_sharding
 from axlearn.common.summary import WeightedScalar
 from axlearn.common.summary_writer import SummaryWriter, flatten_summaries, host_value
 
@@ -234,9 +233,8 @@ class SpmdEvaler(Module):
             )
         return self._cast_fns[key](model_params)
 
-    def _batch_axes(self, mesh: jax.sharding.Mesh) -> tuple[str, ...]:
-        names = axis_names(self._config.batch_axis_names or _DEFAULT_BATCH_AXIS_NAMES)
-        return tuple(name for name in names if name in mesh.axis_names)
+    def _batch_axis_names(self) -> Union[str, Sequence[str]]:
+        return self._config.batch_axis_names or _DEFAULT_BATCH_AXIS_NAMES
 
     def _microbatches(self, batch: Mapping[str, Any]) -> list[Mapping[str, Any]]:
         """`batch` in host-local pieces of per_device_microbatch_size rows a device."""
@@ -244,7 +242,7 @@ class SpmdEvaler(Module):
         rows = [np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)]
         if microbatch is None or not rows:
             return [batch]
-        shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in self._batch_axes(mesh))
+        shards = 1 if mesh is None else batch_shards(mesh, self._batch_axis_names())
         per_device = rows[0] * jax.process_count() // shards
         if per_device <= microbatch:
             return [batch]
@@ -266,8 +264,8 @@ class SpmdEvaler(Module):
         mesh = _current_mesh()
         if mesh is None:
             return jax.tree_util.tree_map(jnp.asarray, batch)
-        axes = self._batch_axes(mesh)
-        num_shards = math.prod(mesh.shape[name] for name in axes)
+        axes = batch_axes(mesh, self._batch_axis_names())
+        num_shards = batch_shards(mesh, axes)
 
         def to_global(x):
             x = np.asarray(x)

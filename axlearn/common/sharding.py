@@ -6,6 +6,7 @@ collectives) and sets it as the current mesh; `maybe_shard` then constrains acti
 where the spec says so, and does nothing when no mesh is set (single-device tests).
 """
 
+import math
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -47,6 +48,17 @@ def axis_names(entry: Optional[Union[str, Sequence[str]]]) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def batch_axes(mesh: Mesh, names: Optional[Union[str, Sequence[str]]]) -> tuple[str, ...]:
+    """The axes among `names` that `mesh` has, in the order given: those a batch
+    dimension is split over (axes the mesh lacks are ignored)."""
+    return tuple(name for name in axis_names(names) if name in mesh.shape)
+
+
+def batch_shards(mesh: Mesh, names: Optional[Union[str, Sequence[str]]]) -> int:
+    """Into how many parts `mesh` splits a batch dimension over `names`."""
+    return math.prod(mesh.shape[name] for name in batch_axes(mesh, names))
 
 
 def _filter_axes(spec: MeshAxes, known: dict[str, int]) -> PartitionSpec:

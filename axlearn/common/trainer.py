@@ -36,7 +36,7 @@ from axlearn.common.input_prefetch import prefetch_in_thread
 from axlearn.common.learner import Learner
 from axlearn.common.module import Module, functional
 from axlearn.common.optimizers import global_norm
-from axlearn.common.sharding import axis_names, create_mesh, named_sharding
+from axlearn.common.sharding import batch_axes, batch_shards, create_mesh, named_sharding
 from axlearn.common.summary import WeightedScalar, scalar_value
 from axlearn.common.summary_writer import SummaryWriter
 
@@ -252,11 +252,9 @@ class SpmdTrainer(Module):
             weight_copies=self._copied_weights(model),
         )
 
-    def _batch_axes(self) -> tuple[str, ...]:
-        return tuple(n for n in axis_names(self._config.batch_axis_names) if n in self._mesh.shape)
-
     def _batch_sharding(self, ndim: int) -> NamedSharding:
-        return NamedSharding(self._mesh, PartitionSpec(self._batch_axes(), *([None] * (ndim - 1))))
+        axes = batch_axes(self._mesh, self._config.batch_axis_names)
+        return NamedSharding(self._mesh, PartitionSpec(axes, *([None] * (ndim - 1))))
 
     def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Assembles the global batch from this process's rows."""
@@ -372,7 +370,7 @@ class SpmdTrainer(Module):
         microbatch = self._config.per_device_microbatch_size
         if microbatch is None:
             return None
-        shards = math.prod(self._mesh.shape[axis] for axis in self._batch_axes())
+        shards = batch_shards(self._mesh, self._config.batch_axis_names)
         per_device = global_batch_size // shards
         if per_device <= microbatch:
             return 1
