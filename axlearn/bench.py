@@ -15,7 +15,9 @@ r"""Benchmarks named trainer configs and compares git revisions side by side.
 
 Every run prints the standard columns: Parameters, Final loss, TFLOP/s/device,
 Tokens/s/device, Avg s/step, Memory %, MFU, JAX version, device; on NVIDIA GPUs also the
-mean SM clock and board power over the timed steps (see GpuSampler).
+mean SM clock and board power over the timed steps (see GpuSampler); and the tokens and
+gradient-accumulation microbatches a step runs, so that two rows of a comparison are
+known to measure the same step.
 """
 
 import argparse
@@ -40,6 +42,8 @@ COLUMNS = (
     ("MFU", "mfu_percent", "{:.1f}%", +1),
     ("SM clock (MHz)", "sm_clock_mhz", "{:,.0f}", 0),
     ("GPU power (W)", "gpu_power_w", "{:.0f}", 0),
+    ("Tokens/step", "tokens_per_step", "{:,.0f}", 0),
+    ("Microbatches/step", "microbatches_per_step", "{:,.0f}", 0),
     ("JAX version", "jax_version", "{}", 0),
     ("Device", "device", "{}", 0),
 )
@@ -129,6 +133,11 @@ def run_benchmark(
         cfg = modify(cfg)
     trainer = cfg.instantiate(parent=None)
     accounting = perf.StepAccounting.for_trainer(trainer)
+    batch_rows = trainer.input.element_spec()["input_ids"].shape[0]
+    # Gradient accumulation: per_device_microbatch_size, else the learner's fixed count.
+    microbatches = trainer.num_microbatches(batch_rows) or (
+        cfg.learner.gradient_accumulation_steps or 1
+    )
     trainer._state = trainer.init_state(jax.random.PRNGKey(0))  # pylint: disable=protected-access
     from axlearn.common.input_prefetch import prefetch_in_thread  # pylint: disable=import-outside-toplevel
 
@@ -177,6 +186,8 @@ def run_benchmark(
         "peak_memory_gib": memory[0] / 2**30 if memory else float("nan"),
         "sm_clock_mhz": gpu_samples.get("sm_clock_mhz"),
         "gpu_power_w": gpu_samples.get("gpu_power_w"),
+        "tokens_per_step": accounting.tokens_per_step,
+        "microbatches_per_step": microbatches,
         "jax_version": jax.__version__,
         "device": f"{jax.device_count()}x {device.device_kind}",
     }

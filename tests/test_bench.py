@@ -197,6 +197,7 @@ def test_compare_dirs_runs_both_trees_and_writes_the_page(tmp_path):
     assert set(results) == {"base", "head"}
     for result in results.values():
         assert result["tokens_per_s_per_device"] > 0 and len(result["losses"]) == 3
+        assert result["tokens_per_step"] == 16 * 256 and result["microbatches_per_step"] == 1
     text = page.read_text()
     assert "<svg" in text and "Loss per step" in text and "Diff (head - base)" in text
 
@@ -206,6 +207,14 @@ def test_profile_and_xla_dump_switches_save_a_trace_and_the_hlo(tmp_path):
     _run_bench_cli(tmp_path, "--steps=1", f"--profile_dir={profile}", f"--xla_dump_dir={dump}")
     assert list(profile.rglob("*.xplane.pb")), "no trace of the timed steps"
     assert [p for p in dump.glob("*train_step*after_optimizations.txt")], "no optimized HLO"
+
+
+def test_the_table_shows_the_microbatches_a_step_runs(tmp_path):
+    # gpt_test's 16 sequences on one CPU device, 4 at a time.
+    stdout = _run_bench_cli(tmp_path, "--steps=1", "--config_override=per_device_microbatch_size=4")
+    lines = {line.split("|")[0].strip(): line for line in stdout.splitlines() if "|" in line}
+    assert lines["Microbatches/step"].split("|")[1].strip() == "4"
+    assert lines["Tokens/step"].split("|")[1].strip() == "4,096"
 
 
 def test_compare_benchmarks_two_git_revisions(tmp_path):
