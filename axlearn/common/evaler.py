@@ -30,6 +30,7 @@ from axlearn.common.config import (
     config_class,
     config_for_function,
 )
+from axlearn.common.learner import microbatch_count
 from axlearn.common.metrics import MetricAccumulator
 from axlearn.common.module import Module, Tensor, functional
 from axlearn.common.sharding import batch_axes, batch_shards, named_sharding
@@ -244,14 +245,14 @@ class SpmdEvaler(Module):
             return [batch]
         shards = 1 if mesh is None else batch_shards(mesh, self._batch_axis_names())
         per_device = rows[0] * jax.process_count() // shards
-        if per_device <= microbatch:
-            return [batch]
-        if per_device % microbatch:
+        k = microbatch_count(per_device, microbatch)
+        if k is None:
             raise ValueError(
                 f"{self.path()}.per_device_microbatch_size={microbatch} does not divide the "
                 f"{per_device} rows a device gets of an eval batch"
             )
-        k = per_device // microbatch
+        if k == 1:
+            return [batch]
         piece = rows[0] // k  # Host-local rows; each piece splits evenly over the devices.
 
         def rows_of(i: int) -> Callable[[Any], Any]:

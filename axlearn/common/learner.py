@@ -252,6 +252,16 @@ class Learner(Module):
         return new_params, dict(optimizer=new_opt_state, ema=new_ema), summaries
 
 
+def microbatch_count(rows_per_device: int, microbatch: int) -> Optional[int]:
+    """In how many microbatches of `microbatch` rows a device runs its `rows_per_device`:
+    1 when they fit at once; None when `microbatch` does not divide them."""
+    if rows_per_device <= microbatch:
+        return 1
+    if rows_per_device % microbatch:
+        return None
+    return rows_per_device // microbatch
+
+
 def split_microbatches(x: Tensor, *, k: int) -> Tensor:
     """[B, ...] -> [k, B / k, ...], where microbatch i holds rows i, i + k, i + 2k, ...
 

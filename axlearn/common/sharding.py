@@ -50,10 +50,15 @@ def axis_names(entry: Optional[Union[str, Sequence[str]]]) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _known_axes(entry: Optional[Union[str, Sequence[str]]], known: Any) -> tuple[str, ...]:
+    """The axes `entry` names that `known` (axis name -> size) has, in the order given."""
+    return tuple(name for name in axis_names(entry) if name in known)
+
+
 def batch_axes(mesh: Mesh, names: Optional[Union[str, Sequence[str]]]) -> tuple[str, ...]:
     """The axes among `names` that `mesh` has, in the order given: those a batch
     dimension is split over (axes the mesh lacks are ignored)."""
-    return tuple(name for name in axis_names(names) if name in mesh.shape)
+    return _known_axes(names, mesh.shape)
 
 
 def batch_shards(mesh: Mesh, names: Optional[Union[str, Sequence[str]]]) -> int:
@@ -65,7 +70,7 @@ def _filter_axes(spec: MeshAxes, known: dict[str, int]) -> PartitionSpec:
     """Drops axis names the current mesh lacks, so one config serves every mesh."""
 
     def keep(entry):
-        names = tuple(n for n in axis_names(entry) if n in known)
+        names = _known_axes(entry, known)
         if not names:
             return None
         return names[0] if len(names) == 1 else names

@@ -33,7 +33,7 @@ from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.evaler import SpmdEvaler
 from axlearn.common.input_prefetch import prefetch_in_thread
-from axlearn.common.learner import Learner
+from axlearn.common.learner import Learner, microbatch_count
 from axlearn.common.module import Module, functional
 from axlearn.common.optimizers import global_norm
 from axlearn.common.sharding import batch_axes, batch_shards, create_mesh, named_sharding
@@ -372,20 +372,20 @@ class SpmdTrainer(Module):
             return None
         shards = batch_shards(self._mesh, self._config.batch_axis_names)
         per_device = global_batch_size // shards
-        if per_device <= microbatch:
-            return 1
-        if per_device % microbatch:
+        count = microbatch_count(per_device, microbatch)
+        if count is None:
             raise ConfigError(
                 f"{self.path()}.per_device_microbatch_size={microbatch} does not divide the "
                 f"{per_device} rows a device gets of a global batch of {global_batch_size} "
                 f"over {shards} batch shards; change it or input.global_batch_size"
             )
-        log.info(
-            "Each step accumulates gradients over %d microbatches of %d rows a device",
-            per_device // microbatch,
-            microbatch,
-        )
-        return per_device // microbatch
+        if count > 1:
+            log.info(
+                "Each step accumulates gradients over %d microbatches of %d rows a device",
+                count,
+                microbatch,
+            )
+        return count
 
     def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
         prng_key, step_key = jax.random.split(state.prng_key)
