@@ -358,4 +358,4 @@ with jax.set_mesh(create_mesh((8,), ("data",))):
 def test_a_batch_that_the_mesh_cannot_split_is_an_error_with_the_fix():
     proc = _run_on_8_fake_devices(_INDIVISIBLE_SCRIPT)
     assert proc.returncode != 0
-    assert "eval batch of 4 rows cannot be split over mesh axes ('data',) (8 shards)" in proc.stderr
+    assert "a batch of 4 rows cannot be split over mesh axes ('data',) (8 shards)" in proc.stderr

@@ -9,7 +9,7 @@ import pytest
 
 from axlearn.common.input_base import InputError
 from axlearn.common.input_packing import FEATURE_KEYS, pack_documents
-from axlearn.common.input_prefetch import prefetch_in_thread, prefetch_to_device
+from axlearn.common.input_prefetch import prefetch_in_thread
 from axlearn.common.input_token_format import HEADER_SIZE, TokenShard, TokenShardError, write_shard
 from axlearn.common.input_tokens import TokenShardInput, build_token_shards, main
 from axlearn.common.input_vocab import ByteVocabulary
@@ -324,16 +324,3 @@ def test_thread_prefetch_reraises_producer_errors():
     assert next(items) == 1
     with pytest.raises(RuntimeError, match="broken shard"):
         next(items)
-
-
-def test_device_prefetch_places_batches_on_the_sharding():
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    rows = 8 * len(jax.devices())
-    host = [{"input_ids": np.full((rows, 4), i, dtype=np.int32)} for i in range(5)]
-    out = list(prefetch_to_device(iter(host), sharding, size=2))
-    assert len(out) == 5
-    for i, batch in enumerate(out):
-        assert isinstance(batch["input_ids"], jax.Array)
-        assert batch["input_ids"].sharding == sharding
-        np.testing.assert_array_equal(np.asarray(batch["input_ids"]), host[i]["input_ids"])

@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from axlearn.common.base_layer import ParameterSpec, cast_floats
 from axlearn.common.config import (
@@ -33,7 +33,7 @@ from axlearn.common.config import (
 from axlearn.common.learner import microbatch_count
 from axlearn.common.metrics import MetricAccumulator
 from axlearn.common.module import Module, Tensor, functional
-from axlearn.common.sharding import batch_axes, batch_shards, named_sharding
+from axlearn.common.sharding import batch_shards, global_batch, named_sharding
 from axlearn.common.summary import WeightedScalar
 from axlearn.common.summary_writer import SummaryWriter, flatten_summaries, host_value
 
@@ -265,24 +265,7 @@ class SpmdEvaler(Module):
         mesh = _current_mesh()
         if mesh is None:
             return jax.tree_util.tree_map(jnp.asarray, batch)
-        axes = batch_axes(mesh, self._batch_axis_names())
-        num_shards = batch_shards(mesh, axes)
-
-        def to_global(x):
-            x = np.asarray(x)
-            global_rows = x.shape[0] * jax.process_count() if x.ndim else 0
-            if x.ndim and global_rows % num_shards:
-                raise ValueError(
-                    f"{self.path()}: an eval batch of {global_rows} rows cannot be split over "
-                    f"mesh axes {axes} ({num_shards} shards); make the eval batch size a "
-                    f"multiple of {num_shards} or set {self.path()}.batch_axis_names"
-                )
-            spec = PartitionSpec(axes if axes else None, *([None] * (x.ndim - 1)))
-            if x.ndim == 0:
-                spec = PartitionSpec()
-            return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x)
-
-        return jax.tree_util.tree_map(to_global, batch)
+        return global_batch(batch, mesh, self._batch_axis_names(), path=self.path())
 
     # ----- evaluation -----
 

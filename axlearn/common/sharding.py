@@ -66,6 +66,38 @@ def batch_shards(mesh: Mesh, names: Optional[Union[str, Sequence[str]]]) -> int:
     return math.prod(mesh.shape[name] for name in batch_axes(mesh, names))
 
 
+def global_batch(
+    local_batch: Any, mesh: Mesh, names: Optional[Union[str, Sequence[str]]], *, path: str
+) -> Any:
+    """This process's rows of a batch (a tree of NumPy arrays) as global `jax.Array`s on
+    `mesh`: the leading dimension split over the batch axes `names`, the rows of all
+    processes stacked in process order; scalars are replicated.
+
+    Raises:
+        ValueError: naming `path` (the trainer's or evaler's config path) when the global
+            rows do not split evenly over the batch axes.
+    """
+    axes = batch_axes(mesh, names)
+    num_shards = batch_shards(mesh, names)
+
+    def to_global(x: Any) -> jax.Array:
+        x = np.asarray(x)
+        if x.ndim == 0:
+            replicated = NamedSharding(mesh, PartitionSpec())
+            return jax.make_array_from_process_local_data(replicated, x)
+        global_rows = x.shape[0] * jax.process_count()
+        if global_rows % num_shards:
+            raise ValueError(
+                f"{path}: a batch of {global_rows} rows cannot be split over mesh axes {axes} "
+                f"({num_shards} shards); make the batch size a multiple of {num_shards} or "
+                f"set {path}.batch_axis_names"
+            )
+        spec = PartitionSpec(axes or None, *([None] * (x.ndim - 1)))
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x)
+
+    return jax.tree_util.tree_map(to_global, local_batch)
+
+
 def _filter_axes(spec: MeshAxes, known: dict[str, int]) -> PartitionSpec:
     """Drops axis names the current mesh lacks, so one config serves every mesh."""
 

@@ -36,7 +36,7 @@ from axlearn.common.input_prefetch import prefetch_in_thread
 from axlearn.common.learner import Learner, microbatch_count
 from axlearn.common.module import Module, functional
 from axlearn.common.optimizers import global_norm
-from axlearn.common.sharding import batch_axes, batch_shards, create_mesh, named_sharding
+from axlearn.common.sharding import batch_shards, create_mesh, global_batch, named_sharding
 from axlearn.common.summary import WeightedScalar, scalar_value
 from axlearn.common.summary_writer import SummaryWriter
 
@@ -252,18 +252,10 @@ class SpmdTrainer(Module):
             weight_copies=self._copied_weights(model),
         )
 
-    def _batch_sharding(self, ndim: int) -> NamedSharding:
-        axes = batch_axes(self._mesh, self._config.batch_axis_names)
-        return NamedSharding(self._mesh, PartitionSpec(axes, *([None] * (ndim - 1))))
-
     def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Assembles the global batch from this process's rows."""
-        return {
-            k: jax.make_array_from_process_local_data(
-                self._batch_sharding(np.ndim(v)), np.asarray(v)
-            )
-            for k, v in local_batch.items()
-        }
+        names = self._config.batch_axis_names
+        return global_batch(local_batch, self._mesh, names, path=self.path())
 
     # ----- state -----
 

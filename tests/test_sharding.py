@@ -1,0 +1,60 @@
+"""Tests of axlearn.common.sharding's batch helpers, on 8 fake CPU devices."""
+
+import os
+import subprocess
+import sys
+
+_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from axlearn.common.sharding import batch_axes, batch_shards, create_mesh, global_batch
+
+assert len(jax.devices()) == 8
+mesh = create_mesh((2, 4), ("data", "fsdp"))
+names = ("data", "expert", "fsdp")  # The mesh has no 'expert' axis: it is ignored.
+assert batch_axes(mesh, names) == ("data", "fsdp")
+assert batch_shards(mesh, names) == 8
+assert batch_shards(mesh, "fsdp") == 4 and batch_axes(mesh, None) == ()
+
+rows = np.arange(16 * 3, dtype=np.int32).reshape(16, 3)
+batch = global_batch({"ids": rows, "step": np.int32(7)}, mesh, names, path="trainer")
+assert batch["ids"].sharding.spec == P(("data", "fsdp"), None), batch["ids"].sharding
+np.testing.assert_array_equal(np.asarray(batch["ids"]), rows)
+# Each device holds two consecutive rows, in the mesh's device order.
+for i, device in enumerate(mesh.devices.flat):
+    shard = [s for s in batch["ids"].addressable_shards if s.device == device][0]
+    np.testing.assert_array_equal(np.asarray(shard.data), rows[2 * i : 2 * i + 2])
+assert batch["step"].sharding.spec == P() and int(batch["step"]) == 7
+
+# Over the 'fsdp' axis alone the rows repeat over 'data'.
+half = global_batch({"ids": rows[:4]}, mesh, "fsdp", path="trainer")
+assert half["ids"].sharding.spec == P(("fsdp",), None), half["ids"].sharding
+np.testing.assert_array_equal(np.asarray(half["ids"]), rows[:4])
+
+with pytest.raises(ValueError) as e:
+    global_batch({"ids": rows[:12]}, mesh, names, path="trainer.evalers['val']")
+message = str(e.value)
+assert "trainer.evalers['val']: a batch of 12 rows cannot be split" in message, message
+assert "('data', 'fsdp') (8 shards)" in message, message
+assert "trainer.evalers['val'].batch_axis_names" in message, message
+print("OK")
+"""
+
+
+def test_global_batch_splits_rows_over_the_batch_axes_and_names_the_config_on_error():
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT],
+        env=dict(os.environ, PYTHONPATH=repo_root, JAX_PLATFORMS="cpu"),
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("OK")
