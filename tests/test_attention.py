@@ -1,9 +1,6 @@
 """Tests of axlearn.common.attention: numerics against NumPy, decoding, stacks, remat, sharding."""
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
 import types
 
@@ -18,9 +15,9 @@ from axlearn.common.config import ConfigError, config_for_function, parse_flat_t
 from axlearn.common.layers import RMSNorm, scaled_hidden_dim
 from axlearn.common.module import F
 from axlearn.common.param_init import default_initializer_config
+from tests.fresh_python import REPO, assert_prints_ok
 
 SPEC = "/work/shared/spec/000_f33cfaded1b52723.txt"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RNG = np.random.default_rng(0)
 
 # ----- configs and helpers -----
@@ -835,12 +832,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
 
 
 def test_repeated_transformer_sharded_over_8_devices_matches_single_device():
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    result = subprocess.run(
-        [sys.executable, "-c", _SHARDED_SCRIPT.format(repo=REPO)],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
-    )
-    assert "SHARDED_OK" in result.stdout, result.stdout + result.stderr
+    assert_prints_ok(_SHARDED_SCRIPT.format(repo=REPO), marker="SHARDED_OK")
 
 
 def test_split_heads_gradient_concatenates_the_parts():

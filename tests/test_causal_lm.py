@@ -1,9 +1,6 @@
 """causal_lm.Model: the loss and its summaries, chunked loss, the spec's model, counts."""
 
-import os
 import pathlib
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -16,6 +13,7 @@ from axlearn.common.causal_lm import Model, count_parameters, matmul_parameter_c
 from axlearn.common.config import parse_flat_text
 from axlearn.common.hf_llama import llama_model_config
 from axlearn.common.module import functional as F
+from tests.fresh_python import assert_prints_ok
 
 VOCAB, DIM, BATCH, SEQ = 29, 16, 3, 8
 _REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -295,12 +293,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
 
 def test_sharded_forward_matches_single_device_and_shards_logits():
     _spec_path()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    result = subprocess.run(
-        [sys.executable, "-c", _SHARDED_SCRIPT, str(_REPO)],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
-    )
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    assert_prints_ok(_SHARDED_SCRIPT, str(_REPO))
 
 
 def test_attend_across_documents_ignores_segments_and_positions():

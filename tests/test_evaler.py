@@ -3,8 +3,6 @@
 import json
 import math
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +16,7 @@ from axlearn.common.evaler import ModelSummaryAccumulator, SpmdEvaler, every_n_s
 from axlearn.common.module import Module
 from axlearn.common.summary import WeightedScalar
 from axlearn.common.summary_writer import JSONL_FILE_NAME
+from tests.fresh_python import run_python
 
 VOCAB = 16
 SEQ_LEN = 8
@@ -299,20 +298,6 @@ def test_an_explicit_summary_dir_wins(tmp_path):
     assert os.path.exists(os.path.join(cfg_dir, JSONL_FILE_NAME))
 
 
-def _run_on_8_fake_devices(script: str) -> subprocess.CompletedProcess:
-    """Runs `script` in a fresh process (the device count is fixed when jax starts)."""
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run(
-        [sys.executable, "-c", script],
-        env=dict(os.environ, PYTHONPATH=repo_root, JAX_PLATFORMS="cpu"),
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-
-
 _MESH_SCRIPT = """
 import json, os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -336,7 +321,7 @@ print("RESULTS" + json.dumps(results))
 
 
 def test_eval_on_a_data_fsdp_mesh_matches_the_reference():
-    proc = _run_on_8_fake_devices(_MESH_SCRIPT)
+    proc = run_python(_MESH_SCRIPT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULTS")][-1]
     results = json.loads(line[len("RESULTS") :])
@@ -356,6 +341,6 @@ with jax.set_mesh(create_mesh((8,), ("data",))):
 
 
 def test_a_batch_that_the_mesh_cannot_split_is_an_error_with_the_fix():
-    proc = _run_on_8_fake_devices(_INDIVISIBLE_SCRIPT)
+    proc = run_python(_INDIVISIBLE_SCRIPT)
     assert proc.returncode != 0
     assert "a batch of 4 rows cannot be split over mesh axes ('data',) (8 shards)" in proc.stderr

@@ -1,16 +1,13 @@
 """The input configs print as the golden spec does, and build and run without TensorFlow."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 from axlearn.common import input_tf_data
 from axlearn.common.config import config_for_function, parse_flat_text
 from axlearn.experiments.text.common import vocab
 from axlearn.experiments.text.gpt.common import tfds_input
+from tests.fresh_python import assert_prints_ok
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The `input.` and `evalers['openwebtext_2'].input.` lines of the 2.7B GPT spec.
 TRAIN_INPUT_SPEC = """\
@@ -124,14 +121,4 @@ def test_inputs_build_and_run_without_tensorflow(tmp_path):
         print("ok")
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().endswith("ok")
+    assert_prints_ok(script, marker="ok")

@@ -2,8 +2,6 @@
 regularizer dumps and sharded state."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -22,9 +20,9 @@ from axlearn.common.learner import (
     split_microbatches,
 )
 from axlearn.common.summary import WeightedScalar
+from tests.fresh_python import assert_prints_ok
 
 SPEC = "/work/shared/spec/000_f33cfaded1b52723.txt"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RNG_SEED = 0
 
 
@@ -171,20 +169,6 @@ def test_microbatch_i_holds_every_kth_row():
         np.testing.assert_array_equal(split[i], x[i::3])
 
 
-def _run_script_ok(script: str) -> None:
-    """Runs `script` in a fresh Python (it sets its own fake device count) and checks that
-    it printed OK."""
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=REPO),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
-
-
 SPLIT_SCRIPT = textwrap.dedent(
     """
     import os
@@ -218,7 +202,7 @@ SPLIT_SCRIPT = textwrap.dedent(
 
 
 def test_strided_microbatches_of_a_sharded_batch_stay_on_their_devices():
-    _run_script_ok(SPLIT_SCRIPT)
+    assert_prints_ok(SPLIT_SCRIPT)
 
 
 def test_gradient_accumulation_rejects_a_batch_it_cannot_split():
@@ -437,4 +421,4 @@ SHARDED_SCRIPT = textwrap.dedent(
 
 
 def test_learner_state_is_sharded_like_the_parameters_on_a_mesh():
-    _run_script_ok(SHARDED_SCRIPT)
+    assert_prints_ok(SHARDED_SCRIPT)

@@ -1,8 +1,6 @@
 """Tests of axlearn.common.sharding's batch helpers, on 8 fake CPU devices."""
 
-import os
-import subprocess
-import sys
+from tests.fresh_python import assert_prints_ok
 
 _SCRIPT = """
 import os
@@ -46,15 +44,4 @@ print("OK")
 
 
 def test_global_batch_splits_rows_over_the_batch_axes_and_names_the_config_on_error():
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT],
-        env=dict(os.environ, PYTHONPATH=repo_root, JAX_PLATFORMS="cpu"),
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("OK")
+    assert_prints_ok(_SCRIPT)

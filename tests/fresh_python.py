@@ -1,0 +1,41 @@
+"""Runs a test's script in a fresh Python process, on the CPU, with the repository importable.
+
+jax fixes its device count when it starts, so a test of meshes runs its script in a new
+process; the script sets `XLA_FLAGS=--xla_force_host_platform_device_count=N` before it
+imports jax (or the caller passes `devices=N`).
+"""
+
+import os
+import subprocess
+import sys
+from typing import Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(
+    script: str, *args: str, devices: Optional[int] = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """Runs `python -c script *args` from the repository root; returns the finished process."""
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def assert_prints_ok(script: str, *args: str, marker: str = "OK", **kwargs) -> str:
+    """Runs `script` as `run_python` does and checks that it exits 0 having printed `marker`;
+    returns its standard output."""
+    result = run_python(script, *args, **kwargs)
+    assert result.returncode == 0 and marker in result.stdout, (
+        result.stdout[-1000:] + result.stderr[-3000:]
+    )
+    return result.stdout
