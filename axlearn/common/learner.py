@@ -104,6 +104,11 @@ class Learner(Module):
         """The PartitionedGradientTransformation built from `config.optimizer`."""
         return self._optimizer
 
+    @property
+    def accumulation_steps(self) -> int:
+        """Microbatches of `compute_gradients` when no `num_microbatches` is given."""
+        return self._accumulation_steps
+
     def update_type(self, path: str) -> str:
         """'all' or 'no_update' for the parameter at '/'-joined `path`."""
         for regex, update_type in self._rules:
