@@ -416,6 +416,17 @@ def test_per_device_microbatch_size_sets_the_microbatch_count(microbatch, expect
     assert trainer.num_microbatches(BATCH) == expected
 
 
+def test_the_microbatch_count_is_logged_once_when_the_step_is_traced(caplog):
+    cfg = tiny_trainer_config(trainer_dir=None, max_step=3).set(per_device_microbatch_size=2)
+    trainer = cfg.instantiate(parent=None, devices=jax.devices()[:1])
+    message = "Each step accumulates gradients over 4 microbatches of 2 rows a device"
+    with caplog.at_level(logging.INFO, logger="axlearn.common.trainer"):
+        assert trainer.num_microbatches(BATCH) == 4  # Asking for the count logs nothing.
+        assert message not in caplog.text
+        trainer.run()
+    assert caplog.text.count(message) == 1
+
+
 def test_per_device_microbatch_size_that_does_not_divide_the_share_names_both():
     cfg = tiny_trainer_config(trainer_dir=None).set(per_device_microbatch_size=3)
     trainer = cfg.instantiate(parent=None, devices=jax.devices()[:1])

@@ -371,24 +371,21 @@ class SpmdTrainer(Module):
                 f"{per_device} rows a device gets of a global batch of {global_batch_size} "
                 f"over {shards} batch shards; change it or input.global_batch_size"
             )
-        if count > 1:
-            log.info(
-                "Each step accumulates gradients over %d microbatches of %d rows a device",
-                count,
-                microbatch,
-            )
         return count
 
     def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
         prng_key, step_key = jax.random.split(state.prng_key)
         loss_fn = functools.partial(self._loss_fn, weight_copies=state.weight_copies)
         global_batch_size = jax.tree.leaves(input_batch)[0].shape[0]
+        num_microbatches = self.num_microbatches(global_batch_size)
+        if (num_microbatches or 1) > 1:  # Logged once a compile, as the step is traced.
+            log.info(
+                "Each step accumulates gradients over %d microbatches of %d rows a device",
+                num_microbatches,
+                self._config.per_device_microbatch_size,
+            )
         loss, aux, grads = self.learner.compute_gradients(
-            loss_fn,
-            state.model,
-            input_batch,
-            step_key,
-            num_microbatches=self.num_microbatches(global_batch_size),
+            loss_fn, state.model, input_batch, step_key, num_microbatches=num_microbatches
         )
         with jax.named_scope("learner"):
             new_params, new_learner_state, learner_summaries = self.learner.update(
