@@ -15,6 +15,13 @@ Prints, for each, the GPU time of one call (all microbatches), the relative erro
 sum against a float32 NumPy reference, the betas of the cuBLAS calls, the fusions of the
 optimized HLO and the largest kernels. (Both also copy each microbatch's input out of the
 stacked array, the `memcpy` rows; in a train step the microbatches are token ids.)
+
+Then the same question inside a whole backward pass: an MLP of two such matmuls
+([16384, 2048] -> 8192 -> 2048, relu), its float32 weights' gradients summed over the four
+microbatches, with the bf16 weight copies made once before the scan as the trainer carries
+them. `mlp_bf16_dw` differentiates through the copies as the model does today (bf16
+weight gradients, then the float32 adds); `mlp_f32_dw` uses `matmul_with_f32_weight_grad`,
+a custom VJP that computes each weight gradient in float32 for the float32 weight.
 """
 
 import re
@@ -45,6 +52,59 @@ def accumulate(f32_gradient: bool):
     return jax.jit(run, donate_argnums=0)
 
 
+@jax.custom_vjp
+def _weight_cast(weight, weight_copy):
+    """weight_copy (= weight in bf16) in the forward pass; the bf16 gradient to weight."""
+    del weight
+    return weight_copy
+
+
+_weight_cast.defvjp(
+    lambda weight, copy: (copy, jnp.zeros((0,), weight.dtype)),
+    lambda residual, g: (g.astype(residual.dtype), None),
+)
+
+
+@jax.custom_vjp
+def matmul_with_f32_weight_grad(x, weight, weight_copy):
+    """x @ weight_copy; the gradient of the float32 `weight` comes out of its matmul in float32."""
+    del weight
+    return x @ weight_copy
+
+
+def _matmul_fwd(x, weight, weight_copy):
+    return x @ weight_copy, (x, weight_copy)
+
+
+def _matmul_bwd(residuals, dy):
+    x, weight_copy = residuals
+    dw = jnp.einsum("ti,to->io", x, dy, preferred_element_type=jnp.float32)
+    return dy @ weight_copy.T, dw, None
+
+
+matmul_with_f32_weight_grad.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def mlp_gradients(f32_gradient: bool):
+    """A jitted (weights, x [K, T, D]) -> the float32 weights' gradients summed over K."""
+    matmul = matmul_with_f32_weight_grad if f32_gradient else lambda x, w, c: x @ _weight_cast(w, c)
+
+    def loss(weights, copies, x):
+        h = jax.nn.relu(matmul(x, weights[0], copies[0]))
+        return jnp.sum(jnp.square(matmul(h, weights[1], copies[1]).astype(jnp.float32))) * 1e-6
+
+    def run(weights, x):
+        copies = [w.astype(jnp.bfloat16) for w in weights]
+
+        def body(total, x_k):
+            grads = jax.grad(loss)(weights, copies, x_k)
+            return [t + g.astype(jnp.float32) for t, g in zip(total, grads)], None
+
+        return jax.lax.scan(body, [jnp.zeros_like(w) for w in weights], x)[0]
+
+    return jax.jit(run)
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(MICROBATCHES, TOKENS, IN_DIM)), jnp.bfloat16)
@@ -64,6 +124,24 @@ def main() -> None:
               f"cuBLAS betas {betas}, fusions {fusions}")
         for kernel, kernel_ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]:
             print(f"    {kernel_ms:.3f} {kernel[:100]}")
+
+    x = x[..., :OUT_DIM]  # [K, T, 2048] activations
+    weights = [
+        jnp.asarray(rng.normal(size=shape) * shape[0] ** -0.5, jnp.float32)
+        for shape in ((OUT_DIM, IN_DIM), (IN_DIM, OUT_DIM))
+    ]
+    sums = {}
+    for name, f32_gradient in (("mlp_bf16_dw", False), ("mlp_f32_dw", True), ("mlp_bf16_dw again", False)):
+        fn = mlp_gradients(f32_gradient)
+        betas = re.findall(r'"beta":([0-9.]+)', fn.lower(weights, x).compile().as_text())
+        sums[f32_gradient] = [np.asarray(g) for g in fn(weights, x)]
+        ms, kernels = gpu_time_ms(fn, weights, x)
+        print(f"{name}: {ms:.3f} ms a call ({MICROBATCHES} microbatches), cuBLAS betas {betas}")
+        for kernel, kernel_ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:10]:
+            print(f"    {kernel_ms:.3f} {kernel[:100]}")
+    for i, (a, b) in enumerate(zip(sums[False], sums[True])):
+        print(f"weight {i}: bf16 against float32 gradients, relative difference "
+              f"{np.linalg.norm(a - b) / np.linalg.norm(b):.2e}")
 
 
 if __name__ == "__main__":

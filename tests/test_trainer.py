@@ -4,6 +4,7 @@ Every trainer here is tiny (tests/trainer_script.py) and trains in float32 on CP
 run compiles and trains in a few seconds.
 """
 
+import functools
 import glob
 import json
 import logging
@@ -19,7 +20,13 @@ import numpy as np
 import pytest
 
 from axlearn.common import perf
-from axlearn.common.base_layer import cast_floats_with_copies, flatten_with_paths
+from axlearn.common.base_layer import (
+    WeightWithCopy,
+    cast_floats_with_copies,
+    flatten_with_paths,
+    weight_einsum,
+    weight_take,
+)
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import ConfigError, apply_overrides
 from axlearn.common.input_builtin import BuiltinTextInput
@@ -294,6 +301,52 @@ def test_cast_with_copies_takes_values_from_the_copies_and_gives_gradients_to_th
     np.testing.assert_array_equal(grads["scale"], np.ones(4, np.float32))
 
 
+@pytest.mark.parametrize(
+    "spec,x_shape,w_shape",
+    [
+        ("...i,io->...o", (2, 5, 6), (6, 4)),  # Linear
+        ("...d,dnh->...nh", (2, 5, 6), (6, 3, 2)),  # MultiheadInputLinear
+        ("...nh,dnh->...d", (2, 5, 3, 2), (6, 3, 2)),  # MultiheadOutputLinear
+        ("...d,vd->...v", (2, 5, 6), (7, 6)),  # Embedding.attend
+    ],
+)
+def test_weight_einsum_gives_a_float32_weight_its_gradient_unrounded(spec, x_shape, w_shape):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=x_shape), jnp.bfloat16)
+    weight = jnp.asarray(rng.normal(size=w_shape), jnp.float32)
+    copy = weight.astype(jnp.bfloat16)
+    pair = WeightWithCopy(weight, copy)
+    y, vjp = jax.vjp(lambda x_, w_: weight_einsum(spec, x_, WeightWithCopy(w_, copy)), x, weight)
+    y_cast, vjp_cast = jax.vjp(lambda x_, w_: jnp.einsum(spec, x_, w_.astype(jnp.bfloat16)), x, weight)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_cast, np.float32))
+    assert weight_einsum(spec, x, pair).dtype == jnp.bfloat16
+    dy = jnp.asarray(rng.normal(size=y.shape), jnp.bfloat16)
+    (dx, dw), (dx_cast, dw_cast) = vjp(dy), vjp_cast(dy)
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_cast, np.float32))
+    # NumPy's float64 sum of the bf16 operands' products over every axis but the weight's
+    # (the leading '...' axes flattened into one, z).
+    x_axes, w_axes = spec.replace("...", "z").split("->")[0].split(",")
+    out_axes = spec.replace("...", "z").split("->")[1]
+    x64 = np.asarray(x, np.float64).reshape((-1,) + x.shape[len(x_shape) - len(x_axes) + 1 :])
+    dy64 = np.asarray(dy, np.float64).reshape((-1,) + dy.shape[dy.ndim - len(out_axes) + 1 :])
+    want = np.einsum(f"{x_axes},{out_axes}->{w_axes}", x64, dy64)
+    assert dw.dtype == jnp.float32
+    np.testing.assert_allclose(dw, want, rtol=1e-6, atol=1e-6)
+    # Through the cast the same gradient is rounded to bf16 on its way.
+    assert np.max(np.abs(np.asarray(dw_cast) - want)) > 100 * np.max(np.abs(np.asarray(dw) - want))
+
+
+def test_weight_take_reads_the_copy_and_gives_the_weight_the_rows_gradients():
+    weight = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 7
+    copy = (weight + 1).astype(jnp.bfloat16)  # NOT the cast, to see which one is read.
+    ids = jnp.asarray([[1, 3, 1]])
+    rows, vjp = jax.vjp(lambda w: weight_take(WeightWithCopy(w, copy), ids), weight)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(copy)[np.asarray(ids)])
+    (dw,) = vjp(jnp.ones_like(rows))
+    assert dw.dtype == jnp.float32
+    np.testing.assert_array_equal(dw[:, 0], [0.0, 2.0, 0.0, 1.0])
+
+
 def _bf16_trainer_config(trainer_dir, *, max_step, carry):
     cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=max_step)
     cfg.train_dtype = jnp.bfloat16
@@ -324,6 +377,38 @@ def test_carried_weight_copies_train_bit_for_bit_like_casting_every_step(bf16_ru
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert cast_trainer.trainer_state.weight_copies is None
+
+
+@pytest.mark.parametrize("carry", [None, True])
+def test_bf16_microbatches_give_weights_float32_gradients_that_match_the_whole_batch(carry):
+    # pylint: disable=protected-access
+    cfg = _bf16_trainer_config(None, max_step=1, carry=carry)
+    trainer = cfg.instantiate(parent=None, devices=jax.devices()[:1])
+    trainer._restore_or_init()
+    state = trainer.trainer_state
+    batch = trainer.global_batch(next(iter(trainer.input)))
+    params = trainer._train_dtype_params(state.model, state.weight_copies, accumulating=True)
+    by_path = dict(flatten_with_paths(params, is_leaf=lambda x: isinstance(x, WeightWithCopy)))
+    assert isinstance(by_path["decoder/emb/token_emb/weight"], WeightWithCopy)
+    assert all(x.dtype == jnp.bfloat16 for p, x in by_path.items() if p.endswith("scale"))
+
+    def gradients(k):
+        loss_fn = functools.partial(
+            trainer._loss_fn, weight_copies=state.weight_copies, accumulating=k > 1
+        )
+        key = jax.random.PRNGKey(1)
+        return trainer.learner.compute_gradients(loss_fn, state.model, batch, key, num_microbatches=k)
+
+    (loss_1, _, grads_1), (loss_4, _, grads_4) = gradients(1), gradients(4)
+    np.testing.assert_allclose(loss_4, loss_1, rtol=1e-2)
+    for path, g4 in flatten_with_paths(grads_4):
+        g1 = dict(flatten_with_paths(grads_1))[path]
+        assert g4.dtype == jnp.float32
+        # Not equal: bf16 passes over other row groups, and the mean over live tokens taken
+        # per microbatch. A wrong matmul gradient would be off by far more.
+        rel = np.linalg.norm(np.asarray(g4) - np.asarray(g1)) / np.linalg.norm(np.asarray(g1))
+        is_matrix = isinstance(by_path[path], WeightWithCopy)  # Norm scales: small sums.
+        assert rel < (0.02 if is_matrix else 0.1), (path, rel)
 
 
 def _assert_copies_are_the_weights_cast(state) -> dict:

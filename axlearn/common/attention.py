@@ -111,7 +111,7 @@ class MultiheadInputLinear(_MultiheadLinear):
         return [cfg.num_heads, cfg.per_head_dim], (tuple(spec[1:]) if spec else None)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = jnp.einsum("...d,dnh->...nh", x, self.parameters["weight"])
+        y = base_layer.weight_einsum("...d,dnh->...nh", x, self.parameters["weight"])
         if self.config.bias:
             y = y + self.parameters["bias"]
         return y
@@ -126,7 +126,7 @@ class MultiheadOutputLinear(_MultiheadLinear):
         return [self.config.model_dim], ((spec[0],) if spec else None)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = jnp.einsum("...nh,dnh->...d", x, self.parameters["weight"])
+        y = base_layer.weight_einsum("...nh,dnh->...d", x, self.parameters["weight"])
         if self.config.bias:
             y = y + self.parameters["bias"]
         return y

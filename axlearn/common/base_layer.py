@@ -9,9 +9,10 @@ value does not depend on what else the model holds.
 """
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,66 @@ def _precast_bwd(residual, g):
 
 
 _precast.defvjp(_precast_fwd, _precast_bwd)
+
+
+class WeightWithCopy(NamedTuple):
+    """A weight beside its train-dtype copy: how layers get their matmul and embedding
+    weights in a step that sums gradients over microbatches (`SpmdTrainer` builds them).
+
+    `weight_einsum` multiplies by the copy, as the layer would by a cast weight, and
+    computes the weight's gradient in the weight's own dtype (float32) straight out of its
+    matmul. Through a cast that gradient would come out of the matmul in bf16 and be
+    converted and added to the float32 sum in a pass of its own; in float32, XLA folds the
+    sum into the matmul (cuBLAS beta=1), and each microbatch's share is not rounded to
+    bf16 first (benchmarks/accumulate_check.py, docs/benchmarks.md).
+    """
+
+    weight: Tensor
+    copy: Tensor
+
+
+def weight_einsum(spec: str, x: Tensor, weight: Union[Tensor, WeightWithCopy]) -> Tensor:
+    """jnp.einsum(spec, x, weight) for a layer's weight, an array or a `WeightWithCopy`.
+
+    spec reads 'x_axes,weight_axes->output_axes'; '...' may stand for leading axes of x
+    and of the output, not of the weight.
+    """
+    if not isinstance(weight, WeightWithCopy):
+        return jnp.einsum(spec, x, weight)
+    return _einsum_with_weight_grad(spec, x, weight.weight, weight.copy)
+
+
+def weight_take(weight: Union[Tensor, WeightWithCopy], ids: Tensor) -> Tensor:
+    """The rows `ids` of a lookup table, an array or a `WeightWithCopy` (read from the copy,
+    the gradient to the weight as through a cast)."""
+    if isinstance(weight, WeightWithCopy):
+        weight = _precast(weight.weight, weight.copy)
+    return jnp.take(weight, ids, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _einsum_with_weight_grad(spec: str, x: Tensor, weight: Tensor, copy: Tensor) -> Tensor:
+    del weight
+    return jnp.einsum(spec, x, copy)
+
+
+def _einsum_with_weight_grad_fwd(spec, x, weight, copy):
+    # The weight's dtype, as a zero-size array (residuals must be arrays).
+    return jnp.einsum(spec, x, copy), (x, copy, jnp.zeros((0,), weight.dtype))
+
+
+def _einsum_with_weight_grad_bwd(spec, residuals, dy):
+    x, copy, weight_dtype = residuals
+    inputs, out_axes = spec.split("->")
+    x_axes, weight_axes = inputs.split(",")
+    dx = jnp.einsum(f"{out_axes},{weight_axes}->{x_axes}", dy, copy).astype(x.dtype)
+    dw = jnp.einsum(
+        f"{x_axes},{out_axes}->{weight_axes}", x, dy, preferred_element_type=weight_dtype.dtype
+    )
+    return dx, dw, None
+
+
+_einsum_with_weight_grad.defvjp(_einsum_with_weight_grad_fwd, _einsum_with_weight_grad_bwd)
 
 
 def tree_paths(tree: Any, separator: str = "/", is_leaf=None) -> Any:

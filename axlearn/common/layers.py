@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from axlearn.common import gpu_kernels
-from axlearn.common.base_layer import BaseLayer, MeshAxes, ParameterSpec
+from axlearn.common.base_layer import BaseLayer, MeshAxes, ParameterSpec, weight_einsum, weight_take
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.module import Tensor
 from axlearn.common.param_init import FanAxes, constant_initializer
@@ -156,7 +156,7 @@ class Linear(BaseLayer):
 
     def forward(self, x: Tensor) -> Tensor:
         cfg = self.config
-        y = jnp.einsum("...i,io->...o", x, self.parameters["weight"])
+        y = weight_einsum("...i,io->...o", x, self.parameters["weight"])
         if cfg.bias:
             y = y + self.parameters["bias"]
         return maybe_shard(y, cfg.output_partition_spec)
@@ -186,11 +186,11 @@ class Embedding(BaseLayer):
 
     def forward(self, ids: Tensor) -> Tensor:
         """[...] int ids -> [..., dim]."""
-        return jnp.take(self.parameters["weight"], ids, axis=0)
+        return weight_take(self.parameters["weight"], ids)
 
     def attend(self, x: Tensor) -> Tensor:
         """[..., dim] -> [..., num_embeddings] = x @ weight.T."""
-        return jnp.einsum("...d,vd->...v", x, self.parameters["weight"])
+        return weight_einsum("...d,vd->...v", x, self.parameters["weight"])
 
 
 # ----- normalization -----

@@ -24,6 +24,7 @@ from axlearn.common import perf
 from axlearn.common.base_layer import (
     BaseLayer,
     ParameterSpec,
+    WeightWithCopy,
     cast_floats,
     cast_floats_with_copies,
     flatten_with_paths,
@@ -341,11 +342,31 @@ class SpmdTrainer(Module):
 
     # ----- the train step -----
 
-    def _loss_fn(self, model_params, input_batch, prng_key, weight_copies=None):
-        if weight_copies is None:
-            params = cast_floats(model_params, self._config.train_dtype)
-        else:
-            params = cast_floats_with_copies(model_params, weight_copies, self._config.train_dtype)
+    def _train_dtype_params(self, model_params, weight_copies, *, accumulating: bool) -> Any:
+        """The parameters as the model gets them in a train step: cast to train_dtype, the
+        carried copies (if any) standing for the casts of their weights. In a step that sums
+        gradients over microbatches, each weight with a copy (carried, or cast here) goes
+        to its layer as a `WeightWithCopy`, so that its gradient leaves the matmul in the
+        weight's float32 and the learner's sum folds into the matmul."""
+        dtype = self._config.train_dtype
+        if not accumulating:
+            if weight_copies is None:
+                return cast_floats(model_params, dtype)
+            return cast_floats_with_copies(model_params, weight_copies, dtype)
+        leaves, treedef = jax.tree_util.tree_flatten(model_params)
+        specs = treedef.flatten_up_to(self._model_param_specs)
+        copies = [None] * len(leaves) if weight_copies is None else treedef.flatten_up_to(weight_copies)
+        return treedef.unflatten(
+            [
+                WeightWithCopy(x, x.astype(dtype) if copy is None else copy)
+                if self._has_weight_copy(spec)
+                else cast_floats(x, dtype)
+                for x, spec, copy in zip(leaves, specs, copies)
+            ]
+        )
+
+    def _loss_fn(self, model_params, input_batch, prng_key, weight_copies=None, accumulating=False):
+        params = self._train_dtype_params(model_params, weight_copies, accumulating=accumulating)
         (loss, aux), collection = functional(
             self.model,
             state=params,
@@ -375,7 +396,6 @@ class SpmdTrainer(Module):
 
     def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
         prng_key, step_key = jax.random.split(state.prng_key)
-        loss_fn = functools.partial(self._loss_fn, weight_copies=state.weight_copies)
         global_batch_size = jax.tree.leaves(input_batch)[0].shape[0]
         num_microbatches = self.num_microbatches(global_batch_size)
         if (num_microbatches or 1) > 1:  # Logged once a compile, as the step is traced.
@@ -384,6 +404,10 @@ class SpmdTrainer(Module):
                 num_microbatches,
                 self._config.per_device_microbatch_size,
             )
+        accumulating = (num_microbatches or self.learner.accumulation_steps) > 1
+        loss_fn = functools.partial(
+            self._loss_fn, weight_copies=state.weight_copies, accumulating=accumulating
+        )
         loss, aux, grads = self.learner.compute_gradients(
             loss_fn, state.model, input_batch, step_key, num_microbatches=num_microbatches
         )
