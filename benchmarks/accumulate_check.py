@@ -5,8 +5,8 @@
 gpt_1b's MLP output weight ([8192, 2048]) and 16,384 tokens a microbatch, 4 microbatches
 in a `jax.lax.scan` as the learner runs them:
 
-- bf16_dw_then_add: the weight gradient as the model's backward pass makes it today,
-  bf16 out of the matmul, then converted and added to the float32 sum in a pass of its
+- bf16_dw_then_add: the weight gradient as a backward pass through a cast weight makes
+  it (the model's, before `base_layer.WeightWithCopy`), bf16 out of the matmul, then converted and added to the float32 sum in a pass of its
   own (reading the sum and writing it back);
 - f32_dw: the matmul writes a float32 gradient, which lets XLA fold the add into the
   cuBLAS call (C = the sum, beta = 1) so that no separate pass is left.
@@ -19,9 +19,10 @@ stacked array, the `memcpy` rows; in a train step the microbatches are token ids
 Then the same question inside a whole backward pass: an MLP of two such matmuls
 ([16384, 2048] -> 8192 -> 2048, relu), its float32 weights' gradients summed over the four
 microbatches, with the bf16 weight copies made once before the scan as the trainer carries
-them. `mlp_bf16_dw` differentiates through the copies as the model does today (bf16
-weight gradients, then the float32 adds); `mlp_f32_dw` uses `matmul_with_f32_weight_grad`,
-a custom VJP that computes each weight gradient in float32 for the float32 weight.
+them. `mlp_bf16_dw` differentiates through the copies as the model did before
+`base_layer.WeightWithCopy` (bf16 weight gradients, then the float32 adds); `mlp_f32_dw`
+uses `matmul_with_f32_weight_grad`, a custom VJP that computes each weight gradient in
+float32 for the float32 weight, as `base_layer.weight_einsum` now does.
 """
 
 import re
