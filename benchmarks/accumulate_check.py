@@ -6,8 +6,9 @@ gpt_1b's MLP output weight ([8192, 2048]) and 16,384 tokens a microbatch, 4 micr
 in a `jax.lax.scan` as the learner runs them:
 
 - bf16_dw_then_add: the weight gradient as a backward pass through a cast weight makes
-  it (the model's, before `base_layer.WeightWithCopy`), bf16 out of the matmul, then converted and added to the float32 sum in a pass of its
-  own (reading the sum and writing it back);
+  it (the model's, before `base_layer.WeightWithCopy`), bf16 out of the matmul, then
+  converted and added to the float32 sum in a pass of its own (reading the sum and
+  writing it back);
 - f32_dw: the matmul writes a float32 gradient, which lets XLA fold the add into the
   cuBLAS call (C = the sum, beta = 1) so that no separate pass is left.
 

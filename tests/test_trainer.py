@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -387,14 +388,14 @@ def test_bf16_microbatches_give_weights_float32_gradients_that_match_the_whole_b
     trainer._restore_or_init()
     state = trainer.trainer_state
     batch = trainer.global_batch(next(iter(trainer.input)))
-    params = trainer._train_dtype_params(state.model, state.weight_copies, accumulating=True)
+    params = trainer._train_dtype_params(state.model, state.weight_copies, float32_weight_grads=True)
     by_path = dict(flatten_with_paths(params, is_leaf=lambda x: isinstance(x, WeightWithCopy)))
     assert isinstance(by_path["decoder/emb/token_emb/weight"], WeightWithCopy)
     assert all(x.dtype == jnp.bfloat16 for p, x in by_path.items() if p.endswith("scale"))
 
     def gradients(k):
         loss_fn = functools.partial(
-            trainer._loss_fn, weight_copies=state.weight_copies, accumulating=k > 1
+            trainer._loss_fn, weight_copies=state.weight_copies, float32_weight_grads=k > 1
         )
         key = jax.random.PRNGKey(1)
         return trainer.learner.compute_gradients(loss_fn, state.model, batch, key, num_microbatches=k)
@@ -409,6 +410,18 @@ def test_bf16_microbatches_give_weights_float32_gradients_that_match_the_whole_b
         rel = np.linalg.norm(np.asarray(g4) - np.asarray(g1)) / np.linalg.norm(np.asarray(g1))
         is_matrix = isinstance(by_path[path], WeightWithCopy)  # Norm scales: small sums.
         assert rel < (0.02 if is_matrix else 0.1), (path, rel)
+
+
+def test_float32_weight_gradients_only_for_microbatches_on_one_device():
+    # pylint: disable=protected-access
+    one = _bf16_trainer_config(None, max_step=1, carry=True).instantiate(
+        parent=None, devices=jax.devices()[:1]
+    )
+    assert one._uses_float32_weight_grads(4) and one._uses_float32_weight_grads(2)
+    assert not one._uses_float32_weight_grads(1) and not one._uses_float32_weight_grads(None)
+    # On a mesh of two devices (only its size is read), microbatches keep bf16 gradients.
+    one._mesh = types.SimpleNamespace(size=2)
+    assert not one._uses_float32_weight_grads(4)
 
 
 def _assert_copies_are_the_weights_cast(state) -> dict:

@@ -342,20 +342,25 @@ class SpmdTrainer(Module):
 
     # ----- the train step -----
 
-    def _train_dtype_params(self, model_params, weight_copies, *, accumulating: bool) -> Any:
+    def _train_dtype_params(
+        self, model_params, weight_copies, *, float32_weight_grads: bool
+    ) -> Any:
         """The parameters as the model gets them in a train step: cast to train_dtype, the
-        carried copies (if any) standing for the casts of their weights. In a step that sums
-        gradients over microbatches, each weight with a copy (carried, or cast here) goes
-        to its layer as a `WeightWithCopy`, so that its gradient leaves the matmul in the
-        weight's float32 and the learner's sum folds into the matmul."""
+        carried copies (if any) standing for the casts of their weights.
+
+        With float32_weight_grads, each weight that has a copy (carried, or cast here) goes
+        to its layer as a `WeightWithCopy` instead, so that its gradient leaves the matmul
+        in the weight's float32 (see `_uses_float32_weight_grads`)."""
         dtype = self._config.train_dtype
-        if not accumulating:
+        if not float32_weight_grads:
             if weight_copies is None:
                 return cast_floats(model_params, dtype)
             return cast_floats_with_copies(model_params, weight_copies, dtype)
         leaves, treedef = jax.tree_util.tree_flatten(model_params)
         specs = treedef.flatten_up_to(self._model_param_specs)
-        copies = [None] * len(leaves) if weight_copies is None else treedef.flatten_up_to(weight_copies)
+        copies = [None] * len(leaves)
+        if weight_copies is not None:
+            copies = treedef.flatten_up_to(weight_copies)
         return treedef.unflatten(
             [
                 WeightWithCopy(x, x.astype(dtype) if copy is None else copy)
@@ -365,8 +370,12 @@ class SpmdTrainer(Module):
             ]
         )
 
-    def _loss_fn(self, model_params, input_batch, prng_key, weight_copies=None, accumulating=False):
-        params = self._train_dtype_params(model_params, weight_copies, accumulating=accumulating)
+    def _loss_fn(
+        self, model_params, input_batch, prng_key, weight_copies=None, float32_weight_grads=False
+    ):
+        params = self._train_dtype_params(
+            model_params, weight_copies, float32_weight_grads=float32_weight_grads
+        )
         (loss, aux), collection = functional(
             self.model,
             state=params,
@@ -394,6 +403,18 @@ class SpmdTrainer(Module):
             )
         return count
 
+    def _uses_float32_weight_grads(self, num_microbatches: Optional[int]) -> bool:
+        """Whether a step gives its weights their gradients in float32 out of the matmuls.
+
+        Only where it pays: a step that sums several microbatches' gradients, on one
+        device. The learner's float32 sum then folds into each weight-gradient matmul
+        instead of taking a pass of its own (+0.6% for gpt_1b on an H100). On several
+        devices each microbatch's weight gradients are reduced across them, and in float32
+        that moves twice the bytes of bf16 (−2.9% on two H100s; docs/benchmarks.md).
+        """
+        microbatches = num_microbatches or self.learner.accumulation_steps
+        return microbatches > 1 and self._mesh.size == 1
+
     def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
         prng_key, step_key = jax.random.split(state.prng_key)
         global_batch_size = jax.tree.leaves(input_batch)[0].shape[0]
@@ -404,9 +425,10 @@ class SpmdTrainer(Module):
                 num_microbatches,
                 self._config.per_device_microbatch_size,
             )
-        accumulating = (num_microbatches or self.learner.accumulation_steps) > 1
         loss_fn = functools.partial(
-            self._loss_fn, weight_copies=state.weight_copies, accumulating=accumulating
+            self._loss_fn,
+            weight_copies=state.weight_copies,
+            float32_weight_grads=self._uses_float32_weight_grads(num_microbatches),
         )
         loss, aux, grads = self.learner.compute_gradients(
             loss_fn, state.model, input_batch, step_key, num_microbatches=num_microbatches
