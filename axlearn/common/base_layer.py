@@ -6,6 +6,11 @@ partition spec over logical mesh axes, initializer, fan axes and weight-decay sc
 without allocating anything. `initialize_parameters_recursively(prng_key)` creates the
 arrays, one PRNG key per parameter folded in from its path, so a parameter's initial
 value does not depend on what else the model holds.
+
+A layer multiplies by a weight (a parameter with fan axes) through `weight_einsum` and
+looks up its rows through `weight_take`, not through jnp directly: in a train step that
+sums microbatches on one device the trainer hands such weights over as `WeightWithCopy`
+(the float32 weight and its bf16 copy), which only these two helpers take.
 """
 
 import dataclasses
