@@ -78,19 +78,24 @@ def cast_floats(tree: Any, dtype: Optional[jnp.dtype]) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def cast_floats_with_copies(tree: Any, copies: Any, dtype: Optional[jnp.dtype]) -> Any:
+def cast_floats_with_copies(
+    tree: Any, copies: Any, dtype: Optional[jnp.dtype], *, as_pairs: bool = False
+) -> Any:
     """cast_floats(tree, dtype), taking the cast of each leaf that has a copy in `copies`
     (a tree like `tree` with None for leaves without one) from that copy.
 
     Each copy must equal its leaf cast to `dtype` (the trainer writes them together).
     Gradients flow to `tree` as through the cast, and the leaf itself is not read, so
-    a step that carries the copies skips the cast's read of the wider leaves.
+    a step that carries the copies skips the cast's read of the wider leaves. With
+    `as_pairs`, each leaf with a copy becomes `WeightWithCopy(leaf, copy)` instead, whose
+    gradient leaves its matmul in the leaf's own dtype (`weight_einsum`).
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     copy_leaves = treedef.flatten_up_to(copies)
+    with_copy = WeightWithCopy if as_pairs else _precast
     return treedef.unflatten(
         [
-            cast_floats(x, dtype) if copy is None else _precast(x, copy)
+            cast_floats(x, dtype) if copy is None else with_copy(x, copy)
             for x, copy in zip(leaves, copy_leaves)
         ]
     )

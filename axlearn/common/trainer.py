@@ -24,7 +24,6 @@ from axlearn.common import perf
 from axlearn.common.base_layer import (
     BaseLayer,
     ParameterSpec,
-    WeightWithCopy,
     cast_floats,
     cast_floats_with_copies,
     flatten_with_paths,
@@ -270,11 +269,9 @@ class SpmdTrainer(Module):
             and spec.dtype != self._config.train_dtype
         )
 
-    def _copied_weights(self, tree: Any) -> Any:
-        """`tree` (shaped like the parameters) with None in place of every parameter
-        without a carried copy; None if no copies are carried."""
-        if not self._config.carry_train_dtype_weights:
-            return None
+    def _weights(self, tree: Any) -> Any:
+        """`tree` (shaped like the parameters) with None in place of every parameter that
+        `_has_weight_copy` leaves out."""
         return jax.tree.map(
             lambda spec, x: x if self._has_weight_copy(spec) else None,
             self._model_param_specs,
@@ -282,11 +279,20 @@ class SpmdTrainer(Module):
             is_leaf=is_parameter_spec,
         )
 
+    def _copied_weights(self, tree: Any) -> Any:
+        """`_weights(tree)`, or None if no copies are carried."""
+        if not self._config.carry_train_dtype_weights:
+            return None
+        return self._weights(tree)
+
+    def _train_dtype_copies(self, weights: Any) -> Any:
+        """Each leaf of `weights` (None leaves are empty subtrees: skipped) cast to
+        train_dtype."""
+        return jax.tree.map(lambda p: p.astype(self._config.train_dtype), weights)
+
     def _weight_copies(self, params: Any) -> Any:
         """The carried train_dtype copies of `params` (TrainerState.weight_copies)."""
-        dtype = self._config.train_dtype
-        # None leaves are empty subtrees: the map skips them.
-        return jax.tree.map(lambda p: p.astype(dtype), self._copied_weights(params))
+        return self._train_dtype_copies(self._copied_weights(params))
 
     def _init_fn(self, prng_key: jax.Array) -> TrainerState:
         init_key, train_key = jax.random.split(prng_key)
@@ -351,23 +357,14 @@ class SpmdTrainer(Module):
         With float32_weight_grads, each weight that has a copy (carried, or cast here) goes
         to its layer as a `WeightWithCopy` instead, so that its gradient leaves the matmul
         in the weight's float32 (see `_uses_float32_weight_grads`)."""
+        if float32_weight_grads and weight_copies is None:
+            # The casts that carried copies would be, made here.
+            weight_copies = self._train_dtype_copies(self._weights(model_params))
         dtype = self._config.train_dtype
-        if not float32_weight_grads:
-            if weight_copies is None:
-                return cast_floats(model_params, dtype)
-            return cast_floats_with_copies(model_params, weight_copies, dtype)
-        leaves, treedef = jax.tree_util.tree_flatten(model_params)
-        specs = treedef.flatten_up_to(self._model_param_specs)
-        copies = [None] * len(leaves)
-        if weight_copies is not None:
-            copies = treedef.flatten_up_to(weight_copies)
-        return treedef.unflatten(
-            [
-                WeightWithCopy(x, x.astype(dtype) if copy is None else copy)
-                if self._has_weight_copy(spec)
-                else cast_floats(x, dtype)
-                for x, spec, copy in zip(leaves, specs, copies)
-            ]
+        if weight_copies is None:
+            return cast_floats(model_params, dtype)
+        return cast_floats_with_copies(
+            model_params, weight_copies, dtype, as_pairs=float32_weight_grads
         )
 
     def _loss_fn(
