@@ -14,6 +14,12 @@ r"""Benchmarks named trainer configs and compares git revisions side by side.
     python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 \
         --config_override=input.global_batch_size=4 --compare=main,HEAD --rounds=2
 
+    # This tree under two XLA flag settings (added after the environment's XLA_FLAGS;
+    # '' for none), e.g. to try a flag for a platform's preset:
+    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 \
+        --config_override=input.global_batch_size=4 --compare_xla_flags= \
+        --compare_xla_flags=--xla_gpu_enable_triton_gemm=false --rounds=2
+
 Every run prints the standard columns: Parameters, Final loss, TFLOP/s/device,
 Tokens/s/device, Avg s/step, Memory %, MFU, JAX version, device; on NVIDIA GPUs also the
 mean SM clock and board power over the timed steps (see GpuSampler); and the tokens and
@@ -408,22 +414,23 @@ def write_html(results: dict[str, dict[str, Any]], path: str, title: str) -> Non
 
 
 def run_in_rounds(
-    trees: dict[str, str], run: Callable[[str], dict[str, Any]], *, rounds: int = 1
+    sides: dict[str, Any], run: Callable[[Any], dict[str, Any]], *, rounds: int = 1
 ) -> dict[str, dict[str, Any]]:
-    """Runs `run(tree)` for every tree, `rounds` times, reversing the order every other
-    round (A B, B A, A B, ...): the run that goes second in a call tends to be slower (a
-    warmer card, docs/benchmarks.md), so alternating keeps that from favouring one side.
+    """Runs `run(side)` for every named side (a source tree, a set of XLA flags), `rounds`
+    times, reversing the order every other round (A B, B A, A B, ...): the run that goes
+    second in a call tends to be slower (a warmer card, docs/benchmarks.md), so
+    alternating keeps that from favouring one side.
 
-    Returns per tree its first run's result with each numeric column of the table replaced
+    Returns per side its first run's result with each numeric column of the table replaced
     by the mean over its runs, and 'runs_tokens_per_s_per_device' listing every run's rate.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
-    names = list(trees)
+    names = list(sides)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for i in range(rounds):
         for name in names if i % 2 == 0 else reversed(names):
-            runs[name].append(run(trees[name]))
+            runs[name].append(run(sides[name]))
     results = {}
     for name in names:
         result = dict(runs[name][0])
@@ -443,11 +450,14 @@ def _export_revision(rev: str, repo: str, dest: str) -> None:
     subprocess.run(["tar", "-x", "-C", dest], input=archive.stdout, check=True)
 
 
-def _run_in_tree(tree: str, argv: Sequence[str]) -> dict[str, Any]:
-    """Runs this benchmark from another source tree in a fresh process."""
+def _run_in_tree(tree: str, argv: Sequence[str], *, xla_flags: str = "") -> dict[str, Any]:
+    """Runs this benchmark from a source tree in a fresh process, with `xla_flags` added
+    after the environment's XLA_FLAGS (where a flag is given twice, XLA takes the last)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     env = dict(os.environ, PYTHONPATH=tree + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if xla_flags:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
     subprocess.run([sys.executable, "-m", "axlearn.bench", *argv, f"--json_out={out}"], cwd=tree, env=env, check=True)
     with open(out, encoding="utf-8") as f:
         return json.load(f)
@@ -467,6 +477,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--xla_flags_preset", default="auto", help="auto or none (launch.XLA_FLAG_PRESETS).")
     parser.add_argument("--compare", default=None, help="REV_A,REV_B: benchmark two git revisions.")
     parser.add_argument("--compare_dirs", default=None, help="DIR_A,DIR_B: benchmark two source trees.")
+    parser.add_argument(
+        "--compare_xla_flags", action="append", default=None, metavar="FLAGS",
+        help="Give twice: benchmark this tree under two XLA flag settings, each added after "
+        "the environment's XLA_FLAGS ('' for none); the sides are named by their flags.",
+    )
     parser.add_argument("--html", default=None, help="Write the comparison as an HTML page.")
     parser.add_argument(
         "--rounds", type=int, default=1,
@@ -475,6 +490,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args(argv)
+    if sum(x is not None for x in (args.compare, args.compare_dirs, args.compare_xla_flags)) > 1:
+        parser.error("give at most one of --compare, --compare_dirs and --compare_xla_flags")
+    if args.compare_xla_flags is not None and (
+        len(args.compare_xla_flags) != 2 or len(set(args.compare_xla_flags)) != 2
+    ):
+        parser.error(
+            f"--compare_xla_flags must be given twice, with two different settings; got "
+            f"{args.compare_xla_flags}"
+        )
 
     run_args = [f"--config={args.config}", f"--data_dir={args.data_dir}", f"--steps={args.steps}",
                 f"--warmup_steps={args.warmup_steps}"]
@@ -483,11 +507,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run_args += [f"--config_override={o}" for o in args.config_override]
     run_args += [f"--xla_flags_preset={args.xla_flags_preset}"]
 
-    if args.compare or args.compare_dirs:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if args.compare_xla_flags:
+        sides = {flags or "default": flags for flags in args.compare_xla_flags}
+        results = run_in_rounds(
+            sides, lambda flags: _run_in_tree(repo, run_args, xla_flags=flags), rounds=args.rounds
+        )
+    elif args.compare or args.compare_dirs:
         tmp = tempfile.mkdtemp(prefix="axlearn-bench-")
         try:
             if args.compare:
-                repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
                 trees = {}
                 for rev in args.compare.split(","):
                     trees[rev] = os.path.join(tmp, rev.replace("/", "_"))

@@ -15,11 +15,13 @@ from axlearn import bench
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run_bench_cli(tmp_path, *flags: str) -> str:
+def _run_bench_cli(tmp_path, *flags: str, xla_flags: str = "") -> str:
     """Runs `python -m axlearn.bench --config=gpt_test --warmup_steps=1 FLAGS` on the CPU
-    in `tmp_path`; returns its stdout."""
+    in `tmp_path`, with XLA_FLAGS=`xla_flags`; returns its stdout."""
     cmd = [sys.executable, "-m", "axlearn.bench", "--config=gpt_test", "--warmup_steps=1", *flags]
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -200,6 +202,37 @@ def test_compare_dirs_runs_both_trees_and_writes_the_page(tmp_path):
         assert result["tokens_per_step"] == 16 * 256 and result["microbatches_per_step"] == 1
     text = page.read_text()
     assert "<svg" in text and "Loss per step" in text and "Diff (head - base)" in text
+
+
+def test_compare_xla_flags_runs_this_tree_under_each_side_s_flags(tmp_path):
+    # Each side dumps its HLO where its own flag says; the environment's --xla_dump_to
+    # comes first on both sides, so it must stay empty (XLA takes a flag's last value).
+    env_dump, dump_a, dump_b = (tmp_path / name for name in ("env", "a", "b"))
+    side_a, side_b = f"--xla_dump_to={dump_a}", f"--xla_dump_to={dump_b}"
+    out = tmp_path / "cmp.json"
+    stdout = _run_bench_cli(
+        tmp_path, "--steps=1", f"--compare_xla_flags={side_a}", f"--compare_xla_flags={side_b}",
+        f"--json_out={out}", xla_flags=f"--xla_dump_to={env_dump}",
+    )
+    assert f"Diff ({side_b} - {side_a})" in stdout
+    assert set(json.loads(out.read_text())) == {side_a, side_b}
+    for dump in (dump_a, dump_b):
+        assert list(dump.glob("*train_step*after_optimizations.txt")), f"nothing in {dump}"
+    assert not env_dump.exists() or not list(env_dump.iterdir())
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--compare_xla_flags=", "--compare=HEAD,HEAD^"], "at most one of"),
+        (["--compare_xla_flags=--xla_a=1"], "given twice"),
+        (["--compare_xla_flags=", "--compare_xla_flags="], "two different settings"),
+    ],
+)
+def test_compare_xla_flags_rejects_what_it_cannot_compare(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--config=gpt_test", *flags])
+    assert message in capsys.readouterr().err
 
 
 def test_profile_and_xla_dump_switches_save_a_trace_and_the_hlo(tmp_path):
