@@ -500,7 +500,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"{args.compare_xla_flags}"
         )
 
-    run_args = [f"--config={args.config}", f"--data_dir={args.data_dir}", f"--steps={args.steps}",
+    # The runs of a comparison start in their source tree: a local data directory given
+    # relative to here is passed on as an absolute path.
+    data_dir = os.path.abspath(args.data_dir) if os.path.isdir(args.data_dir) else args.data_dir
+    run_args = [f"--config={args.config}", f"--data_dir={data_dir}", f"--steps={args.steps}",
                 f"--warmup_steps={args.warmup_steps}"]
     run_args += [f"--module={args.module}"] if args.module else []
     run_args += [f"--mesh_selector={args.mesh_selector}"] if args.mesh_selector else []

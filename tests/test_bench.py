@@ -235,6 +235,26 @@ def test_compare_xla_flags_rejects_what_it_cannot_compare(flags, message, capsys
     assert message in capsys.readouterr().err
 
 
+def test_comparison_runs_get_a_local_data_dir_as_an_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def fake_run(tree, argv, *, xla_flags=""):
+        calls.append((tree, list(argv), xla_flags))
+        return _result(100.0, 1.0, 2.0)
+
+    monkeypatch.setattr(bench, "_run_in_tree", fake_run)
+    bench.main(["--config=gpt_test", "--data_dir=data", "--compare_xla_flags=", "--compare_xla_flags=--a"])
+    assert [c[2] for c in calls] == ["", "--a"]
+    assert all(f"--data_dir={tmp_path / 'data'}" in argv for _, argv, _ in calls)
+    assert all(tree == str(REPO) for tree, _, _ in calls)
+    calls.clear()
+    bench.main(["--config=gpt_test", "--data_dir=gs://bucket/tfds", "--compare_dirs=a,b"])
+    assert [c[0] for c in calls] == ["a", "b"]
+    assert all("--data_dir=gs://bucket/tfds" in argv for _, argv, _ in calls)
+
+
 def test_profile_and_xla_dump_switches_save_a_trace_and_the_hlo(tmp_path):
     profile, dump = tmp_path / "prof", tmp_path / "dump"
     _run_bench_cli(tmp_path, "--steps=1", f"--profile_dir={profile}", f"--xla_dump_dir={dump}")
