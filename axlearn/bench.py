@@ -490,8 +490,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args(argv)
-    if sum(x is not None for x in (args.compare, args.compare_dirs, args.compare_xla_flags)) > 1:
+    comparing = [x for x in (args.compare, args.compare_dirs, args.compare_xla_flags) if x is not None]
+    if len(comparing) > 1:
         parser.error("give at most one of --compare, --compare_dirs and --compare_xla_flags")
+    if comparing and (args.profile_dir or args.xla_dump_dir):
+        parser.error(
+            "--profile_dir and --xla_dump_dir trace or dump one run: give them without "
+            "--compare, --compare_dirs or --compare_xla_flags (run each side alone)"
+        )
     if args.compare_xla_flags is not None and (
         len(args.compare_xla_flags) != 2 or len(set(args.compare_xla_flags)) != 2
     ):

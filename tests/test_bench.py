@@ -227,9 +227,11 @@ def test_compare_xla_flags_runs_this_tree_under_each_side_s_flags(tmp_path):
         (["--compare_xla_flags=", "--compare=HEAD,HEAD^"], "at most one of"),
         (["--compare_xla_flags=--xla_a=1"], "given twice"),
         (["--compare_xla_flags=", "--compare_xla_flags="], "two different settings"),
+        (["--compare=HEAD,HEAD^", "--profile_dir=/tmp/p"], "trace or dump one run"),
+        (["--compare_dirs=a,b", "--xla_dump_dir=/tmp/d"], "trace or dump one run"),
     ],
 )
-def test_compare_xla_flags_rejects_what_it_cannot_compare(flags, message, capsys):
+def test_comparisons_reject_what_they_cannot_do(flags, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--config=gpt_test", *flags])
     assert message in capsys.readouterr().err
