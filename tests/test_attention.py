@@ -15,9 +15,9 @@ from axlearn.common.config import ConfigError, config_for_function, parse_flat_t
 from axlearn.common.layers import RMSNorm, scaled_hidden_dim
 from axlearn.common.module import F
 from axlearn.common.param_init import default_initializer_config
+from tests import reference_spec
 from tests.fresh_python import REPO, assert_prints_ok
 
-SPEC = "/work/shared/spec/000_f33cfaded1b52723.txt"
 RNG = np.random.default_rng(0)
 
 # ----- configs and helpers -----
@@ -698,10 +698,8 @@ def test_stacked_and_repeated_give_same_outputs_and_gradients():
 
 
 def _spec_transformer_config():
-    prefix = "model.decoder.transformer."
-    with open(SPEC, encoding="utf-8") as f:
-        lines = [l[len(prefix) :] for l in f.read().splitlines() if l.startswith(prefix)]
-    return lines, parse_flat_text("\n".join(lines), source=SPEC)
+    lines = reference_spec.lines_with_prefix("model.decoder.transformer.")
+    return lines, parse_flat_text("\n".join(lines), source=str(reference_spec.path()))
 
 
 def test_spec_transformer_config_dumps_back_to_the_spec_lines():
@@ -832,6 +830,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
 
 
 def test_repeated_transformer_sharded_over_8_devices_matches_single_device():
+    reference_spec.path()  # The script builds the spec's transformer.
     assert_prints_ok(_SHARDED_SCRIPT.format(repo=REPO), marker="SHARDED_OK")
 
 

@@ -13,23 +13,15 @@ from axlearn.common.causal_lm import Model, count_parameters, matmul_parameter_c
 from axlearn.common.config import parse_flat_text
 from axlearn.common.hf_llama import llama_model_config
 from axlearn.common.module import functional as F
+from tests import reference_spec
 from tests.fresh_python import assert_prints_ok
 
 VOCAB, DIM, BATCH, SEQ = 29, 16, 3, 8
 _REPO = pathlib.Path(__file__).resolve().parents[1]
-_SPEC_NAME = "000_f33cfaded1b52723.txt"
-
-
-def _spec_path() -> pathlib.Path:
-    for candidate in (_REPO / "spec" / _SPEC_NAME, pathlib.Path("/work/shared/spec") / _SPEC_NAME):
-        if candidate.exists():
-            return candidate
-    pytest.skip(f"spec file {_SPEC_NAME} not found")
 
 
 def _spec_model_lines() -> list[str]:
-    lines = _spec_path().read_text().splitlines()
-    return [line[len("model."):] for line in lines if line.startswith("model.")]
+    return reference_spec.lines_with_prefix("model.")
 
 
 def _random_params(layer, seed: int = 0):
@@ -174,7 +166,7 @@ def test_chunked_loss_never_builds_full_logits_forward_or_backward():
 
 
 def _small_spec_model_config() -> Model.Config:
-    cfg = parse_flat_text("\n".join(_spec_model_lines()), source=str(_spec_path()))
+    cfg = parse_flat_text("\n".join(_spec_model_lines()), source=str(reference_spec.path()))
     decoder = cfg.decoder
     decoder.set(dim=64, vocab_size=128)
     decoder.transformer.num_layers = 2
@@ -292,7 +284,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
 
 
 def test_sharded_forward_matches_single_device_and_shards_logits():
-    _spec_path()
+    reference_spec.path()  # The script builds the spec's model.
     assert_prints_ok(_SHARDED_SCRIPT, str(_REPO))
 
 

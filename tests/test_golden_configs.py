@@ -33,8 +33,8 @@ from axlearn.common.module import Module
 from axlearn.common.trainer import infer_mesh_shape, select_mesh_rule
 from axlearn.common.trainer_config_modifier import apply_mesh_rule
 from axlearn.experiments.text.gpt.common import instance_device_count
+from tests import reference_spec
 
-_SPEC = pathlib.Path("/work/shared/spec/000_f33cfaded1b52723.txt")
 _GOLDEN_DIR = pathlib.Path(golden_config.GOLDEN_DIR)
 
 
@@ -81,9 +81,7 @@ def test_no_golden_file_is_left_without_a_config():
 
 
 def test_gpt_3b_golden_file_is_the_spec_byte_for_byte():
-    if not _SPEC.exists():
-        pytest.skip(f"{_SPEC} not found")
-    assert (_GOLDEN_DIR / "gpt" / "gpt_3b.txt").read_bytes() == _SPEC.read_bytes()
+    assert (_GOLDEN_DIR / "gpt" / "gpt_3b.txt").read_bytes() == reference_spec.path().read_bytes()
 
 
 def test_a_changed_golden_file_fails_with_a_unified_diff(tmp_path):
