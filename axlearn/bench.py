@@ -142,7 +142,7 @@ def run_benchmark(
     accounting = perf.StepAccounting.for_trainer(trainer)
     batch_rows = trainer.input.element_spec()["input_ids"].shape[0]
     # Gradient accumulation: per_device_microbatch_size, else the learner's fixed count.
-    microbatches = trainer.num_microbatches(batch_rows) or trainer.learner.accumulation_steps
+    microbatches = trainer.learner.microbatches(trainer.num_microbatches(batch_rows))
     trainer._state = trainer.init_state(jax.random.PRNGKey(0))  # pylint: disable=protected-access
     from axlearn.common.input_prefetch import prefetch_in_thread  # pylint: disable=import-outside-toplevel
 

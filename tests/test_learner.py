@@ -132,6 +132,8 @@ def test_gradient_accumulation_equals_one_full_batch_step():
               "y": jnp.asarray(rng.normal(size=(8,)), jnp.float32)}
     full = sgd_learner()
     accumulated = sgd_learner(gradient_accumulation_steps=4)
+    # The count a step runs: an explicit num_microbatches wins over the configured one.
+    assert (full.microbatches(), accumulated.microbatches(), accumulated.microbatches(2)) == (1, 4, 2)
     key = jax.random.PRNGKey(0)
     loss, aux, grads = full.compute_gradients(regression_loss, params, inputs, key)
     acc_loss, acc_aux, acc_grads = jax.jit(

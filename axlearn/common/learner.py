@@ -104,10 +104,10 @@ class Learner(Module):
         """The PartitionedGradientTransformation built from `config.optimizer`."""
         return self._optimizer
 
-    @property
-    def accumulation_steps(self) -> int:
-        """Microbatches of `compute_gradients` when no `num_microbatches` is given."""
-        return self._accumulation_steps
+    def microbatches(self, num_microbatches: Optional[int] = None) -> int:
+        """The microbatches `compute_gradients` runs for this `num_microbatches`: that count,
+        or gradient_accumulation_steps (1 if unset) when None."""
+        return self._accumulation_steps if num_microbatches is None else num_microbatches
 
     def update_type(self, path: str) -> str:
         """'all' or 'no_update' for the parameter at '/'-joined `path`."""
@@ -170,7 +170,7 @@ class Learner(Module):
         averaged too, except WeightedScalars (combined by weight) and integer leaves (summed).
         """
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        k = self._accumulation_steps if num_microbatches is None else num_microbatches
+        k = self.microbatches(num_microbatches)
         if k == 1:
             (loss, aux), grads = grad_fn(model_params, inputs, prng_key)
             return loss, aux, grads

@@ -409,8 +409,7 @@ class SpmdTrainer(Module):
         devices each microbatch's weight gradients are reduced across them, and in float32
         that moves twice the bytes of bf16 (−2.9% on two H100s; docs/benchmarks.md).
         """
-        microbatches = num_microbatches or self.learner.accumulation_steps
-        return microbatches > 1 and self._mesh.size == 1
+        return self.learner.microbatches(num_microbatches) > 1 and self._mesh.size == 1
 
     def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
         prng_key, step_key = jax.random.split(state.prng_key)
