@@ -402,8 +402,9 @@ def test_bf16_microbatches_give_weights_float32_gradients_that_match_the_whole_b
 
     (loss_1, _, grads_1), (loss_4, _, grads_4) = gradients(1), gradients(4)
     np.testing.assert_allclose(loss_4, loss_1, rtol=1e-2)
+    grads_1 = dict(flatten_with_paths(grads_1))
     for path, g4 in flatten_with_paths(grads_4):
-        g1 = dict(flatten_with_paths(grads_1))[path]
+        g1 = grads_1[path]
         assert g4.dtype == jnp.float32
         # Not equal: bf16 passes over other row groups, and the mean over live tokens taken
         # per microbatch. A wrong matmul gradient would be off by far more.
