@@ -7,13 +7,15 @@ The question it answers: would the step gain from matmuls that do the gated prod
 their epilogues? Forward, one kernel computes a = x @ w0 and b = x @ w1 for the same
 output tile and writes a, b and h = silu(a) * b, so h no longer takes a pass that
 re-reads a and b (536 MB a gpt_1b layer). Backward, one kernel computes dh = dy @ w2ᵀ and
-writes the cotangents of a and b from it, so dh never goes to memory. Together ~4 ms a
-step less traffic, if the matmuls inside the kernels run as fast as cuBLAS's.
+writes the cotangents of a and b from it, so dh is neither written nor read back (another
+536 MB). Together at most ~5.7 ms of a gpt_1b step (17 GB at 3 TB/s), if the matmuls
+inside the kernels run as fast as cuBLAS's.
 
-It prints each variant's GPU time (profiler trace, no dispatch overhead) and model
-TFLOP/s, after heating the card to its power limit, and each kernel's largest difference
-from the cuBLAS/XLA path. The answer on an H100 is in docs/benchmarks.md (the fifteenth
-round): no, the Triton matmuls are the bottleneck.
+It prints each variant's GPU time (profiler trace, no dispatch overhead), its model
+TFLOP/s and each kernel's largest difference from the cuBLAS/XLA path. The calls are too
+short to bring the card to its power limit: both sides run at its boost clock. The answer
+on an H100 is in docs/benchmarks.md (the fifteenth round): no, the Triton matmuls are
+20% slower than cuBLAS's, far more than the traffic saved.
 """
 
 import argparse
@@ -213,7 +215,7 @@ def main() -> None:
         variants[f"fused forward {config}"] = (fwd, (x, w0, w1), forward, 2 * gflop)
         variants[f"fused backward {config}"] = (bwd, (dy, w2, a, b), backward, gflop)
 
-    start = time.time()  # Heat the card to its power limit, where the step runs.
+    start = time.time()  # 8 s of matmuls first, so the first round finds the card running.
     while time.time() - start < 8:
         jax.block_until_ready([plain(x, w0) for _ in range(50)])
 
