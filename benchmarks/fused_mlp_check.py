@@ -15,7 +15,8 @@ It prints each variant's GPU time (profiler trace, no dispatch overhead), its mo
 TFLOP/s and each kernel's largest difference from the cuBLAS/XLA path. The calls are too
 short to bring the card to its power limit: both sides run at its boost clock. The answer
 on an H100 is in docs/benchmarks.md (the fifteenth round): no, the Triton matmuls are
-20% slower than cuBLAS's, far more than the traffic saved.
+20% slower than cuBLAS's, far more than the traffic saved. It also times jax's Mosaic GPU
+matmul, the other Pallas backend on GPU, alone (no epilogue of ours).
 """
 
 import argparse
@@ -179,6 +180,21 @@ def separate_backward(dy: Tensor, w2: Tensor, a: Tensor, b: Tensor, *, interpret
     return gpu_kernels.gated_product_backward(swiglu_cotangents, a, b, dy @ w2.T, interpret=interpret)
 
 
+def mosaic_matmul(x: Tensor, w: Tensor, *, tiles: tuple[int, int], wg_dimension: str) -> Tensor:
+    """x @ w by jax's Hopper matmul in Mosaic GPU (warp-specialized, TMA loads): whether
+    that backend, the other one Pallas has on GPU, would carry an epilogue at cuBLAS's rate.
+    `wg_dimension` ('M' or 'N'): how the two compute warpgroups split a block."""
+    # pylint: disable-next=import-outside-toplevel
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as mgpu
+
+    dim = mgpu.MatmulDimension[wg_dimension]
+    config = mgpu.TuningConfig(
+        tile_m=tiles[0], tile_n=tiles[1], tile_k=64, max_concurrent_steps=4,
+        grid_minor_dim=mgpu.MatmulDimension.M, grid_tile_width=16, wg_dimension=dim,
+    )
+    return mgpu.matmul(x, w, None, config=config)
+
+
 def _max_diff(got, want) -> float:
     return max(
         float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))))
@@ -208,6 +224,9 @@ def main() -> None:
         "forward: 2 cuBLAS matmuls + h": (forward, (x, w0, w1), None, 2 * gflop),
         "backward: cuBLAS dh + gated kernel": (backward, (dy, w2, a, b), None, gflop),
     }
+    for tiles, wg_dimension in (((128, 128), "N"), ((128, 128), "M"), ((64, 256), "M")):
+        fn = jax.jit(functools.partial(mosaic_matmul, tiles=tiles, wg_dimension=wg_dimension))
+        variants[f"Mosaic GPU matmul {tiles} wg={wg_dimension}"] = (fn, (x, w0), plain, gflop)
     for config in _CONFIGS:
         fns = (matmul, gated_mlp_forward, gated_mlp_backward)
         matmul_, fwd, bwd = (jax.jit(functools.partial(fn, config=config)) for fn in fns)
