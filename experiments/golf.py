@@ -27,6 +27,7 @@ Parameters and optimizer state are negligible (17M parameters, ~0.3 GiB).
 
 from collections.abc import Callable
 
+from axlearn.common.attention import build_remat_spec
 from axlearn.common.input_tokens import TokenShardInput
 from axlearn.common.trainer import SpmdTrainer
 from axlearn.experiments.text.gpt import common
@@ -41,7 +42,7 @@ GLOBAL_BATCH_SIZE = 512  # 512 x 1024 = 524,288 tokens a step.
 MAX_STEP = 20_000
 
 # Single-host GPU rules by GPU count: the rows each GPU holds decide the remat (see above).
-_SAVE_PROJECTIONS = common.build_remat_spec()
+_SAVE_PROJECTIONS = build_remat_spec()
 SINGLE_HOST_REMAT = (
     ((1,), None),  # 512 rows: ~54 GiB without remat (measured), fits 80 GB.
     ((2, 4, 8), None),  # 256 rows or fewer: everything fits without recomputation.

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
+from axlearn.common.attention import build_remat_spec
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.trainer import SpmdTrainer
 from axlearn.experiments.text.gpt import common
@@ -76,7 +77,7 @@ SIZES = {
     ),
     "7B": Size(
         4096, 32, 32, 8, 14336, 49152, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
-        SingleHost((4, 8), microbatch=2, remat=common.build_remat_spec()),
+        SingleHost((4, 8), microbatch=2, remat=build_remat_spec()),
     ),
     # 70B's state (1.1 TB) is 140 GB a GPU on an 8-GPU host.
     "70B": Size(
@@ -143,7 +144,7 @@ def gpt_trainer(size_name: str) -> SpmdTrainer.Config:
         num_kv_heads=size.num_kv_heads,
         hidden_dim=size.hidden_dim,
         vocab_size=size.vocab_size,
-        remat_spec=common.build_remat_spec(),
+        remat_spec=build_remat_spec(),
         # The reference 3B config keeps what its golden file shows: per-document attention,
         # QK-norm and the MLP diagnostics. The other sizes are Llama-shaped (no QK-norm;
         # loadable with axlearn.common.hf_llama) and tuned for speed on one H100

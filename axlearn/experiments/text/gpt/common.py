@@ -22,7 +22,6 @@ from axlearn.common.attention import (
     ScaleQuery,
     StackedTransformerLayer,
     TransformerLayer,
-    build_remat_spec,  # noqa: F401 (experiment modules use common.build_remat_spec)
 )
 from axlearn.common.causal_lm import Model
 from axlearn.common.checkpointer import (
@@ -177,7 +176,7 @@ def model_config(
     `stack`: 'repeat' (layers under jax.lax.scan; fast compiles) or 'stack' (unrolled).
     `attend_across_documents`: see causal_lm.Model.Config (True lets cuDNN's flash
     attention run unmasked on packed rows: 15-20% faster steps on one H100).
-    `remat_spec`: per-layer rematerialization (None: none; `build_remat_spec()` saves the
+    `remat_spec`: per-layer rematerialization (None: none; `attention.build_remat_spec()` saves the
     attention projections and context and recomputes the MLP).
     """
     fsdp_model = (FSDP_AXIS_NAMES, "model")
