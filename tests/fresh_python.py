@@ -13,17 +13,23 @@ from typing import Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def fresh_env(devices: Optional[int] = None) -> dict[str, str]:
+    """The environment of a test's subprocess: the repository importable and jax on the
+    CPU, with `devices` fake devices (None: as XLA_FLAGS already says)."""
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
 def run_python(
     script: str, *args: str, devices: Optional[int] = None, timeout: int = 300
 ) -> subprocess.CompletedProcess:
     """Runs `python -c script *args` from the repository root; returns the finished process."""
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return subprocess.run(
         [sys.executable, "-c", script, *args],
         cwd=REPO,
-        env=env,
+        env=fresh_env(devices),
         capture_output=True,
         text=True,
         timeout=timeout,

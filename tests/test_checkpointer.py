@@ -30,10 +30,9 @@ from axlearn.common.checkpointer import (
     step_dir_name,
 )
 from axlearn.common.config import ConfigError, config_for_function
+from tests.fresh_python import fresh_env
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(TESTS_DIR)
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def _make(directory, **kwargs) -> Checkpointer:
@@ -546,7 +545,7 @@ def _train(directory, steps, losses, *extra_args, wait=True):
         f"--losses={losses}",
         *extra_args,
     ]
-    env = dict(os.environ, PYTHONPATH=REPO_DIR, XLA_FLAGS=f"{_DEVICE_COUNT_FLAG}=1")
+    env = fresh_env(devices=1)
     if not wait:
         return subprocess.Popen(command, env=env)
     subprocess.run(command, env=env, check=True, timeout=300)
@@ -583,9 +582,7 @@ def test_kill_during_save_resumes_from_previous_commit_with_identical_losses(tmp
 
 
 def _mesh_script(mode, directory, path, devices):
-    env = dict(
-        os.environ, PYTHONPATH=REPO_DIR, XLA_FLAGS=f"{_DEVICE_COUNT_FLAG}={devices}"
-    )
+    env = fresh_env(devices)
     script = os.path.join(TESTS_DIR, "checkpointer_mesh_script.py")
     command = [sys.executable, script, mode, str(directory), str(path)]
     subprocess.run(command, env=env, check=True, timeout=300)
@@ -657,7 +654,7 @@ def test_two_processes_each_write_their_own_shards_and_restore_resharded(tmp_pat
         probe.bind(("localhost", 0))
         port = probe.getsockname()[1]
     script = os.path.join(TESTS_DIR, "checkpointer_multiprocess_script.py")
-    env = dict(os.environ, PYTHONPATH=REPO_DIR, XLA_FLAGS=f"{_DEVICE_COUNT_FLAG}=4")
+    env = fresh_env(devices=4)
     processes = [
         subprocess.Popen(
             [sys.executable, script, str(i), str(tmp_path), str(port)],

@@ -21,9 +21,8 @@ from axlearn.common.launch_trainer import build_trainer_config, get_named_traine
 from axlearn.common.causal_lm import count_parameters
 from axlearn.experiments.text.gpt import common
 from experiments import gpt
+from tests.fresh_python import REPO, fresh_env
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(TESTS_DIR)
 MAIN = "axlearn.common.launch_trainer_main"
 
 
@@ -37,20 +36,15 @@ def _flag_values(*argv: str) -> flags.FlagValues:
 
 def _main(*argv: str, devices: int = 1, timeout: int = 300, **popen_kwargs):
     """Starts the main job in a subprocess on `devices` fake CPU devices."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=REPO_DIR,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_PLATFORMS="cpu",
-    )
+    env = fresh_env(devices)
     command = [sys.executable, "-m", MAIN, *argv]
     if popen_kwargs.pop("background", False):
         return subprocess.Popen(
-            command, env=env, cwd=REPO_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True,
         )
     return subprocess.run(
-        command, env=env, cwd=REPO_DIR, capture_output=True, text=True, timeout=timeout
+        command, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
 
 

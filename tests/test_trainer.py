@@ -33,6 +33,7 @@ from axlearn.common.config import ConfigError, apply_overrides
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.trainer import NonFiniteLossError, SpmdTrainer, infer_mesh_shape
 from axlearn.experiments.text.gpt import common
+from tests.fresh_python import fresh_env
 from tests.trainer_script import (
     BATCH,
     SEQ_LEN,
@@ -46,7 +47,6 @@ from tests.trainer_script import (
 )
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(TESTS_DIR)
 
 
 def _committed_steps(trainer_dir) -> list[int]:
@@ -567,15 +567,10 @@ def test_per_device_microbatch_size_and_learner_accumulation_are_exclusive():
 
 
 def test_fsdp4_data2_mesh_on_eight_devices_matches_one_device(tmp_path):
-    env = dict(
-        os.environ,
-        PYTHONPATH=REPO_DIR,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        JAX_PLATFORMS="cpu",
-    )
     script = os.path.join(TESTS_DIR, "trainer_script.py")
     subprocess.run(
-        [sys.executable, script, "mesh", str(tmp_path)], env=env, check=True, timeout=300
+        [sys.executable, script, "mesh", str(tmp_path)],
+        env=fresh_env(devices=8), check=True, timeout=300,
     )
     with open(tmp_path / "results.json", encoding="utf-8") as f:
         results = json.load(f)
