@@ -348,6 +348,24 @@ def test_weight_take_reads_the_copy_and_gives_the_weight_the_rows_gradients():
     np.testing.assert_array_equal(dw[:, 0], [0.0, 2.0, 0.0, 1.0])
 
 
+def test_weight_take_sums_a_float32_weight_s_row_gradients_unrounded():
+    # 2,048 lookups of 4 rows: each row's gradient sums ~500 bf16 cotangents.
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, 4, size=(4, 512)))
+    weight = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    copy = weight.astype(jnp.bfloat16)
+    dy = jnp.asarray(rng.normal(size=(4, 512, 16)), jnp.bfloat16)
+    _, vjp = jax.vjp(lambda w: weight_take(WeightWithCopy(w, copy), ids), weight)
+    _, vjp_cast = jax.vjp(lambda w: jnp.take(w.astype(jnp.bfloat16), ids, axis=0), weight)
+    (dw,), (dw_cast,) = vjp(dy), vjp_cast(dy)
+    want = np.zeros(weight.shape)
+    np.add.at(want, np.asarray(ids).reshape(-1), np.asarray(dy, np.float64).reshape(-1, 16))
+    assert dw.dtype == jnp.float32
+    np.testing.assert_allclose(dw, want, rtol=1e-5, atol=1e-5)
+    # Through the cast the rows are summed in bf16.
+    assert np.max(np.abs(np.asarray(dw_cast) - want)) > 100 * np.max(np.abs(np.asarray(dw) - want))
+
+
 def _bf16_trainer_config(trainer_dir, *, max_step, carry):
     cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=max_step)
     cfg.train_dtype = jnp.bfloat16
