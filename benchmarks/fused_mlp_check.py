@@ -66,7 +66,11 @@ def _tile_order(row_blocks: int, col_blocks: int, group: int) -> Callable:
 
 
 def _call(kernel, *, shape, block, operand_specs, num_outputs, config, dtype, interpret):
-    """A pallas_call over the [rows, columns] output `shape` in tiles of `block`."""
+    """A pallas_call over the [rows, columns] output `shape` in tiles of `block`.
+
+    `operand_specs`: per operand, a function from the tile order to its BlockSpec, or None
+    for an operand tiled like the outputs.
+    """
     (rows, cols), (bm, bn) = shape, block
     tile = _tile_order(rows // bm, cols // bn, group=8)
     out_spec = pl.BlockSpec(block, tile)
@@ -81,8 +85,9 @@ def _call(kernel, *, shape, block, operand_specs, num_outputs, config, dtype, in
     )
 
 
-def matmul(x: Tensor, w: Tensor, *, config=_CONFIGS[0], interpret: bool = False) -> Tensor:
-    """x @ w ([M, K] @ [K, N]), accumulated in float32: the plain Triton matmul."""
+def matmul(x: Tensor, w: Tensor, *, config: tuple[int, ...], interpret: bool = False) -> Tensor:
+    """x @ w ([M, K] @ [K, N]), accumulated in float32: the plain Triton matmul. `config`
+    is one of `_CONFIGS`' rows, as are the fused kernels'."""
     bm, bn, bk = config[:3]
     contracted = x.shape[1]
 
@@ -106,7 +111,7 @@ def matmul(x: Tensor, w: Tensor, *, config=_CONFIGS[0], interpret: bool = False)
 
 
 def gated_mlp_forward(
-    x: Tensor, w0: Tensor, w1: Tensor, *, config=_CONFIGS[0], interpret: bool = False
+    x: Tensor, w0: Tensor, w1: Tensor, *, config: tuple[int, ...], interpret: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(a, b, h) = (x @ w0, x @ w1, silu(a) * b) in one kernel; h from a and b as rounded."""
     bm, bn, bk = config[:3]
@@ -136,7 +141,13 @@ def gated_mlp_forward(
 
 
 def gated_mlp_backward(
-    dy: Tensor, w2: Tensor, a: Tensor, b: Tensor, *, config=_CONFIGS[0], interpret: bool = False
+    dy: Tensor,
+    w2: Tensor,
+    a: Tensor,
+    b: Tensor,
+    *,
+    config: tuple[int, ...],
+    interpret: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(da, db) of silu(a) * b for dh = dy @ w2ᵀ (w2: [hidden, model]), dh rounded to the
     activations' dtype first as a separate matmul would write it, in one kernel."""
@@ -177,7 +188,8 @@ def separate_forward(x: Tensor, w0: Tensor, w1: Tensor) -> tuple[Tensor, Tensor,
 
 def separate_backward(dy: Tensor, w2: Tensor, a: Tensor, b: Tensor, *, interpret: bool = False):
     """The step's way: dh by a matmul, then `gpu_kernels.gated_product_backward`."""
-    return gpu_kernels.gated_product_backward(swiglu_cotangents, a, b, dy @ w2.T, interpret=interpret)
+    dh = dy @ w2.T
+    return gpu_kernels.gated_product_backward(swiglu_cotangents, a, b, dh, interpret=interpret)
 
 
 def mosaic_matmul(x: Tensor, w: Tensor, *, tiles: tuple[int, int], wg_dimension: str) -> Tensor:
@@ -206,19 +218,23 @@ def main() -> None:
     from axlearn.bench import gpu_time_ms  # pylint: disable=import-outside-toplevel
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=2, help="Times each variant is timed, in turn.")
+    parser.add_argument("--rounds", type=int, default=2, help="Times each variant is timed.")
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args()
     keys = jax.random.split(jax.random.key(0), 5)
-    normal = lambda key, shape, scale: (jax.random.normal(key, shape) * scale).astype(jnp.bfloat16)  # noqa: E731
+
+    def normal(key, shape, scale):
+        return (jax.random.normal(key, shape) * scale).astype(jnp.bfloat16)
+
     x, dy = normal(keys[0], (_TOKENS, _MODEL), 1.0), normal(keys[1], (_TOKENS, _MODEL), 1.0)
     w0, w1 = (normal(k, (_MODEL, _HIDDEN), _MODEL**-0.5) for k in keys[2:4])
     w2 = normal(keys[4], (_HIDDEN, _MODEL), _HIDDEN**-0.5)
-    a, b, _ = jax.jit(separate_forward)(x, w0, w1)
+    plain = jax.jit(lambda x, w: x @ w)
+    forward, backward = jax.jit(separate_forward), jax.jit(separate_backward)
+    a, b, _ = forward(x, w0, w1)
 
     gflop = 2 * _TOKENS * _MODEL * _HIDDEN / 1e9  # One [tokens, model] x [model, hidden] matmul.
     # name -> (function, operands, the reference it must match (None: it is one), GFLOP).
-    plain, forward, backward = jax.jit(lambda x, w: x @ w), jax.jit(separate_forward), jax.jit(separate_backward)
     variants = {
         "cuBLAS matmul": (plain, (x, w0), None, gflop),
         "forward: 2 cuBLAS matmuls + h": (forward, (x, w0, w1), None, 2 * gflop),
@@ -248,7 +264,8 @@ def main() -> None:
                 print(f"{name:45s} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             results.setdefault(name, dict(ms=[], max_abs_diff=diff))["ms"].append(ms)
-            print(f"round {round_} {name:45s} {ms:7.3f} ms {gflop_ / ms:6.1f} TFLOP/s  max |diff| {diff}", flush=True)
+            rate = f"{ms:7.3f} ms {gflop_ / ms:6.1f} TFLOP/s"
+            print(f"round {round_} {name:45s} {rate}  max |diff| {diff}", flush=True)
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
