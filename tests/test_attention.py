@@ -779,10 +779,10 @@ def test_spec_policy_also_saves_the_cudnn_attention_kernel_outputs():
 
 # ----- sharding -----
 
-# Meshes (pipeline, data, expert, fsdp, seq, model) the sharded run is checked on. (A mesh
-# with data, fsdp and model all > 1 is left out: jax 0.10.2's CPU SPMD partitioner gives
-# wrong values for x[(data,fsdp),.,model] @ w[model,fsdp] there, even in plain JAX.)
-_MESHES = [(1, 1, 1, 4, 1, 2), (1, 2, 1, 4, 1, 1)]
+# Meshes (pipeline, data, expert, fsdp, seq, model) the sharded run is checked on. On the
+# first two XLA partitions the layer wrong unless its weights are gathered before their
+# matmuls (`sharding.gathered_for_matmul`).
+_MESHES = [(1, 2, 1, 2, 1, 2), (1, 2, 2, 1, 1, 2), (1, 1, 1, 4, 1, 2), (1, 2, 1, 4, 1, 1)]
 
 _SHARDED_SCRIPT = textwrap.dedent(
     """
@@ -819,7 +819,8 @@ _SHARDED_SCRIPT = textwrap.dedent(
             (loss_value, out), grads = step(sharded, xs)
         attention = sharded["repeat"]["layer"]["self_attention"]["attention"]
         qkv = attention["i_proj"]["i_proj"]["qkv_proj"]
-        expected_shard = (2, 32 // shape[3], 8 // shape[5], 8)
+        # qkv_proj's weight [layers, model_dim over (expert, fsdp, seq), heads over model, dim].
+        expected_shard = (2, 32 // (shape[2] * shape[3] * shape[4]), 8 // shape[5], 8)
         assert qkv["weight"].addressable_shards[0].data.shape == expected_shard, shape
         np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(loss_value, ref_loss, rtol=1e-5)

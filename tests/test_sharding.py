@@ -1,4 +1,4 @@
-"""Tests of axlearn.common.sharding's batch helpers, on 8 fake CPU devices."""
+"""Tests of axlearn.common.sharding's batch and matmul helpers, on 8 fake CPU devices."""
 
 from tests.fresh_python import assert_prints_ok
 
@@ -45,3 +45,40 @@ print("OK")
 
 def test_global_batch_splits_rows_over_the_batch_axes_and_names_the_config_on_error():
     assert_prints_ok(_SCRIPT)
+
+
+_GATHER_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax
+import jax.numpy as jnp
+import numpy as np
+from axlearn.common.sharding import create_mesh, gathered_for_matmul, maybe_shard, named_sharding
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(8, 8, 48)).astype(np.float32)
+w = rng.normal(size=(48, 32)).astype(np.float32)
+x_spec, w_spec = (("data", "fsdp"), None, "model"), ("model", "fsdp")
+want = np.einsum("btd,dk->btk", x, w)
+# Which meshes gather the weight: only 'model' and two other axes above 1.
+for shape, gathers in (((2, 2, 2), True), ((1, 4, 2), False), ((2, 4, 1), False), ((1, 1, 8), False)):
+    mesh = create_mesh(shape, ("data", "fsdp", "model"))
+    seen = []
+
+    def matmul(x_, w_):
+        gathered = gathered_for_matmul(w_, w_spec)
+        seen.append(gathered is not w_)
+        assert gathered_for_matmul(w_, None) is w_
+        return maybe_shard(jnp.einsum("btd,dk->btk", x_, gathered), x_spec)
+
+    with jax.set_mesh(mesh):
+        xs, ws = (jax.device_put(a, named_sharding(mesh, s)) for a, s in ((x, x_spec), (w, w_spec)))
+        got = jax.jit(matmul)(xs, ws)
+    assert seen == [gathers], (shape, seen)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4, err_msg=str(shape))
+print("OK")
+"""
+
+
+def test_weights_are_gathered_before_matmuls_only_on_meshes_xla_partitions_wrong():
+    assert_prints_ok(_GATHER_SCRIPT)

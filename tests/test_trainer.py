@@ -584,7 +584,7 @@ def test_per_device_microbatch_size_and_learner_accumulation_are_exclusive():
         cfg.instantiate(parent=None)
 
 
-def test_fsdp4_data2_mesh_on_eight_devices_matches_one_device(tmp_path):
+def test_meshes_of_eight_and_four_devices_match_one_device(tmp_path):
     script = os.path.join(TESTS_DIR, "trainer_script.py")
     subprocess.run(
         [sys.executable, script, "mesh", str(tmp_path)],
@@ -608,6 +608,10 @@ def test_fsdp4_data2_mesh_on_eight_devices_matches_one_device(tmp_path):
     microbatched = results["microbatched"]
     assert microbatched["num_microbatches"] == 2 and results["single"]["num_microbatches"] is None
     np.testing.assert_allclose(microbatched["losses"], single, rtol=1e-5, atol=1e-5)
+    # The batch over two axes and the heads over a third (`sharding.gathered_for_matmul`).
+    three_axes = results["data_fsdp_model"]
+    assert three_axes["mesh"] == dict(pipeline=1, data=2, expert=1, fsdp=2, seq=1, model=2)
+    np.testing.assert_allclose(three_axes["losses"], single, rtol=1e-5, atol=1e-5)
 
 
 def test_batches_are_read_in_a_thread_and_put_on_devices_in_the_dispatching_one(

@@ -8,9 +8,11 @@ AdamW (optionally under skip_and_clip_by_global_norm), and FakeLmInput batches.
 
 trains the same config for a few steps on one device and on an 8-device mesh with
 fsdp=4 and data=2 (the caller sets XLA_FLAGS for 8 fake CPU devices), and on that mesh
-in bf16 with and without carried weight copies, and on a data=2, fsdp=2 mesh of 4 devices
-in microbatches of one row a device; it writes the runs' meshes, microbatch counts,
-per-step losses and the copies' sharding specs to OUT_DIR/results.json.
+in bf16 with and without carried weight copies; on a data=2, fsdp=2 mesh of 4 devices in
+microbatches of one row a device; and on a data=2, fsdp=2, model=2 mesh (one that XLA
+partitions wrong unless the weights are gathered before their matmuls). It writes the
+runs' meshes, microbatch counts, per-step losses and the copies' sharding specs to
+OUT_DIR/results.json.
 """
 
 import json
@@ -143,6 +145,7 @@ def _mesh_main(out_dir: str) -> None:
         ("sharded_bf16", sharded, None, None),
         ("sharded_bf16_carried", sharded, None, True),
         ("microbatched", dict(data=2, fsdp=2), jax.devices()[:4], None),
+        ("data_fsdp_model", dict(data=2, fsdp=2, model=2), None, None),
     ):
         trainer_dir = os.path.join(out_dir, name)
         cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=4, mesh=mesh)

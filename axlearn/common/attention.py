@@ -111,7 +111,10 @@ class MultiheadInputLinear(_MultiheadLinear):
         return [cfg.num_heads, cfg.per_head_dim], (tuple(spec[1:]) if spec else None)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = base_layer.weight_einsum("...d,dnh->...nh", x, self.parameters["weight"])
+        y = base_layer.weight_einsum(
+            "...d,dnh->...nh", x, self.parameters["weight"],
+            partition_spec=self.config.param_partition_spec,
+        )
         if self.config.bias:
             y = y + self.parameters["bias"]
         return y
@@ -126,7 +129,10 @@ class MultiheadOutputLinear(_MultiheadLinear):
         return [self.config.model_dim], ((spec[0],) if spec else None)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = base_layer.weight_einsum("...nh,dnh->...d", x, self.parameters["weight"])
+        y = base_layer.weight_einsum(
+            "...nh,dnh->...d", x, self.parameters["weight"],
+            partition_spec=self.config.param_partition_spec,
+        )
         if self.config.bias:
             y = y + self.parameters["bias"]
         return y

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec
 from axlearn.common.config import ConfigError, InstantiableConfig, config_class, maybe_instantiate
 from axlearn.common.module import Module, Tensor, child_prng_key
 from axlearn.common.param_init import DefaultInitializer, FanAxes, Initializer
+from axlearn.common.sharding import gathered_for_matmul
 
 # A partition spec as configs write it: one entry per tensor dim, each None, a mesh axis
 # name, or a tuple of names.
@@ -138,14 +139,22 @@ class WeightWithCopy(NamedTuple):
     copy: Tensor
 
 
-def weight_einsum(spec: str, x: Tensor, weight: Union[Tensor, WeightWithCopy]) -> Tensor:
+def weight_einsum(
+    spec: str,
+    x: Tensor,
+    weight: Union[Tensor, WeightWithCopy],
+    *,
+    partition_spec: Optional[MeshAxes] = None,
+) -> Tensor:
     """jnp.einsum(spec, x, weight) for a layer's weight, an array or a `WeightWithCopy`.
 
     spec reads 'x_axes,weight_axes->output_axes'; '...' may stand for leading axes of x
-    and of the output, not of the weight.
+    and of the output, not of the weight. `partition_spec` is the weight's (its layer's
+    param_partition_spec): on some meshes the weight is gathered to its 'model' entries
+    first (`sharding.gathered_for_matmul` says which and why).
     """
     if not isinstance(weight, WeightWithCopy):
-        return jnp.einsum(spec, x, weight)
+        return jnp.einsum(spec, x, gathered_for_matmul(weight, partition_spec))
     return _einsum_with_weight_grad(spec, x, weight.weight, weight.copy)
 
 

@@ -156,7 +156,9 @@ class Linear(BaseLayer):
 
     def forward(self, x: Tensor) -> Tensor:
         cfg = self.config
-        y = weight_einsum("...i,io->...o", x, self.parameters["weight"])
+        y = weight_einsum(
+            "...i,io->...o", x, self.parameters["weight"], partition_spec=cfg.param_partition_spec
+        )
         if cfg.bias:
             y = y + self.parameters["bias"]
         return maybe_shard(y, cfg.output_partition_spec)
@@ -190,7 +192,10 @@ class Embedding(BaseLayer):
 
     def attend(self, x: Tensor) -> Tensor:
         """[..., dim] -> [..., num_embeddings] = x @ weight.T."""
-        return weight_einsum("...d,vd->...v", x, self.parameters["weight"])
+        return weight_einsum(
+            "...d,vd->...v", x, self.parameters["weight"],
+            partition_spec=self.config.param_partition_spec,
+        )
 
 
 # ----- normalization -----

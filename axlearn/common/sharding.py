@@ -140,5 +140,25 @@ def maybe_shard(x: jax.Array, spec: Optional[MeshAxes]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, _filter_axes(spec, known))
 
 
+def gathered_for_matmul(weight: jax.Array, spec: Optional[MeshAxes]) -> jax.Array:
+    """A weight about to be multiplied, on a mesh where XLA needs its FSDP all-gather
+    spelled out: constrained to the 'model' entries of its partition spec `spec`.
+
+    XLA's SPMD partitioner (jax 0.10.2 and 0.11.2, with Shardy or GSPMD) partitions
+    x[batch over ('data', 'fsdp'), ..., 'model'] @ w['model', 'fsdp'] wrong on some meshes
+    that split the batch over two axes and 'model' over a third (data=2 x fsdp=2 x model=2,
+    data=4 x fsdp=2 x model=2, data=2 x expert=2 x model=2 among those tried): it swaps x's
+    batch blocks between devices and never swaps the product back, in plain JAX too. With
+    the weight gathered first the partition is right (tests/test_attention.py's sharded
+    test). Only meshes with 'model' and two other axes above 1 take this path, so the
+    programs of every other mesh (single device, FSDP, FSDP x model) stay as they were.
+    """
+    axes = current_mesh_axes()
+    others_split = sum(size > 1 for name, size in axes.items() if name != "model")
+    if spec is None or axes.get("model", 1) == 1 or others_split < 2:
+        return weight
+    return maybe_shard(weight, ["model" if "model" in axis_names(e) else None for e in spec])
+
+
 def named_sharding(mesh: Mesh, spec: MeshAxes) -> NamedSharding:
     return NamedSharding(mesh, _filter_axes(spec, dict(mesh.shape)))
