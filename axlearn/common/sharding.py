@@ -144,7 +144,8 @@ def gathered_for_matmul(weight: jax.Array, spec: Optional[MeshAxes]) -> jax.Arra
     """A weight about to be multiplied, on a mesh where XLA needs its FSDP all-gather
     spelled out: constrained to the 'model' entries of its partition spec `spec`.
 
-    XLA's SPMD partitioner (jax 0.10.2 and 0.11.2, with Shardy or GSPMD) partitions
+    XLA's SPMD partitioner (jax 0.10.2 and 0.11.2, with Shardy or GSPMD, seen on fake CPU
+    devices; the pass is the same on GPU) partitions
     x[batch over ('data', 'fsdp'), ..., 'model'] @ w['model', 'fsdp'] wrong on some meshes
     that split the batch over two axes and 'model' over a third (data=2 x fsdp=2 x model=2,
     data=4 x fsdp=2 x model=2, data=2 x expert=2 x model=2 among those tried): it swaps x's
