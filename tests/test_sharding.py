@@ -61,7 +61,8 @@ w = rng.normal(size=(48, 32)).astype(np.float32)
 x_spec, w_spec = (("data", "fsdp"), None, "model"), ("model", "fsdp")
 want = np.einsum("btd,dk->btk", x, w)
 # Which meshes gather the weight: only 'model' and two other axes above 1.
-for shape, gathers in (((2, 2, 2), True), ((1, 4, 2), False), ((2, 4, 1), False), ((1, 1, 8), False)):
+meshes = (((2, 2, 2), True), ((1, 4, 2), False), ((2, 4, 1), False), ((1, 1, 8), False))
+for shape, gathers in meshes:
     mesh = create_mesh(shape, ("data", "fsdp", "model"))
     seen = []
 
