@@ -53,7 +53,9 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax
 import jax.numpy as jnp
 import numpy as np
-from axlearn.common.sharding import create_mesh, gathered_for_matmul, maybe_shard, named_sharding
+from axlearn.common.sharding import (
+    create_mesh, gathered_for_matmul, maybe_shard, named_sharding, whole_heads_if_uneven
+)
 
 rng = np.random.default_rng(0)
 x = rng.normal(size=(8, 8, 48)).astype(np.float32)
@@ -70,6 +72,9 @@ for shape, gathers in meshes:
         gathered = gathered_for_matmul(w_, w_spec)
         seen.append(gathered is not w_)
         assert gathered_for_matmul(w_, None) is w_
+        # 2 key/value heads: kept whole only where 'model' (here 8) does not divide them.
+        kv = x_.reshape(8, 8, 2, 24)
+        assert (whole_heads_if_uneven(kv, axis=-2) is not kv) == (shape[2] == 8), shape
         return maybe_shard(jnp.einsum("btd,dk->btk", x_, gathered), x_spec)
 
     with jax.set_mesh(mesh):
@@ -81,5 +86,5 @@ print("OK")
 """
 
 
-def test_weights_are_gathered_before_matmuls_only_on_meshes_xla_partitions_wrong():
+def test_weights_are_gathered_and_kv_heads_kept_whole_only_on_meshes_xla_partitions_wrong():
     assert_prints_ok(_GATHER_SCRIPT)

@@ -56,6 +56,7 @@ from axlearn.common.layers import (
 from axlearn.common.module import Module, Tensor
 from axlearn.common.param_init import FanAxes, constant_initializer
 from axlearn.common.repeat import Repeat
+from axlearn.common.sharding import whole_heads_if_uneven
 
 # Added to masked logits: far below any real logit, yet finite, so a fully masked row
 # gives a uniform distribution instead of NaN.
@@ -657,6 +658,7 @@ class MultiheadAttention(BaseLayer):
         query_positions: Optional[Tensor],
     ) -> QKV:
         q, k, v = self.i_proj(query, key=key, value=value, query_positions=query_positions)
+        k, v = (whole_heads_if_uneven(t, axis=-2) for t in (k, v))
         q = self._remat_name(q, "q_proj")
         k = self._remat_name(k, "k_proj")
         v = self._remat_name(v, "v_proj")

@@ -161,5 +161,24 @@ def gathered_for_matmul(weight: jax.Array, spec: Optional[MeshAxes]) -> jax.Arra
     return maybe_shard(weight, ["model" if "model" in axis_names(e) else None for e in spec])
 
 
+def whole_heads_if_uneven(x: jax.Array, *, axis: int) -> jax.Array:
+    """`x` with its heads dim `axis` whole on every 'model' shard where the 'model' axis does
+    not divide it (grouped-query attention with fewer key/value heads than 'model' shards);
+    its other dims are left to the partitioner.
+
+    Left to itself, XLA splits such a dim unevenly (padded), and on a mesh that also splits
+    'seq' it computed the keys' and values' gradients wrong (4 query and 2 key/value heads
+    on seq=2 x model=4 fake CPU devices, jax 0.10.2 and 0.11.2; the forward was right).
+    Kept whole, the step is right (tests/test_attention.py's sharded test); where 'model'
+    divides the heads nothing changes.
+    """
+    model = current_mesh_axes().get("model", 1)
+    if model == 1 or x.shape[axis] % model == 0:
+        return x
+    spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
+    spec[axis] = None
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+
+
 def named_sharding(mesh: Mesh, spec: MeshAxes) -> NamedSharding:
     return NamedSharding(mesh, _filter_axes(spec, dict(mesh.shape)))
