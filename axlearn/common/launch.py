@@ -18,8 +18,8 @@ XLA_FLAG_PRESETS: dict[str, Sequence[str]] = {
     "gpu": (
         # Overlap collectives with compute: +2.5% a GPU for gpt_1b with FSDP on 2x H100.
         "--xla_gpu_enable_latency_hiding_scheduler=true",
-        # Combine small collectives (FSDP all-gathers / reduce-scatters of many layers);
-        # no measurable effect on two GPUs, meant for meshes of more devices.
+        # Combine small collectives (FSDP all-gathers / reduce-scatters of many layers):
+        # +1.3% a GPU for gpt_1b with FSDP on 4x H200; no measurable effect on two GPUs.
         "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
         "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
         "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
