@@ -1,5 +1,6 @@
 """Tests of axlearn.common.sharding's batch and matmul helpers, on 8 fake CPU devices."""
 
+from axlearn.common.sharding import indivisible_dim
 from tests.fresh_python import assert_prints_ok
 
 _SCRIPT = """
@@ -88,3 +89,13 @@ print("OK")
 
 def test_weights_are_gathered_and_kv_heads_kept_whole_only_on_meshes_xla_partitions_wrong():
     assert_prints_ok(_GATHER_SCRIPT)
+
+
+def test_indivisible_dim_names_the_first_dim_a_mesh_cannot_split_evenly():
+    sizes = dict(data=2, fsdp=4, model=8)
+    spec = (None, ("fsdp", "seq"), "model")  # The mesh has no 'seq': it splits nothing.
+    assert indivisible_dim((3, 8, 16), spec, sizes) is None
+    assert indivisible_dim((3, 6, 16), spec, sizes) == "dim 1 (6) over fsdp (4 parts)"
+    assert indivisible_dim((3, 8, 4), spec, sizes) == "dim 2 (4) over model (8 parts)"
+    want = "dim 0 (6) over data x fsdp (8 parts)"
+    assert indivisible_dim((6, 12), (("data", "fsdp"), None), sizes) == want

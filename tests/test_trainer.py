@@ -33,7 +33,7 @@ from axlearn.common.config import ConfigError, apply_overrides
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.trainer import NonFiniteLossError, SpmdTrainer, infer_mesh_shape
 from axlearn.experiments.text.gpt import common
-from tests.fresh_python import fresh_env
+from tests.fresh_python import assert_prints_ok, fresh_env
 from tests.trainer_script import (
     BATCH,
     SEQ_LEN,
@@ -612,6 +612,29 @@ def test_meshes_of_eight_and_four_devices_match_one_device(tmp_path):
     three_axes = results["data_fsdp_model"]
     assert three_axes["mesh"] == dict(pipeline=1, data=2, expert=1, fsdp=2, seq=1, model=2)
     np.testing.assert_allclose(three_axes["losses"], single, rtol=1e-5, atol=1e-5)
+
+
+_INDIVISIBLE_MESH_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import pytest
+from axlearn.common.config import ConfigError
+from tests.trainer_script import tiny_trainer_config
+
+# 4 heads cannot be split over model=8: the error names the parameter and the mesh.
+cfg = tiny_trainer_config(trainer_dir=None, mesh=dict(model=8))
+with pytest.raises(ConfigError) as e:
+    cfg.instantiate(parent=None)
+message = str(e.value)
+assert "trainer.mesh_shape (1, 1, 1, 1, 1, 8)" in message, message
+assert "attention/o_proj/weight of shape (2, 32, 4, 8)" in message, message
+assert "dim 2 (4) over model (8 parts)" in message, message
+print("OK")
+"""
+
+
+def test_a_mesh_that_cannot_split_a_parameter_is_a_config_error_naming_it():
+    assert_prints_ok(_INDIVISIBLE_MESH_SCRIPT)
 
 
 def test_batches_are_read_in_a_thread_and_put_on_devices_in_the_dispatching_one(

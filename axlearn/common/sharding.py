@@ -115,17 +115,30 @@ def mesh_partition_spec(spec: MeshAxes) -> PartitionSpec:
     return _filter_axes(spec, current_mesh_axes())
 
 
+def _parts(shape: Sequence[int], spec: MeshAxes, sizes: dict[str, int]) -> list[int]:
+    """Into how many parts `spec` splits each dim of `shape` over a mesh of axis `sizes`
+    (axes the mesh lacks split nothing)."""
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return [math.prod(sizes[n] for n in _known_axes(e, sizes)) for e in entries[: len(shape)]]
+
+
 def local_shape(shape: Sequence[int], spec: PartitionSpec) -> Optional[tuple[int, ...]]:
     """Each device's block of an array of `shape` split by `spec` over the current mesh, or
     None where an axis does not divide evenly."""
-    sizes = current_mesh_axes()
-    local = []
-    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        parts = int(np.prod([sizes[n] for n in axis_names(entry)]))
-        if dim % parts:
-            return None
-        local.append(dim // parts)
-    return tuple(local)
+    parts = _parts(shape, spec, current_mesh_axes())
+    if any(dim % n for dim, n in zip(shape, parts)):
+        return None
+    return tuple(dim // n for dim, n in zip(shape, parts))
+
+
+def indivisible_dim(shape: Sequence[int], spec: MeshAxes, sizes: dict[str, int]) -> Optional[str]:
+    """Where `spec` cannot split an array of `shape` evenly over a mesh of axis `sizes`: the
+    first such dim, in words; None where every dim divides."""
+    for dim, (size, parts, entry) in enumerate(zip(shape, _parts(shape, spec, sizes), spec)):
+        if size % parts:
+            axes = _known_axes(entry, sizes)
+            return f"dim {dim} ({size}) over {' x '.join(axes)} ({parts} parts)"
+    return None
 
 
 def maybe_shard(x: jax.Array, spec: Optional[MeshAxes]) -> jax.Array:

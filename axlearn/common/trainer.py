@@ -36,7 +36,13 @@ from axlearn.common.input_prefetch import prefetch_in_thread
 from axlearn.common.learner import Learner, microbatch_count
 from axlearn.common.module import Module, functional
 from axlearn.common.optimizers import global_norm
-from axlearn.common.sharding import batch_shards, create_mesh, global_batch, named_sharding
+from axlearn.common.sharding import (
+    batch_shards,
+    create_mesh,
+    global_batch,
+    indivisible_dim,
+    named_sharding,
+)
 from axlearn.common.summary import WeightedScalar, scalar_value
 from axlearn.common.summary_writer import SummaryWriter
 
@@ -187,6 +193,7 @@ class SpmdTrainer(Module):
                 cfg.summary_writer.clone(dir=os.path.join(trainer_dir, "summaries", "train")),
             )
         self._model_param_specs = self.model.create_parameter_specs_recursively()
+        self._check_parameters_split_evenly()
         self._evalers = {}
         for name, evaler_cfg in cfg.evalers.items():
             # Evaluation batches are split over the same mesh axes as training batches.
@@ -229,6 +236,20 @@ class SpmdTrainer(Module):
         return self._model_param_specs
 
     # ----- shardings -----
+
+    def _check_parameters_split_evenly(self) -> None:
+        """A config error naming the parameter when the mesh cannot split it evenly (jax
+        would only say which shape, once the state is placed)."""
+        sizes = dict(self._mesh.shape)
+        for path, spec in flatten_with_paths(self._model_param_specs, is_leaf=is_parameter_spec):
+            where = indivisible_dim(spec.shape, spec.partition_spec, sizes)
+            if where is not None:
+                raise ConfigError(
+                    f"{self.path()}.mesh_shape {tuple(self._config.mesh_shape)} (mesh {sizes}) "
+                    f"cannot split model parameter {path} of shape {tuple(spec.shape)} by "
+                    f"{tuple(spec.partition_spec)}: {where}. Pick a mesh rule whose axes "
+                    "divide the model's dimensions (docs/mesh_rules.md)."
+                )
 
     def _param_shardings(self, specs: Any) -> Any:
         def to_sharding(spec):
