@@ -1,7 +1,8 @@
 """Times the gated MLP's elementwise work fused into Pallas (Triton) matmuls, at gpt_1b's
 shapes, against cuBLAS with the elementwise work in separate kernels.
 
-    PYTHONPATH=. python benchmarks/fused_mlp_check.py [--rounds=2] [--json_out=fused_mlp.json]
+    PYTHONPATH=. python benchmarks/fused_mlp_check.py [--rounds=2] [--json_out=fused_mlp.json] \
+        [--match=Mosaic]
 
 The question it answers: would the step gain from matmuls that do the gated product in
 their epilogues? Forward, one kernel computes a = x @ w0 and b = x @ w1 for the same
@@ -16,12 +17,15 @@ TFLOP/s and each kernel's largest difference from the cuBLAS/XLA path. The calls
 short to bring the card to its power limit: both sides run at its boost clock. The answer
 on an H100 is in docs/benchmarks.md (the fifteenth round): no, the Triton matmuls are
 20% slower than cuBLAS's, far more than the traffic saved. It also times jax's Mosaic GPU
-matmul, the other Pallas backend on GPU, alone (no epilogue of ours).
+matmul, the other Pallas backend on GPU, alone (no epilogue of ours), and the same two
+fused kernels written for that backend (`benchmarks/fused_mlp_mosaic.py`; the sixteenth
+round: the forward 1-2% faster than the separate path, the backward 3-7% slower).
 """
 
 import argparse
 import functools
 import json
+import re
 import time
 from collections.abc import Callable
 
@@ -32,6 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from axlearn.common import gpu_kernels, layers
 from axlearn.common.module import Tensor
+from benchmarks import fused_mlp_mosaic
 
 _TOKENS, _MODEL, _HIDDEN = 16384, 2048, 8192
 
@@ -44,6 +49,18 @@ _CONFIGS = (
     (128, 128, 32, 4, 5),
     (64, 128, 64, 4, 4),
     (128, 64, 64, 4, 4),
+)
+
+# The Mosaic GPU kernels' variants timed: the defaults, more epilogue stores in flight
+# (fewer pipeline stages make room for them), one wgmma group in flight across steps, and
+# one compute warpgroup a block with one or two blocks an SM.
+_MOSAIC_TILES = (
+    fused_mlp_mosaic.Tiles(),
+    fused_mlp_mosaic.Tiles(stages=3, out_slots=4),
+    fused_mlp_mosaic.Tiles(delay_release=1),
+    fused_mlp_mosaic.Tiles(compute_wgs=1),
+    fused_mlp_mosaic.Tiles(compute_wgs=1, blocks_per_sm=2, stages=2),
+    fused_mlp_mosaic.Tiles(compute_wgs=1, blocks_per_sm=2, stages=3),
 )
 
 silu = layers.get_activation_fn("nn.silu")
@@ -220,6 +237,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=2, help="Times each variant is timed.")
     parser.add_argument("--json_out", default=None)
+    parser.add_argument(
+        "--match",
+        default="",
+        help="Times only the variants whose name has this regex (and the baselines).",
+    )
     args = parser.parse_args()
     keys = jax.random.split(jax.random.key(0), 5)
 
@@ -243,12 +265,26 @@ def main() -> None:
     for tiles, wg_dimension in (((128, 128), "N"), ((128, 128), "M"), ((64, 256), "M")):
         fn = jax.jit(functools.partial(mosaic_matmul, tiles=tiles, wg_dimension=wg_dimension))
         variants[f"Mosaic GPU matmul {tiles} wg={wg_dimension}"] = (fn, (x, w0), plain, gflop)
+    for tiles in _MOSAIC_TILES:
+        fwd, bwd = (jax.jit(functools.partial(fn, tiles=tiles))
+                    for fn in (fused_mlp_mosaic.forward, fused_mlp_mosaic.backward))
+        name = (
+            f"{tiles.compute_wgs} wg x {tiles.blocks_per_sm}/SM, {tiles.stages} stages, "
+            f"{tiles.out_slots} slots, delay {tiles.delay_release}"
+        )
+        variants[f"Mosaic fused forward ({name})"] = (fwd, (x, w0, w1), forward, 2 * gflop)
+        if tiles.out_slots == 2:  # The backward stores from a's and b's buffers, not slots.
+            variants[f"Mosaic fused backward ({name})"] = (bwd, (dy, w2, a, b), backward, gflop)
     for config in _CONFIGS:
         fns = (matmul, gated_mlp_forward, gated_mlp_backward)
         matmul_, fwd, bwd = (jax.jit(functools.partial(fn, config=config)) for fn in fns)
         variants[f"Triton matmul {config}"] = (matmul_, (x, w0), plain, gflop)
         variants[f"fused forward {config}"] = (fwd, (x, w0, w1), forward, 2 * gflop)
         variants[f"fused backward {config}"] = (bwd, (dy, w2, a, b), backward, gflop)
+    variants = {
+        name: variant for name, variant in variants.items()
+        if variant[2] is None or re.search(args.match, name)
+    }
 
     start = time.time()  # 8 s of matmuls first, so the first round finds the card running.
     while time.time() - start < 8:
