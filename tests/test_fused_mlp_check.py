@@ -27,17 +27,22 @@ def _silu(x):
     return x / (1 + np.exp(-x))
 
 
-@pytest.fixture(name="operands")
-def fixture_operands():
-    rng = np.random.default_rng(0)
+def _random_operands(seed: int, rows: int, model: int, hidden: int) -> dict[str, np.ndarray]:
+    """x, dy, w0, w1, w2 of an MLP, bf16-rounded; weights scaled by 1 / sqrt(fan-in)."""
+    rng = np.random.default_rng(seed)
     normal = lambda *shape: _bf16(rng.normal(size=shape) / np.sqrt(shape[0]))  # noqa: E731
     return dict(
-        x=_bf16(rng.normal(size=(_ROWS, _MODEL))),
-        dy=_bf16(rng.normal(size=(_ROWS, _MODEL))),
-        w0=normal(_MODEL, _HIDDEN),
-        w1=normal(_MODEL, _HIDDEN),
-        w2=normal(_HIDDEN, _MODEL),
+        x=_bf16(rng.normal(size=(rows, model))),
+        dy=_bf16(rng.normal(size=(rows, model))),
+        w0=normal(model, hidden),
+        w1=normal(model, hidden),
+        w2=normal(hidden, model),
     )
+
+
+@pytest.fixture(name="operands")
+def fixture_operands():
+    return _random_operands(0, _ROWS, _MODEL, _HIDDEN)
 
 
 def _jnp(*arrays):
@@ -110,16 +115,7 @@ needs_interpreter = pytest.mark.skipif(
 
 @pytest.fixture(name="mosaic_operands")
 def fixture_mosaic_operands():
-    rng = np.random.default_rng(1)
-    rows, model, hidden = _MOSAIC_SHAPE["rows"], _MOSAIC_SHAPE["model"], _MOSAIC_SHAPE["hidden"]
-    normal = lambda *shape: _bf16(rng.normal(size=shape) / np.sqrt(shape[0]))  # noqa: E731
-    return dict(
-        x=_bf16(rng.normal(size=(rows, model))),
-        dy=_bf16(rng.normal(size=(rows, model))),
-        w0=normal(model, hidden),
-        w1=normal(model, hidden),
-        w2=normal(hidden, model),
-    )
+    return _random_operands(1, **_MOSAIC_SHAPE)
 
 
 @needs_interpreter
