@@ -78,11 +78,22 @@ class _MultiheadLinear(BaseLayer):
         per_head_dim: Required[int] = REQUIRED
         bias: bool = True
 
-    # Set by subclasses: which weight axes are the fan-in and fan-out.
+    # Set by subclasses: which weight axes are the fan-in and fan-out, and the einsum of
+    # the input with the weight.
     _FAN_AXES: FanAxes
+    _EINSUM: str
 
     def _bias_shape_and_axes(self, spec) -> tuple[list[int], Optional[tuple]]:
         raise NotImplementedError(type(self))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = base_layer.weight_einsum(
+            self._EINSUM, x, self.parameters["weight"],
+            partition_spec=self.config.param_partition_spec,
+        )
+        if self.config.bias:
+            y = y + self.parameters["bias"]
+        return y
 
     def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
         cfg = self.config
@@ -106,37 +117,21 @@ class MultiheadInputLinear(_MultiheadLinear):
     """[..., model_dim] -> [..., num_heads, per_head_dim]; weight [model_dim, N, H]."""
 
     _FAN_AXES = FanAxes(in_axis=-3, out_axis=(-2, -1))
+    _EINSUM = "...d,dnh->...nh"
 
     def _bias_shape_and_axes(self, spec):
         cfg = self.config
         return [cfg.num_heads, cfg.per_head_dim], (tuple(spec[1:]) if spec else None)
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = base_layer.weight_einsum(
-            "...d,dnh->...nh", x, self.parameters["weight"],
-            partition_spec=self.config.param_partition_spec,
-        )
-        if self.config.bias:
-            y = y + self.parameters["bias"]
-        return y
 
 
 class MultiheadOutputLinear(_MultiheadLinear):
     """[..., num_heads, per_head_dim] -> [..., model_dim]; weight [model_dim, N, H]."""
 
     _FAN_AXES = FanAxes(in_axis=(-2, -1), out_axis=-3)
+    _EINSUM = "...nh,dnh->...d"
 
     def _bias_shape_and_axes(self, spec):
         return [self.config.model_dim], ((spec[0],) if spec else None)
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = base_layer.weight_einsum(
-            "...nh,dnh->...d", x, self.parameters["weight"],
-            partition_spec=self.config.param_partition_spec,
-        )
-        if self.config.bias:
-            y = y + self.parameters["bias"]
-        return y
 
 
 class QKV(NamedTuple):
