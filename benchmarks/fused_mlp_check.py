@@ -52,8 +52,9 @@ _CONFIGS = (
 )
 
 # The Mosaic GPU kernels' variants timed: the defaults, more epilogue stores in flight
-# (fewer pipeline stages make room for them), one wgmma group in flight across steps, and
-# one compute warpgroup a block with one or two blocks an SM.
+# (fewer pipeline stages make room for them), one wgmma group in flight across steps,
+# one compute warpgroup a block with one or two blocks an SM, and (backward) a's and b's
+# loads issued part-way through the matmul's 32 steps.
 _MOSAIC_TILES = (
     fused_mlp_mosaic.Tiles(),
     fused_mlp_mosaic.Tiles(stages=3, out_slots=4),
@@ -61,6 +62,9 @@ _MOSAIC_TILES = (
     fused_mlp_mosaic.Tiles(compute_wgs=1),
     fused_mlp_mosaic.Tiles(compute_wgs=1, blocks_per_sm=2, stages=2),
     fused_mlp_mosaic.Tiles(compute_wgs=1, blocks_per_sm=2, stages=3),
+    fused_mlp_mosaic.Tiles(ab_load_step=2),
+    fused_mlp_mosaic.Tiles(ab_load_step=8),
+    fused_mlp_mosaic.Tiles(ab_load_step=16),
 )
 
 silu = layers.get_activation_fn("nn.silu")
@@ -270,9 +274,10 @@ def main() -> None:
                     for fn in (fused_mlp_mosaic.forward, fused_mlp_mosaic.backward))
         name = (
             f"{tiles.compute_wgs} wg x {tiles.blocks_per_sm}/SM, {tiles.stages} stages, "
-            f"{tiles.out_slots} slots, delay {tiles.delay_release}"
+            f"{tiles.out_slots} slots, delay {tiles.delay_release}, loads {tiles.ab_load_step}"
         )
-        variants[f"Mosaic fused forward ({name})"] = (fwd, (x, w0, w1), forward, 2 * gflop)
+        if tiles.ab_load_step is None:  # The forward loads no a and b.
+            variants[f"Mosaic fused forward ({name})"] = (fwd, (x, w0, w1), forward, 2 * gflop)
         if tiles.out_slots == 2:  # The backward stores from a's and b's buffers, not slots.
             variants[f"Mosaic fused backward ({name})"] = (bwd, (dy, w2, a, b), backward, gflop)
     for config in _CONFIGS:

@@ -67,6 +67,9 @@ class Tiles:
     interpret: bool = False
     # Backward: take w2ᵀ instead of transposing w2's blocks in shared memory.
     w2_transposed: bool = False
+    # Backward: the pipeline step at which a's and b's loads are issued (None: before the
+    # first), so they need not queue ahead of the matmul's first operand loads.
+    ab_load_step: Optional[int] = None
 
     @property
     def block_m(self) -> int:
@@ -272,7 +275,7 @@ def backward(
                 def chunk(ref, j):
                     return ref.at[rows, cols].at[wg_rows].at[:, pl.ds(j * en, en)]
 
-                def epilogue(run_pipeline):
+                def load_ab():
                     # The previous tile's stores read ab_smem; then a and b load during
                     # this tile's matmul.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -281,6 +284,10 @@ def backward(
                             plgpu.copy_gmem_to_smem(
                                 chunk(src, j), ab_smem.at[wg, i, j], ab_loaded.at[wg]
                             )
+
+                def epilogue(run_pipeline):
+                    if tiles.ab_load_step is None:
+                        load_ab()
 
                     @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
                     def _(acc):
@@ -300,7 +307,9 @@ def backward(
                             for j in range(chunks):
                                 plgpu.copy_smem_to_gmem(ab_smem.at[wg, i, j], chunk(dst, j))
 
-                def mma(_, dy_s, w2_s, acc):
+                def mma(steps, dy_s, w2_s, acc):
+                    if tiles.ab_load_step is not None:
+                        pl.when(steps[0] == tiles.ab_load_step)(load_ab)
                     w2_t = w2_s if tiles.w2_transposed else w2_s.transpose((1, 0))
                     plgpu.wgmma(acc, dy_s.at[wg_rows], w2_t)
                     plgpu.wgmma_wait(tiles.delay_release)

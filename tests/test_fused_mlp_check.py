@@ -140,8 +140,12 @@ def test_mosaic_forward_writes_both_projections_and_the_gated_product(mosaic_ope
 @needs_interpreter
 @pytest.mark.parametrize(
     "tiles",
-    [_MOSAIC_TILES, dataclasses.replace(_MOSAIC_TILES, compute_wgs=1, num_blocks=5)],
-    ids=["two_compute_warpgroups", "one_compute_warpgroup"],
+    [
+        _MOSAIC_TILES,
+        dataclasses.replace(_MOSAIC_TILES, compute_wgs=1, num_blocks=5),
+        dataclasses.replace(_MOSAIC_TILES, ab_load_step=1),
+    ],
+    ids=["two_compute_warpgroups", "one_compute_warpgroup", "loads_at_the_second_step"],
 )
 def test_mosaic_backward_gives_the_gated_product_s_cotangents(mosaic_operands, tiles):
     x, dy, w0, w1, w2 = (mosaic_operands[k] for k in ("x", "dy", "w0", "w1", "w2"))
