@@ -794,7 +794,6 @@ _MESHES = [
 _SHARDED_SCRIPT = textwrap.dedent(
     """
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import sys
     sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
     import jax, jax.numpy as jnp, numpy as np
@@ -839,7 +838,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
 
 def test_repeated_transformer_sharded_over_8_devices_matches_single_device():
     reference_spec.path()  # The script builds the spec's transformer.
-    assert_prints_ok(_SHARDED_SCRIPT.format(repo=REPO), marker="SHARDED_OK")
+    assert_prints_ok(_SHARDED_SCRIPT.format(repo=REPO), marker="SHARDED_OK", devices=8)
 
 
 def test_split_heads_gradient_concatenates_the_parts():

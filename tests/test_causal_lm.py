@@ -245,7 +245,6 @@ def test_generation_wrappers_delegate_to_the_decoder():
 _SHARDED_SCRIPT = textwrap.dedent(
     """
     import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     sys.path.insert(0, sys.argv[1])
     sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
     import jax, jax.numpy as jnp, numpy as np
@@ -285,7 +284,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
 
 def test_sharded_forward_matches_single_device_and_shards_logits():
     reference_spec.path()  # The script builds the spec's model.
-    assert_prints_ok(_SHARDED_SCRIPT, str(_REPO))
+    assert_prints_ok(_SHARDED_SCRIPT, str(_REPO), devices=8)
 
 
 def test_attend_across_documents_ignores_segments_and_positions():

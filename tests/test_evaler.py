@@ -299,8 +299,7 @@ def test_an_explicit_summary_dir_wins(tmp_path):
 
 
 _MESH_SCRIPT = """
-import json, os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import json
 import jax, jax.numpy as jnp
 from axlearn.common.sharding import create_mesh
 from tests.test_evaler import make_evaler, make_params
@@ -321,7 +320,7 @@ print("RESULTS" + json.dumps(results))
 
 
 def test_eval_on_a_data_fsdp_mesh_matches_the_reference():
-    proc = run_python(_MESH_SCRIPT)
+    proc = run_python(_MESH_SCRIPT, devices=8)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULTS")][-1]
     results = json.loads(line[len("RESULTS") :])
@@ -329,8 +328,6 @@ def test_eval_on_a_data_fsdp_mesh_matches_the_reference():
 
 
 _INDIVISIBLE_SCRIPT = """
-import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax
 from axlearn.common.sharding import create_mesh
 from tests.test_evaler import make_evaler
@@ -341,6 +338,6 @@ with jax.set_mesh(create_mesh((8,), ("data",))):
 
 
 def test_a_batch_that_the_mesh_cannot_split_is_an_error_with_the_fix():
-    proc = run_python(_INDIVISIBLE_SCRIPT)
+    proc = run_python(_INDIVISIBLE_SCRIPT, devices=8)
     assert proc.returncode != 0
     assert "a batch of 4 rows cannot be split over mesh axes ('data',) (8 shards)" in proc.stderr

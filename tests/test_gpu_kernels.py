@@ -1,9 +1,6 @@
 """The gated-MLP backward kernel, interpreted on the CPU, against autodiff."""
 
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -12,6 +9,7 @@ import numpy as np
 import pytest
 
 from axlearn.common import gpu_kernels, layers
+from tests.fresh_python import assert_prints_ok
 
 RNG = np.random.default_rng(0)
 
@@ -64,10 +62,6 @@ def test_kernel_is_skipped_where_it_does_not_apply():
 
 _SHARDED_SCRIPT = textwrap.dedent(
     """
-    import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    import sys
-    sys.path.insert(0, {repo!r})
     import jax, jax.numpy as jnp, numpy as np
     from axlearn.common import gpu_kernels, layers
     from axlearn.common.sharding import create_mesh, named_sharding
@@ -99,10 +93,6 @@ _SHARDED_SCRIPT = textwrap.dedent(
 )
 
 
-def test_kernel_runs_per_device_on_a_sharded_mesh(tmp_path):
+def test_kernel_runs_per_device_on_a_sharded_mesh():
     # A fresh process: the fake 8-device CPU platform must be set before jax starts.
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = tmp_path / "sharded.py"
-    script.write_text(_SHARDED_SCRIPT.format(repo=repo))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    assert_prints_ok(_SHARDED_SCRIPT, devices=8)

@@ -169,8 +169,6 @@ def test_microbatch_i_holds_every_kth_row():
 
 SPLIT_SCRIPT = textwrap.dedent(
     """
-    import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
     from axlearn.common.learner import split_microbatches
@@ -200,7 +198,7 @@ SPLIT_SCRIPT = textwrap.dedent(
 
 
 def test_strided_microbatches_of_a_sharded_batch_stay_on_their_devices():
-    assert_prints_ok(SPLIT_SCRIPT)
+    assert_prints_ok(SPLIT_SCRIPT, devices=8)
 
 
 def test_gradient_accumulation_rejects_a_batch_it_cannot_split():
@@ -367,8 +365,6 @@ def test_regularizer_lines_of_the_spec_learner_are_all_one_without_spec_scales()
 
 SHARDED_SCRIPT = textwrap.dedent(
     """
-    import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     import numpy as np
@@ -419,4 +415,4 @@ SHARDED_SCRIPT = textwrap.dedent(
 
 
 def test_learner_state_is_sharded_like_the_parameters_on_a_mesh():
-    assert_prints_ok(SHARDED_SCRIPT)
+    assert_prints_ok(SHARDED_SCRIPT, devices=8)

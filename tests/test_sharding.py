@@ -4,8 +4,6 @@ from axlearn.common.sharding import indivisible_dim
 from tests.fresh_python import assert_prints_ok
 
 _SCRIPT = """
-import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax
 import numpy as np
 import pytest
@@ -45,12 +43,10 @@ print("OK")
 
 
 def test_global_batch_splits_rows_over_the_batch_axes_and_names_the_config_on_error():
-    assert_prints_ok(_SCRIPT)
+    assert_prints_ok(_SCRIPT, devices=8)
 
 
 _GATHER_SCRIPT = """
-import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,7 +84,7 @@ print("OK")
 
 
 def test_weights_are_gathered_and_kv_heads_kept_whole_only_on_meshes_xla_partitions_wrong():
-    assert_prints_ok(_GATHER_SCRIPT)
+    assert_prints_ok(_GATHER_SCRIPT, devices=8)
 
 
 def test_indivisible_dim_names_the_first_dim_a_mesh_cannot_split_evenly():

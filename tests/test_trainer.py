@@ -615,8 +615,6 @@ def test_meshes_of_eight_and_four_devices_match_one_device(tmp_path):
 
 
 _INDIVISIBLE_MESH_SCRIPT = """
-import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import pytest
 from axlearn.common.config import ConfigError
 from tests.trainer_script import tiny_trainer_config
@@ -634,7 +632,7 @@ print("OK")
 
 
 def test_a_mesh_that_cannot_split_a_parameter_is_a_config_error_naming_it():
-    assert_prints_ok(_INDIVISIBLE_MESH_SCRIPT)
+    assert_prints_ok(_INDIVISIBLE_MESH_SCRIPT, devices=8)
 
 
 def test_batches_are_read_in_a_thread_and_put_on_devices_in_the_dispatching_one(
