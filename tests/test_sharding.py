@@ -50,6 +50,7 @@ _GATHER_SCRIPT = """
 import jax
 import jax.numpy as jnp
 import numpy as np
+from axlearn.common.base_layer import WeightWithCopy, weight_einsum
 from axlearn.common.sharding import (
     create_mesh, gathered_for_matmul, maybe_shard, named_sharding, whole_heads_if_uneven
 )
@@ -59,6 +60,7 @@ x = rng.normal(size=(8, 8, 48)).astype(np.float32)
 w = rng.normal(size=(48, 32)).astype(np.float32)
 x_spec, w_spec = (("data", "fsdp"), None, "model"), ("model", "fsdp")
 want = np.einsum("btd,dk->btk", x, w)
+r = rng.normal(size=want.shape).astype(np.float32)
 # Which meshes gather the weight: only 'model' and two other axes above 1.
 meshes = (((2, 2, 2), True), ((1, 4, 2), False), ((2, 4, 1), False), ((1, 1, 8), False))
 for shape, gathers in meshes:
@@ -77,8 +79,24 @@ for shape, gathers in meshes:
     with jax.set_mesh(mesh):
         xs, ws = (jax.device_put(a, named_sharding(mesh, s)) for a, s in ((x, x_spec), (w, w_spec)))
         got = jax.jit(matmul)(xs, ws)
+        # A weight with its train-dtype copy (here the weight itself) multiplies the copy;
+        # the gradients of <product, r> reach x and the weight.
+        def paired(x_, w_):
+            y = weight_einsum("btd,dk->btk", x_, WeightWithCopy(w_, w_), partition_spec=w_spec)
+            return maybe_shard(y, x_spec)
+
+        paired_out = jax.jit(paired)(xs, ws)
+        dx, dw = jax.jit(jax.grad(lambda x_, w_: jnp.sum(paired(x_, w_) * r), (0, 1)))(xs, ws)
     assert seen == [gathers], (shape, seen)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4, err_msg=str(shape))
+    for name, value, expected in (
+        ("product", got, want),
+        ("product with a copy", paired_out, want),
+        ("dx", dx, np.einsum("btk,dk->btd", r, w)),
+        ("dw", dw, np.einsum("btd,btk->dk", x, r)),
+    ):
+        np.testing.assert_allclose(
+            np.asarray(value), expected, rtol=1e-4, atol=1e-4, err_msg=f"{shape} {name}"
+        )
 print("OK")
 """
 

@@ -155,7 +155,8 @@ def weight_einsum(
     """
     if not isinstance(weight, WeightWithCopy):
         return jnp.einsum(spec, x, gathered_for_matmul(weight, partition_spec))
-    return _einsum_with_weight_grad(spec, x, weight.weight, weight.copy)
+    copy = gathered_for_matmul(weight.copy, partition_spec)
+    return _einsum_with_weight_grad(spec, x, weight.weight, copy)
 
 
 def weight_take(weight: Union[Tensor, WeightWithCopy], ids: Tensor) -> Tensor:
