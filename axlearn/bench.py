@@ -18,7 +18,7 @@ r"""Benchmarks named trainer configs and compares git revisions side by side.
     # '' for none), e.g. to try a flag for a platform's preset:
     python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 \
         --config_override=input.global_batch_size=4 --compare_xla_flags= \
-        --compare_xla_flags=--xla_gpu_enable_triton_gemm=false --rounds=2
+        --compare_xla_flags=--xla_gpu_enable_triton_gemm=true --rounds=2
 
 Every run prints the standard columns: Parameters, Final loss, TFLOP/s/device,
 Tokens/s/device, Avg s/step, Memory %, MFU, JAX version, device; on NVIDIA GPUs also the
