@@ -867,10 +867,14 @@ class TransformerAttentionLayer(BaseLayer):
 
     def _residual(self, target: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
         structure = self._config.structure
+        # No partition spec for the residual stream here: on a mesh of several devices the
+        # norm keeps autodiff's backward (`BaseNormalizationLayer.residual_and_norm`).
         if structure == "prenorm":
-            y = attend(self.norm(target))
+            target, normed = self.norm.residual_and_norm(target)
+            y = attend(normed)
         elif structure == "hybridnorm":
-            y = self.postnorm(attend(self.prenorm(target)))
+            target, normed = self.prenorm.residual_and_norm(target)
+            y = self.postnorm(attend(normed))
         else:
             y = attend(target)
         y = residual_add(target, self.stochastic_depth(self.dropout(y)))
@@ -993,8 +997,8 @@ class TransformerFeedForwardLayer(BaseLayer):
         if name in (self._config.add_value_rms_norm_summary or ()):
             self.add_summary(f"rms_norm/{name}", rms(x))
 
-    def _hidden(self, x: Tensor) -> Tensor:
-        pre = [getattr(self, name)(x) for name, _ in self._activations]
+    def _hidden(self, xs: Sequence[Tensor]) -> Tensor:
+        pre = [getattr(self, name)(x) for (name, _), x in zip(self._activations, xs)]
         (name, activation), a = self._activations[0], pre[0]
         # Only the activated branch can die; a gate's linear partner cannot.
         if self._config.add_dead_neuron_summary:
@@ -1010,13 +1014,22 @@ class TransformerFeedForwardLayer(BaseLayer):
         """[B,T,input_dim] -> [B,T,input_dim]."""
         cfg = self._config
         self._add_rms_summary("inputs", inputs)
+        # The residual stream is split like linear2's output.
+        residual_spec = cfg.linear2.output_partition_spec
+        # The normalized inputs go to each input projection as a copy of its own, so
+        # that the norm's backward can sum their gradients itself.
+        consumers = len(self._activations)
         if cfg.structure == "prenorm":
-            x = self.norm(inputs)
+            inputs, *xs = self.norm.residual_and_norm(
+                inputs, partition_spec=residual_spec, consumers=consumers
+            )
         elif cfg.structure == "hybridnorm":
-            x = self.prenorm(inputs)
+            inputs, *xs = self.prenorm.residual_and_norm(
+                inputs, partition_spec=residual_spec, consumers=consumers
+            )
         else:
-            x = inputs
-        h = self._hidden(x)
+            xs = [inputs] * consumers
+        h = self._hidden(xs)
         self._add_rms_summary("linear1_outputs", h)
         y = self.linear2(self.dropout1(h))
         self._add_rms_summary("linear2_outputs", y)

@@ -8,7 +8,7 @@ such as `.*feed_forward/linear2/weight`.
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import jax
@@ -220,6 +220,63 @@ class BaseNormalizationLayer(BaseLayer):
             initializer=constant_initializer(value),
         )
 
+    def residual_and_norm(
+        self, x: Tensor, *, partition_spec: Optional[MeshAxes] = None, consumers: int = 1
+    ) -> tuple[Tensor, ...]:
+        """(x, self(x), ...) for a pre-norm block x + f(self(x)): x, then the normalized x
+        once for each of f's `consumers` (layers that read it). The block must take its
+        residual from the first output and give each consumer its own copy.
+        `partition_spec`: how x is split over the mesh, if known.
+
+        Some norms (`RMSNorm` on GPU) then take the residual's and the consumers'
+        gradients into their own backward pass, where autodiff would sum them in others.
+        """
+        del partition_spec
+        return (x,) + (self.forward(x),) * consumers
+
+
+def _rms_norm(x: Tensor, scale: Tensor, eps: float, forward_dtype: Optional[jnp.dtype]) -> Tensor:
+    y = x.astype(forward_dtype or x.dtype)
+    y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + eps)
+    return (y * scale).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def rms_norm_with_residual(
+    x: Tensor,
+    scale: Tensor,
+    eps: float,
+    forward_dtype: Optional[jnp.dtype],
+    consumers: int,
+    partition_spec: Optional[MeshAxes],
+    interpret: bool,
+) -> tuple[Tensor, ...]:
+    """(x, RMSNorm(x), ...) as `BaseNormalizationLayer.residual_and_norm`, whose backward
+    pass is `gpu_kernels.rms_norm_backward`: the cotangents of every output are summed in
+    the pass that computes the norm's gradient, which reads each of them and x once
+    (`interpret` as in `gpu_kernels`)."""
+    del partition_spec, interpret
+    return (x,) + (_rms_norm(x, scale, eps, forward_dtype),) * consumers
+
+
+def _rms_norm_with_residual_fwd(x, scale, eps, forward_dtype, consumers, partition_spec, interpret):
+    del partition_spec, interpret
+    return (x,) + (_rms_norm(x, scale, eps, forward_dtype),) * consumers, (x, scale)
+
+
+def _rms_norm_with_residual_bwd(
+    eps, forward_dtype, consumers, partition_spec, interpret, residuals, cotangents
+):
+    del forward_dtype, consumers  # The kernel works in float32 whatever the forward's dtype.
+    x, scale = residuals
+    dresidual, *dys = (t.astype(x.dtype) for t in cotangents)
+    return gpu_kernels.sharded_rms_norm_backward(
+        x, scale, dys, dresidual, eps=eps, partition_spec=partition_spec, interpret=interpret
+    )
+
+
+rms_norm_with_residual.defvjp(_rms_norm_with_residual_fwd, _rms_norm_with_residual_bwd)
+
 
 class RMSNorm(BaseNormalizationLayer):
     """Root-mean-square normalization: x / sqrt(mean(x^2) + eps) * scale."""
@@ -229,9 +286,25 @@ class RMSNorm(BaseNormalizationLayer):
 
     def forward(self, x: Tensor) -> Tensor:
         cfg = self.config
-        y = x.astype(cfg.forward_dtype or x.dtype)
-        y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + cfg.eps)
-        return (y * self.parameters["scale"]).astype(x.dtype)
+        return _rms_norm(x, self.parameters["scale"], cfg.eps, cfg.forward_dtype)
+
+    def residual_and_norm(
+        self, x: Tensor, *, partition_spec: Optional[MeshAxes] = None, consumers: int = 1
+    ) -> tuple[Tensor, ...]:
+        """See `BaseNormalizationLayer.residual_and_norm`; on GPU the backward is one kernel."""
+        cfg = self.config
+
+        def whole_rows(block: Sequence[int]) -> bool:
+            # Each device must hold whole rows: the norm sums over the last axis.
+            return block[-1] == x.shape[-1] and gpu_kernels.rms_norm_supported(block)
+
+        interpret = gpu_kernels.kernel_mode(x, partition_spec, fits=whole_rows)
+        if interpret is None:
+            return (x,) + (self.forward(x),) * consumers
+        scale = self.parameters["scale"]
+        return rms_norm_with_residual(
+            x, scale, cfg.eps, cfg.forward_dtype, consumers, partition_spec, interpret
+        )
 
 
 class LayerNorm(BaseNormalizationLayer):
