@@ -185,15 +185,19 @@ def test_norm_kernel_is_skipped_where_it_does_not_apply():
 
         return str(jax.make_jaxpr(jax.grad(loss))(x))
 
+    rms = layers.RMSNorm.default_config().set(name="norm", input_dim=256).instantiate(parent=None)
+    rms_scale = dict(scale=jnp.ones((256,)))
+    rows = jnp.ones((32, 256))  # Two blocks of the 16 rows of 256 a program holds at once.
     with gpu_kernels.interpreted():
         assert "pallas_call" not in grads(norm, scale, jnp.ones((4, 1000)))
+        assert "pallas_call" not in grads(rms, rms_scale, jnp.ones((4, 256)))  # Not a block.
+        assert "pallas_call" in grads(rms, rms_scale, rows)
         # A LayerNorm keeps autodiff's backward: the kernel is RMSNorm's.
         layer_norm = layers.LayerNorm.default_config().set(name="norm", input_dim=256)
         state = dict(scale=jnp.ones((256,)), bias=jnp.zeros((256,)))
-        assert "pallas_call" not in grads(layer_norm.instantiate(parent=None), state, jnp.ones((4, 256)))
+        assert "pallas_call" not in grads(layer_norm.instantiate(parent=None), state, rows)
     # Outside `interpreted()`: the compiled kernel on a GPU, XLA on the CPU.
-    rms = layers.RMSNorm.default_config().set(name="norm", input_dim=256).instantiate(parent=None)
-    assert ("pallas_call" in grads(rms, dict(scale=jnp.ones((256,))), jnp.ones((4, 256)))) is on_gpu
+    assert ("pallas_call" in grads(rms, rms_scale, rows)) is on_gpu
 
 
 _SHARDED_NORM_SCRIPT = textwrap.dedent(
