@@ -50,12 +50,13 @@ def test_gated_product_takes_the_kernel_when_asked_and_keeps_its_gradients():
 
 def test_kernel_is_skipped_where_it_does_not_apply():
     assert not gpu_kernels.supported((3, 1000))  # No power-of-two block tiles 1000 units.
-    assert gpu_kernels.kernel_mode(jnp.zeros((3, 1000))) is None
+    assert gpu_kernels.kernel_mode(jnp.zeros((3, 1000)), fits=gpu_kernels.supported) is None
     # Outside `interpreted()` a supported shape takes the compiled kernel on a GPU and
     # stays on XLA on the CPU (this suite runs on both).
     assert gpu_kernels.supported((8, 1024))
     on_gpu = jax.devices()[0].platform == "gpu"
-    assert gpu_kernels.kernel_mode(jnp.zeros((8, 1024))) is (False if on_gpu else None)
+    mode = gpu_kernels.kernel_mode(jnp.zeros((8, 1024)), fits=gpu_kernels.supported)
+    assert mode is (False if on_gpu else None)
     # exact_gelu needs erf, which the kernel does not lower: the layer keeps XLA.
     gelu = layers.get_activation_fn("exact_gelu")
     with gpu_kernels.interpreted():

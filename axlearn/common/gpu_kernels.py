@@ -10,8 +10,8 @@ reduction pass and an elementwise pass that read the row twice; the norm kernel 
 whole rows and reads each input once.
 
 They run with `interpret=True` on any backend, which is how the tests check them on the
-CPU. `layers.gated_product` and `layers.RMSNorm.residual_and_norm` ask `kernel_mode` whether to
-use them or plain XLA; on a mesh of several devices they run per device under
+CPU. `layers.gated_product` and `layers.RMSNorm.residual_and_norm` ask `kernel_mode`
+whether to use them or plain XLA; on a mesh of several devices they run per device under
 `shard_map`.
 """
 
@@ -53,26 +53,35 @@ def interpreted():
         _interpret_everywhere = before
 
 
+def _several_devices() -> bool:
+    """Whether the current mesh (`jax.set_mesh`) has more than one device."""
+    return math.prod(current_mesh_axes().values()) > 1
+
+
+def _rows(t: Tensor) -> Tensor:
+    """[..., hidden] -> [rows, hidden], the layout the kernels take."""
+    return t.reshape(-1, t.shape[-1])
+
+
 def kernel_mode(
     a: Tensor,
     partition_spec: Optional[MeshAxes] = None,
     *,
-    fits: Optional[Callable[[Sequence[int]], bool]] = None,
+    fits: Callable[[Sequence[int]], bool],
 ) -> Optional[bool]:
     """How a layer should take the backward of `a` ([..., hidden]): None for plain XLA,
     else the kernel's `interpret` flag. `fits(block)` says whether the kernel takes each
-    device's block of `a` (default: the gated-product kernel's `supported`).
+    device's block of `a` (`supported`, `rms_norm_supported`).
 
     A Pallas call is opaque to XLA's SPMD partitioner, which would gather a sharded input
     onto every device first; on a mesh of several devices the kernel therefore runs per
     device under `shard_map`, and only where `partition_spec` says how `a` is split.
     """
-    mesh_devices = math.prod(current_mesh_axes().values())
-    if mesh_devices > 1 and (partition_spec is None or len(partition_spec) != a.ndim):
+    if _several_devices() and (partition_spec is None or len(partition_spec) != a.ndim):
         return None
     spec = mesh_partition_spec(partition_spec or (None,) * a.ndim)
     block = local_shape(a.shape, spec)
-    if block is None or not (fits or supported)(block):
+    if block is None or not fits(block):
         return None
     if _interpret_everywhere:
         return True
@@ -106,11 +115,12 @@ def sharded_gated_product_backward(
     current mesh (None: unsplit): each device runs the kernel on its own block."""
 
     def local(a_, b_, dh_):
-        rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
-        da, db = gated_product_backward(cotangents, rows(a_), rows(b_), rows(dh_), interpret=interpret)
+        da, db = gated_product_backward(
+            cotangents, _rows(a_), _rows(b_), _rows(dh_), interpret=interpret
+        )
         return da.reshape(a_.shape), db.reshape(b_.shape)
 
-    if math.prod(current_mesh_axes().values()) <= 1:
+    if not _several_devices():
         return local(a, b, dh)
     spec = mesh_partition_spec(partition_spec)
     # check_vma=False: the Pallas call has no rule for varying manual axes, and every
@@ -201,13 +211,12 @@ def sharded_rms_norm_backward(
     kernel on its own rows, and the scale's gradient is summed over the devices."""
 
     def local(x_, scale_, dres_, *dys_):
-        rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
         dx, dscale = rms_norm_backward(
-            rows(x_), scale_, [rows(t) for t in dys_], rows(dres_), eps=eps, interpret=interpret
+            _rows(x_), scale_, [_rows(t) for t in dys_], _rows(dres_), eps=eps, interpret=interpret
         )
         return dx.reshape(x_.shape), dscale
 
-    if math.prod(current_mesh_axes().values()) <= 1:
+    if not _several_devices():
         return local(x, scale, dresidual, *dys)
     spec = mesh_partition_spec(partition_spec)
     row_axes = tuple(name for entry in spec[:-1] for name in axis_names(entry))

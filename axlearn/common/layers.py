@@ -85,7 +85,7 @@ def _gated_product_bwd(act0, act1, partition_spec, residuals, dh):
     a, b = residuals
     interpret = None
     if {act0, act1} <= _KERNEL_ACTIVATIONS and a.shape == b.shape == dh.shape:
-        interpret = gpu_kernels.kernel_mode(a, partition_spec)
+        interpret = gpu_kernels.kernel_mode(a, partition_spec, fits=gpu_kernels.supported)
     if interpret is not None:
         return gpu_kernels.sharded_gated_product_backward(
             functools.partial(gated_product_cotangents, act0, act1), a, b, dh,
@@ -241,6 +241,13 @@ def _rms_norm(x: Tensor, scale: Tensor, eps: float, forward_dtype: Optional[jnp.
     return (y * scale).astype(x.dtype)
 
 
+def _residual_and_rms_norm(
+    x: Tensor, scale: Tensor, eps: float, forward_dtype: Optional[jnp.dtype], consumers: int
+) -> tuple[Tensor, ...]:
+    """(x, RMSNorm(x), ...): x, then the normalized x once for each of `consumers`."""
+    return (x,) + (_rms_norm(x, scale, eps, forward_dtype),) * consumers
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def rms_norm_with_residual(
     x: Tensor,
@@ -256,12 +263,12 @@ def rms_norm_with_residual(
     the pass that computes the norm's gradient, which reads each of them and x once
     (`interpret` as in `gpu_kernels`)."""
     del partition_spec, interpret
-    return (x,) + (_rms_norm(x, scale, eps, forward_dtype),) * consumers
+    return _residual_and_rms_norm(x, scale, eps, forward_dtype, consumers)
 
 
 def _rms_norm_with_residual_fwd(x, scale, eps, forward_dtype, consumers, partition_spec, interpret):
     del partition_spec, interpret
-    return (x,) + (_rms_norm(x, scale, eps, forward_dtype),) * consumers, (x, scale)
+    return _residual_and_rms_norm(x, scale, eps, forward_dtype, consumers), (x, scale)
 
 
 def _rms_norm_with_residual_bwd(
@@ -299,9 +306,9 @@ class RMSNorm(BaseNormalizationLayer):
             return block[-1] == x.shape[-1] and gpu_kernels.rms_norm_supported(block)
 
         interpret = gpu_kernels.kernel_mode(x, partition_spec, fits=whole_rows)
-        if interpret is None:
-            return (x,) + (self.forward(x),) * consumers
         scale = self.parameters["scale"]
+        if interpret is None:
+            return _residual_and_rms_norm(x, scale, cfg.eps, cfg.forward_dtype, consumers)
         return rms_norm_with_residual(
             x, scale, cfg.eps, cfg.forward_dtype, consumers, partition_spec, interpret
         )
