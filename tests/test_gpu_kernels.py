@@ -132,10 +132,13 @@ def test_norm_kernel_matches_numpy(rows, hidden, consumers):
     np.testing.assert_allclose(dscale, want_dscale, rtol=1e-5, atol=1e-4)
 
 
-def _transformer_layer(structure: str, hidden: int = 256):
-    """A pre-norm layer with RMSNorms and a gated MLP (two consumers of its norm)."""
+def _transformer_layer(structure: str, hidden: int = 256, remat: bool = False):
+    """A pre-norm layer with RMSNorms and a gated MLP (two consumers of its norm); with
+    `remat`, under the GPU rule's policy (projections and context saved, the rest recomputed)."""
     norm = layers.RMSNorm.default_config().set(eps=1e-5, forward_dtype=None)
     cfg = attention.TransformerLayer.default_config().set(name="layer", input_dim=hidden)
+    if remat:
+        cfg.remat_spec = dict(attention.build_remat_spec(), prevent_cse=True)
     cfg.self_attention.set(norm=norm, structure=structure)
     cfg.self_attention.attention.num_heads = 4
     cfg.feed_forward.set(hidden_dim=512, activation=("nn.silu", "linear"), norm=norm, structure=structure)
@@ -146,9 +149,9 @@ def _transformer_layer(structure: str, hidden: int = 256):
     return layer, params
 
 
-@pytest.mark.parametrize("structure", ["prenorm", "hybridnorm"])
-def test_prenorm_layers_take_the_norm_kernel_and_keep_their_gradients(structure):
-    layer, params = _transformer_layer(structure)
+@pytest.mark.parametrize("structure,remat", [("prenorm", False), ("hybridnorm", False), ("prenorm", True)])
+def test_prenorm_layers_take_the_norm_kernel_and_keep_their_gradients(structure, remat):
+    layer, params = _transformer_layer(structure, remat=remat)
     x = jnp.asarray(RNG.normal(size=(2, 8, 256)), jnp.float32)
     w = jnp.asarray(RNG.normal(size=(2, 8, 256)), jnp.float32)
 
@@ -160,8 +163,11 @@ def test_prenorm_layers_take_the_norm_kernel_and_keep_their_gradients(structure)
     with gpu_kernels.interpreted():
         jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1), has_aux=True))(params, x))
         (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(params, x)
-    # Both blocks' norms, the feed-forward's with its two input projections' gradients.
+    # Both blocks' norms, the feed-forward's with its two input projections' gradients,
+    # and the gated product's kernel; under remat the recomputed forward feeds them.
     assert jaxpr.count("name=rms_norm_backward") == 2, jaxpr
+    assert "name=gated_product_backward" in jaxpr, jaxpr
+    assert ("remat" in jaxpr) is remat, jaxpr
     np.testing.assert_array_equal(out, xla_out)  # The forward is XLA's either way.
     # float32 sums in another order: equal to a few ulps of the largest gradient.
     atol = 1e-5 * max(float(np.max(np.abs(g))) for g in jax.tree.leaves(xla_grads))
