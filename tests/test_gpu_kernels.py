@@ -247,3 +247,49 @@ _SHARDED_NORM_SCRIPT = textwrap.dedent(
 
 def test_norm_kernel_runs_per_device_on_a_sharded_mesh():
     assert_prints_ok(_SHARDED_NORM_SCRIPT, devices=8)
+
+
+_SHARDED_LAYER_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from axlearn.common import attention, gpu_kernels, layers
+    from axlearn.common.module import functional as F
+    from axlearn.common.param_init import default_initializer_config
+    from axlearn.common.sharding import create_mesh, named_sharding
+
+    spec = (("data", "expert", "fsdp"), "seq", "model")
+    norm = layers.RMSNorm.default_config().set(eps=1e-5, forward_dtype=None)
+    cfg = attention.TransformerLayer.default_config().set(name="layer", input_dim=256)
+    cfg.self_attention.set(norm=norm)
+    cfg.self_attention.attention.num_heads = 4
+    cfg.feed_forward.set(hidden_dim=512, activation=("nn.silu", "linear"), norm=norm)
+    cfg.feed_forward.linear1.output_partition_spec = spec
+    cfg.feed_forward.linear2.output_partition_spec = spec
+    layer = cfg.set(param_init=default_initializer_config()).instantiate(parent=None)
+    params = layer.initialize_parameters_recursively(jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    x, w = (jnp.asarray(rng.normal(size=(8, 16, 256)), jnp.float32) for _ in range(2))
+
+    def loss(params_, x_):
+        y, _ = F(layer, inputs=dict(data=x_), state=params_, is_training=True, prng_key=None)
+        return jnp.sum(y * w)
+
+    want = jax.grad(loss, (0, 1))(params, x)
+    mesh = create_mesh((1, 8, 1, 1), ("data", "fsdp", "seq", "model"))
+    with jax.set_mesh(mesh), gpu_kernels.interpreted():
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(params, x))
+        got = jax.jit(jax.grad(loss, (0, 1)))(params, jax.device_put(x, named_sharding(mesh, spec)))
+    # The attention block's norm takes the stream's split from the layer, as the
+    # feed-forward's does from its own config: both run per device.
+    assert jaxpr.count("name=rms_norm_backward") == 2, jaxpr
+    assert jaxpr.count("shard_map") == 3, jaxpr  # The two norms and the gated product.
+    atol = 1e-5 * max(float(np.max(np.abs(g))) for g in jax.tree.leaves(want))
+    for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-4, atol=atol)
+    print("OK")
+    """
+)
+
+
+def test_both_norms_of_a_layer_run_per_device_on_a_sharded_mesh():
+    assert_prints_ok(_SHARDED_LAYER_SCRIPT, devices=8)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from axlearn.common import base_layer
-from axlearn.common.base_layer import BaseLayer, ParameterSpec
+from axlearn.common.base_layer import BaseLayer, MeshAxes, ParameterSpec
 from axlearn.common.config import (
     REQUIRED,
     ConfigError,
@@ -865,15 +865,24 @@ class TransformerAttentionLayer(BaseLayer):
         self._add_child("dropout", cfg.dropout)
         self._add_child("stochastic_depth", cfg.stochastic_depth)
 
-    def _residual(self, target: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
+    def _residual(
+        self,
+        target: Tensor,
+        attend: Callable[[Tensor], Tensor],
+        residual_partition_spec: Optional[MeshAxes] = None,
+    ) -> Tensor:
         structure = self._config.structure
-        # No partition spec for the residual stream here: on a mesh of several devices the
-        # norm keeps autodiff's backward (`BaseNormalizationLayer.residual_and_norm`).
+        # Without the residual stream's partition spec, the norm keeps autodiff's backward
+        # on a mesh of several devices (`BaseNormalizationLayer.residual_and_norm`).
         if structure == "prenorm":
-            target, normed = self.norm.residual_and_norm(target)
+            target, normed = self.norm.residual_and_norm(
+                target, partition_spec=residual_partition_spec
+            )
             y = attend(normed)
         elif structure == "hybridnorm":
-            target, normed = self.prenorm.residual_and_norm(target)
+            target, normed = self.prenorm.residual_and_norm(
+                target, partition_spec=residual_partition_spec
+            )
             y = self.postnorm(attend(normed))
         else:
             y = attend(target)
@@ -887,13 +896,17 @@ class TransformerAttentionLayer(BaseLayer):
         source: Optional[Tensor] = None,
         segment_ids: Optional[Tensor] = None,
         positions: Optional[Tensor] = None,
+        residual_partition_spec: Optional[MeshAxes] = None,
     ) -> Tensor:
-        """target [B,T,target_dim]; source [B,S,source_dim] for cross-attention."""
+        """target [B,T,target_dim]; source [B,S,source_dim] for cross-attention.
+        `residual_partition_spec`: how target is split over the mesh, if known (lets a
+        norm with a kernel run its backward per device)."""
         return self._residual(
             target,
             lambda x: self.attention(
                 x, key=source, value=source, segment_ids=segment_ids, positions=positions
             ),
+            residual_partition_spec,
         )
 
     def init_states(self, *, batch_size: int, max_len: int) -> dict[str, Tensor]:
@@ -1072,6 +1085,10 @@ class TransformerLayer(BaseLayer):
             self._add_child("cross_attention", cfg.cross_attention.clone(target_dim=cfg.input_dim))
         self._add_child("feed_forward", cfg.feed_forward.clone(input_dim=cfg.input_dim))
 
+    def _stream_partition_spec(self) -> Optional[MeshAxes]:
+        """How the residual stream is split: like the feed-forward's output, which it adds."""
+        return self._config.feed_forward.linear2.output_partition_spec
+
     def _cross(self, data: Tensor, cross_attention_data: Optional[Tensor]) -> Tensor:
         if self._config.cross_attention is None:
             if cross_attention_data is not None:
@@ -1081,7 +1098,9 @@ class TransformerLayer(BaseLayer):
             return data
         if cross_attention_data is None:
             raise ValueError(f"{self.path()}: cross_attention needs cross_attention_data")
-        return self.cross_attention(data, source=cross_attention_data)
+        return self.cross_attention(
+            data, source=cross_attention_data, residual_partition_spec=self._stream_partition_spec()
+        )
 
     def forward(
         self,
@@ -1092,7 +1111,12 @@ class TransformerLayer(BaseLayer):
         cross_attention_data: Optional[Tensor] = None,
     ) -> Tensor:
         """data [B,T,D] -> [B,T,D]."""
-        data = self.self_attention(data, segment_ids=segment_ids, positions=positions)
+        data = self.self_attention(
+            data,
+            segment_ids=segment_ids,
+            positions=positions,
+            residual_partition_spec=self._stream_partition_spec(),
+        )
         data = self._cross(data, cross_attention_data)
         return self.feed_forward(data)
 
