@@ -1023,12 +1023,15 @@ class TransformerFeedForwardLayer(BaseLayer):
         partition_spec = self._config.linear1.output_partition_spec
         return gated_product(activation, self._activations[1][1], a, pre[1], partition_spec)
 
+    def residual_partition_spec(self) -> Optional[MeshAxes]:
+        """How the residual stream this block adds to is split: like linear2's output."""
+        return self._config.linear2.output_partition_spec
+
     def forward(self, inputs: Tensor) -> Tensor:
         """[B,T,input_dim] -> [B,T,input_dim]."""
         cfg = self._config
         self._add_rms_summary("inputs", inputs)
-        # The residual stream is split like linear2's output.
-        residual_spec = cfg.linear2.output_partition_spec
+        residual_spec = self.residual_partition_spec()
         # The normalized inputs go to each input projection as a copy of its own, so
         # that the norm's backward can sum their gradients itself.
         consumers = len(self._activations)
@@ -1085,10 +1088,6 @@ class TransformerLayer(BaseLayer):
             self._add_child("cross_attention", cfg.cross_attention.clone(target_dim=cfg.input_dim))
         self._add_child("feed_forward", cfg.feed_forward.clone(input_dim=cfg.input_dim))
 
-    def _stream_partition_spec(self) -> Optional[MeshAxes]:
-        """How the residual stream is split: like the feed-forward's output, which it adds."""
-        return self._config.feed_forward.linear2.output_partition_spec
-
     def _cross(self, data: Tensor, cross_attention_data: Optional[Tensor]) -> Tensor:
         if self._config.cross_attention is None:
             if cross_attention_data is not None:
@@ -1099,7 +1098,9 @@ class TransformerLayer(BaseLayer):
         if cross_attention_data is None:
             raise ValueError(f"{self.path()}: cross_attention needs cross_attention_data")
         return self.cross_attention(
-            data, source=cross_attention_data, residual_partition_spec=self._stream_partition_spec()
+            data,
+            source=cross_attention_data,
+            residual_partition_spec=self.feed_forward.residual_partition_spec(),
         )
 
     def forward(
@@ -1115,7 +1116,7 @@ class TransformerLayer(BaseLayer):
             data,
             segment_ids=segment_ids,
             positions=positions,
-            residual_partition_spec=self._stream_partition_spec(),
+            residual_partition_spec=self.feed_forward.residual_partition_spec(),
         )
         data = self._cross(data, cross_attention_data)
         return self.feed_forward(data)
