@@ -303,6 +303,14 @@ def gpu_kernel_times(profile_dir: str) -> dict[str, tuple[float, int]]:
     return totals
 
 
+def write_json(path: Optional[str], results: Any) -> None:
+    """Writes a measurement script's results to `path` as indented JSON (its --json_out);
+    nothing when `path` is None."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+
+
 def gpu_time_ms(fn: Callable, *args, calls: int = 10) -> tuple[float, dict[str, float]]:
     """GPU kernel time of one call of `fn(*args)` from a profiler trace of `calls` calls
     (so no dispatch overhead), and that time by kernel name. Calls once first to compile."""

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from axlearn.bench import write_json
 from axlearn.common.attention import GroupedQueryAttention, RoFormerQKVLinear, FusedGroupedQKVLinear
 from axlearn.common.module import functional
 from axlearn.common.param_init import default_initializer_config
@@ -113,9 +114,7 @@ def main():
             results[name] = entry
             print(name, json.dumps(entry), flush=True)
     results["attention_core_flops_fwd"] = attention_flops
-    if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json_out, results)
 
 
 if __name__ == "__main__":

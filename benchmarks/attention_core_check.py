@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axlearn.bench import gpu_time_ms
+from axlearn.bench import gpu_time_ms, write_json
 
 
 def _repeat_kv(q, k, v):
@@ -155,9 +155,7 @@ def main() -> None:
             entry = {"error": f"{type(e).__name__}: {e}"[:300]}
         results[name] = entry
         print(name, json.dumps(entry, indent=1), flush=True)
-    if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json_out, results)
 
 
 if __name__ == "__main__":

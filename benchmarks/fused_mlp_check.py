@@ -24,7 +24,6 @@ round: the forward 1-2% faster than the separate path, the backward 3-7% slower)
 
 import argparse
 import functools
-import json
 import re
 import time
 from collections.abc import Callable
@@ -236,7 +235,7 @@ def _max_diff(got, want) -> float:
 
 
 def main() -> None:
-    from axlearn.bench import gpu_time_ms  # pylint: disable=import-outside-toplevel
+    from axlearn.bench import gpu_time_ms, write_json  # pylint: disable=import-outside-toplevel
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=2, help="Times each variant is timed.")
@@ -307,9 +306,7 @@ def main() -> None:
             results.setdefault(name, dict(ms=[], max_abs_diff=diff))["ms"].append(ms)
             rate = f"{ms:7.3f} ms {gflop_ / ms:6.1f} TFLOP/s"
             print(f"round {round_} {name:45s} {rate}  max |diff| {diff}", flush=True)
-    if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json_out, results)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,12 @@ two (benchmarks/op_profile.py shows it), which is why the kernel pays off there.
 
 import argparse
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axlearn.bench import gpu_time_ms
+from axlearn.bench import gpu_time_ms, write_json
 from axlearn.common import gpu_kernels, layers
 
 _TOKENS, _HIDDEN = 16384, 8192
@@ -58,9 +57,7 @@ def main() -> None:
         ms, _ = gpu_time_ms(fn, a, b, dh, calls=20)
         results[name] = dict(ms=ms, tb_per_s=min_bytes / ms / 1e9, max_abs_diff_from_xla=err)
         print(f"{name:36s} {ms:7.3f} ms ({min_bytes / ms / 1e9:5.2f} TB/s)  max |diff| {err:.3g}")
-    if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json_out, results)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ warmed to its power limit, four rounds with the order flipped each round.
 """
 
 import argparse
-import json
 import tempfile
 import time
 
@@ -27,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axlearn.bench import gpu_kernel_events, gpu_time_ms
+from axlearn.bench import gpu_kernel_events, gpu_time_ms, write_json
 
 # gpt_1b: 16,384 tokens a step; weight name -> (input dim, output dim, uses a step).
 _TOKENS = 16384
@@ -133,9 +132,7 @@ def main() -> None:
             two, one = stacked[f"{layout}/two"], stacked[f"{layout}/stacked"]
             print(f"MLP inputs, {layout:12s} two matmuls {two:.3f} ms, stacked {one:.3f} ms ({one - two:+.3f})")
         results["stacked_mlp_input_ms"] = stacked
-    if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json_out, results)
 
 
 if __name__ == "__main__":

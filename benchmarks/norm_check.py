@@ -17,13 +17,12 @@ Alone, XLA may fuse the expression differently than inside a train step
 """
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axlearn.bench import gpu_time_ms
+from axlearn.bench import gpu_time_ms, write_json
 from axlearn.common import gpu_kernels, layers
 
 _EPS = 1e-5
@@ -92,9 +91,7 @@ def main() -> None:
             err = float(np.max(np.abs(np.asarray(dx, np.float64) - want))) / unit
             results[name] = dict(ms=ms, tb_per_s=min_bytes / ms / 1e9, max_rel_err=err)
             print(f"{name:64s} {ms:7.4f} ms ({min_bytes / ms / 1e9:5.2f} TB/s)  max err {err:.2g}")
-    if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json_out, results)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ implies (read x, write the result). Run it in two trees to compare two formulati
 """
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axlearn.bench import gpu_time_ms
+from axlearn.bench import gpu_time_ms, write_json
 from axlearn.common import attention
 from axlearn.common.module import functional
 
@@ -57,9 +56,7 @@ def main() -> None:
             f"{name:14s} {tuple(x.shape)}  forward {forward_us:7.1f} us ({tb_per_s:4.2f} TB/s)  "
             f"forward+backward {both_us:7.1f} us"
         )
-    if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json_out, results)
 
 
 if __name__ == "__main__":

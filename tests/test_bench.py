@@ -281,3 +281,12 @@ def test_compare_benchmarks_two_git_revisions(tmp_path):
     stdout = _run_bench_cli(tmp_path, "--steps=1", f"--compare={revs}", f"--json_out={tmp_path / 'cmp.json'}")
     assert "Diff (HEAD^{tree} - HEAD)" in stdout
     assert set(json.loads((tmp_path / "cmp.json").read_text())) == {"HEAD", "HEAD^{tree}"}
+
+
+def test_write_json_writes_indented_json_and_nothing_without_a_path(tmp_path):
+    path = tmp_path / "out.json"
+    bench.write_json(str(path), {"a": [1, 2]})
+    assert json.loads(path.read_text()) == {"a": [1, 2]}
+    assert path.read_text().startswith('{\n "a"')  # indent=1, as the scripts wrote it.
+    bench.write_json(None, {"b": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
