@@ -1,5 +1,6 @@
 """Optimizers against optax, torch and NumPy re-derivations of their published update rules."""
 
+import functools
 import math
 
 import jax
@@ -94,7 +95,9 @@ def test_adamw_decoupled_decays_weights_independently_of_the_learning_rate():
 
 
 def adastar_reference(params, grads_seq, *, lr, b1, b1_debias, b2, b2_debias, eps, eps_square,
-                      threshold, b3, b3_debias, weight_decay, sched, update_scale):
+                      threshold, b3, b3_debias, weight_decay, sched, update_scale,
+                      carried=lambda x: x):
+    """`carried` rounds what each step carries to the next (the EMAs), after its update."""
     params = to_numpy(params)
     state = {k: dict(m=0.0, v=0.0, u=0.0) for k in params}
     for t, grads in enumerate(to_numpy(grads_seq)):
@@ -117,10 +120,11 @@ def adastar_reference(params, grads_seq, *, lr, b1, b1_debias, b2, b2_debias, ep
                 u_hat = s["u"] / (1 - b3 ** (t + 1)) if b3_debias else s["u"]
             u_hat = u_hat * update_scale(name)
             params[name] = params[name] - sched(t) * (lr * u_hat + weight_decay * params[name])
+            state[name] = {k: carried(x) for k, x in s.items()}
     return params
 
 
-def adastar_case(b1, b3, threshold, transformation):
+def adastar_case(b1, b3, threshold, transformation, *, state_dtype=None):
     rng = np.random.default_rng(RNG_SEED)
     params = random_tree(rng, SHAPES)
     grads_seq = [random_tree(rng, SHAPES, scale=0.1) for _ in range(20)]
@@ -141,15 +145,23 @@ def adastar_case(b1, b3, threshold, transformation):
         update_schedule=sched_cfg,
     )
     ours = opt.adastar_optimizer(0.05, adam_update_transformation=transformation, **kwargs)
-    got, _ = run_steps(ours, params, grads_seq)
+    if state_dtype is not None:
+        ours = opt.cast_optimizer_state(ours, dtype=state_dtype)
+    got, state = run_steps(ours, params, grads_seq)
     sched = schedule.as_schedule_fn(sched_cfg)
-    expected = adastar_reference(
-        params, grads_seq, lr=0.05, b1=b1, b1_debias=True, b2=0.95, b2_debias=True, eps=1e-6,
-        eps_square=1e-30, threshold=threshold, b3=b3, b3_debias=False, weight_decay=0.01,
-        sched=lambda t: float(sched(t)), update_scale=lambda name: 0.25 if name == "w" else 1.0,
+    reference = functools.partial(
+        adastar_reference, params, grads_seq, lr=0.05, b1=b1, b1_debias=True, b2=0.95,
+        b2_debias=True, eps=1e-6, eps_square=1e-30, threshold=threshold, b3=b3,
+        b3_debias=False, weight_decay=0.01, sched=lambda t: float(sched(t)),
+        update_scale=lambda name: 0.25 if name == "w" else 1.0,
     )
+    if state_dtype is None:
+        expected = reference()
+    else:
+        expected = reference(carried=lambda x: np.asarray(x, state_dtype).astype(np.float64))
     for name in SHAPES:
         np.testing.assert_allclose(got[name], expected[name], atol=2e-6, rtol=1e-5)
+    return got, state, reference
 
 
 def mup_transformation():
@@ -172,6 +184,34 @@ def test_adastar_with_a_debiased_gradient_ema_matches_numpy():
 def test_adastar_with_a_gradient_ema_and_clipped_raw_updates_matches_numpy():
     # A threshold small enough to clip every step: the clipping pass reads the gradient EMA too.
     adastar_case(b1=0.9, b3=0.95, threshold=0.05, transformation=mup_transformation())
+
+
+@pytest.mark.parametrize("b1", [None, 0.9])
+def test_adastar_with_bf16_state_matches_numpy_rounding_its_emas_each_step(b1):
+    got, state, reference = adastar_case(
+        b1=b1, b3=0.95, threshold=1.0, transformation=mup_transformation(),
+        state_dtype=jnp.bfloat16,
+    )
+    for leaf in jax.tree.leaves(state):
+        expected = jnp.bfloat16 if leaf.ndim else jnp.int32  # The EMAs; the step count.
+        assert leaf.dtype == expected
+    # The rounding shows: float32 EMAs give parameters outside the tolerance above.
+    unrounded = reference()
+    assert max(np.max(np.abs(got[k] - unrounded[k])) for k in SHAPES) > 1e-4
+
+
+def test_cast_optimizer_state_keeps_scalars_and_rejects_an_integer_dtype():
+    transformation = opt.cast_optimizer_state(skip_clip_adamw(), dtype=jnp.bfloat16)
+    params = {"w": jnp.arange(4.0)}
+    state = transformation.init(params)
+    _, state = jax.jit(transformation.update)({"w": jnp.full(4, 0.1)}, state, params)
+    assert state.nonvalid_count.dtype == jnp.int32
+    assert state.inner_state[0].count.dtype == jnp.int32
+    assert state.inner_state[0].mu["w"].dtype == jnp.bfloat16
+    assert state.inner_state[0].nu["w"].dtype == jnp.bfloat16
+    assert float(transformation.learning_rate_at(state)) == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match="cast_optimizer_state: dtype must be a floating"):
+        opt.cast_optimizer_state(skip_clip_adamw(), dtype=jnp.int32)
 
 
 def test_adastar_rejects_a_missing_debias_switch():
@@ -517,6 +557,10 @@ ALL_OPTIMIZERS = {
     "lion": lambda: opt.lion_optimizer(0.1),
     "sgd": lambda: opt.sgd_optimizer(0.1, momentum=0.9),
     "muon": lambda: opt.muon_optimizer(0.1),
+    "cast_bf16_skip_clip_adastar": lambda: opt.cast_optimizer_state(
+        opt.skip_and_clip_by_global_norm(ALL_OPTIMIZERS["adastar"](), max_norm=1.0),
+        dtype=jnp.bfloat16,
+    ),
     "skip_clip_ema_chain": lambda: opt.chain(
         opt.skip_and_clip_by_global_norm(opt.adamw_optimizer(0.1), drop_norm=1.0, max_norm=1.0),
         opt.param_ema(0.99),
