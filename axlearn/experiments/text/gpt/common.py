@@ -46,6 +46,7 @@ from axlearn.common.learner import Learner
 from axlearn.common.metrics import MetricAccumulator
 from axlearn.common.optimizers import (
     adastar_optimizer,
+    cast_optimizer_state,
     muon_optimizer,
     param_ema,
     per_param_scale_by_path,
@@ -275,9 +276,14 @@ def adastar_learner_config(
     learning_rate: float = 0.01,
     weight_decay: float = 0.000316,
     alpha: float = 0.005,
+    state_dtype: Optional[Any] = None,
 ) -> Learner.Config:
     """Adastar (Adam with update EMA and raw-update clipping) under a cosine schedule,
-    with muP-style update scales and skip-on-spike global-norm clipping."""
+    with muP-style update scales and skip-on-spike global-norm clipping.
+
+    `state_dtype`: the dtype Adastar's two EMAs are kept in between steps
+    (`cast_optimizer_state`); None keeps them in float32, like the parameters.
+    """
     mup_scale = min(1.0, MUP_BASE_DIM / dim)
     per_param_scale = config_for_function(per_param_scale_by_path).set(
         default_scale=1.0,
@@ -304,6 +310,8 @@ def adastar_learner_config(
         ),
         verbosity=0,
     )
+    if state_dtype is not None:
+        inner = config_for_function(cast_optimizer_state).set(inner=inner, dtype=state_dtype)
     optimizer = config_for_function(skip_and_clip_by_global_norm).set(
         inner=inner, drop_norm=100, max_norm=1, eps=1e-08
     )
