@@ -20,6 +20,10 @@ r"""Benchmarks named trainer configs and compares git revisions side by side.
         --config_override=input.global_batch_size=4 --compare_xla_flags= \
         --compare_xla_flags=--xla_gpu_enable_triton_gemm=true --rounds=2
 
+    # Two named configs of this tree, e.g. a recipe variant against its base:
+    python -m axlearn.bench --compare_configs=gpt_1b,gpt_1b_bf16_optimizer_state \
+        --mesh_selector=gpu-h100-1 --config_override=input.global_batch_size=4 --rounds=2
+
 Every run prints the standard columns: Parameters, Final loss, TFLOP/s/device,
 Tokens/s/device, Avg s/step, Memory %, MFU, JAX version, device; on NVIDIA GPUs also the
 mean SM clock and board power over the timed steps (see GpuSampler); and the tokens and
@@ -473,7 +477,7 @@ def _run_in_tree(tree: str, argv: Sequence[str], *, xla_flags: str = "") -> dict
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", default=None, help="The named config to run.")
     parser.add_argument("--module", default=None)
     parser.add_argument("--mesh_selector", default=None)
     parser.add_argument("--data_dir", default="FAKE", help="FAKE (synthetic) or a data directory.")
@@ -490,6 +494,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="Give twice: benchmark this tree under two XLA flag settings, each added after "
         "the environment's XLA_FLAGS ('' for none); the sides are named by their flags.",
     )
+    parser.add_argument(
+        "--compare_configs", default=None, metavar="CONFIG_A,CONFIG_B",
+        help="Benchmark two named configs of this tree (in place of --config).",
+    )
     parser.add_argument("--html", default=None, help="Write the comparison as an HTML page.")
     parser.add_argument(
         "--rounds", type=int, default=1,
@@ -498,14 +506,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args(argv)
-    comparing = [x for x in (args.compare, args.compare_dirs, args.compare_xla_flags) if x is not None]
+    comparing = [
+        x
+        for x in (args.compare, args.compare_dirs, args.compare_xla_flags, args.compare_configs)
+        if x is not None
+    ]
     if len(comparing) > 1:
-        parser.error("give at most one of --compare, --compare_dirs and --compare_xla_flags")
+        parser.error(
+            "give at most one of --compare, --compare_dirs, --compare_xla_flags and "
+            "--compare_configs"
+        )
+    if (args.config is None) == (args.compare_configs is None):
+        parser.error("give --config, or --compare_configs in its place")
     if comparing and (args.profile_dir or args.xla_dump_dir):
         parser.error(
             "--profile_dir and --xla_dump_dir trace or dump one run: give them without "
-            "--compare, --compare_dirs or --compare_xla_flags (run each side alone)"
+            "--compare, --compare_dirs, --compare_xla_flags or --compare_configs (run each "
+            "side alone)"
         )
+    config_names = args.compare_configs.split(",") if args.compare_configs else [args.config]
+    if args.compare_configs is not None and (
+        len(config_names) != 2 or len(set(config_names)) != 2 or not all(config_names)
+    ):
+        parser.error(f"--compare_configs takes two different config names, got {args.compare_configs!r}")
     if args.compare_xla_flags is not None and (
         len(args.compare_xla_flags) != 2 or len(set(args.compare_xla_flags)) != 2
     ):
@@ -517,18 +540,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # The runs of a comparison start in their source tree: a local data directory given
     # relative to here is passed on as an absolute path.
     data_dir = os.path.abspath(args.data_dir) if os.path.isdir(args.data_dir) else args.data_dir
-    run_args = [f"--config={args.config}", f"--data_dir={data_dir}", f"--steps={args.steps}",
-                f"--warmup_steps={args.warmup_steps}"]
+    # Everything but the config, which each side of --compare_configs names for itself.
+    run_args = [f"--data_dir={data_dir}", f"--steps={args.steps}", f"--warmup_steps={args.warmup_steps}"]
     run_args += [f"--module={args.module}"] if args.module else []
     run_args += [f"--mesh_selector={args.mesh_selector}"] if args.mesh_selector else []
     run_args += [f"--config_override={o}" for o in args.config_override]
     run_args += [f"--xla_flags_preset={args.xla_flags_preset}"]
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if args.compare_xla_flags:
+    with_config = lambda name: [f"--config={name}", *run_args]  # noqa: E731
+    if args.compare_configs:
+        results = run_in_rounds(
+            {name: name for name in config_names},
+            lambda name: _run_in_tree(repo, with_config(name)),
+            rounds=args.rounds,
+        )
+    elif args.compare_xla_flags:
         sides = {flags or "default": flags for flags in args.compare_xla_flags}
         results = run_in_rounds(
-            sides, lambda flags: _run_in_tree(repo, run_args, xla_flags=flags), rounds=args.rounds
+            sides,
+            lambda flags: _run_in_tree(repo, with_config(args.config), xla_flags=flags),
+            rounds=args.rounds,
         )
     elif args.compare or args.compare_dirs:
         tmp = tempfile.mkdtemp(prefix="axlearn-bench-")
@@ -541,7 +573,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             else:
                 trees = {os.path.basename(d.rstrip("/")) or d: d for d in args.compare_dirs.split(",")}
             results = run_in_rounds(
-                trees, lambda tree: _run_in_tree(tree, run_args), rounds=args.rounds
+                trees, lambda tree: _run_in_tree(tree, with_config(args.config)), rounds=args.rounds
             )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -560,7 +592,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump(only, f)
     print(format_table(results))
     if args.html:
-        write_html(results, args.html, f"axlearn benchmark: {args.config}")
+        write_html(results, args.html, f"axlearn benchmark: {' vs '.join(config_names)}")
         print(f"Wrote {args.html}")
     return 0
 

@@ -257,6 +257,48 @@ def test_comparison_runs_get_a_local_data_dir_as_an_absolute_path(tmp_path, monk
     assert all("--data_dir=gs://bucket/tfds" in argv for _, argv, _ in calls)
 
 
+def test_compare_configs_runs_each_named_config_of_this_tree_in_rounds(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(tree, argv, *, xla_flags=""):
+        calls.append((tree, list(argv)))
+        rate = 110.0 if "--config=gpt_test_b" in argv else 100.0
+        return _result(rate, 1.0, 2.0)
+
+    monkeypatch.setattr(bench, "_run_in_tree", fake_run)
+    page, out = tmp_path / "cmp.html", tmp_path / "cmp.json"
+    bench.main([
+        "--compare_configs=gpt_test_a,gpt_test_b", "--rounds=2", "--steps=3",
+        "--config_override=input.global_batch_size=4", f"--html={page}", f"--json_out={out}",
+    ])
+    configs = [[a for a in argv if a.startswith("--config=")] for _, argv in calls]
+    # A B, then B A.
+    assert configs == [["--config=gpt_test_a"], ["--config=gpt_test_b"],
+                       ["--config=gpt_test_b"], ["--config=gpt_test_a"]]
+    assert all(tree == str(REPO) for tree, _ in calls)
+    assert all("--steps=3" in argv and "--config_override=input.global_batch_size=4" in argv
+               for _, argv in calls)
+    results = json.loads(out.read_text())
+    assert results["gpt_test_b"]["tokens_per_s_per_device"] == 110.0
+    assert "gpt_test_a vs gpt_test_b" in page.read_text()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ([], "give --config, or --compare_configs in its place"),
+        (["--config=gpt_test", "--compare_configs=a,b"], "give --config, or --compare_configs"),
+        (["--compare_configs=gpt_test"], "two different config names"),
+        (["--compare_configs=a,a"], "two different config names"),
+        (["--compare_configs=a,b", "--compare_dirs=c,d"], "at most one of"),
+    ],
+)
+def test_compare_configs_rejects_what_it_cannot_do(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(flags)
+    assert message in capsys.readouterr().err
+
+
 def test_profile_and_xla_dump_switches_save_a_trace_and_the_hlo(tmp_path):
     profile, dump = tmp_path / "prof", tmp_path / "dump"
     _run_bench_cli(tmp_path, "--steps=1", f"--profile_dir={profile}", f"--xla_dump_dir={dump}")
