@@ -388,6 +388,12 @@ def _is_state_tensor(shape: Sequence[int], dtype: Any) -> bool:
     return len(shape) > 0 and jnp.issubdtype(dtype, jnp.floating)
 
 
+def _cast_state_tensors(state: Nested, dtype: Any) -> Nested:
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if _is_state_tensor(jnp.shape(x), x.dtype) else x, state
+    )
+
+
 def cast_optimizer_state(
     inner: ConfigOr[PartitionedGradientTransformation], *, dtype: Any
 ) -> PartitionedGradientTransformation:
@@ -407,25 +413,13 @@ def cast_optimizer_state(
         )
     inner = maybe_instantiate(inner)
 
-    def stored(state):
-        return jax.tree.map(
-            lambda x: x.astype(dtype) if _is_state_tensor(jnp.shape(x), x.dtype) else x, state
-        )
-
-    def computed(state):
-        return jax.tree.map(
-            lambda x: (
-                x.astype(jnp.float32) if _is_state_tensor(jnp.shape(x), x.dtype) else x
-            ),
-            state,
-        )
-
     def init(params):
-        return stored(inner.init(params))
+        return _cast_state_tensors(inner.init(params), dtype)
 
     def update(updates, state, params=None):
-        updates, new_state = inner.update(updates, computed(state), params)
-        return updates, stored(new_state)
+        computed = _cast_state_tensors(state, jnp.float32)
+        updates, new_state = inner.update(updates, computed, params)
+        return updates, _cast_state_tensors(new_state, dtype)
 
     def partition(param_specs):
         return jax.tree.map(
