@@ -480,7 +480,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--config", default=None, help="The named config to run.")
     parser.add_argument("--module", default=None)
     parser.add_argument("--mesh_selector", default=None)
-    parser.add_argument("--data_dir", default="FAKE", help="FAKE (synthetic) or a data directory.")
+    parser.add_argument(
+        "--data_dir", default="FAKE",
+        help="FAKE (synthetic), BUILTIN (the built-in byte corpus) or a data directory.",
+    )
     parser.add_argument("--config_override", action="append", default=[])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup_steps", type=int, default=5)

@@ -16,6 +16,7 @@ from absl import flags
 
 from axlearn.common import launch, launch_trainer
 from axlearn.common.config import ConfigError
+from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.input_fake import FakeLmInput
 from axlearn.common.launch_trainer import build_trainer_config, get_named_trainer_config
 from axlearn.common.causal_lm import count_parameters
@@ -206,6 +207,19 @@ def test_fake_data_dir_swaps_in_synthetic_inputs_of_the_same_shape():
         assert fake.max_sequence_length == real.max_sequence_length
         assert fake.is_training == real.is_training
         assert fake.vocab_size == cfg.model.decoder.vocab_size
+
+
+def test_builtin_data_dir_swaps_in_the_builtin_corpus_in_the_same_shapes():
+    cfg = build_trainer_config(
+        config_name="gpt_1b", data_dir="BUILTIN", config_overrides=["input.global_batch_size=4"]
+    )
+    assert cfg.input.klass is BuiltinTextInput
+    assert (cfg.input.split, cfg.input.is_training) == ("train", True)
+    assert (cfg.input.global_batch_size, cfg.input.max_sequence_length) == (4, 4096)
+    evaler_input = cfg.evalers["openwebtext_2"].input
+    assert evaler_input.klass is BuiltinTextInput
+    assert (evaler_input.split, evaler_input.is_training) == ("validation", False)
+    assert evaler_input.model_vocab_size == cfg.model.decoder.vocab_size == 32768
 
 
 def test_data_dir_is_set_on_every_input_source():

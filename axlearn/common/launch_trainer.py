@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 EXPERIMENTS_PACKAGE = "experiments"
 FAKE_DATA_DIR = "FAKE"
+BUILTIN_DATA_DIR = "BUILTIN"
 
 
 # (define function, name, default, help): the flags of launch_trainer_main.
@@ -37,7 +38,13 @@ FLAGS_TABLE = (
         None,
         "Instance type matched against the config's mesh_rules, e.g. gpu-h100-8.",
     ),
-    (flags.DEFINE_string, "data_dir", None, "Data directory of the inputs; FAKE: synthetic."),
+    (
+        flags.DEFINE_string,
+        "data_dir",
+        None,
+        "Data directory of the inputs; FAKE: synthetic batches; BUILTIN: the built-in byte "
+        "corpus.",
+    ),
     (
         flags.DEFINE_multi_string,
         "config_override",
@@ -115,20 +122,27 @@ def _find_field(cfg: ConfigBase, field: str) -> Optional[Any]:
     return found[0] if found else None
 
 
+def _batch_shape(cfg: ConfigBase, input_cfg: ConfigBase, data_dir: str) -> tuple[int, int]:
+    """(global_batch_size, max_sequence_length) of an input, the latter from the trainer
+    where the input does not say it (pre-packed TFDS data)."""
+    batch = _find_field(input_cfg, "global_batch_size")
+    seq_len = _find_field(input_cfg, "max_sequence_length") or _find_field(
+        cfg, "max_sequence_length"
+    )
+    if batch is None or seq_len is None:
+        raise ConfigError(
+            f"--data_dir={data_dir} needs the input's global_batch_size and "
+            f"max_sequence_length; found {batch} and {seq_len}"
+        )
+    return batch, seq_len
+
+
 def use_fake_data(cfg: ConfigBase) -> ConfigBase:
     """Replaces the training input (and evaluation inputs) with synthetic batches."""
     from axlearn.common.input_fake import FakeLmInput  # pylint: disable=import-outside-toplevel
 
     def fake_like(input_cfg: ConfigBase) -> ConfigBase:
-        batch = _find_field(input_cfg, "global_batch_size")
-        seq_len = _find_field(input_cfg, "max_sequence_length") or _find_field(
-            cfg, "max_sequence_length"
-        )
-        if batch is None or seq_len is None:
-            raise ConfigError(
-                "--data_dir=FAKE needs the input's global_batch_size and max_sequence_length; "
-                f"found {batch} and {seq_len}"
-            )
+        batch, seq_len = _batch_shape(cfg, input_cfg, FAKE_DATA_DIR)
         return FakeLmInput.default_config().set(
             global_batch_size=batch,
             max_sequence_length=seq_len,
@@ -137,8 +151,32 @@ def use_fake_data(cfg: ConfigBase) -> ConfigBase:
         )
 
     cfg.input = fake_like(cfg.input)
-    for name, evaler in cfg.evalers.items():
+    for evaler in cfg.evalers.values():
         evaler.input = fake_like(evaler.input)
+    return cfg
+
+
+def use_builtin_text(cfg: ConfigBase) -> ConfigBase:
+    """Replaces the training input with the built-in byte-level corpus (its 'train' split)
+    and the evaluation inputs with its 'validation' split, in the same batch shapes: real
+    text for any config, where its corpora are not at hand. The model's vocabulary must
+    hold the 259 byte ids."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.input_builtin import BuiltinTextInput
+
+    def builtin_like(input_cfg: ConfigBase) -> ConfigBase:
+        batch, seq_len = _batch_shape(cfg, input_cfg, BUILTIN_DATA_DIR)
+        return BuiltinTextInput.default_config().set(
+            global_batch_size=batch,
+            max_sequence_length=seq_len,
+            split="train" if input_cfg.is_training else "validation",
+            is_training=input_cfg.is_training,
+            model_vocab_size=cfg.model.decoder.vocab_size,
+        )
+
+    cfg.input = builtin_like(cfg.input)
+    for evaler in cfg.evalers.values():
+        evaler.input = builtin_like(evaler.input)
     return cfg
 
 
@@ -187,6 +225,8 @@ def build_trainer_config(
         cfg = apply_mesh_rule(cfg, rule)
     if data_dir == FAKE_DATA_DIR:
         cfg = use_fake_data(cfg)
+    elif data_dir == BUILTIN_DATA_DIR:
+        cfg = use_builtin_text(cfg)
     elif data_dir:
         cfg = set_data_dir(cfg, data_dir)
     cfg = apply_overrides(cfg, config_overrides)
