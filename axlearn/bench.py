@@ -589,10 +589,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 xla_dump_dir=args.xla_dump_dir, xla_flags_preset=args.xla_flags_preset,
             )
         }
-    if args.json_out:
-        only = next(iter(results.values())) if len(results) == 1 else results
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(only, f)
+    # One run's result alone; a comparison's keyed by side.
+    write_json(args.json_out, next(iter(results.values())) if len(results) == 1 else results)
     print(format_table(results))
     if args.html:
         write_html(results, args.html, f"axlearn benchmark: {' vs '.join(config_names)}")

@@ -29,6 +29,7 @@ from axlearn.common import launch
 from axlearn.common.config import config_for_function
 from axlearn.common.launch_trainer import build_trainer_config
 from axlearn.common.optimizers import cast_optimizer_state
+from axlearn.common.summary_writer import JSONL_FILE_NAME
 
 
 def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[int, float]:
@@ -47,8 +48,9 @@ def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[int, flo
         cfg.learner.optimizer = config_for_function(cast_optimizer_state).set(
             inner=cfg.learner.optimizer, dtype=state_dtype
         )
-    cfg.instantiate(parent=None).run()
-    path = os.path.join(run_dir, "summaries", "train", "metrics.jsonl")
+    trainer = cfg.instantiate(parent=None)
+    trainer.run()
+    path = os.path.join(trainer.summary_writer.config.dir, JSONL_FILE_NAME)
     with open(path, encoding="utf-8") as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 

@@ -137,6 +137,14 @@ def _batch_shape(cfg: ConfigBase, input_cfg: ConfigBase, data_dir: str) -> tuple
     return batch, seq_len
 
 
+def _replace_inputs(cfg: ConfigBase, replacement: Callable[[ConfigBase], ConfigBase]) -> ConfigBase:
+    """Replaces the training input and every evaler's input by `replacement(input)`."""
+    cfg.input = replacement(cfg.input)
+    for evaler in cfg.evalers.values():
+        evaler.input = replacement(evaler.input)
+    return cfg
+
+
 def use_fake_data(cfg: ConfigBase) -> ConfigBase:
     """Replaces the training input (and evaluation inputs) with synthetic batches."""
     from axlearn.common.input_fake import FakeLmInput  # pylint: disable=import-outside-toplevel
@@ -150,10 +158,7 @@ def use_fake_data(cfg: ConfigBase) -> ConfigBase:
             is_training=input_cfg.is_training,
         )
 
-    cfg.input = fake_like(cfg.input)
-    for evaler in cfg.evalers.values():
-        evaler.input = fake_like(evaler.input)
-    return cfg
+    return _replace_inputs(cfg, fake_like)
 
 
 def use_builtin_text(cfg: ConfigBase) -> ConfigBase:
@@ -174,10 +179,7 @@ def use_builtin_text(cfg: ConfigBase) -> ConfigBase:
             model_vocab_size=cfg.model.decoder.vocab_size,
         )
 
-    cfg.input = builtin_like(cfg.input)
-    for evaler in cfg.evalers.values():
-        evaler.input = builtin_like(evaler.input)
-    return cfg
+    return _replace_inputs(cfg, builtin_like)
 
 
 def set_data_dir(cfg: ConfigBase, data_dir: str) -> ConfigBase:
