@@ -66,6 +66,41 @@ def test_kernel_is_skipped_where_it_does_not_apply():
     assert "pallas_call" not in str(jaxpr)
 
 
+_NO_TRITON_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.modules["jax.experimental.pallas.triton"] = None  # Importing it now raises ImportError.
+    import jax, jax.numpy as jnp, numpy as np
+    from axlearn.common import gpu_kernels, layers
+
+    assert gpu_kernels.plgpu is None
+    # Even on a GPU the layers would keep plain XLA: nothing could compile the kernels.
+    jax.devices = lambda *_: [type("Gpu", (), {"platform": "gpu"})()]
+    assert not gpu_kernels.compiled_kernels_available()
+    assert gpu_kernels.kernel_mode(jnp.zeros((8, 1024)), fits=gpu_kernels.supported) is None
+    # Interpreted, both kernels still run, and match autodiff.
+    rng = np.random.default_rng(0)
+    x, dy, dres = (jnp.asarray(rng.normal(size=(16, 2048)), jnp.float32) for _ in range(3))
+    scale = jnp.asarray(rng.normal(size=(2048,)), jnp.float32)
+    dx, _ = gpu_kernels.rms_norm_backward(x, scale, [dy], dres, eps=1e-6, interpret=True)
+    _, vjp = jax.vjp(lambda x_: layers._rms_norm(x_, scale, 1e-6, jnp.float32), x)
+    np.testing.assert_allclose(dx, vjp(dy)[0] + dres, rtol=1e-4, atol=1e-4)
+    silu, linear = layers.get_activation_fn("nn.silu"), layers.get_activation_fn("linear")
+    cotangents = lambda a_, b_, dh_: layers.gated_product_cotangents(silu, linear, a_, b_, dh_)
+    da, db = gpu_kernels.gated_product_backward(cotangents, x, dy, dres, interpret=True)
+    _, vjp = jax.vjp(lambda a_, b_: silu(a_) * b_, x, dy)
+    for got, want in zip((da, db), vjp(dres)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    print("OK")
+    """
+)
+
+
+def test_without_pallas_triton_the_layers_keep_xla_and_the_kernels_run_interpreted():
+    # jax 0.11 deprecates Pallas's Triton backend; a jax without it must still import us.
+    assert_prints_ok(_NO_TRITON_SCRIPT)
+
+
 _SHARDED_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
