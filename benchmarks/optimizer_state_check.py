@@ -11,14 +11,17 @@ the steadier measure.
     PYTHONPATH=. python benchmarks/optimizer_state_check.py --config=gpt_test --trainer_dir=/tmp/osc
 
     # gpt_1b on one H100, on the built-in corpus (real text; the reference corpora need not
-    # be at hand), 300 steps with a shorter warm-up; add --state_dtype=float32 for the
-    # control, two float32 runs that differ only by the GPU's nondeterministic sums:
+    # be at hand), 700 steps with a shorter warm-up, the validation split evaluated every 175
+    # (docs/benchmarks.md, the twenty-first round). Alternate --cast_first across calls;
+    # --state_dtype=float32 gives the control, two float32 runs that differ only by the
+    # GPU's nondeterministic sums:
     PYTHONPATH=. python benchmarks/optimizer_state_check.py --config=gpt_1b \
         --mesh_selector=gpu-h100-1 --data_dir=BUILTIN --trainer_dir=/tmp/osc \
-        --config_override=input.global_batch_size=4 --config_override=max_step=300 \
+        --config_override=input.global_batch_size=4 --config_override=max_step=700 \
         --config_override=learner.optimizer.inner.update_schedule.warmup_steps=50 \
-        --config_override=summary_writer.write_every_n_steps=25 \
-        --config_override="evalers['openwebtext_2'].input.global_batch_size=4"
+        --config_override=summary_writer.write_every_n_steps=1 \
+        --config_override="evalers['openwebtext_2'].input.global_batch_size=4" \
+        --config_override="evalers['openwebtext_2'].eval_policy.n=175" --window=100
 """
 
 import argparse
