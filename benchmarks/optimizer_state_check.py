@@ -138,5 +138,6 @@ def main() -> None:
         },
     )
 
+
 if __name__ == "__main__":
     main()

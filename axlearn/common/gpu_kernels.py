@@ -28,12 +28,12 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec
 
 try:
     from jax.experimental.pallas import triton as plgpu
 except ImportError:  # A jax without Pallas's Triton backend: no compiled kernels.
     plgpu = None
-from jax.sharding import PartitionSpec
 
 from axlearn.common.base_layer import MeshAxes
 from axlearn.common.module import Tensor
@@ -102,7 +102,7 @@ def compiled_kernels_available() -> bool:
     return plgpu is not None and jax.devices()[0].platform == "gpu"
 
 
-def _compiler_params(num_warps: int, interpret: bool):
+def _compiler_params(num_warps: int, interpret: bool) -> Optional["plgpu.CompilerParams"]:
     # Interpreted kernels need no Triton parameters, so they run whatever jax has.
     return None if interpret else plgpu.CompilerParams(num_warps=num_warps)
 
