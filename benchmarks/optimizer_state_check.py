@@ -111,12 +111,11 @@ def main() -> None:
 
     # --state_dtype=float32 wraps the second run in a cast that changes nothing: the two runs
     # then differ only by the GPU's nondeterministic sums, the control for the other dtypes.
-    runs = [("as_configured", None), (f"{args.state_dtype}_state", jnp.dtype(args.state_dtype))]
-    if args.cast_first:
-        runs.reverse()
-    losses = {name: _train(args, os.path.join(args.trainer_dir, name), dtype) for name, dtype in runs}
-    # Report in one order whichever trained first.
-    losses = {name: losses[name] for name in sorted(losses, key=lambda n: n != "as_configured")}
+    runs = {"as_configured": None, f"{args.state_dtype}_state": jnp.dtype(args.state_dtype)}
+    trained = {}
+    for name in reversed(runs) if args.cast_first else runs:
+        trained[name] = _train(args, os.path.join(args.trainer_dir, name), runs[name])
+    losses = {name: trained[name] for name in runs}  # Reported in one order, whichever ran first.
     train = {name: by_source["train"] for name, by_source in losses.items()}
     if args.window:
         _print_side_by_side(
