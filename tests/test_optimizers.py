@@ -214,6 +214,97 @@ def test_cast_optimizer_state_keeps_scalars_and_rejects_an_integer_dtype():
         opt.cast_optimizer_state(skip_clip_adamw(), dtype=jnp.int32)
 
 
+def _numpy_stochastic_round(x, salt):
+    """A NumPy derivation of `stochastic_round_to_bfloat16`: the same hash noise added below
+    bfloat16's last bit of the float32 pattern, the low 16 bits then dropped."""
+
+    def mix(v):
+        v = v ^ (v >> np.uint32(16))
+        v = v * np.uint32(0x7FEB352D)
+        v = v ^ (v >> np.uint32(15))
+        v = v * np.uint32(0x846CA68B)
+        return v ^ (v >> np.uint32(16))
+
+    with np.errstate(over="ignore"):
+        bits = np.asarray(x, np.float32).view(np.uint32)
+        index = np.arange(bits.size, dtype=np.uint32).reshape(bits.shape)
+        noise = mix(index ^ mix(np.uint32(salt))) & np.uint32(0xFFFF)
+        return ((bits + noise) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def test_stochastic_rounding_lands_on_a_neighbour_up_with_the_probability_of_its_distance():
+    rng = np.random.default_rng(RNG_SEED)
+    n = 1 << 16
+    for value in (1 + 2**-10, -3.7e-5, 123.456, 2.0**-130):  # The last is subnormal.
+        x = np.full(n, value, np.float32)
+        got = opt.stochastic_round_to_bfloat16(jnp.asarray(x), jnp.uint32(5))
+        got = np.asarray(got, np.float32)
+        np.testing.assert_array_equal(got, _numpy_stochastic_round(x, 5))
+        bits = x.view(np.uint32)
+        down = (bits & np.uint32(0xFFFF0000)).view(np.float32)
+        up = ((bits & np.uint32(0xFFFF0000)) + np.uint32(0x10000)).view(np.float32)
+        assert set(np.unique(got)) <= {down[0], up[0]}
+        p_up = float(bits[0] & np.uint32(0xFFFF)) / 2**16
+        sigma = np.sqrt(p_up * (1 - p_up) / n)
+        assert abs(np.mean(got == up[0]) - p_up) < 5 * sigma + 1e-9
+    # Random values: the mean error is near zero where rounding to nearest is not.
+    x = rng.normal(size=n).astype(np.float32) * 1e-3 + 1.0 + 2**-9
+    got = np.asarray(opt.stochastic_round_to_bfloat16(jnp.asarray(x), jnp.uint32(9)), np.float32)
+    assert abs(np.mean(got - x)) < 2e-5
+    another_salt = np.asarray(opt.stochastic_round_to_bfloat16(jnp.asarray(x), jnp.uint32(10)))
+    assert np.mean(another_salt.astype(np.float32) != got) > 0.2
+
+
+def test_stochastic_rounding_keeps_infinities_and_nans():
+    x = jnp.array([np.inf, -np.inf, np.nan, 1.0], jnp.float32)
+    got = np.asarray(opt.stochastic_round_to_bfloat16(x, jnp.uint32(1)), np.float32)
+    assert got[0] == np.inf and got[1] == -np.inf and np.isnan(got[2]) and got[3] == 1.0
+
+
+def test_a_bfloat16_ema_stalls_under_rounding_to_nearest_but_not_stochastic_rounding():
+    # Each step moves the EMA by 0.05 * 3% = 0.15%, under half of bfloat16's unit at 1.0.
+    target, decay, steps = 1.03, 0.95, 200
+
+    def step(ema):
+        return decay * ema.astype(jnp.float32) + (1 - decay) * target
+
+    nearest = stochastic = jnp.ones(4096, jnp.bfloat16)
+    for t in range(steps):
+        nearest = step(nearest).astype(jnp.bfloat16)
+        stochastic = opt.stochastic_round_to_bfloat16(step(stochastic), jnp.uint32(t))
+    exact = target + (1.0 - target) * decay**steps
+    assert float(nearest.astype(jnp.float32).mean()) == 1.0
+    assert abs(float(stochastic.astype(jnp.float32).mean()) - exact) < 5e-4
+
+
+def test_cast_optimizer_state_with_stochastic_rounding():
+    transformation = opt.cast_optimizer_state(
+        skip_clip_adamw(), dtype=jnp.bfloat16, rounding="stochastic"
+    )
+    params = {"w": jnp.linspace(-1.0, 1.0, 64), "b": jnp.ones(3)}
+    state = transformation.init(params)
+    assert isinstance(state, opt.StochasticRoundingState) and int(state.count) == 0
+    grads = {"w": jnp.full(64, 0.01), "b": jnp.full(3, -0.02)}
+    update = jax.jit(transformation.update)
+    updates, state = update(grads, state, params)
+    assert int(state.count) == 1
+    adam = state.inner_state.inner_state[0]
+    assert adam.mu["w"].dtype == jnp.bfloat16 and adam.count.dtype == jnp.int32
+    # The update itself is the float32 one; only the carried state is rounded, stochastically.
+    f32 = skip_clip_adamw()
+    want_updates, want_state = f32.update(grads, f32.init(params), params)
+    np.testing.assert_allclose(updates["w"], want_updates["w"], rtol=1e-6)
+    want_nu = np.asarray(want_state.inner_state[0].nu["w"], np.float32)
+    got_nu = np.asarray(adam.nu["w"], np.float32)
+    bits = want_nu.view(np.uint32) & np.uint32(0xFFFF0000)
+    assert np.all((got_nu == bits.view(np.float32)) | (got_nu == (bits + 0x10000).view(np.float32)))
+    assert float(transformation.learning_rate_at(state)) == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match="rounding must be one of"):
+        opt.cast_optimizer_state(skip_clip_adamw(), dtype=jnp.bfloat16, rounding="up")
+    with pytest.raises(ConfigError, match="stochastic rounding is to bfloat16 only"):
+        opt.cast_optimizer_state(skip_clip_adamw(), dtype=jnp.float16, rounding="stochastic")
+
+
 def test_adastar_rejects_a_missing_debias_switch():
     with pytest.raises(ConfigError, match="gradient_ema_debias"):
         opt.adastar_optimizer(
@@ -560,6 +651,11 @@ ALL_OPTIMIZERS = {
     "cast_bf16_skip_clip_adastar": lambda: opt.cast_optimizer_state(
         opt.skip_and_clip_by_global_norm(ALL_OPTIMIZERS["adastar"](), max_norm=1.0),
         dtype=jnp.bfloat16,
+    ),
+    "cast_bf16_stochastic_skip_clip_adastar": lambda: opt.cast_optimizer_state(
+        opt.skip_and_clip_by_global_norm(ALL_OPTIMIZERS["adastar"](), max_norm=1.0),
+        dtype=jnp.bfloat16,
+        rounding="stochastic",
     ),
     "skip_clip_ema_chain": lambda: opt.chain(
         opt.skip_and_clip_by_global_norm(opt.adamw_optimizer(0.1), drop_norm=1.0, max_norm=1.0),

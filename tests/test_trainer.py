@@ -29,8 +29,9 @@ from axlearn.common.base_layer import (
     weight_take,
 )
 from axlearn.common.checkpointer import Checkpointer
-from axlearn.common.config import ConfigError, apply_overrides
+from axlearn.common.config import ConfigError, apply_overrides, config_for_function
 from axlearn.common.input_builtin import BuiltinTextInput
+from axlearn.common.optimizers import StochasticRoundingState, cast_optimizer_state
 from axlearn.common.trainer import NonFiniteLossError, SpmdTrainer, infer_mesh_shape
 from axlearn.experiments.text.gpt import common
 from tests.fresh_python import assert_prints_ok, fresh_env
@@ -479,6 +480,37 @@ def test_a_resumed_run_rebuilds_the_copies_it_does_not_checkpoint(bf16_runs, tmp
             _assert_copies_are_the_weights_cast(trainer.trainer_state)
         trainer.run()
     assert losses_by_step(trainer_dir) == losses_by_step(bf16_runs[True][0])
+
+
+def _stochastic_bf16_state_learner():
+    learner = adamw_learner_config()
+    learner.optimizer = config_for_function(cast_optimizer_state).set(
+        inner=learner.optimizer, dtype=jnp.bfloat16, rounding="stochastic"
+    )
+    return learner
+
+
+def test_stochastically_rounded_optimizer_state_resumes_bit_for_bit(tmp_path):
+    # The rounding noise is salted with a step count kept in the state: a run resumed from
+    # step 3 must round steps 4-6 as the uninterrupted run did.
+    def train(trainer_dir, max_steps):
+        for max_step in max_steps:
+            cfg = tiny_trainer_config(
+                trainer_dir=trainer_dir, max_step=max_step, learner=_stochastic_bf16_state_learner()
+            )
+            trainer = cfg.instantiate(parent=None)
+            trainer.run()
+        return trainer
+
+    whole = train(str(tmp_path / "whole"), [6])
+    resumed = train(str(tmp_path / "resumed"), [3, 6])
+    assert losses_by_step(str(tmp_path / "resumed")) == losses_by_step(str(tmp_path / "whole"))
+    state = resumed.trainer_state.learner["optimizer"]
+    assert isinstance(state, StochasticRoundingState) and int(state.count) == 6
+    leaves = jax.tree.leaves(state.inner_state)
+    assert {x.dtype for x in leaves if x.ndim} == {jnp.dtype(jnp.bfloat16)}
+    for a, b in zip(leaves, jax.tree.leaves(whole.trainer_state.learner["optimizer"].inner_state)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_carrying_weight_copies_needs_a_train_dtype():

@@ -394,8 +394,60 @@ def _cast_state_tensors(state: Nested, dtype: Any) -> Nested:
     )
 
 
+def _mix32(x: Tensor) -> Tensor:
+    """An integer hash of uint32 values: consecutive inputs give outputs whose bits look
+    independent and uniform (two multiply-xorshift rounds)."""
+    x = x ^ (x >> 16)
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def stochastic_round_to_bfloat16(x: Tensor, salt: Tensor) -> Tensor:
+    """`x` rounded to bfloat16 up or down at random, up with probability equal to x's distance
+    from the value below in units of the gap between the two, so that E[result] = x.
+
+    Rounding to nearest is biased for an EMA kept in bfloat16: a step whose change is under
+    half a unit in the last place (0.2-0.4% of the value) is lost every time, so the EMA
+    stalls where it should drift. The noise is a hash of each element's index and `salt`
+    (a uint32 scalar, different for every call), so it needs no random-number state and
+    fuses into the computation of x instead of being read from memory.
+    """
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    index = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
+    noise = _mix32(index ^ _mix32(salt.astype(jnp.uint32))) & np.uint32(0xFFFF)
+    # float32 bits are sign and magnitude: adding the noise below bfloat16's last bit carries
+    # into it (a step away from zero) with probability (low 16 bits) / 2**16.
+    kept = (bits + noise) & np.uint32(0xFFFF0000)
+    rounded = jax.lax.bitcast_convert_type(kept, jnp.float32).astype(jnp.bfloat16)
+    return jnp.where(jnp.isfinite(x), rounded, x.astype(jnp.bfloat16))
+
+
+class StochasticRoundingState(NamedTuple):
+    """`cast_optimizer_state`'s state under stochastic rounding."""
+
+    inner_state: Any
+    count: Tensor  # Steps taken: each step's rounding noise is salted with it.
+
+
+def _stochastic_round_state_tensors(state: Nested, count: Tensor) -> Nested:
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    rounded = []
+    for i, x in enumerate(leaves):
+        if _is_state_tensor(jnp.shape(x), x.dtype):
+            # A different salt for every tensor and step: uncorrelated noise across both.
+            salt = count.astype(jnp.uint32) * np.uint32(0x9E3779B1) + np.uint32(i)
+            x = stochastic_round_to_bfloat16(x, salt)
+        rounded.append(x)
+    return treedef.unflatten(rounded)
+
+
+ROUNDING_MODES = ("nearest", "stochastic")
+
+
 def cast_optimizer_state(
-    inner: ConfigOr[PartitionedGradientTransformation], *, dtype: Any
+    inner: ConfigOr[PartitionedGradientTransformation], *, dtype: Any, rounding: str = "nearest"
 ) -> PartitionedGradientTransformation:
     """Keeps `inner`'s floating-point state tensors in `dtype` between steps, e.g. Adam's
     or Adastar's moments in bfloat16: half their memory, and fewer bytes read and written
@@ -404,25 +456,45 @@ def cast_optimizer_state(
     `inner` computes each update in float32: its state is cast up before `inner.update`
     and the new state cast down after, so a step uses its unrounded new statistics and
     only what is carried to the next step is rounded. Scalars and integer leaves keep
-    their dtype. The state has `inner`'s structure, so `find_states` and checkpoints see
-    the same tree, in other dtypes.
+    their dtype.
+
+    `rounding`: "nearest" (as `astype`) keeps `inner`'s state structure, so `find_states`
+    and checkpoints see the same tree in other dtypes. "stochastic" (bfloat16 only) rounds
+    without bias (`stochastic_round_to_bfloat16`) and keeps `inner`'s state in a
+    `StochasticRoundingState` with a step count that salts the noise.
     """
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ConfigError(
             f"cast_optimizer_state: dtype must be a floating-point dtype, got {dtype!r}"
         )
+    if rounding not in ROUNDING_MODES:
+        raise ConfigError(
+            f"cast_optimizer_state: rounding must be one of {ROUNDING_MODES}, got {rounding!r}"
+        )
+    if rounding == "stochastic" and jnp.dtype(dtype) != jnp.bfloat16:
+        raise ConfigError(
+            f"cast_optimizer_state: stochastic rounding is to bfloat16 only, got {dtype!r}"
+        )
     inner = maybe_instantiate(inner)
+    stochastic = rounding == "stochastic"
 
     def init(params):
-        return _cast_state_tensors(inner.init(params), dtype)
+        state = _cast_state_tensors(inner.init(params), dtype)
+        return StochasticRoundingState(state, _count_init()) if stochastic else state
 
     def update(updates, state, params=None):
-        computed = _cast_state_tensors(state, jnp.float32)
+        inner_state = state.inner_state if stochastic else state
+        computed = _cast_state_tensors(inner_state, jnp.float32)
         updates, new_state = inner.update(updates, computed, params)
-        return updates, _cast_state_tensors(new_state, dtype)
+        if not stochastic:
+            return updates, _cast_state_tensors(new_state, dtype)
+        count = state.count + 1
+        return updates, StochasticRoundingState(
+            _stochastic_round_state_tensors(new_state, count), count
+        )
 
     def partition(param_specs):
-        return jax.tree.map(
+        specs = jax.tree.map(
             lambda spec: (
                 dataclasses.replace(spec, dtype=dtype)
                 if _is_state_tensor(spec.shape, spec.dtype)
@@ -430,8 +502,12 @@ def cast_optimizer_state(
             ),
             inner.partition(param_specs),
         )
+        return StochasticRoundingState(specs, _scalar_spec()) if stochastic else specs
 
-    return PartitionedGradientTransformation(init, update, partition, inner.learning_rate_at)
+    learning_rate_at = inner.learning_rate_at
+    if stochastic and learning_rate_at is not None:
+        learning_rate_at = lambda state: inner.learning_rate_at(state.inner_state)  # noqa: E731
+    return PartitionedGradientTransformation(init, update, partition, learning_rate_at)
 
 
 def per_param_scale_by_path(
