@@ -1,5 +1,5 @@
 """Trains a named config twice from the same seed and data: with its optimizer's state as
-configured (float32) and with the state kept in a lower precision between steps
+configured and with the state kept in another dtype between steps
 (`optimizers.cast_optimizer_state` around the whole optimizer). Prints both runs'
 training losses side by side at every step the summary writer logged (or their means over
 `--window` steps), then each evaler's loss at every step it ran: what the rounding costs in
@@ -7,34 +7,55 @@ quality, next to what `axlearn.bench --compare_configs` measures in speed. The s
 training loss of a small batch is noisy; the evalers' losses, over their whole input, are
 the steadier measure.
 
-    # CPU, ~90 s: gpt_test on the built-in corpus.
+One pair is not enough on a GPU, whose nondeterministic sums make two identical runs
+differ by as much as the rounding does. `--json_out` records each run's config, seed,
+overrides and how its optimizer state was kept (its dtype, and whether rounded
+stochastically: `--rounding`); `--summarize` reads any number of those files, groups the
+runs by that and prints each group's mean and spread by step with the difference of the
+means and its standard error.
+
+    # CPU, ~3 minutes: gpt_test on the built-in corpus.
     PYTHONPATH=. python benchmarks/optimizer_state_check.py --config=gpt_test --trainer_dir=/tmp/osc
 
     # gpt_1b on one H100, on the built-in corpus (real text; the reference corpora need not
-    # be at hand), 700 steps with a shorter warm-up, the validation split evaluated every 175
-    # (docs/benchmarks.md, the twenty-first round). Alternate --cast_first across calls;
-    # --state_dtype=float32 gives the control, two float32 runs that differ only by the
-    # GPU's nondeterministic sums:
+    # be at hand): 700 steps of a whole short schedule (warm-up 100, cosine to step 700), the
+    # validation split evaluated every 100 steps (docs/benchmarks.md, the twenty-second
+    # round). Vary --config_override=seed=N and alternate --cast_first across calls;
+    # --state_dtype=float32 gives a control pair that differs only by the GPU's sums:
     PYTHONPATH=. python benchmarks/optimizer_state_check.py --config=gpt_1b \
         --mesh_selector=gpu-h100-1 --data_dir=BUILTIN --trainer_dir=/tmp/osc \
-        --config_override=input.global_batch_size=4 --config_override=max_step=700 \
-        --config_override=learner.optimizer.inner.update_schedule.warmup_steps=50 \
+        --config_override=seed=1 --config_override=input.global_batch_size=4 \
+        --config_override=max_step=700 \
+        --config_override=learner.optimizer.inner.update_schedule.warmup_steps=100 \
+        --config_override=learner.optimizer.inner.update_schedule.max_step=700 \
         --config_override=summary_writer.write_every_n_steps=1 \
         --config_override="evalers['openwebtext_2'].input.global_batch_size=4" \
-        --config_override="evalers['openwebtext_2'].eval_policy.n=175" --window=100
+        --config_override="evalers['openwebtext_2'].eval_policy.n=100" \
+        --window=100 --json_out=/tmp/q_seed1.json
+
+    # The runs of several such files, by state dtype:
+    python benchmarks/optimizer_state_check.py --summarize /tmp/q_seed*.json --window=100
 """
 
 import argparse
 import json
+import math
 import os
+import statistics
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from axlearn.bench import write_json
 from axlearn.common import launch
 from axlearn.common.config import config_for_function
 from axlearn.common.launch_trainer import build_trainer_config
-from axlearn.common.optimizers import cast_optimizer_state
+from axlearn.common.optimizers import (
+    ROUNDING_MODES,
+    StochasticRoundingState,
+    cast_optimizer_state,
+)
 from axlearn.common.summary_writer import JSONL_FILE_NAME
 
 
@@ -44,9 +65,29 @@ def _logged_losses(writer) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
-def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[str, dict[int, float]]:
-    """Trains into `run_dir`; returns the logged losses by source: 'train' (the training
-    loss of single steps), then each evaler's name (its loss over its whole input)."""
+def _state_label(optimizer_state: Any) -> str:
+    """How the optimizer keeps its state tensors: their dtype ('float32', 'bfloat16'; the
+    names joined by '+' where they differ), then ', stochastic rounding' where
+    `cast_optimizer_state` rounds them so. Scalars (counters, schedules' steps) do not count."""
+    dtypes = {
+        jnp.dtype(leaf.dtype).name
+        for leaf in jax.tree.leaves(optimizer_state)
+        if leaf.ndim > 0 and jnp.issubdtype(leaf.dtype, jnp.floating)
+    }
+    stochastic = any(
+        isinstance(node, StochasticRoundingState)
+        for node in jax.tree.leaves(
+            optimizer_state, is_leaf=lambda n: isinstance(n, StochasticRoundingState)
+        )
+    )
+    return "+".join(sorted(dtypes)) + (", stochastic rounding" if stochastic else "")
+
+
+def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[str, Any]:
+    """Trains into `run_dir`, its optimizer state cast to `state_dtype` (None: as configured);
+    returns the run's record: its config, overrides and seed, how its optimizer state was
+    kept (`_state_label`), and the logged losses by source: 'train' (the training loss of
+    single steps), then each evaler's name (its loss over its whole input)."""
     if os.path.exists(run_dir) and os.listdir(run_dir):
         raise SystemExit(f"{run_dir} is not empty (the trainer would resume from it): remove it")
     cfg = build_trainer_config(
@@ -59,7 +100,7 @@ def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[str, dic
     if state_dtype is not None:
         # Around the whole optimizer, whatever it is: its integer counters keep their dtype.
         cfg.learner.optimizer = config_for_function(cast_optimizer_state).set(
-            inner=cfg.learner.optimizer, dtype=state_dtype
+            inner=cfg.learner.optimizer, dtype=state_dtype, rounding=args.rounding
         )
     trainer = cfg.instantiate(parent=None)
     trainer.run()
@@ -67,7 +108,13 @@ def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[str, dic
     for name in cfg.evalers:
         if "summary_writer" in trainer.children[name].children:
             losses[name] = _logged_losses(trainer.children[name].summary_writer)
-    return losses
+    return {
+        "config": args.config,
+        "config_overrides": args.config_override,
+        "seed": cfg.seed or 0,
+        "state": _state_label(trainer.trainer_state.learner["optimizer"]),
+        "losses": losses,
+    }
 
 
 def _window_means(losses: dict[int, float], window: int) -> dict[int, float]:
@@ -86,6 +133,83 @@ def _print_side_by_side(title: str, curves: dict[str, dict[int, float]]) -> None
         print(f"{step:>6} | {a:>22.4f} | {b:>22.4f} | {b - a:+.4f}")
 
 
+def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[dict[str, Any]]:
+    """The runs' losses of `source` (their means over `window` steps, if given) grouped by
+    how their optimizer state was kept (their records' "state"), at every step that all
+    runs logged: a row a step with each group's n, mean and sample standard deviation, and
+    each other group's mean minus the reference group's (float32, where present) with the
+    standard error of that difference (Welch's, sqrt(s1^2/n1 + s2^2/n2))."""
+    groups: dict[str, list[dict[int, float]]] = {}
+    for run in runs:
+        curve = {int(step): loss for step, loss in run["losses"][source].items()}
+        groups.setdefault(run["state"], []).append(
+            _window_means(curve, window) if window else curve
+        )
+    reference = "float32" if "float32" in groups else sorted(groups)[0]
+    steps = sorted(set.intersection(*(set(c) for curves in groups.values() for c in curves)))
+    rows = []
+    for step in steps:
+        stats = {}
+        for dtype, curves in groups.items():
+            losses = [curve[step] for curve in curves]
+            sd = statistics.stdev(losses) if len(losses) > 1 else math.nan
+            stats[dtype] = {"n": len(losses), "mean": statistics.fmean(losses), "sd": sd}
+        ref = stats[reference]
+        diffs = {
+            dtype: {
+                "diff": s["mean"] - ref["mean"],
+                "se": math.sqrt(s["sd"] ** 2 / s["n"] + ref["sd"] ** 2 / ref["n"]),
+            }
+            for dtype, s in stats.items()
+            if dtype != reference
+        }
+        rows.append({"step": step, "reference": reference, "groups": stats, "diffs": diffs})
+    return rows
+
+
+def _load_runs(paths: list[str]) -> list[dict[str, Any]]:
+    """Every run recorded in the --json_out files at `paths`."""
+    runs = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for name, run in json.load(f).items():
+                if "state" not in run or "losses" not in run:
+                    raise SystemExit(f"{path}: run {name!r} has no 'state' and 'losses'")
+                runs.append(run)
+    return runs
+
+
+def _print_summary(runs: list[dict[str, Any]], window: int) -> None:
+    """Prints `summarize` for each evaler, and for the training loss's `window` means if given
+    (its single steps are too noisy to compare across runs)."""
+    for source in runs[0]["losses"]:
+        if source == "train" and not window:
+            continue
+        rows = summarize(runs, source, window if source == "train" else 0)
+        if not rows:
+            continue
+        if source == "train":
+            title = f"Training loss, means over {window} steps"
+        else:
+            title = f"Evaler '{source}' loss"
+        reference = rows[0]["reference"]
+        others = [d for d in rows[0]["groups"] if d != reference]
+        print(f"{title}: mean ± standard deviation of the runs; difference ± its standard error")
+        header = " | ".join(
+            f"{d} (n={rows[0]['groups'][d]['n']})".center(15) for d in [reference] + others
+        )
+        print(f"{'step':>6} | {header} | " + " | ".join(f"{d} - {reference}" for d in others))
+        for row in rows:
+            cells = [
+                f"{row['groups'][d]['mean']:.4f} ± {row['groups'][d]['sd']:.4f}"
+                for d in [reference] + others
+            ]
+            diffs = [
+                f"{row['diffs'][d]['diff']:+.4f} ± {row['diffs'][d]['se']:.4f}" for d in others
+            ]
+            print(f"{row['step']:>6} | " + " | ".join(cells + diffs))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -94,8 +218,9 @@ def main() -> None:
     parser.add_argument("--mesh_selector", default=None)
     parser.add_argument("--data_dir", default=None, help="As the launcher's (FAKE, BUILTIN, a path).")
     parser.add_argument("--config_override", action="append", default=[])
-    parser.add_argument("--trainer_dir", required=True, help="Each run trains in a subfolder.")
+    parser.add_argument("--trainer_dir", default=None, help="Each run trains in a subfolder.")
     parser.add_argument("--state_dtype", default="bfloat16")
+    parser.add_argument("--rounding", choices=ROUNDING_MODES, default="nearest")
     parser.add_argument(
         "--cast_first", action="store_true",
         help="Train the cast run first (alternate it across calls to cancel the order).",
@@ -106,16 +231,30 @@ def main() -> None:
         "logged step); log every step (summary_writer.write_every_n_steps=1) to average them all.",
     )
     parser.add_argument("--json_out", default=None)
+    parser.add_argument(
+        "--summarize", nargs="+", metavar="JSON", default=None,
+        help="Train nothing: group the runs of these --json_out files by how their optimizer "
+        "state was kept and print each group's mean loss by step, and the differences.",
+    )
     args = parser.parse_args()
+    if args.summarize:
+        _print_summary(_load_runs(args.summarize), args.window)
+        return
+    if not args.trainer_dir:
+        parser.error("--trainer_dir is required to train")
+    if args.rounding == "stochastic" and args.state_dtype != "bfloat16":
+        parser.error("--rounding=stochastic rounds to bfloat16 only: give --state_dtype=bfloat16")
     launch.setup()
 
     # --state_dtype=float32 wraps the second run in a cast that changes nothing: the two runs
     # then differ only by the GPU's nondeterministic sums, the control for the other dtypes.
-    runs = {"as_configured": None, f"{args.state_dtype}_state": jnp.dtype(args.state_dtype)}
+    stochastic = "stochastic_" if args.rounding == "stochastic" else ""
+    cast_name = f"{args.state_dtype}_{stochastic}state"
+    runs = {"as_configured": None, cast_name: jnp.dtype(args.state_dtype)}
     trained = {}
     for name in reversed(runs) if args.cast_first else runs:
         trained[name] = _train(args, os.path.join(args.trainer_dir, name), runs[name])
-    losses = {name: trained[name] for name in runs}  # Reported in one order, whichever ran first.
+    losses = {name: trained[name]["losses"] for name in runs}  # In one order, whichever ran first.
     train = {name: by_source["train"] for name, by_source in losses.items()}
     if args.window:
         _print_side_by_side(
@@ -132,8 +271,14 @@ def main() -> None:
     write_json(
         args.json_out,
         {
-            name: {source: {str(k): v for k, v in curve.items()} for source, curve in by_source.items()}
-            for name, by_source in losses.items()
+            name: dict(
+                trained[name],
+                losses={
+                    source: {str(k): v for k, v in curve.items()}
+                    for source, curve in trained[name]["losses"].items()
+                },
+            )
+            for name in runs
         },
     )
 

@@ -1,9 +1,15 @@
 """benchmarks/optimizer_state_check.py: gpt_test trained twice on the CPU, and its window means."""
 
 import json
+import math
 import subprocess
 import sys
 
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axlearn.common.optimizers import StochasticRoundingState
 from benchmarks import optimizer_state_check
 from tests.fresh_python import REPO, fresh_env
 
@@ -13,34 +19,104 @@ def test_window_means_group_steps_by_the_window_they_end():
     assert optimizer_state_check._window_means(losses, 2) == {2: 3.0, 4: 4.0, 6: 1.0}
 
 
+def test_state_label_names_the_state_tensors_dtype_and_stochastic_rounding():
+    state = {"count": jnp.zeros((), jnp.int32), "scale": jnp.ones((), jnp.float32)}
+    label = optimizer_state_check._state_label
+    assert label({**state, "mu": jnp.zeros((3,), jnp.bfloat16)}) == "bfloat16"
+    mixed = {**state, "mu": jnp.zeros((3,), jnp.bfloat16), "nu": jnp.zeros((2, 2), jnp.float32)}
+    assert label(mixed) == "bfloat16+float32"
+    rounded = StochasticRoundingState(
+        {"mu": jnp.zeros((3,), jnp.bfloat16)}, count=jnp.zeros((), jnp.int32)
+    )
+    assert label({"inner": rounded}) == "bfloat16, stochastic rounding"
+
+
+def _record(dtype, evals, train=None):
+    losses = {"eval": {str(step): loss for step, loss in evals.items()}}
+    if train is not None:
+        losses["train"] = {str(step): loss for step, loss in train.items()}
+    return {"config": "c", "config_overrides": [], "seed": 0, "state": dtype, "losses": losses}
+
+
+def test_summarize_matches_a_numpy_derivation():
+    f32 = {100: [3.0, 3.2, 2.9], 200: [2.5, 2.4, 2.7]}
+    bf16 = {100: [3.1, 3.3], 200: [2.8, 2.6]}
+    runs = [_record("bfloat16", {s: v[i] for s, v in bf16.items()}) for i in range(2)]
+    runs += [_record("float32", {s: v[i] for s, v in f32.items()}) for i in range(3)]
+    runs.append(_record("float32", {100: 3.0}))  # Logs no step 200: that step is left out.
+    rows = optimizer_state_check.summarize(runs, "eval")
+    assert [row["step"] for row in rows] == [100]
+    runs.pop()
+    rows = optimizer_state_check.summarize(runs, "eval")
+    assert [row["step"] for row in rows] == [100, 200]
+    for row in rows:
+        a, b = np.array(f32[row["step"]]), np.array(bf16[row["step"]])
+        assert row["reference"] == "float32"
+        assert row["groups"]["float32"]["n"] == 3
+        assert row["groups"]["float32"]["mean"] == pytest.approx(a.mean())
+        assert row["groups"]["bfloat16"]["sd"] == pytest.approx(b.std(ddof=1))
+        diff = row["diffs"]["bfloat16"]
+        assert diff["diff"] == pytest.approx(b.mean() - a.mean())
+        se = np.sqrt(a.var(ddof=1) / 3 + b.var(ddof=1) / 2)
+        assert diff["se"] == pytest.approx(se)
+
+
+def test_summarize_windows_the_training_loss():
+    runs = [_record("float32", {}, train={1: 4.0, 2: 2.0, 3: 1.0, 4: 3.0}) for _ in range(2)]
+    rows = optimizer_state_check.summarize(runs, "train", window=2)
+    assert [(r["step"], r["groups"]["float32"]["mean"]) for r in rows] == [(2, 3.0), (4, 2.0)]
+    assert rows[0]["diffs"] == {}
+    # One run has no spread: the standard deviation is NaN, not an error.
+    one = optimizer_state_check.summarize(runs[:1], "train", window=2)
+    assert math.isnan(one[0]["groups"]["float32"]["sd"])
+
+
 def _run(tmp_path, *flags):
     out = tmp_path / "losses.json"
-    subprocess.run(
-        [
-            sys.executable, "benchmarks/optimizer_state_check.py", "--config=gpt_test",
-            f"--trainer_dir={tmp_path / 'runs'}", f"--json_out={out}",
-            "--config_override=max_step=6", "--config_override=summary_writer.write_every_n_steps=1",
-            "--config_override=evalers['validation'].eval_policy.n=3",
-            "--config_override=evalers['validation'].eval_policy.max_step=6",
-            *flags,
-        ],
-        cwd=REPO, env=fresh_env(), check=True, capture_output=True, text=True, timeout=600,
+    _tool(
+        "--config=gpt_test",
+        f"--trainer_dir={tmp_path / 'runs'}", f"--json_out={out}",
+        "--config_override=max_step=6", "--config_override=summary_writer.write_every_n_steps=1",
+        "--config_override=evalers['validation'].eval_policy.n=3",
+        "--config_override=evalers['validation'].eval_policy.max_step=6",
+        *flags,
     )
-    return json.loads(out.read_text())
+    return out
+
+
+def _tool(*flags) -> str:
+    return subprocess.run(
+        [sys.executable, "benchmarks/optimizer_state_check.py", *flags],
+        cwd=REPO, env=fresh_env(), check=True, capture_output=True, text=True, timeout=600,
+    ).stdout
 
 
 def test_a_float32_cast_changes_nothing_and_bfloat16_changes_the_losses(tmp_path):
     # On the CPU the sums are deterministic: the float32 control must equal the run as
     # configured to the bit, at every training step and every evaluation, which fails if
     # the cast wrapper itself changed the update.
-    control = _run(tmp_path / "f32", "--state_dtype=float32", "--window=2")
+    control_file = _run(tmp_path / "f32", "--state_dtype=float32", "--window=2")
+    control = {name: run["losses"] for name, run in json.loads(control_file.read_text()).items()}
     assert set(control) == {"as_configured", "float32_state"}
     for source in ("train", "validation"):
         assert control["as_configured"][source] == control["float32_state"][source]
     assert sorted(control["as_configured"]["train"], key=int) == [str(s) for s in range(1, 7)]
     assert sorted(control["as_configured"]["validation"], key=int) == ["3", "6"]
     # The bfloat16 run trains first here (--cast_first) and is reported second all the same.
-    rounded = _run(tmp_path / "bf16", "--cast_first")
-    assert list(rounded) == ["as_configured", "bfloat16_state"]
-    assert rounded["as_configured"]["train"] == control["as_configured"]["train"]
+    rounded_file = _run(tmp_path / "bf16", "--cast_first", "--config_override=seed=3")
+    records = json.loads(rounded_file.read_text())
+    assert list(records) == ["as_configured", "bfloat16_state"]
+    assert [r["state"] for r in records.values()] == ["float32", "bfloat16"]
+    assert {r["seed"] for r in records.values()} == {3}
+    assert "seed=3" in records["as_configured"]["config_overrides"]
+    rounded = {name: run["losses"] for name, run in records.items()}
+    assert rounded["as_configured"]["train"] != control["as_configured"]["train"]  # Seed 3.
     assert rounded["as_configured"]["train"] != rounded["bfloat16_state"]["train"]
+
+    # Both files together: three float32 runs and one bfloat16 run.
+    summary = _tool("--summarize", str(control_file), str(rounded_file))
+    assert "float32 (n=3)" in summary and "bfloat16 (n=1)" in summary
+    last = summary.strip().splitlines()[-1].split("|")
+    assert last[0].strip() == "6"
+    bf16_at_6 = rounded["bfloat16_state"]["validation"]["6"]
+    assert last[2].strip().startswith(f"{bf16_at_6:.4f}")
