@@ -150,18 +150,18 @@ def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[
     rows = []
     for step in steps:
         stats = {}
-        for dtype, curves in groups.items():
+        for label, curves in groups.items():
             losses = [curve[step] for curve in curves]
             sd = statistics.stdev(losses) if len(losses) > 1 else math.nan
-            stats[dtype] = {"n": len(losses), "mean": statistics.fmean(losses), "sd": sd}
+            stats[label] = {"n": len(losses), "mean": statistics.fmean(losses), "sd": sd}
         ref = stats[reference]
         diffs = {
-            dtype: {
+            label: {
                 "diff": s["mean"] - ref["mean"],
                 "se": math.sqrt(s["sd"] ** 2 / s["n"] + ref["sd"] ** 2 / ref["n"]),
             }
-            for dtype, s in stats.items()
-            if dtype != reference
+            for label, s in stats.items()
+            if label != reference
         }
         rows.append({"step": step, "reference": reference, "groups": stats, "diffs": diffs})
     return rows
@@ -193,7 +193,7 @@ def _print_summary(runs: list[dict[str, Any]], window: int) -> None:
         else:
             title = f"Evaler '{source}' loss"
         reference = rows[0]["reference"]
-        others = [d for d in rows[0]["groups"] if d != reference]
+        others = [label for label in rows[0]["groups"] if label != reference]
         print(f"{title}: mean ± standard deviation of the runs; difference ± its standard error")
         header = " | ".join(
             f"{d} (n={rows[0]['groups'][d]['n']})".center(15) for d in [reference] + others

@@ -388,10 +388,17 @@ def _is_state_tensor(shape: Sequence[int], dtype: Any) -> bool:
     return len(shape) > 0 and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _cast_state_tensors(state: Nested, dtype: Any) -> Nested:
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if _is_state_tensor(jnp.shape(x), x.dtype) else x, state
+def _map_state_tensors(fn: Callable[[int, Tensor], Tensor], state: Nested) -> Nested:
+    """`state` with each state tensor x replaced by fn(i, x), i its position among the
+    leaves; scalars and integers as they are."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    return treedef.unflatten(
+        [fn(i, x) if _is_state_tensor(jnp.shape(x), x.dtype) else x for i, x in enumerate(leaves)]
     )
+
+
+def _cast_state_tensors(state: Nested, dtype: Any) -> Nested:
+    return _map_state_tensors(lambda _, x: x.astype(dtype), state)
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -432,15 +439,11 @@ class StochasticRoundingState(NamedTuple):
 
 
 def _stochastic_round_state_tensors(state: Nested, count: Tensor) -> Nested:
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-    rounded = []
-    for i, x in enumerate(leaves):
-        if _is_state_tensor(jnp.shape(x), x.dtype):
-            # A different salt for every tensor and step: uncorrelated noise across both.
-            salt = count.astype(jnp.uint32) * np.uint32(0x9E3779B1) + np.uint32(i)
-            x = stochastic_round_to_bfloat16(x, salt)
-        rounded.append(x)
-    return treedef.unflatten(rounded)
+    # A different salt for every tensor and step: uncorrelated noise across both.
+    step_salt = count.astype(jnp.uint32) * np.uint32(0x9E3779B1)
+    return _map_state_tensors(
+        lambda i, x: stochastic_round_to_bfloat16(x, step_salt + np.uint32(i)), state
+    )
 
 
 ROUNDING_MODES = ("nearest", "stochastic")
