@@ -248,8 +248,10 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
         "gpt_350m": functools.partial(gpt_trainer, "350M"),
         "gpt_1b": functools.partial(gpt_trainer, "1B"),
         # gpt_1b with Adastar's EMAs in bfloat16: 1.3-1.5% faster and 4 GiB less memory on
-        # one H100, but 0.021 ± 0.010 higher validation loss after a 700-step schedule
-        # (docs/benchmarks.md, the twenty-second round): more than the speed gains back.
+        # one H100, but 0.024 ± 0.010 higher validation loss after a 700-step schedule
+        # (docs/benchmarks.md, the twenty-second and twenty-third rounds): more than the
+        # speed gains back. learner.optimizer.inner.rounding=stochastic is as fast and
+        # ended 0.017 ± 0.012 higher: not shown to close the gap.
         "gpt_1b_bf16_optimizer_state": functools.partial(
             gpt_trainer, "1B", optimizer_state_dtype=jnp.bfloat16
         ),
