@@ -12,7 +12,7 @@ differ by as much as the rounding does. `--json_out` records each run's config, 
 overrides and how its optimizer state was kept (its dtype, and whether rounded
 stochastically: `--rounding`); `--summarize` reads any number of those files, groups the
 runs by that and prints each group's mean and spread by step with the difference of the
-means and its standard error.
+means and its standard error, and the same difference matched by seed.
 
     # CPU, ~3 minutes: gpt_test on the built-in corpus.
     PYTHONPATH=. python benchmarks/optimizer_state_check.py --config=gpt_test --trainer_dir=/tmp/osc
@@ -133,38 +133,70 @@ def _print_side_by_side(title: str, curves: dict[str, dict[int, float]]) -> None
         print(f"{step:>6} | {a:>22.4f} | {b:>22.4f} | {b - a:+.4f}")
 
 
+def _mean_and_se(values: list[float]) -> tuple[float, float]:
+    """The mean of `values` and its standard error (NaN for one value)."""
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+    return statistics.fmean(values), se
+
+
 def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[dict[str, Any]]:
     """The runs' losses of `source` (their means over `window` steps, if given) grouped by
     how their optimizer state was kept (their records' "state"), at every step that all
     runs logged: a row a step with each group's n, mean and sample standard deviation, and
-    each other group's mean minus the reference group's (float32, where present) with the
-    standard error of that difference (Welch's, sqrt(s1^2/n1 + s2^2/n2))."""
-    groups: dict[str, list[dict[int, float]]] = {}
+    each other group's mean minus the reference group's (float32, where present) two ways:
+
+    - "diff", "se": the groups' means, with Welch's standard error sqrt(s1^2/n1 + s2^2/n2);
+    - "paired_diff", "paired_se", "seeds": matched by seed, over the seeds both groups ran:
+      the mean over those seeds of (the group's mean of the seed's runs minus the
+      reference's), with that mean's standard error. A seed fixes the initial weights and
+      the data's order, so pairing takes their share out of the spread.
+    """
+    groups: dict[str, list[tuple[int, dict[int, float]]]] = {}
     for run in runs:
         curve = {int(step): loss for step, loss in run["losses"][source].items()}
         groups.setdefault(run["state"], []).append(
-            _window_means(curve, window) if window else curve
+            (run["seed"], _window_means(curve, window) if window else curve)
         )
     reference = "float32" if "float32" in groups else sorted(groups)[0]
-    steps = sorted(set.intersection(*(set(c) for curves in groups.values() for c in curves)))
+    steps = sorted(
+        set.intersection(*(set(curve) for runs_ in groups.values() for _, curve in runs_))
+    )
     rows = []
     for step in steps:
+        by_seed = {
+            label: _losses_by_seed([(seed, curve[step]) for seed, curve in runs_])
+            for label, runs_ in groups.items()
+        }
         stats = {}
-        for label, curves in groups.items():
-            losses = [curve[step] for curve in curves]
+        for label, runs_ in groups.items():
+            losses = [curve[step] for _, curve in runs_]
             sd = statistics.stdev(losses) if len(losses) > 1 else math.nan
             stats[label] = {"n": len(losses), "mean": statistics.fmean(losses), "sd": sd}
         ref = stats[reference]
-        diffs = {
-            label: {
+        diffs = {}
+        for label, s in stats.items():
+            if label == reference:
+                continue
+            seeds = sorted(set(by_seed[label]) & set(by_seed[reference]))
+            paired = [by_seed[label][seed] - by_seed[reference][seed] for seed in seeds]
+            paired_diff, paired_se = _mean_and_se(paired) if paired else (math.nan, math.nan)
+            diffs[label] = {
                 "diff": s["mean"] - ref["mean"],
                 "se": math.sqrt(s["sd"] ** 2 / s["n"] + ref["sd"] ** 2 / ref["n"]),
+                "paired_diff": paired_diff,
+                "paired_se": paired_se,
+                "seeds": len(seeds),
             }
-            for label, s in stats.items()
-            if label != reference
-        }
         rows.append({"step": step, "reference": reference, "groups": stats, "diffs": diffs})
     return rows
+
+
+def _losses_by_seed(seeded_losses: list[tuple[int, float]]) -> dict[int, float]:
+    """The mean loss of each seed's runs."""
+    by_seed: dict[int, list[float]] = {}
+    for seed, loss in seeded_losses:
+        by_seed.setdefault(seed, []).append(loss)
+    return {seed: statistics.fmean(losses) for seed, losses in by_seed.items()}
 
 
 def _load_runs(paths: list[str]) -> list[dict[str, Any]]:
@@ -194,20 +226,31 @@ def _print_summary(runs: list[dict[str, Any]], window: int) -> None:
             title = f"Evaler '{source}' loss"
         reference = rows[0]["reference"]
         others = [label for label in rows[0]["groups"] if label != reference]
-        print(f"{title}: mean ± standard deviation of the runs; difference ± its standard error")
+        print(
+            f"{title}: mean ± standard deviation of the runs; difference ± its standard error, "
+            "of the groups' means and matched by seed"
+        )
         header = " | ".join(
             f"{d} (n={rows[0]['groups'][d]['n']})".center(15) for d in [reference] + others
         )
-        print(f"{'step':>6} | {header} | " + " | ".join(f"{d} - {reference}" for d in others))
+        differences = [f"{d} - {reference}" for d in others]
+        differences += [
+            f"{d} - {reference}, by seed ({rows[0]['diffs'][d]['seeds']} seeds)" for d in others
+        ]
+        print(f"{'step':>6} | {header} | " + " | ".join(differences))
         for row in rows:
             cells = [
                 f"{row['groups'][d]['mean']:.4f} ± {row['groups'][d]['sd']:.4f}"
                 for d in [reference] + others
             ]
-            diffs = [
+            cells += [
                 f"{row['diffs'][d]['diff']:+.4f} ± {row['diffs'][d]['se']:.4f}" for d in others
             ]
-            print(f"{row['step']:>6} | " + " | ".join(cells + diffs))
+            cells += [
+                f"{row['diffs'][d]['paired_diff']:+.4f} ± {row['diffs'][d]['paired_se']:.4f}"
+                for d in others
+            ]
+            print(f"{row['step']:>6} | " + " | ".join(cells))
 
 
 def main() -> None:

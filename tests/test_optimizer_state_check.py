@@ -31,11 +31,11 @@ def test_state_label_names_the_state_tensors_dtype_and_stochastic_rounding():
     assert label({"inner": rounded}) == "bfloat16, stochastic rounding"
 
 
-def _record(dtype, evals, train=None):
+def _record(dtype, evals, train=None, seed=0):
     losses = {"eval": {str(step): loss for step, loss in evals.items()}}
     if train is not None:
         losses["train"] = {str(step): loss for step, loss in train.items()}
-    return {"config": "c", "config_overrides": [], "seed": 0, "state": dtype, "losses": losses}
+    return {"config": "c", "config_overrides": [], "seed": seed, "state": dtype, "losses": losses}
 
 
 def test_summarize_matches_a_numpy_derivation():
@@ -59,6 +59,28 @@ def test_summarize_matches_a_numpy_derivation():
         assert diff["diff"] == pytest.approx(b.mean() - a.mean())
         se = np.sqrt(a.var(ddof=1) / 3 + b.var(ddof=1) / 2)
         assert diff["se"] == pytest.approx(se)
+
+
+def test_summarize_matches_seeds_as_a_numpy_derivation():
+    # Seeds 1-3 with float32 runs; bfloat16 has seeds 1, 2 (two runs of seed 2) and 4, which
+    # float32 lacks: the pairs are seeds 1 and 2, and seed 2's two runs count as their mean.
+    f32 = [(1, 3.0), (1, 3.2), (2, 2.5), (3, 2.9)]
+    bf16 = [(1, 3.3), (2, 2.6), (2, 2.8), (4, 9.9)]
+    runs = [_record("float32", {100: loss}, seed=seed) for seed, loss in f32]
+    runs += [_record("bfloat16", {100: loss}, seed=seed) for seed, loss in bf16]
+    (row,) = optimizer_state_check.summarize(runs, "eval")
+    pairs = np.array([3.3 - np.mean([3.0, 3.2]), np.mean([2.6, 2.8]) - 2.5])
+    diff = row["diffs"]["bfloat16"]
+    assert diff["seeds"] == 2
+    assert diff["paired_diff"] == pytest.approx(pairs.mean())
+    assert diff["paired_se"] == pytest.approx(pairs.std(ddof=1) / np.sqrt(2))
+    # The groups' means still use every run, seed 4's too.
+    assert diff["diff"] == pytest.approx(np.mean([x for _, x in bf16]) - np.mean([x for _, x in f32]))
+    # No shared seed: no paired difference, not an error.
+    alone = [_record("float32", {100: 3.0}, seed=1), _record("bfloat16", {100: 3.1}, seed=2)]
+    (row,) = optimizer_state_check.summarize(alone, "eval")
+    assert row["diffs"]["bfloat16"]["seeds"] == 0
+    assert math.isnan(row["diffs"]["bfloat16"]["paired_diff"])
 
 
 def test_summarize_windows_the_training_loss():
