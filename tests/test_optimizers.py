@@ -186,6 +186,27 @@ def test_adastar_with_a_gradient_ema_and_clipped_raw_updates_matches_numpy():
     adastar_case(b1=0.9, b3=0.95, threshold=0.05, transformation=mup_transformation())
 
 
+def test_adastar_verbosity_2_prints_which_raw_updates_were_clipped(capfd):
+    # At step 1 the raw update is g / |g| (eps = 0): RMS 1 for "a", clipped at 0.8, and
+    # sqrt(1/2) for "b", whose gradient is half zeros, not clipped: 1 of 2 weights, 3 of
+    # the 11 parameters. At step 2 "a" gets the same gradient again (RMS 1, clipped) and
+    # "b" a gradient 10x larger, whose raw updates exceed the threshold: both clipped.
+    ours = opt.adastar_optimizer(
+        0.1, gradient_ema_decay=None, gradient_ema_debias=None, gradient_square_ema_decay=0.95,
+        gradient_square_ema_debias=True, eps=0.0, eps_square=1e-30,
+        raw_update_clipping_threshold=0.8, update_ema_decay=None, update_ema_debias=False,
+        update_schedule=1.0, verbosity=2,
+    )
+    params = {"a": jnp.ones((3,)), "b": jnp.ones((4, 2))}
+    b_grad = jnp.array([[1.0, 0.0]] * 4)
+    grads = [{"a": jnp.ones((3,)), "b": b_grad}, {"a": jnp.ones((3,)), "b": 10 * b_grad}]
+    run_steps(ours, params, grads, jit=False)
+    printed = [line for line in capfd.readouterr().out.splitlines() if "clipped" in line]
+    assert len(printed) == 2
+    assert printed[0].startswith("adastar step 1 clipped raw updates: 1 of 2 weights, 0.2727")
+    assert printed[1].startswith("adastar step 2 clipped raw updates: 2 of 2 weights, 1.0 of")
+
+
 @pytest.mark.parametrize("b1", [None, 0.9])
 def test_adastar_with_bf16_state_matches_numpy_rounding_its_emas_each_step(b1):
     got, state, reference = adastar_case(

@@ -784,7 +784,8 @@ def adastar_optimizer(
 
     EMA(x; d, debias) is e = d * e + (1 - d) * x from e = 0, divided by 1 - d**(t+1) when
     debias. Weight decay is decoupled from `learning_rate` and follows the schedule.
-    `verbosity` >= 1 prints the step and the global RMS of the raw updates each step.
+    `verbosity` >= 1 prints the step and the global RMS of the raw updates each step; >= 2
+    also how many weights' raw updates were clipped and their share of the parameters.
     """
     for decay, debias, name in (
         (gradient_ema_decay, gradient_ema_debias, "gradient_ema"),
@@ -805,7 +806,8 @@ def adastar_optimizer(
         return new, (_debias(new, decay, count) if debias else new)
 
     def update_one(g, m, v, u, count):
-        """New (m, v, u) state of one parameter, its raw update and its smoothed update."""
+        """New (m, v, u) state of one parameter, its raw update, its smoothed update and
+        whether the raw update was clipped (None without clipping)."""
         g = g.astype(jnp.float32)
         m_hat = g
         if gradient_ema_decay is not None:
@@ -814,12 +816,15 @@ def adastar_optimizer(
             v, g * g + eps_square, gradient_square_ema_decay, gradient_square_ema_debias, count
         )
         raw = m_hat / (jnp.sqrt(v_hat) + eps)
+        clipped = None
         if raw_update_clipping_threshold is not None:
-            raw = raw / jnp.maximum(1.0, _rms(raw) / raw_update_clipping_threshold)
+            raw_rms = _rms(raw)
+            clipped = raw_rms > raw_update_clipping_threshold
+            raw = raw / jnp.maximum(1.0, raw_rms / raw_update_clipping_threshold)
         u_hat = raw
         if update_ema_decay is not None:
             u, u_hat = ema(u, raw, update_ema_decay, update_ema_debias, count)
-        return m, v, u, raw, u_hat
+        return m, v, u, raw, u_hat, clipped
 
     def init(params):
         values = param_values(params)
@@ -844,10 +849,22 @@ def adastar_optimizer(
             treedef.flatten_up_to(opt.update_ema),  # None leaves without an update EMA.
         )
         results = [update_one(g, m, v, u, count) for g, m, v, u in per_param]
-        m, v, u, raws, smoothed = (list(x) for x in zip(*results)) if results else ([],) * 5
+        m, v, u, raws, smoothed, clipped = (
+            (list(x) for x in zip(*results)) if results else ([],) * 6
+        )
         if verbosity >= 1:
             raw_rms = global_norm(raws) / jnp.sqrt(sum(r.size for r in raws))
             jax.debug.print("adastar step {} raw update rms {}", count, raw_rms)
+        if verbosity >= 2 and raw_update_clipping_threshold is not None and raws:
+            sizes = jnp.array([r.size for r in raws], jnp.float32)
+            was_clipped = jnp.stack(clipped)
+            jax.debug.print(
+                "adastar step {} clipped raw updates: {} of {} weights, {} of the parameters",
+                count,
+                was_clipped.sum(),
+                len(raws),
+                (sizes * was_clipped).sum() / sizes.sum(),
+            )
         direction = treedef.unflatten(smoothed)
         if extra is not None:
             direction, extra_state = extra.update(direction, extra_state, params)
