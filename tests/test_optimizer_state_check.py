@@ -75,7 +75,8 @@ def test_summarize_matches_seeds_as_a_numpy_derivation():
     assert diff["paired_diff"] == pytest.approx(pairs.mean())
     assert diff["paired_se"] == pytest.approx(pairs.std(ddof=1) / np.sqrt(2))
     # The groups' means still use every run, seed 4's too.
-    assert diff["diff"] == pytest.approx(np.mean([x for _, x in bf16]) - np.mean([x for _, x in f32]))
+    groups = np.mean([x for _, x in bf16]) - np.mean([x for _, x in f32])
+    assert diff["diff"] == pytest.approx(groups)
     # No shared seed: no paired difference, not an error.
     alone = [_record("float32", {100: 3.0}, seed=1), _record("bfloat16", {100: 3.1}, seed=2)]
     (row,) = optimizer_state_check.summarize(alone, "eval")
