@@ -24,6 +24,12 @@ r"""Benchmarks named trainer configs and compares git revisions side by side.
     python -m axlearn.bench --compare_configs=gpt_1b,gpt_1b_bf16_optimizer_state \
         --mesh_selector=gpu-h100-1 --config_override=input.global_batch_size=4 --rounds=2
 
+    # One config with two sets of extra overrides (space-separated, quoted as in a shell;
+    # '' for none), applied after the --config_override flags both sides share:
+    python -m axlearn.bench --config=gpt_1b_bf16_optimizer_state --mesh_selector=gpu-h100-1 \
+        --config_override=input.global_batch_size=4 --compare_overrides= \
+        --compare_overrides=learner.optimizer.inner.rounding=stochastic --rounds=2
+
 Every run prints the standard columns: Parameters, Final loss, TFLOP/s/device,
 Tokens/s/device, Avg s/step, Memory %, MFU, JAX version, device; on NVIDIA GPUs also the
 mean SM clock and board power over the timed steps (see GpuSampler); and the tokens and
@@ -35,6 +41,7 @@ import argparse
 import html
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -501,44 +508,63 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--compare_configs", default=None, metavar="CONFIG_A,CONFIG_B",
         help="Benchmark two named configs of this tree (in place of --config).",
     )
+    parser.add_argument(
+        "--compare_overrides", action="append", default=None, metavar="OVERRIDES",
+        help="Give twice: benchmark --config with two sets of config overrides, each "
+        "space-separated (shell quoting) and applied after the shared --config_override "
+        "flags ('' for none); the sides are named by their overrides.",
+    )
     parser.add_argument("--html", default=None, help="Write the comparison as an HTML page.")
     parser.add_argument(
         "--rounds", type=int, default=1,
-        help="With --compare/--compare_dirs: run each side this many times, in the order "
-        "A B, then B A, ...; the table shows the means.",
+        help="With any --compare*: run each side this many times, in the order A B, then "
+        "B A, ...; the table shows the means.",
     )
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args(argv)
     comparing = [
         x
-        for x in (args.compare, args.compare_dirs, args.compare_xla_flags, args.compare_configs)
+        for x in (
+            args.compare,
+            args.compare_dirs,
+            args.compare_xla_flags,
+            args.compare_configs,
+            args.compare_overrides,
+        )
         if x is not None
     ]
     if len(comparing) > 1:
         parser.error(
-            "give at most one of --compare, --compare_dirs, --compare_xla_flags and "
-            "--compare_configs"
+            "give at most one of --compare, --compare_dirs, --compare_xla_flags, "
+            "--compare_configs and --compare_overrides"
         )
     if (args.config is None) == (args.compare_configs is None):
         parser.error("give --config, or --compare_configs in its place")
     if comparing and (args.profile_dir or args.xla_dump_dir):
         parser.error(
             "--profile_dir and --xla_dump_dir trace or dump one run: give them without "
-            "--compare, --compare_dirs, --compare_xla_flags or --compare_configs (run each "
-            "side alone)"
+            "a --compare* flag (run each side alone)"
         )
     config_names = args.compare_configs.split(",") if args.compare_configs else [args.config]
     if args.compare_configs is not None and (
         len(config_names) != 2 or len(set(config_names)) != 2 or not all(config_names)
     ):
         parser.error(f"--compare_configs takes two different config names, got {args.compare_configs!r}")
-    if args.compare_xla_flags is not None and (
-        len(args.compare_xla_flags) != 2 or len(set(args.compare_xla_flags)) != 2
+    for flag, sides in (
+        ("--compare_xla_flags", args.compare_xla_flags),
+        ("--compare_overrides", args.compare_overrides),
     ):
-        parser.error(
-            f"--compare_xla_flags must be given twice, with two different settings; got "
-            f"{args.compare_xla_flags}"
-        )
+        if sides is not None and (len(sides) != 2 or len(set(sides)) != 2):
+            parser.error(f"{flag} must be given twice, with two different settings; got {sides}")
+    override_sides = {}
+    for text in args.compare_overrides or []:
+        try:
+            overrides = shlex.split(text)
+        except ValueError as e:
+            parser.error(f"--compare_overrides={text!r}: {e}")
+        if any("=" not in o for o in overrides):
+            parser.error(f"--compare_overrides={text!r}: each override is PATH=VALUE")
+        override_sides[text or "as configured"] = overrides
 
     # The runs of a comparison start in their source tree: a local data directory given
     # relative to here is passed on as an absolute path.
@@ -550,12 +576,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run_args += [f"--config_override={o}" for o in args.config_override]
     run_args += [f"--xla_flags_preset={args.xla_flags_preset}"]
 
+    # Each side of this tree is built before any runs (building touches no device), so a
+    # bad name or override fails now, not after the other side's minutes on the card.
+    if args.compare_configs:
+        sides_to_build = {name: (name, []) for name in config_names}
+    else:
+        sides_to_build = {name: (args.config, o) for name, o in override_sides.items()}
+    for side, (config, side_overrides) in sides_to_build.items():
+        try:
+            build_benchmark_config(
+                config, module=args.module, mesh_selector=args.mesh_selector,
+                data_dir=data_dir, overrides=[*args.config_override, *side_overrides],
+            )
+        except ValueError as e:  # ConfigError and the overrides' parse errors.
+            parser.error(f"side {side!r}: {e}")
+
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with_config = lambda name: [f"--config={name}", *run_args]  # noqa: E731
     if args.compare_configs:
         results = run_in_rounds(
             {name: name for name in config_names},
             lambda name: _run_in_tree(repo, with_config(name)),
+            rounds=args.rounds,
+        )
+    elif override_sides:
+        results = run_in_rounds(
+            override_sides,
+            lambda overrides: _run_in_tree(
+                repo, with_config(args.config) + [f"--config_override={o}" for o in overrides]
+            ),
             rounds=args.rounds,
         )
     elif args.compare_xla_flags:
@@ -593,7 +642,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     write_json(args.json_out, next(iter(results.values())) if len(results) == 1 else results)
     print(format_table(results))
     if args.html:
-        write_html(results, args.html, f"axlearn benchmark: {' vs '.join(config_names)}")
+        title = f"axlearn benchmark: {' vs '.join(config_names)}"
+        if not args.compare_configs and len(results) == 2:
+            title += f": {' vs '.join(results)}"
+        write_html(results, args.html, title)
         print(f"Wrote {args.html}")
     return 0
 

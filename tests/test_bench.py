@@ -1,6 +1,7 @@
 """The benchmark tool: its table and Diff column, comparing two trees or two git revisions,
 and the profile and HLO-dump switches, all on the CPU."""
 
+import html
 import json
 import os
 import pathlib
@@ -262,25 +263,76 @@ def test_compare_configs_runs_each_named_config_of_this_tree_in_rounds(tmp_path,
 
     def fake_run(tree, argv, *, xla_flags=""):
         calls.append((tree, list(argv)))
-        rate = 110.0 if "--config=gpt_test_b" in argv else 100.0
+        rate = 110.0 if "--config=gpt_125m" in argv else 100.0
         return _result(rate, 1.0, 2.0)
 
     monkeypatch.setattr(bench, "_run_in_tree", fake_run)
     page, out = tmp_path / "cmp.html", tmp_path / "cmp.json"
     bench.main([
-        "--compare_configs=gpt_test_a,gpt_test_b", "--rounds=2", "--steps=3",
+        "--compare_configs=gpt_test,gpt_125m", "--rounds=2", "--steps=3",
         "--config_override=input.global_batch_size=4", f"--html={page}", f"--json_out={out}",
     ])
     configs = [[a for a in argv if a.startswith("--config=")] for _, argv in calls]
     # A B, then B A.
-    assert configs == [["--config=gpt_test_a"], ["--config=gpt_test_b"],
-                       ["--config=gpt_test_b"], ["--config=gpt_test_a"]]
+    assert configs == [["--config=gpt_test"], ["--config=gpt_125m"],
+                       ["--config=gpt_125m"], ["--config=gpt_test"]]
     assert all(tree == str(REPO) for tree, _ in calls)
     assert all("--steps=3" in argv and "--config_override=input.global_batch_size=4" in argv
                for _, argv in calls)
     results = json.loads(out.read_text())
-    assert results["gpt_test_b"]["tokens_per_s_per_device"] == 110.0
-    assert "gpt_test_a vs gpt_test_b" in page.read_text()
+    assert results["gpt_125m"]["tokens_per_s_per_device"] == 110.0
+    assert "gpt_test vs gpt_125m" in page.read_text()
+
+
+def test_compare_overrides_runs_one_config_with_each_side_s_overrides_last(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(tree, argv, *, xla_flags=""):
+        calls.append(list(argv))
+        return _result(110.0 if "--config_override=max_step=7" in argv else 100.0, 1.0, 2.0)
+
+    monkeypatch.setattr(bench, "_run_in_tree", fake_run)
+    page, out = tmp_path / "cmp.html", tmp_path / "cmp.json"
+    description = "learner.optimizer.inner.adam_update_transformation.per_param_scale.description"
+    side = f"max_step=7 \"{description}='x y'\""  # Shell quoting keeps 'x y' one value.
+    bench.main([
+        "--config=gpt_test", "--config_override=max_step=5", "--compare_overrides=",
+        f"--compare_overrides={side}", "--rounds=2", f"--html={page}", f"--json_out={out}",
+    ])
+    overrides = [[a for a in argv if a.startswith("--config_override=")] for argv in calls]
+    shared = ["--config_override=max_step=5"]
+    side_b = ["--config_override=max_step=7", f"--config_override={description}='x y'"]
+    # As configured, then the overrides, then the other way round; each side's after the
+    # shared ones, so that they win where both set a field.
+    assert overrides == [shared, shared + side_b, shared + side_b, shared]
+    assert all("--config=gpt_test" in argv for argv in calls)
+    results = json.loads(out.read_text())
+    assert list(results) == ["as configured", side]
+    assert results[side]["tokens_per_s_per_device"] == 110.0
+    assert "gpt_test: as configured vs max_step=7" in html.unescape(page.read_text())
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--compare_overrides=a=1"], "given twice"),
+        (["--compare_overrides=a=1", "--compare_overrides=a=1"], "two different settings"),
+        (["--compare_overrides=", "--compare_overrides=a"], "each override is PATH=VALUE"),
+        (["--compare_overrides=", "--compare_overrides=a='1"], "--compare_overrides=\"a='1\""),
+        (  # gpt_test's optimizer is Adastar itself, with no `rounding`: fails before running.
+            ["--compare_overrides=", "--compare_overrides=learner.optimizer.inner.rounding=x"],
+            "side 'learner.optimizer.inner.rounding=x': learner.optimizer.inner",
+        ),
+        (
+            ["--compare_overrides=", "--compare_overrides=a=1", "--compare_dirs=c,d"],
+            "at most one of",
+        ),
+    ],
+)
+def test_compare_overrides_rejects_what_it_cannot_do(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--config=gpt_test", *flags])
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -291,6 +343,7 @@ def test_compare_configs_runs_each_named_config_of_this_tree_in_rounds(tmp_path,
         (["--compare_configs=gpt_test"], "two different config names"),
         (["--compare_configs=a,a"], "two different config names"),
         (["--compare_configs=a,b", "--compare_dirs=c,d"], "at most one of"),
+        (["--compare_configs=gpt_test,no_such_config"], "side 'no_such_config'"),
     ],
 )
 def test_compare_configs_rejects_what_it_cannot_do(flags, message, capsys):
