@@ -49,6 +49,7 @@ import jax.numpy as jnp
 
 from axlearn.bench import write_json
 from axlearn.common import launch
+from axlearn.common.base_layer import flatten_with_paths
 from axlearn.common.config import config_for_function
 from axlearn.common.launch_trainer import build_trainer_config
 from axlearn.common.optimizers import (
@@ -66,21 +67,29 @@ def _logged_losses(writer) -> dict[int, float]:
 
 
 def _state_label(optimizer_state: Any) -> str:
-    """How the optimizer keeps its state tensors: their dtype ('float32', 'bfloat16'; the
-    names joined by '+' where they differ), then ', stochastic rounding' where
-    `cast_optimizer_state` rounds them so. Scalars (counters, schedules' steps) do not count."""
-    dtypes = {
-        jnp.dtype(leaf.dtype).name
-        for leaf in jax.tree.leaves(optimizer_state)
-        if leaf.ndim > 0 and jnp.issubdtype(leaf.dtype, jnp.floating)
-    }
+    """How the optimizer keeps its state tensors: their dtype ('float32', 'bfloat16'), or
+    where they differ each dtype with the state fields that hold it ('bfloat16 update_ema,
+    float32 gradient_square_ema'), then ', stochastic rounding' where `cast_optimizer_state`
+    rounds them so. Scalars (counters, schedules' steps) do not count."""
+    fields_by_dtype: dict[str, set[str]] = {}
+    for path, leaf in flatten_with_paths(optimizer_state):
+        if leaf.ndim > 0 and jnp.issubdtype(leaf.dtype, jnp.floating):
+            # The state field: the first name on the path that is not a wrapper's.
+            names = [p for p in path.split("/") if not p.isdigit() and p != "inner_state"]
+            fields_by_dtype.setdefault(jnp.dtype(leaf.dtype).name, set()).add(names[0])
+    if len(fields_by_dtype) == 1:
+        label = next(iter(fields_by_dtype))
+    else:
+        label = ", ".join(
+            f"{dtype} {'+'.join(sorted(fields))}" for dtype, fields in sorted(fields_by_dtype.items())
+        )
     stochastic = any(
         isinstance(node, StochasticRoundingState)
         for node in jax.tree.leaves(
             optimizer_state, is_leaf=lambda n: isinstance(n, StochasticRoundingState)
         )
     )
-    return "+".join(sorted(dtypes)) + (", stochastic rounding" if stochastic else "")
+    return label + (", stochastic rounding" if stochastic else "")
 
 
 def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[str, Any]:
@@ -100,7 +109,10 @@ def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[str, Any
     if state_dtype is not None:
         # Around the whole optimizer, whatever it is: its integer counters keep their dtype.
         cfg.learner.optimizer = config_for_function(cast_optimizer_state).set(
-            inner=cfg.learner.optimizer, dtype=state_dtype, rounding=args.rounding
+            inner=cfg.learner.optimizer,
+            dtype=state_dtype,
+            rounding=args.rounding,
+            state_paths=args.state_paths,
         )
     trainer = cfg.instantiate(parent=None)
     trainer.run()
@@ -264,6 +276,11 @@ def main() -> None:
     parser.add_argument("--trainer_dir", default=None, help="Each run trains in a subfolder.")
     parser.add_argument("--state_dtype", default="bfloat16")
     parser.add_argument("--rounding", choices=ROUNDING_MODES, default="nearest")
+    parser.add_argument(
+        "--state_paths", default=None,
+        help="Cast only the state tensors whose path this regex matches (e.g. update_ema; "
+        "cast_optimizer_state's state_paths); default: all.",
+    )
     parser.add_argument(
         "--cast_first", action="store_true",
         help="Train the cast run first (alternate it across calls to cancel the order).",

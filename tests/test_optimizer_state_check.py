@@ -24,7 +24,16 @@ def test_state_label_names_the_state_tensors_dtype_and_stochastic_rounding():
     label = optimizer_state_check._state_label
     assert label({**state, "mu": jnp.zeros((3,), jnp.bfloat16)}) == "bfloat16"
     mixed = {**state, "mu": jnp.zeros((3,), jnp.bfloat16), "nu": jnp.zeros((2, 2), jnp.float32)}
-    assert label(mixed) == "bfloat16+float32"
+    assert label(mixed) == "bfloat16 mu, float32 nu"
+    # Through the wrappers' fields and tuple positions to the state's own field names.
+    nested = StochasticRoundingState(
+        (
+            {"nu": {"w": jnp.zeros((2,), jnp.float32), "b": jnp.zeros((2,), jnp.float32)}},
+            {"mu": {"w": jnp.zeros((2,), jnp.bfloat16)}, "v": jnp.zeros((2,), jnp.bfloat16)},
+        ),
+        count=jnp.zeros((), jnp.int32),
+    )
+    assert label(nested) == "bfloat16 mu+v, float32 nu, stochastic rounding"
     rounded = StochasticRoundingState(
         {"mu": jnp.zeros((3,), jnp.bfloat16)}, count=jnp.zeros((), jnp.int32)
     )

@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -96,8 +97,9 @@ def test_adamw_decoupled_decays_weights_independently_of_the_learning_rate():
 
 def adastar_reference(params, grads_seq, *, lr, b1, b1_debias, b2, b2_debias, eps, eps_square,
                       threshold, b3, b3_debias, weight_decay, sched, update_scale,
-                      carried=lambda x: x):
-    """`carried` rounds what each step carries to the next (the EMAs), after its update."""
+                      carried=lambda x: x, carried_keys=("m", "v", "u")):
+    """`carried` rounds what each step carries to the next (the EMAs named in
+    `carried_keys`: m, v, u), after its update."""
     params = to_numpy(params)
     state = {k: dict(m=0.0, v=0.0, u=0.0) for k in params}
     for t, grads in enumerate(to_numpy(grads_seq)):
@@ -120,11 +122,11 @@ def adastar_reference(params, grads_seq, *, lr, b1, b1_debias, b2, b2_debias, ep
                 u_hat = s["u"] / (1 - b3 ** (t + 1)) if b3_debias else s["u"]
             u_hat = u_hat * update_scale(name)
             params[name] = params[name] - sched(t) * (lr * u_hat + weight_decay * params[name])
-            state[name] = {k: carried(x) for k, x in s.items()}
+            state[name] = {k: carried(x) if k in carried_keys else x for k, x in s.items()}
     return params
 
 
-def adastar_case(b1, b3, threshold, transformation, *, state_dtype=None):
+def adastar_case(b1, b3, threshold, transformation, *, state_dtype=None, state_paths=None):
     rng = np.random.default_rng(RNG_SEED)
     params = random_tree(rng, SHAPES)
     grads_seq = [random_tree(rng, SHAPES, scale=0.1) for _ in range(20)]
@@ -146,7 +148,7 @@ def adastar_case(b1, b3, threshold, transformation, *, state_dtype=None):
     )
     ours = opt.adastar_optimizer(0.05, adam_update_transformation=transformation, **kwargs)
     if state_dtype is not None:
-        ours = opt.cast_optimizer_state(ours, dtype=state_dtype)
+        ours = opt.cast_optimizer_state(ours, dtype=state_dtype, state_paths=state_paths)
     got, state = run_steps(ours, params, grads_seq)
     sched = schedule.as_schedule_fn(sched_cfg)
     reference = functools.partial(
@@ -155,10 +157,16 @@ def adastar_case(b1, b3, threshold, transformation, *, state_dtype=None):
         b3_debias=False, weight_decay=0.01, sched=lambda t: float(sched(t)),
         update_scale=lambda name: 0.25 if name == "w" else 1.0,
     )
+    # The EMAs `state_paths` picks, by their AdastarState field names.
+    keys = {"m": "gradient_ema", "v": "gradient_square_ema", "u": "update_ema"}
+    carried_keys = [k for k, field in keys.items() if re.search(state_paths or "", field)]
     if state_dtype is None:
         expected = reference()
     else:
-        expected = reference(carried=lambda x: np.asarray(x, state_dtype).astype(np.float64))
+        expected = reference(
+            carried=lambda x: np.asarray(x, state_dtype).astype(np.float64),
+            carried_keys=carried_keys,
+        )
     for name in SHAPES:
         np.testing.assert_allclose(got[name], expected[name], atol=2e-6, rtol=1e-5)
     return got, state, reference
@@ -219,6 +227,50 @@ def test_adastar_with_bf16_state_matches_numpy_rounding_its_emas_each_step(b1):
     # The rounding shows: float32 EMAs give parameters outside the tolerance above.
     unrounded = reference()
     assert max(np.max(np.abs(got[k] - unrounded[k])) for k in SHAPES) > 1e-4
+
+
+@pytest.mark.parametrize("state_paths", ["update_ema", "gradient_square_ema"])
+def test_adastar_with_one_ema_in_bf16_matches_numpy_rounding_that_ema_alone(state_paths):
+    got, state, reference = adastar_case(
+        b1=None, b3=0.95, threshold=1.0, transformation=mup_transformation(),
+        state_dtype=jnp.bfloat16, state_paths=state_paths,
+    )
+    adastar = state[0]  # The state: (AdastarState, muP's EmptyState).
+    for field in ("gradient_square_ema", "update_ema"):
+        want = jnp.dtype(jnp.bfloat16 if field == state_paths else jnp.float32)
+        assert {leaf.dtype for leaf in jax.tree.leaves(getattr(adastar, field))} == {want}
+    assert adastar.count.dtype == jnp.int32
+    # Both EMAs rounded is a different result: the one left in float32 was not rounded.
+    both = reference(carried=lambda x: np.asarray(x, jnp.bfloat16).astype(np.float64))
+    assert max(np.max(np.abs(got[k] - both[k])) for k in SHAPES) > 1e-6
+
+
+def test_cast_optimizer_state_paths_pick_tensors_in_state_and_specs_alike():
+    transformation = opt.cast_optimizer_state(
+        skip_clip_adamw(), dtype=jnp.bfloat16, rounding="stochastic", state_paths="/mu/"
+    )
+    params = {"w": jnp.linspace(-1.0, 1.0, 64), "b": jnp.ones(3)}
+    state = transformation.init(params)
+    grads = {"w": jnp.full(64, 0.01), "b": jnp.ones(3)}
+    _, state = jax.jit(transformation.update)(grads, state, params)
+    adam = state.inner_state.inner_state[0]
+    assert {adam.mu["w"].dtype, adam.mu["b"].dtype} == {jnp.dtype(jnp.bfloat16)}
+    assert {adam.nu["w"].dtype, adam.nu["b"].dtype} == {jnp.dtype(jnp.float32)}
+    specs = transformation.partition(
+        {k: ParameterSpec(shape=v.shape, dtype=v.dtype) for k, v in params.items()}
+    )
+    # Each tensor's spec has its dtype: checkpoints and shardings see what the state holds.
+    spec_leaves, state_leaves = jax.tree.leaves(specs), jax.tree.leaves(state)
+    assert len(spec_leaves) == len(state_leaves)
+    for spec, leaf in zip(spec_leaves, state_leaves):
+        if isinstance(spec, ParameterSpec):
+            assert spec.dtype == leaf.dtype and tuple(spec.shape) == leaf.shape
+    with pytest.raises(ConfigError, match=r"state_paths='velocity' matches none of .*mu/w"):
+        opt.cast_optimizer_state(
+            skip_clip_adamw(), dtype=jnp.bfloat16, state_paths="velocity"
+        ).init(params)
+    with pytest.raises(ConfigError, match=r"state_paths='\(': "):
+        opt.cast_optimizer_state(skip_clip_adamw(), dtype=jnp.bfloat16, state_paths="(")
 
 
 def test_cast_optimizer_state_keeps_scalars_and_rejects_an_integer_dtype():

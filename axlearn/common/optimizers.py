@@ -388,17 +388,31 @@ def _is_state_tensor(shape: Sequence[int], dtype: Any) -> bool:
     return len(shape) > 0 and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _map_state_tensors(fn: Callable[[int, Tensor], Tensor], state: Nested) -> Nested:
-    """`state` with each state tensor x replaced by fn(i, x), i its position among the
-    leaves; scalars and integers as they are."""
+def _state_tensor_paths(state: Nested) -> list[str]:
+    """The '/'-joined path of each state tensor of `state` (as checkpoints name them)."""
+    return [path for path, x in flatten_with_paths(state) if _is_state_tensor(x.shape, x.dtype)]
+
+
+def _map_state_tensors(
+    fn: Callable[[int, Any], Any], state: Nested, selected: Optional[re.Pattern] = None
+) -> Nested:
+    """`state` with each state tensor x (an array, or the ParameterSpec of one) replaced by
+    fn(i, x), i its position among the leaves; scalars, integers and, given `selected`, the
+    tensors whose path it does not search-match as they are."""
     leaves, treedef = jax.tree_util.tree_flatten(state)
+    paths = [path for path, _ in flatten_with_paths(state)]  # In the same order.
     return treedef.unflatten(
-        [fn(i, x) if _is_state_tensor(jnp.shape(x), x.dtype) else x for i, x in enumerate(leaves)]
+        [
+            fn(i, x)
+            if _is_state_tensor(x.shape, x.dtype) and (selected is None or selected.search(path))
+            else x
+            for i, (path, x) in enumerate(zip(paths, leaves))
+        ]
     )
 
 
-def _cast_state_tensors(state: Nested, dtype: Any) -> Nested:
-    return _map_state_tensors(lambda _, x: x.astype(dtype), state)
+def _cast_state_tensors(state: Nested, dtype: Any, selected: Optional[re.Pattern]) -> Nested:
+    return _map_state_tensors(lambda _, x: x.astype(dtype), state, selected)
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -439,11 +453,13 @@ class StochasticRoundingState(NamedTuple):
     count: Tensor  # Steps taken: each step's rounding noise is salted with it.
 
 
-def _stochastic_round_state_tensors(state: Nested, count: Tensor) -> Nested:
+def _stochastic_round_state_tensors(
+    state: Nested, count: Tensor, selected: Optional[re.Pattern]
+) -> Nested:
     # A different salt for every tensor and step: uncorrelated noise across both.
     step_salt = count.astype(jnp.uint32) * np.uint32(0x9E3779B1)
     return _map_state_tensors(
-        lambda i, x: stochastic_round_to_bfloat16(x, step_salt + np.uint32(i)), state
+        lambda i, x: stochastic_round_to_bfloat16(x, step_salt + np.uint32(i)), state, selected
     )
 
 
@@ -451,7 +467,11 @@ ROUNDING_MODES = ("nearest", "stochastic")
 
 
 def cast_optimizer_state(
-    inner: ConfigOr[PartitionedGradientTransformation], *, dtype: Any, rounding: str = "nearest"
+    inner: ConfigOr[PartitionedGradientTransformation],
+    *,
+    dtype: Any,
+    rounding: str = "nearest",
+    state_paths: Optional[str] = None,
 ) -> PartitionedGradientTransformation:
     """Keeps `inner`'s floating-point state tensors in `dtype` between steps, e.g. Adam's
     or Adastar's moments in bfloat16: half their memory, and fewer bytes read and written
@@ -466,6 +486,12 @@ def cast_optimizer_state(
     and checkpoints see the same tree in other dtypes. "stochastic" (bfloat16 only) rounds
     without bias (`stochastic_round_to_bfloat16`) and keeps `inner`'s state in a
     `StochasticRoundingState` with a step count that salts the noise.
+
+    `state_paths`: a regex; only the state tensors whose path in `inner`'s state it
+    matches (`re.search`; paths are '/'-joined as checkpoints name them, e.g.
+    '0/update_ema/decoder/emb/token_emb/weight' for Adastar) are kept in `dtype`, the
+    others as `inner` keeps them. None: all of them. E.g. 'update_ema' for Adastar's update
+    EMA alone, as optax's `mu_dtype` does for Adam's first moment.
     """
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ConfigError(
@@ -479,32 +505,43 @@ def cast_optimizer_state(
         raise ConfigError(
             f"cast_optimizer_state: stochastic rounding is to bfloat16 only, got {dtype!r}"
         )
+    selected = None
+    if state_paths is not None:
+        try:
+            selected = re.compile(state_paths)
+        except re.error as e:
+            raise ConfigError(f"cast_optimizer_state: state_paths={state_paths!r}: {e}") from e
     inner = maybe_instantiate(inner)
     stochastic = rounding == "stochastic"
 
     def init(params):
-        state = _cast_state_tensors(inner.init(params), dtype)
+        inner_state = inner.init(params)
+        if selected is not None and not any(
+            selected.search(path) for path in _state_tensor_paths(inner_state)
+        ):
+            raise ConfigError(
+                f"cast_optimizer_state: state_paths={state_paths!r} matches none of the "
+                f"state tensors' paths, e.g. {_state_tensor_paths(inner_state)[:3]}"
+            )
+        state = _cast_state_tensors(inner_state, dtype, selected)
         return StochasticRoundingState(state, _count_init()) if stochastic else state
 
     def update(updates, state, params=None):
         inner_state = state.inner_state if stochastic else state
-        computed = _cast_state_tensors(inner_state, jnp.float32)
+        computed = _cast_state_tensors(inner_state, jnp.float32, selected)
         updates, new_state = inner.update(updates, computed, params)
         if not stochastic:
-            return updates, _cast_state_tensors(new_state, dtype)
+            return updates, _cast_state_tensors(new_state, dtype, selected)
         count = state.count + 1
         return updates, StochasticRoundingState(
-            _stochastic_round_state_tensors(new_state, count), count
+            _stochastic_round_state_tensors(new_state, count, selected), count
         )
 
     def partition(param_specs):
-        specs = jax.tree.map(
-            lambda spec: (
-                dataclasses.replace(spec, dtype=dtype)
-                if _is_state_tensor(spec.shape, spec.dtype)
-                else spec
-            ),
+        specs = _map_state_tensors(
+            lambda _, spec: dataclasses.replace(spec, dtype=dtype),
             inner.partition(param_specs),
+            selected,
         )
         return StochasticRoundingState(specs, _scalar_spec()) if stochastic else specs
 
