@@ -580,8 +580,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # bad name or override fails now, not after the other side's minutes on the card.
     if args.compare_configs:
         sides_to_build = {name: (name, []) for name in config_names}
-    else:
+    elif override_sides:
         sides_to_build = {name: (args.config, o) for name, o in override_sides.items()}
+    elif args.compare_xla_flags:  # Both sides run the same config.
+        sides_to_build = {args.config: (args.config, [])}
+    else:  # One run builds its config at once; other trees' configs are theirs to build.
+        sides_to_build = {}
     for side, (config, side_overrides) in sides_to_build.items():
         try:
             build_benchmark_config(

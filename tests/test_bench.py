@@ -228,6 +228,10 @@ def test_compare_xla_flags_runs_this_tree_under_each_side_s_flags(tmp_path):
         (["--compare_xla_flags=", "--compare=HEAD,HEAD^"], "at most one of"),
         (["--compare_xla_flags=--xla_a=1"], "given twice"),
         (["--compare_xla_flags=", "--compare_xla_flags="], "two different settings"),
+        (
+            ["--compare_xla_flags=", "--compare_xla_flags=--a", "--config_override=no_such=1"],
+            "side 'gpt_test': <root> (SpmdTrainer.Config) has no field 'no_such'",
+        ),
         (["--compare=HEAD,HEAD^", "--profile_dir=/tmp/p"], "trace or dump one run"),
         (["--compare_dirs=a,b", "--xla_dump_dir=/tmp/d"], "trace or dump one run"),
     ],
