@@ -56,6 +56,7 @@ from axlearn.common.optimizers import (
     ROUNDING_MODES,
     StochasticRoundingState,
     cast_optimizer_state,
+    is_state_tensor,
 )
 from axlearn.common.summary_writer import JSONL_FILE_NAME
 
@@ -73,7 +74,7 @@ def _state_label(optimizer_state: Any) -> str:
     rounds them so. Scalars (counters, schedules' steps) do not count."""
     fields_by_dtype: dict[str, set[str]] = {}
     for path, leaf in flatten_with_paths(optimizer_state):
-        if leaf.ndim > 0 and jnp.issubdtype(leaf.dtype, jnp.floating):
+        if is_state_tensor(leaf.shape, leaf.dtype):
             # The state field: the first name on the path that is not a wrapper's.
             names = [p for p in path.split("/") if not p.isdigit() and p != "inner_state"]
             fields_by_dtype.setdefault(jnp.dtype(leaf.dtype).name, set()).add(names[0])
@@ -145,10 +146,9 @@ def _print_side_by_side(title: str, curves: dict[str, dict[int, float]]) -> None
         print(f"{step:>6} | {a:>22.4f} | {b:>22.4f} | {b - a:+.4f}")
 
 
-def _mean_and_se(values: list[float]) -> tuple[float, float]:
-    """The mean of `values` and its standard error (NaN for one value)."""
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
-    return statistics.fmean(values), se
+def _mean_and_sd(values: list[float]) -> tuple[float, float]:
+    """The mean of `values` and their sample standard deviation (NaN for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
 
 
 def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[dict[str, Any]]:
@@ -181,9 +181,8 @@ def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[
         }
         stats = {}
         for label, runs_ in groups.items():
-            losses = [curve[step] for _, curve in runs_]
-            sd = statistics.stdev(losses) if len(losses) > 1 else math.nan
-            stats[label] = {"n": len(losses), "mean": statistics.fmean(losses), "sd": sd}
+            mean, sd = _mean_and_sd([curve[step] for _, curve in runs_])
+            stats[label] = {"n": len(runs_), "mean": mean, "sd": sd}
         ref = stats[reference]
         diffs = {}
         for label, s in stats.items():
@@ -191,12 +190,12 @@ def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[
                 continue
             seeds = sorted(set(by_seed[label]) & set(by_seed[reference]))
             paired = [by_seed[label][seed] - by_seed[reference][seed] for seed in seeds]
-            paired_diff, paired_se = _mean_and_se(paired) if paired else (math.nan, math.nan)
+            paired_diff, paired_sd = _mean_and_sd(paired) if paired else (math.nan, math.nan)
             diffs[label] = {
                 "diff": s["mean"] - ref["mean"],
                 "se": math.sqrt(s["sd"] ** 2 / s["n"] + ref["sd"] ** 2 / ref["n"]),
                 "paired_diff": paired_diff,
-                "paired_se": paired_se,
+                "paired_se": paired_sd / math.sqrt(len(seeds)) if seeds else math.nan,
                 "seeds": len(seeds),
             }
         rows.append({"step": step, "reference": reference, "groups": stats, "diffs": diffs})

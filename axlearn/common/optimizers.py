@@ -382,7 +382,7 @@ def skip_and_clip_by_global_norm(
     return PartitionedGradientTransformation(init, update, partition, learning_rate_at)
 
 
-def _is_state_tensor(shape: Sequence[int], dtype: Any) -> bool:
+def is_state_tensor(shape: Sequence[int], dtype: Any) -> bool:
     """Whether a state leaf is a floating-point tensor (moments, EMAs), not a scalar
     (step counts, skip counts) or an integer."""
     return len(shape) > 0 and jnp.issubdtype(dtype, jnp.floating)
@@ -390,7 +390,7 @@ def _is_state_tensor(shape: Sequence[int], dtype: Any) -> bool:
 
 def _state_tensor_paths(state: Nested) -> list[str]:
     """The '/'-joined path of each state tensor of `state` (as checkpoints name them)."""
-    return [path for path, x in flatten_with_paths(state) if _is_state_tensor(x.shape, x.dtype)]
+    return [path for path, x in flatten_with_paths(state) if is_state_tensor(x.shape, x.dtype)]
 
 
 def _map_state_tensors(
@@ -404,7 +404,7 @@ def _map_state_tensors(
     return treedef.unflatten(
         [
             fn(i, x)
-            if _is_state_tensor(x.shape, x.dtype) and (selected is None or selected.search(path))
+            if is_state_tensor(x.shape, x.dtype) and (selected is None or selected.search(path))
             else x
             for i, (path, x) in enumerate(zip(paths, leaves))
         ]
