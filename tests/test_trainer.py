@@ -4,6 +4,7 @@ Every trainer here is tiny (tests/trainer_script.py) and trains in float32 on CP
 run compiles and trains in a few seconds.
 """
 
+import dataclasses
 import functools
 import glob
 import json
@@ -368,17 +369,21 @@ def test_weight_take_sums_a_float32_weight_s_row_gradients_unrounded():
 
 
 def _bf16_trainer_config(trainer_dir, *, max_step, carry):
+    """carry: None, True (carried copies) or "split" (carried copies, split weights)."""
     cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=max_step)
     cfg.train_dtype = jnp.bfloat16
-    cfg.carry_train_dtype_weights = carry
+    cfg.carry_train_dtype_weights = None if carry is None else True
+    if carry == "split":
+        cfg.split_carried_weights = True
     return cfg
 
 
 @pytest.fixture(name="bf16_runs", scope="module")
 def fixture_bf16_runs(tmp_path_factory):
-    """Five bf16 steps with and without carried weight copies: {carry: (dir, trainer)}."""
+    """Five bf16 steps without carried weight copies, with them, and with the weights split:
+    {carry: (dir, trainer)}."""
     runs = {}
-    for carry in (None, True):
+    for carry in (None, True, "split"):
         trainer_dir = str(tmp_path_factory.mktemp(f"bf16_carry_{carry}"))
         trainer = _bf16_trainer_config(trainer_dir, max_step=5, carry=carry).instantiate(
             parent=None
@@ -480,6 +485,116 @@ def test_a_resumed_run_rebuilds_the_copies_it_does_not_checkpoint(bf16_runs, tmp
             _assert_copies_are_the_weights_cast(trainer.trainer_state)
         trainer.run()
     assert losses_by_step(trainer_dir) == losses_by_step(bf16_runs[True][0])
+
+
+def _nudge_ties(x: jax.Array) -> jax.Array:
+    """float32 `x` with each value halfway between two bf16 values moved up one float32 ulp,
+    where splitting and casting could round it differently."""
+    bits = np.asarray(x).view(np.uint32)
+    return jnp.asarray(np.where(bits & 0xFFFF == 0x8000, bits + 1, bits).view(np.float32))
+
+
+def test_a_step_on_split_weights_is_the_step_on_carried_copies_bit_for_bit():
+    # pylint: disable=protected-access
+    carried = _bf16_trainer_config(None, max_step=1, carry=True).instantiate(parent=None)
+    split = _bf16_trainer_config(None, max_step=1, carry="split").instantiate(parent=None)
+    carried._restore_or_init()
+    state = carried.trainer_state
+    params = jax.tree.map(_nudge_ties, state.model)
+    model, copies, low_bits = carried._carried_model(params)
+    assert low_bits is None
+    carried_state = dataclasses.replace(state, model=model, weight_copies=copies)
+    model, copies, low_bits = split._carried_model(params)
+    split_state = dataclasses.replace(
+        state, model=model, weight_copies=copies, weight_low_bits=low_bits
+    )
+    batch = carried.global_batch(next(iter(carried.input)))
+    with jax.set_mesh(carried.mesh):
+        want, want_summaries = jax.jit(carried._train_step)(carried_state, batch)
+        got, got_summaries = jax.jit(split._train_step)(split_state, batch)
+    assert float(got_summaries["loss"]) == float(want_summaries["loss"])
+    got_params = dict(flatten_with_paths(split._joined_params(got)))
+    for path, x in flatten_with_paths(want.model):
+        np.testing.assert_array_equal(np.asarray(got_params[path]), np.asarray(x))
+    # The new copies equal the new weights' casts except at the new weights' ties.
+    for path, copy in flatten_with_paths(got.weight_copies):
+        x = np.asarray(got_params[path])
+        tie = x.view(np.uint32) & 0xFFFF == 0x8000
+        np.testing.assert_array_equal(
+            np.asarray(copy)[~tie], np.asarray(x.astype(jnp.bfloat16))[~tie]
+        )
+
+
+def test_split_state_holds_each_weight_as_its_copy_and_low_bits(bf16_runs):
+    trainer = bf16_runs["split"][1]
+    state = trainer.trainer_state
+    params = dict(flatten_with_paths(trainer.model_params()))
+    copies = dict(flatten_with_paths(state.weight_copies))
+    lows = dict(flatten_with_paths(state.weight_low_bits))
+    kept = dict(flatten_with_paths(state.model))
+    assert copies.keys() == lows.keys() == {p for p in params if not p.endswith("scale")}
+    assert set(kept) == {p for p in params if p.endswith("scale")}  # No weight kept whole.
+    for path, copy in copies.items():
+        x = np.asarray(params[path])
+        assert copy.dtype == jnp.bfloat16 and lows[path].dtype == jnp.int16
+        # The copy is the weight's cast but at ties (tests/test_split_float.py has those).
+        tie = x.view(np.uint32) & 0xFFFF == 0x8000
+        np.testing.assert_array_equal(
+            np.asarray(copy)[~tie], np.asarray(x.astype(jnp.bfloat16))[~tie]
+        )
+
+
+def test_a_split_checkpoint_holds_float32_weights_any_trainer_restores(bf16_runs, tmp_path):
+    # pylint: disable=protected-access
+    trainer_dir = str(tmp_path)
+    split = _bf16_trainer_config(trainer_dir, max_step=3, carry="split").instantiate(parent=None)
+    assert set(split._state_template()) == {"prng_key", "model", "learner"}
+    split.run()
+    want = dict(flatten_with_paths(split.model_params()))
+    for carry in (None, True):
+        other = _bf16_trainer_config(trainer_dir, max_step=5, carry=carry).instantiate(parent=None)
+        other._restore_or_init()
+        assert other.step == 3
+        got = dict(flatten_with_paths(other.trainer_state.model))
+        assert got.keys() == want.keys()
+        for path, x in got.items():
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(want[path]))
+    # Resumed as split, the run goes on as the one that never stopped.
+    resumed = _bf16_trainer_config(trainer_dir, max_step=5, carry="split").instantiate(parent=None)
+    resumed.run()
+    assert losses_by_step(trainer_dir) == losses_by_step(bf16_runs["split"][0])
+    whole = bf16_runs["split"][1]
+    for a, b in zip(jax.tree.leaves(resumed.model_params()), jax.tree.leaves(whole.model_params())):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_parameter_norm_of_a_split_state_is_that_of_its_float32_weights(bf16_runs):
+    trainer = bf16_runs["split"][1]
+    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(trainer.model_params())]
+    want = math.sqrt(sum(float(np.sum(x * x)) for x in leaves))
+    np.testing.assert_allclose(float(trainer.parameter_norm()), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(carry_train_dtype_weights=None),
+        dict(train_dtype=jnp.float16),
+    ],
+)
+def test_splitting_weights_needs_carried_bfloat16_copies(fields):
+    cfg = _bf16_trainer_config(None, max_step=1, carry="split").set(**fields)
+    with pytest.raises(ConfigError, match="split_carried_weights needs carry_train_dtype_weights"):
+        cfg.instantiate(parent=None)
+
+
+def test_splitting_weights_other_than_float32_names_the_first():
+    cfg = _bf16_trainer_config(None, max_step=1, carry="split")
+    cfg.model.dtype = jnp.float16
+    with pytest.raises(
+        ConfigError, match="splits float32 weights only; model parameter decoder/emb/token_emb/"
+    ):
+        cfg.instantiate(parent=None)
 
 
 def _stochastic_bf16_state_learner():
@@ -636,6 +751,14 @@ def test_meshes_of_eight_and_four_devices_match_one_device(tmp_path):
     copy_specs = results["sharded_bf16_carried"]["copy_specs"]
     assert copy_specs and all(copy == param for copy, param in copy_specs)
     assert any("fsdp" in copy for copy, _ in copy_specs)
+    # Split weights on the same mesh: their halves sharded like the parameters, and the
+    # steps near those of the unsplit copies (a weight at a tie rounds the other way).
+    split = results["sharded_bf16_split"]
+    assert split["copy_specs"] == copy_specs
+    # (Which sends tiny bf16 runs apart by ~4e-4 in a few steps; a wrong join, by far more.)
+    np.testing.assert_allclose(
+        split["losses"], results["sharded_bf16_carried"]["losses"], rtol=5e-3
+    )
     # Two rows a device in microbatches of one: the same steps as the whole batch at once.
     microbatched = results["microbatched"]
     assert microbatched["num_microbatches"] == 2 and results["single"]["num_microbatches"] is None

@@ -144,6 +144,7 @@ def _mesh_main(out_dir: str) -> None:
         ("sharded", sharded, None, None),
         ("sharded_bf16", sharded, None, None),
         ("sharded_bf16_carried", sharded, None, True),
+        ("sharded_bf16_split", sharded, None, True),
         ("microbatched", dict(data=2, fsdp=2), jax.devices()[:4], None),
         ("data_fsdp_model", dict(data=2, fsdp=2, model=2), None, None),
     ):
@@ -151,14 +152,20 @@ def _mesh_main(out_dir: str) -> None:
         cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=4, mesh=mesh)
         if name.startswith("sharded_bf16"):
             cfg.set(train_dtype=jnp.bfloat16, carry_train_dtype_weights=carry)
+        if name == "sharded_bf16_split":
+            cfg.set(split_carried_weights=True)
         if name == "microbatched":
             cfg.set(per_device_microbatch_size=1)  # 2 rows a device: 2 microbatches.
         trainer = cfg.instantiate(parent=None, devices=devices)
         trainer.run()
         losses = losses_by_step(trainer_dir)
         state = trainer.trainer_state
-        params, treedef = jax.tree_util.tree_flatten(state.model)
+        params, treedef = jax.tree_util.tree_flatten(trainer.model_params())
         copies = treedef.flatten_up_to(state.weight_copies) if carry else [None] * len(params)
+        if state.weight_low_bits is not None:  # Each low half must be sharded like its copy.
+            for copy, low in zip(copies, treedef.flatten_up_to(state.weight_low_bits)):
+                assert (copy is None) == (low is None)
+                assert copy is None or copy.sharding.spec == low.sharding.spec
         results[name] = dict(
             mesh={k: int(v) for k, v in trainer.mesh.shape.items()},
             num_microbatches=trainer.num_microbatches(BATCH),

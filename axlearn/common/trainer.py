@@ -43,6 +43,7 @@ from axlearn.common.sharding import (
     indivisible_dim,
     named_sharding,
 )
+from axlearn.common.split_float import join_float32, split_float32
 from axlearn.common.summary import WeightedScalar, scalar_value
 from axlearn.common.summary_writer import SummaryWriter
 
@@ -88,12 +89,18 @@ class TrainerState:
     learner: Any
     # train_dtype copies of the model's weights, None in place of the other parameters
     # (SpmdTrainer.Config.carry_train_dtype_weights); None: not carried. Derived from
-    # `model`, so not checkpointed.
+    # the weights, so not checkpointed.
     weight_copies: Any = None
+    # With SpmdTrainer.Config.split_carried_weights, each weight is kept as its copy and
+    # these int16 low bits (`split_float.join_float32`), and `model` holds None in its
+    # place; None: not split. `SpmdTrainer.model_params` joins them.
+    weight_low_bits: Any = None
 
 
 jax.tree_util.register_dataclass(
-    TrainerState, data_fields=["prng_key", "model", "learner", "weight_copies"], meta_fields=[]
+    TrainerState,
+    data_fields=["prng_key", "model", "learner", "weight_copies", "weight_low_bits"],
+    meta_fields=[],
 )
 
 
@@ -128,6 +135,14 @@ class SpmdTrainer(Module):
         # again. Costs train_dtype's bytes per weight of memory; needs train_dtype. None:
         # no copies (and the field stays out of golden files).
         carry_train_dtype_weights: Optional[bool] = None
+        # Carry each such weight as its bfloat16 copy and the 16 bits below it instead of
+        # as float32 beside the copy (`split_float`): the same float32 weights in 4 bytes
+        # instead of 6, and 2 fewer bytes a weight for the update to write. The copies round
+        # halfway cases away from zero (one float32 in 2**17 differs from a cast). For
+        # gpt_1b on one H100: 2.0 GiB less, the step no faster; on two GPUs (FSDP) 1.1%
+        # slower (docs/benchmarks.md). Needs carry_train_dtype_weights, train_dtype
+        # bfloat16 and float32 weights. None: not split.
+        split_carried_weights: Optional[bool] = None
         # Batch rows each device computes gradients for at once. A device's share of a
         # larger global batch is run as microbatches of this size, with the gradients
         # accumulated (the step equals the full-batch step; Learner.compute_gradients).
@@ -161,6 +176,14 @@ class SpmdTrainer(Module):
             )
         if cfg.carry_train_dtype_weights and cfg.train_dtype is None:
             raise ConfigError(f"{self.path()}.carry_train_dtype_weights needs a train_dtype")
+        if cfg.split_carried_weights and not (
+            cfg.carry_train_dtype_weights and cfg.train_dtype == jnp.bfloat16
+        ):
+            raise ConfigError(
+                f"{self.path()}.split_carried_weights needs carry_train_dtype_weights and "
+                f"train_dtype bfloat16 (got {cfg.carry_train_dtype_weights!r} and "
+                f"{cfg.train_dtype!r})"
+            )
         microbatch = cfg.per_device_microbatch_size
         if microbatch is not None:
             if not isinstance(microbatch, int) or microbatch < 1:
@@ -194,6 +217,7 @@ class SpmdTrainer(Module):
             )
         self._model_param_specs = self.model.create_parameter_specs_recursively()
         self._check_parameters_split_evenly()
+        self._check_split_weights_are_float32()
         self._evalers = {}
         for name, evaler_cfg in cfg.evalers.items():
             # Evaluation batches are split over the same mesh axes as training batches.
@@ -216,6 +240,7 @@ class SpmdTrainer(Module):
         self._state: Optional[TrainerState] = None
         self._jit_train_step = None
         self._jit_parameter_norm = None
+        self._jit_model_params = None
 
     # ----- properties -----
 
@@ -229,6 +254,8 @@ class SpmdTrainer(Module):
 
     @property
     def trainer_state(self) -> Optional[TrainerState]:
+        """The state as the step carries it; its `model` lacks the weights that
+        `split_carried_weights` splits (`model_params` has them all)."""
         return self._state
 
     @property
@@ -251,6 +278,16 @@ class SpmdTrainer(Module):
                     "divide the model's dimensions (docs/mesh_rules.md)."
                 )
 
+    def _check_split_weights_are_float32(self) -> None:
+        if not self._config.split_carried_weights:
+            return
+        for path, spec in flatten_with_paths(self._model_param_specs, is_leaf=is_parameter_spec):
+            if self._has_weight_copy(spec) and spec.dtype != jnp.float32:
+                raise ConfigError(
+                    f"{self.path()}.split_carried_weights splits float32 weights only; model "
+                    f"parameter {path} is {jnp.dtype(spec.dtype).name}"
+                )
+
     def _param_shardings(self, specs: Any) -> Any:
         def to_sharding(spec):
             if isinstance(spec, ParameterSpec):
@@ -263,14 +300,21 @@ class SpmdTrainer(Module):
             to_sharding, specs, is_leaf=lambda x: isinstance(x, (ParameterSpec, PartitionSpec))
         )
 
-    def _state_shardings(self) -> TrainerState:
+    def _checkpointed_shardings(self) -> TrainerState:
+        """The shardings of the state as checkpoints hold it: float32 parameters, no copies."""
         learner_specs = self.learner.create_state_partition_specs(self._model_param_specs)
-        model = self._param_shardings(self._model_param_specs)
         return TrainerState(
             prng_key=NamedSharding(self._mesh, PartitionSpec()),
-            model=model,
+            model=self._param_shardings(self._model_param_specs),
             learner=self._param_shardings(learner_specs),
-            weight_copies=self._copied_weights(model),
+        )
+
+    def _state_shardings(self) -> TrainerState:
+        """The shardings of the state as the train step carries it (`_carried_model`)."""
+        state = self._checkpointed_shardings()
+        model, copies, low_bits = self._carried_model(state.model, cast=False)
+        return dataclasses.replace(
+            state, model=model, weight_copies=copies, weight_low_bits=low_bits
         )
 
     def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -311,19 +355,55 @@ class SpmdTrainer(Module):
         train_dtype."""
         return jax.tree.map(lambda p: p.astype(self._config.train_dtype), weights)
 
-    def _weight_copies(self, params: Any) -> Any:
-        """The carried train_dtype copies of `params` (TrainerState.weight_copies)."""
-        return self._train_dtype_copies(self._copied_weights(params))
+    def _carried_model(self, params: Any, *, cast: bool = True) -> tuple[Any, Any, Any]:
+        """(model, weight_copies, weight_low_bits) of TrainerState for float32 `params`.
+
+        Without carried copies: (params, None, None). With them: (params, the weights'
+        train_dtype copies, None). With split weights: (params less the weights, their
+        `split_float32` high halves, their low halves). `cast=False` maps a tree shaped
+        like the parameters (their shardings) to the same places without converting.
+        """
+        weights = self._copied_weights(params)
+        if weights is None:
+            return params, None, None
+        if not self._config.split_carried_weights:
+            return params, self._train_dtype_copies(weights) if cast else weights, None
+        kept = jax.tree.map(
+            lambda spec, x: None if self._has_weight_copy(spec) else x,
+            self._model_param_specs,
+            params,
+            is_leaf=is_parameter_spec,
+        )
+        if not cast:
+            return kept, weights, weights
+        high = jax.tree.map(lambda w: split_float32(w)[0], weights)
+        low = jax.tree.map(lambda w: split_float32(w)[1], weights)
+        return kept, high, low
+
+    def _joined_params(self, state: TrainerState) -> Any:
+        """The float32 model parameters of `state`: its split weights joined again."""
+        if state.weight_low_bits is None:
+            return state.model
+        return jax.tree.map(
+            lambda spec, x, high, low: x if low is None else join_float32(high, low),
+            self._model_param_specs,
+            state.model,
+            state.weight_copies,
+            state.weight_low_bits,
+            is_leaf=is_parameter_spec,
+        )
 
     def _init_fn(self, prng_key: jax.Array) -> TrainerState:
         init_key, train_key = jax.random.split(prng_key)
         params = self.model.initialize_parameters_recursively(init_key)
         learner_state = self.learner.init(params, param_specs=self._model_param_specs)
+        model, copies, low_bits = self._carried_model(params)
         return TrainerState(
             prng_key=train_key,
-            model=params,
+            model=model,
             learner=learner_state,
-            weight_copies=self._weight_copies(params),
+            weight_copies=copies,
+            weight_low_bits=low_bits,
         )
 
     def init_state(self, prng_key: jax.Array) -> TrainerState:
@@ -331,26 +411,51 @@ class SpmdTrainer(Module):
         with jax.set_mesh(self._mesh):
             return jax.jit(self._init_fn, out_shardings=self._state_shardings())(prng_key)
 
+    def _checkpointed(self, state: TrainerState) -> TrainerState:
+        """`state` as checkpoints hold it: float32 parameters, no copies."""
+        return TrainerState(
+            prng_key=state.prng_key, model=self._joined_params(state), learner=state.learner
+        )
+
     def _state_template(self) -> dict[str, Any]:
         """Shapes, dtypes and shardings of the checkpointed state, for restoring without
         allocating."""
-        shapes = jax.eval_shape(self._init_fn, jax.random.PRNGKey(0))
+        shapes = jax.eval_shape(
+            lambda key: self._checkpointed(self._init_fn(key)), jax.random.PRNGKey(0)
+        )
         return _to_state_dict(
             jax.tree.map(
                 lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                 shapes,
-                self._state_shardings(),
+                self._checkpointed_shardings(),
             )
         )
 
-    def _with_weight_copies(self, state: TrainerState) -> TrainerState:
-        """`state` with the weight copies its parameters call for (after a restore)."""
+    def _carried(self, state: TrainerState) -> TrainerState:
+        """A restored (checkpointed) `state` as the train step carries it."""
         if not self._config.carry_train_dtype_weights:
             return state
-        shardings = self._state_shardings().weight_copies
+        carried = self._state_shardings()
+        shardings = (carried.model, carried.weight_copies, carried.weight_low_bits)
         with jax.set_mesh(self._mesh):
-            copies = jax.jit(self._weight_copies, out_shardings=shardings)(state.model)
-        return dataclasses.replace(state, weight_copies=copies)
+            model, copies, low_bits = jax.jit(self._carried_model, out_shardings=shardings)(
+                state.model
+            )
+        return dataclasses.replace(
+            state, model=model, weight_copies=copies, weight_low_bits=low_bits
+        )
+
+    def model_params(self) -> Any:
+        """The float32 model parameters of the current state (device arrays): the state's
+        own, with any split weights joined."""
+        if self._state.weight_low_bits is None:
+            return self._state.model
+        if self._jit_model_params is None:
+            self._jit_model_params = jax.jit(
+                self._joined_params, out_shardings=self._checkpointed_shardings().model
+            )
+        with jax.set_mesh(self._mesh):
+            return self._jit_model_params(self._state)
 
     def _restore_or_init(self) -> None:
         cfg = self._config
@@ -358,7 +463,7 @@ class SpmdTrainer(Module):
         if "checkpointer" in self.children:
             step, restored, extra = self.checkpointer.restore(state=self._state_template())
             if step is not None:
-                self._state = self._with_weight_copies(_from_state_dict(restored))
+                self._state = self._carried(_from_state_dict(restored))
                 self._step = step
                 if cfg.save_input_iterator and extra and "input_iterator" in extra:
                     self.input.set_state(extra["input_iterator"])
@@ -447,19 +552,24 @@ class SpmdTrainer(Module):
             weight_copies=state.weight_copies,
             float32_weight_grads=self._uses_float32_weight_grads(num_microbatches),
         )
+        # Split weights are joined here and split again below; XLA fuses both into the
+        # update (one H100: its fusions read and write the halves, no float32 weights).
+        params = self._joined_params(state)
         loss, aux, grads = self.learner.compute_gradients(
-            loss_fn, state.model, input_batch, step_key, num_microbatches=num_microbatches
+            loss_fn, params, input_batch, step_key, num_microbatches=num_microbatches
         )
         with jax.named_scope("learner"):
             new_params, new_learner_state, learner_summaries = self.learner.update(
-                state.model, grads, state.learner, param_specs=self._model_param_specs
+                params, grads, state.learner, param_specs=self._model_param_specs
             )
         summaries = dict(loss=loss, learner=learner_summaries, model=aux["summaries"])
+        model, copies, low_bits = self._carried_model(new_params)
         new_state = TrainerState(
             prng_key=prng_key,
-            model=new_params,
+            model=model,
             learner=new_learner_state,
-            weight_copies=self._weight_copies(new_params),
+            weight_copies=copies,
+            weight_low_bits=low_bits,
         )
         return new_state, summaries
 
@@ -490,9 +600,11 @@ class SpmdTrainer(Module):
         every step.
         """
         if self._jit_parameter_norm is None:
-            self._jit_parameter_norm = jax.jit(global_norm)
+            self._jit_parameter_norm = jax.jit(
+                lambda state: global_norm(self._joined_params(state))
+            )
         with jax.set_mesh(self._mesh):
-            return self._jit_parameter_norm(self._state.model)
+            return self._jit_parameter_norm(self._state)
 
     # ----- the loop -----
 
@@ -663,7 +775,7 @@ class SpmdTrainer(Module):
         for name, evaler in self._evalers.items():
             with jax.set_mesh(self._mesh):
                 results = evaler.eval_step(
-                    step, prng_key=jax.random.PRNGKey(step), model_params=self._state.model
+                    step, prng_key=jax.random.PRNGKey(step), model_params=self.model_params()
                 )
             if results:
                 # The evaler logs every metric; this line keeps the headline ones readable.
@@ -675,7 +787,8 @@ class SpmdTrainer(Module):
         extra = {}
         if self._config.save_input_iterator:
             extra["input_iterator"] = self._input_state
-        self.checkpointer.save(step, _to_state_dict(self._state), extra=extra)
+        state = dataclasses.replace(self._state, model=self.model_params())
+        self.checkpointer.save(step, _to_state_dict(state), extra=extra)
 
 
 def select_mesh_rule(mesh_rules: Optional[Sequence[tuple[str, Any]]], mesh_selector: str) -> Any:
