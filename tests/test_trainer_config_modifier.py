@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from axlearn.common.attention import StackedTransformerLayer, build_remat_spec
+from axlearn.common.base_layer import flatten_with_paths, is_parameter_spec
 from axlearn.common.config import ConfigError
 from axlearn.common.trainer import select_mesh_rule
 from axlearn.common.trainer_config_modifier import (
@@ -224,6 +225,29 @@ def test_trainer_fields_modifier_names_a_field_the_trainer_lacks():
     modifier = TrainerFieldsModifier.default_config().set(fields={"carry_weights": True})
     with pytest.raises(ConfigError, match="no 'carry_weights'"):
         _apply(modifier, _config())
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,rows",
+    [
+        (None, True),  # All GPUs on fsdp: linear2 split along its hidden (first) dim.
+        (common.mesh_shape_from_axes(data=-1), True),
+        (common.mesh_shape_from_axes(fsdp=-1, model=2), False),  # Hidden keeps 'model'.
+    ],
+)
+def test_single_host_gpu_rule_splits_linear2_by_rows_without_tensor_parallelism(
+    mesh_shape, rows
+):
+    cfg = apply_mesh_rule(_config(), common.single_host_gpu_rule(None, mesh_shape=mesh_shape))
+    linear2 = cfg.model.decoder.transformer.layer.feed_forward.linear2
+    before = _config().model.decoder.transformer.layer.feed_forward.linear2.param_partition_spec
+    assert before == ("model", common.FSDP_AXIS_NAMES)
+    want = (common.FSDP_AXIS_NAMES, "model") if rows else before
+    assert tuple(linear2.param_partition_spec) == want
+    # The parameter follows (its last two dims: the tiny model stacks its layers first).
+    specs = dict(flatten_with_paths(_param_specs(cfg), is_leaf=is_parameter_spec))
+    linear2_weights = [s for p, s in specs.items() if p.endswith("feed_forward/linear2/weight")]
+    assert linear2_weights and all(tuple(s.mesh_axes)[-2:] == want for s in linear2_weights)
 
 
 @pytest.mark.parametrize("carry", [False, True])

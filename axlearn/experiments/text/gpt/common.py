@@ -61,6 +61,7 @@ from axlearn.common.trainer_config_modifier import (
     ChainConfigModifier,
     MeshShapeModifier,
     ModuleConfigModifier,
+    PartitionSpecModifier,
     RematSpecModifier,
     TrainerFieldsModifier,
 )
@@ -577,6 +578,14 @@ def single_host_gpu_rule(
     step. With unrolled layers the step held all the casts at once anyway: gpt_1b's peak
     memory stayed the same and it gained 0.5-0.7% on two H100s (docs/benchmarks.md).
 
+    On a mesh whose 'model' axis is 1 (any without `mesh_shape`), linear2's weight
+    [hidden, model_dim] is split over the FSDP axes along hidden instead of model_dim. On
+    GPUs its gradient's reduce-scatter then splits the major dim: along model_dim, XLA
+    computes the gradient transposed, and the update copies the weight and the
+    optimizer's two EMAs back each step (48 copies for gpt_1b). gpt_1b on two GPUs: +1.5%;
+    on four: no change (docs/benchmarks.md). With no tensor parallelism, hidden's 'model'
+    split has nothing to keep.
+
     `per_device_microbatch_size`: the rows a GPU computes at once
     (SpmdTrainer.Config.per_device_microbatch_size); a cluster-sized global batch is
     accumulated over microbatches of this size. None: the whole share at once.
@@ -599,6 +608,16 @@ def single_host_gpu_rule(
             remat_policies={"model.decoder.transformer.layer": remat_spec}
         )
     )
+    if mesh_shape[MESH_AXIS_NAMES.index("model")] == 1:
+        modifiers.append(
+            PartitionSpecModifier.default_config().set(
+                partition_specs={
+                    "model.decoder.transformer.layer.feed_forward.linear2": {
+                        "param_partition_spec": (FSDP_AXIS_NAMES, "model")
+                    }
+                }
+            )
+        )
     trainer_fields = {}
     if carry_train_dtype_weights:
         trainer_fields["carry_train_dtype_weights"] = True
