@@ -20,7 +20,8 @@ means and its standard error, and the same difference matched by seed.
     # gpt_1b on one H100, on the built-in corpus (real text; the reference corpora need not
     # be at hand): 700 steps of a whole short schedule (warm-up 100, cosine to step 700), the
     # validation split evaluated every 100 steps (docs/benchmarks.md, the twenty-second
-    # round). Vary --config_override=seed=N and alternate --cast_first across calls;
+    # round). Vary --config_override=seed=N and alternate --cast_first across calls
+    # (--cast_only trains the cast run alone, against float32 runs already on file);
     # --state_dtype=float32 gives a control pair that differs only by the GPU's sums:
     PYTHONPATH=. python benchmarks/optimizer_state_check.py --config=gpt_1b \
         --mesh_selector=gpu-h100-1 --data_dir=BUILTIN --trainer_dir=/tmp/osc \
@@ -139,11 +140,14 @@ def _window_means(losses: dict[int, float], window: int) -> dict[int, float]:
 
 
 def _print_side_by_side(title: str, curves: dict[str, dict[int, float]]) -> None:
-    (base, base_losses), (other, other_losses) = curves.items()
-    print(f"{title}\n{'step':>6} | {base:>22} | {other:>22} | diff")
-    for step in sorted(set(base_losses) & set(other_losses)):
-        a, b = base_losses[step], other_losses[step]
-        print(f"{step:>6} | {a:>22.4f} | {b:>22.4f} | {b - a:+.4f}")
+    """One column a run (one or two), and with two the second's difference from the first."""
+    names, losses = list(curves), list(curves.values())
+    diff = " | diff" if len(curves) == 2 else ""
+    print(f"{title}\n{'step':>6} | " + " | ".join(f"{n:>22}" for n in names) + diff)
+    for step in sorted(set.intersection(*map(set, losses))):
+        values = [curve[step] for curve in losses]
+        line = f"{step:>6} | " + " | ".join(f"{v:>22.4f}" for v in values)
+        print(line + (f" | {values[1] - values[0]:+.4f}" if diff else ""))
 
 
 def _mean_and_sd(values: list[float]) -> tuple[float, float]:
@@ -285,6 +289,11 @@ def main() -> None:
         help="Train the cast run first (alternate it across calls to cancel the order).",
     )
     parser.add_argument(
+        "--cast_only", action="store_true",
+        help="Train the cast run alone, in half the time; --summarize compares it with the "
+        "float32 runs of other files (the reference need not be retrained beside every run).",
+    )
+    parser.add_argument(
         "--window", type=int, default=0,
         help="Print the training loss as means over windows of this many steps (0: every "
         "logged step); log every step (summary_writer.write_every_n_steps=1) to average them all.",
@@ -303,6 +312,8 @@ def main() -> None:
         parser.error("--trainer_dir is required to train")
     if args.rounding == "stochastic" and args.state_dtype != "bfloat16":
         parser.error("--rounding=stochastic rounds to bfloat16 only: give --state_dtype=bfloat16")
+    if args.cast_only and args.cast_first:
+        parser.error("--cast_only trains one run: --cast_first has nothing to order")
     launch.setup()
 
     # --state_dtype=float32 wraps the second run in a cast that changes nothing: the two runs
@@ -310,6 +321,8 @@ def main() -> None:
     stochastic = "stochastic_" if args.rounding == "stochastic" else ""
     cast_name = f"{args.state_dtype}_{stochastic}state"
     runs = {"as_configured": None, cast_name: jnp.dtype(args.state_dtype)}
+    if args.cast_only:
+        del runs["as_configured"]
     trained = {}
     for name in reversed(runs) if args.cast_first else runs:
         trained[name] = _train(args, os.path.join(args.trainer_dir, name), runs[name])

@@ -123,6 +123,16 @@ def _tool(*flags) -> str:
     ).stdout
 
 
+def test_cast_only_with_cast_first_is_refused():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/optimizer_state_check.py", "--trainer_dir=/nonexistent",
+         "--cast_only", "--cast_first"],
+        cwd=REPO, env=fresh_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 2
+    assert "--cast_only trains one run: --cast_first has nothing to order" in result.stderr
+
+
 def test_a_float32_cast_changes_nothing_and_bfloat16_changes_the_losses(tmp_path):
     # On the CPU the sums are deterministic: the float32 control must equal the run as
     # configured to the bit, at every training step and every evaluation, which fails if
@@ -145,9 +155,16 @@ def test_a_float32_cast_changes_nothing_and_bfloat16_changes_the_losses(tmp_path
     assert rounded["as_configured"]["train"] != control["as_configured"]["train"]  # Seed 3.
     assert rounded["as_configured"]["train"] != rounded["bfloat16_state"]["train"]
 
-    # Both files together: three float32 runs and one bfloat16 run.
-    summary = _tool("--summarize", str(control_file), str(rounded_file))
-    assert "float32 (n=3)" in summary and "bfloat16 (n=1)" in summary
+    # --cast_only trains the bfloat16 run alone: the same run (the CPU's sums are
+    # deterministic), recorded alone.
+    alone_file = _run(tmp_path / "alone", "--cast_only", "--config_override=seed=3")
+    alone = json.loads(alone_file.read_text())
+    assert list(alone) == ["bfloat16_state"]
+    assert alone["bfloat16_state"]["losses"] == rounded["bfloat16_state"]
+
+    # The files together: three float32 runs and two bfloat16 runs.
+    summary = _tool("--summarize", str(control_file), str(rounded_file), str(alone_file))
+    assert "float32 (n=3)" in summary and "bfloat16 (n=2)" in summary
     last = summary.strip().splitlines()[-1].split("|")
     assert last[0].strip() == "6"
     bf16_at_6 = rounded["bfloat16_state"]["validation"]["6"]
