@@ -140,7 +140,8 @@ class SpmdTrainer(Module):
         # instead of 6, and 2 fewer bytes a weight for the update to write. The copies round
         # halfway cases away from zero (one float32 in 2**17 differs from a cast). For
         # gpt_1b on one H100: 2.0 GiB less, the step no faster; on two GPUs (FSDP) 1.1%
-        # slower (docs/benchmarks.md). Needs carry_train_dtype_weights, train_dtype
+        # slower (docs/benchmarks.md). Evaluation and checkpoints join the halves into
+        # float32 arrays while they run. Needs carry_train_dtype_weights, train_dtype
         # bfloat16 and float32 weights. None: not split.
         split_carried_weights: Optional[bool] = None
         # Batch rows each device computes gradients for at once. A device's share of a
