@@ -254,6 +254,7 @@ def test_eval_step_runs_only_when_the_policy_says_so():
         if evaler.eval_step(step, prng_key=jax.random.PRNGKey(0), model_params=params) is not None
     ]
     assert ran == [4, 8, 10]
+    assert [step for step in range(12) if evaler.due(step)] == ran
     assert evaler.input.num_passes == 3  # The input is only read when evaluating.
 
 

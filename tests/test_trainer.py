@@ -568,6 +568,29 @@ def test_a_split_checkpoint_holds_float32_weights_any_trainer_restores(bf16_runs
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_split_weights_are_joined_only_at_steps_that_evaluate_or_save(tmp_path, monkeypatch):
+    # The loop asks for the evalers every step; joining the weights there would write every
+    # weight as float32 each step.
+    cfg = _bf16_trainer_config(str(tmp_path), max_step=6, carry="split")
+    eval_input = cfg.input.clone(is_training=False)
+    cfg.evalers = {
+        name: common.evaler_config(input_cfg=eval_input, every_n_steps=3, max_step=6)
+        for name in ("first", "second")
+    }
+    trainer = cfg.instantiate(parent=None)
+    joined, joined_at = trainer.model_params, []
+
+    def counted_model_params():
+        joined_at.append(trainer.step)
+        return joined()
+
+    monkeypatch.setattr(trainer, "model_params", counted_model_params)
+    trainer.run()
+    # Steps 3 and 6 evaluate (both evalers from one join), and step 6 saves.
+    assert joined_at == [3, 6, 6]
+    assert _committed_steps(tmp_path) == [6]
+
+
 def test_parameter_norm_of_a_split_state_is_that_of_its_float32_weights(bf16_runs):
     trainer = bf16_runs["split"][1]
     leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(trainer.model_params())]

@@ -269,11 +269,15 @@ class SpmdEvaler(Module):
 
     # ----- evaluation -----
 
+    def due(self, step: int) -> bool:
+        """Whether the eval policy evaluates at `step`."""
+        return bool(self._policy(step))
+
     def eval_step(
         self, step: int, *, prng_key: Tensor, model_params: Any
     ) -> Optional[dict[str, Any]]:
         """Evaluates at `step` if the policy says so; returns the flat summaries or None."""
-        if not self._policy(step):
+        if not self.due(step):
             return None
         start = time.time()
         params = self._cast_params(model_params)

@@ -773,10 +773,16 @@ class SpmdTrainer(Module):
         return flat
 
     def _run_evalers(self, step: int) -> None:
-        for name, evaler in self._evalers.items():
+        due = {name: evaler for name, evaler in self._evalers.items() if evaler.due(step)}
+        if not due:
+            return
+        # Once for all evalers, and only at steps that evaluate: with split weights this
+        # joins every weight into a new float32 array.
+        model_params = self.model_params()
+        for name, evaler in due.items():
             with jax.set_mesh(self._mesh):
                 results = evaler.eval_step(
-                    step, prng_key=jax.random.PRNGKey(step), model_params=self.model_params()
+                    step, prng_key=jax.random.PRNGKey(step), model_params=model_params
                 )
             if results:
                 # The evaler logs every metric; this line keeps the headline ones readable.
