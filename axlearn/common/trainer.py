@@ -674,10 +674,17 @@ class SpmdTrainer(Module):
                     if must_log:
                         log.info(perf.progress_line(step, cfg.max_step, host))
                     last = host
-                self._run_evalers(step)
-                if saving:
-                    self._save(step)
-                    saved_step = step
+                due = self._due_evalers(step)
+                if due or saving:
+                    # One join serves the evalers and the checkpoint alike: with split
+                    # weights it writes every weight as a new float32 array, so it happens
+                    # only at these steps and is dropped right after.
+                    model_params = self.model_params()
+                    self._run_evalers(step, due, model_params)
+                    if saving:
+                        self._save(step, model_params)
+                        saved_step = step
+                    del model_params
             if pending is not None:
                 self._check_finite(*pending)
         finally:
@@ -772,13 +779,12 @@ class SpmdTrainer(Module):
                 flat[path] = array.item()
         return flat
 
-    def _run_evalers(self, step: int) -> None:
-        due = {name: evaler for name, evaler in self._evalers.items() if evaler.due(step)}
-        if not due:
-            return
-        # Once for all evalers, and only at steps that evaluate: with split weights this
-        # joins every weight into a new float32 array.
-        model_params = self.model_params()
+    def _due_evalers(self, step: int) -> dict[str, SpmdEvaler]:
+        """The evalers that evaluate at `step`, by name."""
+        return {name: evaler for name, evaler in self._evalers.items() if evaler.due(step)}
+
+    def _run_evalers(self, step: int, due: dict[str, SpmdEvaler], model_params: Any) -> None:
+        """Runs the `due` evalers on `model_params` (the float32 parameters) at `step`."""
         for name, evaler in due.items():
             with jax.set_mesh(self._mesh):
                 results = evaler.eval_step(
@@ -789,12 +795,13 @@ class SpmdTrainer(Module):
                 headline = {k: v for k, v in results.items() if k in perf.EVAL_HEADLINE_METRICS}
                 log.info("eval %s step %d: %s", name, step, perf.format_metrics(headline))
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int, model_params: Any) -> None:
+        """Saves the state at `step` with `model_params` (the float32 parameters)."""
         log.info("Saving checkpoint step %d in %s", step, self.checkpointer.directory)
         extra = {}
         if self._config.save_input_iterator:
             extra["input_iterator"] = self._input_state
-        state = dataclasses.replace(self._state, model=self.model_params())
+        state = dataclasses.replace(self._state, model=model_params)
         self.checkpointer.save(step, _to_state_dict(state), extra=extra)
 
 
