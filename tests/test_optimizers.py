@@ -15,6 +15,8 @@ from axlearn.common import schedule
 from axlearn.common.base_layer import ParameterSpec
 from axlearn.common.config import ConfigError, config_for_function
 from axlearn.common.param_init import FanAxes
+from axlearn.common.split_float import FLOAT24, Float24, float24_to_float32, round_to_float24
+from tests.test_split_float import _nearest_ties_away
 
 RNG_SEED = 0
 
@@ -126,6 +128,11 @@ def adastar_reference(params, grads_seq, *, lr, b1, b1_debias, b2, b2_debias, ep
     return params
 
 
+def _numpy_float24(x) -> np.ndarray:
+    """x (float64) as float32 rounded to its top 24 bits, ties away from zero, in float64."""
+    return _nearest_ties_away(np.asarray(x, np.float32), kept_bits=24)
+
+
 def adastar_case(b1, b3, threshold, transformation, *, state_dtype=None, state_paths=None):
     rng = np.random.default_rng(RNG_SEED)
     params = random_tree(rng, SHAPES)
@@ -162,6 +169,8 @@ def adastar_case(b1, b3, threshold, transformation, *, state_dtype=None, state_p
     carried_keys = [k for k, field in keys.items() if re.search(state_paths or "", field)]
     if state_dtype is None:
         expected = reference()
+    elif isinstance(state_dtype, str) and state_dtype == FLOAT24:
+        expected = reference(carried=_numpy_float24, carried_keys=carried_keys)
     else:
         expected = reference(
             carried=lambda x: np.asarray(x, state_dtype).astype(np.float64),
@@ -229,6 +238,29 @@ def test_adastar_with_bf16_state_matches_numpy_rounding_its_emas_each_step(b1):
     assert max(np.max(np.abs(got[k] - unrounded[k])) for k in SHAPES) > 1e-4
 
 
+def test_adastar_with_float24_state_matches_numpy_rounding_its_emas_to_24_bits():
+    got, state, reference = adastar_case(
+        b1=0.9, b3=0.95, threshold=1.0, transformation=mup_transformation(), state_dtype=FLOAT24
+    )
+    adastar = state[0]
+    for field in ("gradient_ema", "gradient_square_ema", "update_ema"):
+        kept = jax.tree.leaves(getattr(adastar, field), is_leaf=lambda x: isinstance(x, Float24))
+        assert kept and all(isinstance(x, Float24) for x in kept)
+        assert {(x.high.dtype, x.low.dtype) for x in kept} == {(jnp.dtype(jnp.uint16), jnp.dtype(jnp.uint8))}
+    assert adastar.count.dtype == jnp.int32
+    # In the float64 reference, rounding the EMAs to 24 bits moves the parameters ~2**8
+    # times less than rounding them to bfloat16 does: the result stays within the float32
+    # tolerance of the unrounded reference, where bfloat16 state's does not (test above).
+    unrounded = reference()
+    bf16 = reference(carried=lambda x: np.asarray(x, jnp.bfloat16).astype(np.float64))
+    f24 = reference(carried=_numpy_float24)
+    f24_moved = max(np.max(np.abs(f24[k] - unrounded[k])) for k in SHAPES)
+    bf16_moved = max(np.max(np.abs(bf16[k] - unrounded[k])) for k in SHAPES)
+    assert 0 < 50 * f24_moved < bf16_moved
+    for k in SHAPES:
+        np.testing.assert_allclose(got[k], unrounded[k], atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("state_paths", ["update_ema", "gradient_square_ema"])
 def test_adastar_with_one_ema_in_bf16_matches_numpy_rounding_that_ema_alone(state_paths):
     got, state, reference = adastar_case(
@@ -285,6 +317,10 @@ def test_cast_optimizer_state_keeps_scalars_and_rejects_an_integer_dtype():
     assert float(transformation.learning_rate_at(state)) == pytest.approx(0.1)
     with pytest.raises(ConfigError, match="cast_optimizer_state: dtype must be a floating"):
         opt.cast_optimizer_state(skip_clip_adamw(), dtype=jnp.int32)
+    with pytest.raises(ConfigError, match="or 'float24', got 'float42'"):
+        opt.cast_optimizer_state(skip_clip_adamw(), dtype="float42")
+    with pytest.raises(ConfigError, match="stochastic rounding is to bfloat16 only, got 'float24'"):
+        opt.cast_optimizer_state(skip_clip_adamw(), dtype=FLOAT24, rounding="stochastic")
 
 
 def _numpy_stochastic_round(x, salt):
@@ -348,6 +384,23 @@ def test_a_bfloat16_ema_stalls_under_rounding_to_nearest_but_not_stochastic_roun
     exact = target + (1.0 - target) * decay**steps
     assert float(nearest.astype(jnp.float32).mean()) == 1.0
     assert abs(float(stochastic.astype(jnp.float32).mean()) - exact) < 5e-4
+
+
+def test_a_float24_ema_follows_the_float32_one_where_bfloat16_stalls():
+    # The stalling EMA above, kept in 24 bits and rounded to nearest: its first steps of
+    # 0.15% are ~50 units of its last place, so it moves. It stops only where a step
+    # (5% of the distance left) falls under half a unit, 2**-16 at 1.0: 20 half-units,
+    # 0.03%, from the target, a band 2**8 times narrower than bfloat16's.
+    target, decay, steps = 1.03, 0.95, 200
+    f32 = jnp.ones(16, jnp.float32)
+    f24 = round_to_float24(f32)
+    for _ in range(steps):
+        f32 = decay * f32 + (1 - decay) * target
+        f24 = round_to_float24(decay * float24_to_float32(f24) + (1 - decay) * target)
+    exact = target + (1.0 - target) * decay**steps
+    assert abs(float(f32[0]) - exact) < 1e-6
+    band = 2.0**-16 / (1 - decay)
+    np.testing.assert_allclose(np.asarray(float24_to_float32(f24)), exact, rtol=band)
 
 
 def test_cast_optimizer_state_with_stochastic_rounding():
@@ -724,6 +777,10 @@ ALL_OPTIMIZERS = {
     "cast_bf16_skip_clip_adastar": lambda: opt.cast_optimizer_state(
         opt.skip_and_clip_by_global_norm(ALL_OPTIMIZERS["adastar"](), max_norm=1.0),
         dtype=jnp.bfloat16,
+    ),
+    "cast_float24_skip_clip_adastar": lambda: opt.cast_optimizer_state(
+        opt.skip_and_clip_by_global_norm(ALL_OPTIMIZERS["adastar"](), max_norm=1.0),
+        dtype=FLOAT24,
     ),
     "cast_bf16_stochastic_skip_clip_adastar": lambda: opt.cast_optimizer_state(
         opt.skip_and_clip_by_global_norm(ALL_OPTIMIZERS["adastar"](), max_norm=1.0),

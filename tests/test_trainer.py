@@ -33,6 +33,7 @@ from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import ConfigError, apply_overrides, config_for_function
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.optimizers import StochasticRoundingState, cast_optimizer_state
+from axlearn.common.split_float import FLOAT24, Float24
 from axlearn.common.trainer import NonFiniteLossError, SpmdTrainer, infer_mesh_shape
 from axlearn.experiments.text.gpt import common
 from tests.fresh_python import assert_prints_ok, fresh_env
@@ -649,6 +650,41 @@ def test_stochastically_rounded_optimizer_state_resumes_bit_for_bit(tmp_path):
     assert {x.dtype for x in leaves if x.ndim} == {jnp.dtype(jnp.bfloat16)}
     for a, b in zip(leaves, jax.tree.leaves(whole.trainer_state.learner["optimizer"].inner_state)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_float24_optimizer_state_is_checkpointed_and_resumes_bit_for_bit(tmp_path):
+    # Each EMA is a Float24 pair of uint16 and uint8 arrays: both must reach the checkpoint
+    # and come back, so that a run resumed from step 3 repeats the uninterrupted one.
+    def learner():
+        cfg = adamw_learner_config()
+        cfg.optimizer = config_for_function(cast_optimizer_state).set(
+            inner=cfg.optimizer, dtype=FLOAT24
+        )
+        return cfg
+
+    def train(trainer_dir, max_steps):
+        for max_step in max_steps:
+            cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=max_step, learner=learner())
+            trainer = cfg.instantiate(parent=None)
+            trainer.run()
+        return trainer
+
+    whole = train(str(tmp_path / "whole"), [6])
+    resumed = train(str(tmp_path / "resumed"), [3, 6])
+    assert losses_by_step(str(tmp_path / "resumed")) == losses_by_step(str(tmp_path / "whole"))
+    is_float24 = lambda x: isinstance(x, Float24)  # noqa: E731
+    kept = [
+        x
+        for x in jax.tree.leaves(resumed.trainer_state.learner["optimizer"], is_leaf=is_float24)
+        if is_float24(x)
+    ]
+    assert kept and {(x.high.dtype, x.low.dtype) for x in kept} == {
+        (jnp.dtype(jnp.uint16), jnp.dtype(jnp.uint8))
+    }
+    for a, b in zip(
+        jax.tree.leaves(resumed.trainer_state.learner), jax.tree.leaves(whole.trainer_state.learner)
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_carrying_weight_copies_needs_a_train_dtype():

@@ -36,6 +36,7 @@ from axlearn.common.base_layer import ParameterSpec, flatten_with_paths
 from axlearn.common.config import ConfigError, ConfigOr, maybe_instantiate
 from axlearn.common.param_init import FanAxes
 from axlearn.common.schedule import ScheduleLike, adafactor_decay_rate, as_schedule_fn
+from axlearn.common.split_float import FLOAT24, Float24, float24_to_float32, round_to_float24
 
 Tensor = jax.Array
 Nested = Any  # A nested dict (or other pytree) of leaves.
@@ -412,7 +413,20 @@ def _map_state_tensors(
 
 
 def _cast_state_tensors(state: Nested, dtype: Any, selected: Optional[re.Pattern]) -> Nested:
+    """`state` with its (selected) state tensors in `dtype`, or as `Float24` for FLOAT24."""
+    if isinstance(dtype, str) and dtype == FLOAT24:
+        return _map_state_tensors(
+            lambda _, x: round_to_float24(x.astype(jnp.float32)), state, selected
+        )
     return _map_state_tensors(lambda _, x: x.astype(dtype), state, selected)
+
+
+def _float24_tensors_to_float32(state: Nested) -> Nested:
+    """`state` with each `Float24` in it as the float32 array it holds."""
+    is_float24 = lambda x: isinstance(x, Float24)  # noqa: E731
+    return jax.tree.map(
+        lambda x: float24_to_float32(x) if is_float24(x) else x, state, is_leaf=is_float24
+    )
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -466,6 +480,13 @@ def _stochastic_round_state_tensors(
 ROUNDING_MODES = ("nearest", "stochastic")
 
 
+def _is_floating_dtype(dtype: Any) -> bool:
+    try:
+        return jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:  # Not a dtype at all, e.g. a misspelt name.
+        return False
+
+
 def cast_optimizer_state(
     inner: ConfigOr[PartitionedGradientTransformation],
     *,
@@ -475,7 +496,9 @@ def cast_optimizer_state(
 ) -> PartitionedGradientTransformation:
     """Keeps `inner`'s floating-point state tensors in `dtype` between steps, e.g. Adam's
     or Adastar's moments in bfloat16: half their memory, and fewer bytes read and written
-    by every update, which is bandwidth-bound.
+    by every update, which is bandwidth-bound. `dtype=FLOAT24` ("float24") keeps each as
+    a `split_float.Float24`: float32 rounded to its top 24 bits, stored as a uint16 and a
+    uint8 array (3 bytes an element, relative error at most 2**-16).
 
     `inner` computes each update in float32: its state is cast up before `inner.update`
     and the new state cast down after, so a step uses its unrounded new statistics and
@@ -483,7 +506,8 @@ def cast_optimizer_state(
     their dtype.
 
     `rounding`: "nearest" (as `astype`) keeps `inner`'s state structure, so `find_states`
-    and checkpoints see the same tree in other dtypes. "stochastic" (bfloat16 only) rounds
+    and checkpoints see the same tree in other dtypes (for FLOAT24, each kept tensor is a
+    pair, `.../high` and `.../low` in checkpoints). "stochastic" (bfloat16 only) rounds
     without bias (`stochastic_round_to_bfloat16`) and keeps `inner`'s state in a
     `StochasticRoundingState` with a step count that salts the noise.
 
@@ -493,15 +517,17 @@ def cast_optimizer_state(
     others as `inner` keeps them. None: all of them. E.g. 'update_ema' for Adastar's update
     EMA alone, as optax's `mu_dtype` does for Adam's first moment.
     """
-    if not jnp.issubdtype(dtype, jnp.floating):
+    float24 = isinstance(dtype, str) and dtype == FLOAT24
+    if not float24 and not _is_floating_dtype(dtype):
         raise ConfigError(
-            f"cast_optimizer_state: dtype must be a floating-point dtype, got {dtype!r}"
+            "cast_optimizer_state: dtype must be a floating-point dtype or "
+            f"{FLOAT24!r}, got {dtype!r}"
         )
     if rounding not in ROUNDING_MODES:
         raise ConfigError(
             f"cast_optimizer_state: rounding must be one of {ROUNDING_MODES}, got {rounding!r}"
         )
-    if rounding == "stochastic" and jnp.dtype(dtype) != jnp.bfloat16:
+    if rounding == "stochastic" and (float24 or jnp.dtype(dtype) != jnp.bfloat16):
         raise ConfigError(
             f"cast_optimizer_state: stochastic rounding is to bfloat16 only, got {dtype!r}"
         )
@@ -528,7 +554,10 @@ def cast_optimizer_state(
 
     def update(updates, state, params=None):
         inner_state = state.inner_state if stochastic else state
-        computed = _cast_state_tensors(inner_state, jnp.float32, selected)
+        if float24:
+            computed = _float24_tensors_to_float32(inner_state)
+        else:
+            computed = _cast_state_tensors(inner_state, jnp.float32, selected)
         updates, new_state = inner.update(updates, computed, params)
         if not stochastic:
             return updates, _cast_state_tensors(new_state, dtype, selected)
@@ -537,11 +566,17 @@ def cast_optimizer_state(
             _stochastic_round_state_tensors(new_state, count, selected), count
         )
 
+    def kept_spec(spec):
+        if float24:
+            return Float24(
+                high=dataclasses.replace(spec, dtype=jnp.uint16),
+                low=dataclasses.replace(spec, dtype=jnp.uint8),
+            )
+        return dataclasses.replace(spec, dtype=dtype)
+
     def partition(param_specs):
         specs = _map_state_tensors(
-            lambda _, spec: dataclasses.replace(spec, dtype=dtype),
-            inner.partition(param_specs),
-            selected,
+            lambda _, spec: kept_spec(spec), inner.partition(param_specs), selected
         )
         return StochasticRoundingState(specs, _scalar_spec()) if stochastic else specs
 

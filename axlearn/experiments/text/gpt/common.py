@@ -283,7 +283,8 @@ def adastar_learner_config(
     with muP-style update scales and skip-on-spike global-norm clipping.
 
     `state_dtype`: the dtype Adastar's two EMAs are kept in between steps
-    (`cast_optimizer_state`); None keeps them in float32, like the parameters.
+    (`cast_optimizer_state`: a floating dtype or `split_float.FLOAT24`); None keeps them in
+    float32, like the parameters.
     """
     mup_scale = min(1.0, MUP_BASE_DIM / dim)
     per_param_scale = config_for_function(per_param_scale_by_path).set(
