@@ -59,6 +59,7 @@ from axlearn.common.optimizers import (
     cast_optimizer_state,
     is_state_tensor,
 )
+from axlearn.common.split_float import FLOAT24, Float24
 from axlearn.common.summary_writer import JSONL_FILE_NAME
 
 
@@ -69,16 +70,23 @@ def _logged_losses(writer) -> dict[int, float]:
 
 
 def _state_label(optimizer_state: Any) -> str:
-    """How the optimizer keeps its state tensors: their dtype ('float32', 'bfloat16'), or
+    """How the optimizer keeps its state tensors: their dtype ('float32', 'bfloat16',
+    'float24' for `split_float.Float24`), or
     where they differ each dtype with the state fields that hold it ('bfloat16 update_ema,
     float32 gradient_square_ema'), then ', stochastic rounding' where `cast_optimizer_state`
     rounds them so. Scalars (counters, schedules' steps) do not count."""
     fields_by_dtype: dict[str, set[str]] = {}
-    for path, leaf in flatten_with_paths(optimizer_state):
-        if is_state_tensor(leaf.shape, leaf.dtype):
-            # The state field: the first name on the path that is not a wrapper's.
-            names = [p for p in path.split("/") if not p.isdigit() and p != "inner_state"]
-            fields_by_dtype.setdefault(jnp.dtype(leaf.dtype).name, set()).add(names[0])
+    is_float24 = lambda x: isinstance(x, Float24)  # noqa: E731
+    for path, leaf in flatten_with_paths(optimizer_state, is_leaf=is_float24):
+        if is_float24(leaf):
+            dtype = FLOAT24
+        elif is_state_tensor(leaf.shape, leaf.dtype):
+            dtype = jnp.dtype(leaf.dtype).name
+        else:
+            continue
+        # The state field: the first name on the path that is not a wrapper's.
+        names = [p for p in path.split("/") if not p.isdigit() and p != "inner_state"]
+        fields_by_dtype.setdefault(dtype, set()).add(names[0])
     if len(fields_by_dtype) == 1:
         label = next(iter(fields_by_dtype))
     else:
@@ -226,6 +234,14 @@ def _load_runs(paths: list[str]) -> list[dict[str, Any]]:
     return runs
 
 
+def _difference(diff: float, se: float) -> str:
+    """'diff ± se' to 4 decimals, or in scientific notation where the standard error is under
+    their last place (seed-matched runs on the CPU can agree to 1e-6)."""
+    if se < 5e-5:
+        return f"{diff:+.1e} ± {se:.1e}"
+    return f"{diff:+.4f} ± {se:.4f}"
+
+
 def _print_summary(runs: list[dict[str, Any]], window: int) -> None:
     """Prints `summarize` for each evaler, and for the training loss's `window` means if given
     (its single steps are too noisy to compare across runs)."""
@@ -258,11 +274,9 @@ def _print_summary(runs: list[dict[str, Any]], window: int) -> None:
                 f"{row['groups'][d]['mean']:.4f} ± {row['groups'][d]['sd']:.4f}"
                 for d in [reference] + others
             ]
+            cells += [_difference(row["diffs"][d]["diff"], row["diffs"][d]["se"]) for d in others]
             cells += [
-                f"{row['diffs'][d]['diff']:+.4f} ± {row['diffs'][d]['se']:.4f}" for d in others
-            ]
-            cells += [
-                f"{row['diffs'][d]['paired_diff']:+.4f} ± {row['diffs'][d]['paired_se']:.4f}"
+                _difference(row["diffs"][d]["paired_diff"], row["diffs"][d]["paired_se"])
                 for d in others
             ]
             print(f"{row['step']:>6} | " + " | ".join(cells))
@@ -277,7 +291,10 @@ def main() -> None:
     parser.add_argument("--data_dir", default=None, help="As the launcher's (FAKE, BUILTIN, a path).")
     parser.add_argument("--config_override", action="append", default=[])
     parser.add_argument("--trainer_dir", default=None, help="Each run trains in a subfolder.")
-    parser.add_argument("--state_dtype", default="bfloat16")
+    parser.add_argument(
+        "--state_dtype", default="bfloat16",
+        help="A floating-point dtype's name, or 'float24' (split_float.Float24).",
+    )
     parser.add_argument("--rounding", choices=ROUNDING_MODES, default="nearest")
     parser.add_argument(
         "--state_paths", default=None,
@@ -320,7 +337,8 @@ def main() -> None:
     # then differ only by the GPU's nondeterministic sums, the control for the other dtypes.
     stochastic = "stochastic_" if args.rounding == "stochastic" else ""
     cast_name = f"{args.state_dtype}_{stochastic}state"
-    runs = {"as_configured": None, cast_name: jnp.dtype(args.state_dtype)}
+    cast_dtype = FLOAT24 if args.state_dtype == FLOAT24 else jnp.dtype(args.state_dtype)
+    runs = {"as_configured": None, cast_name: cast_dtype}
     if args.cast_only:
         del runs["as_configured"]
     trained = {}

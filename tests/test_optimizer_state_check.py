@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from axlearn.common.optimizers import StochasticRoundingState
+from axlearn.common.split_float import round_to_float24
 from benchmarks import optimizer_state_check
 from tests.fresh_python import REPO, fresh_env
 
@@ -38,6 +39,10 @@ def test_state_label_names_the_state_tensors_dtype_and_stochastic_rounding():
         {"mu": jnp.zeros((3,), jnp.bfloat16)}, count=jnp.zeros((), jnp.int32)
     )
     assert label({"inner": rounded}) == "bfloat16, stochastic rounding"
+    # A Float24 pair (uint16, uint8) is one state tensor of its own kind.
+    f24 = round_to_float24(jnp.zeros((3,), jnp.float32))
+    assert label({**state, "mu": f24, "nu": f24}) == "float24"
+    assert label({**state, "mu": f24, "nu": jnp.zeros((3,), jnp.float32)}) == "float24 mu, float32 nu"
 
 
 def _record(dtype, evals, train=None, seed=0):
@@ -169,3 +174,8 @@ def test_a_float32_cast_changes_nothing_and_bfloat16_changes_the_losses(tmp_path
     assert last[0].strip() == "6"
     bf16_at_6 = rounded["bfloat16_state"]["validation"]["6"]
     assert last[2].strip().startswith(f"{bf16_at_6:.4f}")
+
+
+def test_differences_under_the_fourth_decimal_print_in_scientific_notation():
+    assert optimizer_state_check._difference(0.0012, 0.0018) == "+0.0012 ± 0.0018"
+    assert optimizer_state_check._difference(-1.2e-6, 1.9e-6) == "-1.2e-06 ± 1.9e-06"
