@@ -629,20 +629,21 @@ def _stochastic_bf16_state_learner():
     return learner
 
 
+def _train_in_runs(trainer_dir: str, max_steps: list[int], learner) -> SpmdTrainer:
+    """A tiny trainer run to each of `max_steps` in turn, each run resuming from the last
+    one's checkpoint; returns the last trainer."""
+    for max_step in max_steps:
+        cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=max_step, learner=learner())
+        trainer = cfg.instantiate(parent=None)
+        trainer.run()
+    return trainer
+
+
 def test_stochastically_rounded_optimizer_state_resumes_bit_for_bit(tmp_path):
     # The rounding noise is salted with a step count kept in the state: a run resumed from
     # step 3 must round steps 4-6 as the uninterrupted run did.
-    def train(trainer_dir, max_steps):
-        for max_step in max_steps:
-            cfg = tiny_trainer_config(
-                trainer_dir=trainer_dir, max_step=max_step, learner=_stochastic_bf16_state_learner()
-            )
-            trainer = cfg.instantiate(parent=None)
-            trainer.run()
-        return trainer
-
-    whole = train(str(tmp_path / "whole"), [6])
-    resumed = train(str(tmp_path / "resumed"), [3, 6])
+    whole = _train_in_runs(str(tmp_path / "whole"), [6], _stochastic_bf16_state_learner)
+    resumed = _train_in_runs(str(tmp_path / "resumed"), [3, 6], _stochastic_bf16_state_learner)
     assert losses_by_step(str(tmp_path / "resumed")) == losses_by_step(str(tmp_path / "whole"))
     state = resumed.trainer_state.learner["optimizer"]
     assert isinstance(state, StochasticRoundingState) and int(state.count) == 6
@@ -662,15 +663,8 @@ def test_float24_optimizer_state_is_checkpointed_and_resumes_bit_for_bit(tmp_pat
         )
         return cfg
 
-    def train(trainer_dir, max_steps):
-        for max_step in max_steps:
-            cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=max_step, learner=learner())
-            trainer = cfg.instantiate(parent=None)
-            trainer.run()
-        return trainer
-
-    whole = train(str(tmp_path / "whole"), [6])
-    resumed = train(str(tmp_path / "resumed"), [3, 6])
+    whole = _train_in_runs(str(tmp_path / "whole"), [6], learner)
+    resumed = _train_in_runs(str(tmp_path / "resumed"), [3, 6], learner)
     assert losses_by_step(str(tmp_path / "resumed")) == losses_by_step(str(tmp_path / "whole"))
     is_float24 = lambda x: isinstance(x, Float24)  # noqa: E731
     kept = [
