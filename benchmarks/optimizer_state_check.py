@@ -71,10 +71,10 @@ def _logged_losses(writer) -> dict[int, float]:
 
 def _state_label(optimizer_state: Any) -> str:
     """How the optimizer keeps its state tensors: their dtype ('float32', 'bfloat16',
-    'float24' for `split_float.Float24`), or
-    where they differ each dtype with the state fields that hold it ('bfloat16 update_ema,
-    float32 gradient_square_ema'), then ', stochastic rounding' where `cast_optimizer_state`
-    rounds them so. Scalars (counters, schedules' steps) do not count."""
+    'float24' for `split_float.Float24`), or where they differ each dtype with the state
+    fields that hold it ('bfloat16 update_ema, float32 gradient_square_ema'), then
+    ', stochastic rounding' where `cast_optimizer_state` rounds them so. Scalars (counters,
+    schedules' steps) do not count."""
     fields_by_dtype: dict[str, set[str]] = {}
     is_float24 = lambda x: isinstance(x, Float24)  # noqa: E731
     for path, leaf in flatten_with_paths(optimizer_state, is_leaf=is_float24):

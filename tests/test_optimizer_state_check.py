@@ -42,7 +42,8 @@ def test_state_label_names_the_state_tensors_dtype_and_stochastic_rounding():
     # A Float24 pair (uint16, uint8) is one state tensor of its own kind.
     f24 = round_to_float24(jnp.zeros((3,), jnp.float32))
     assert label({**state, "mu": f24, "nu": f24}) == "float24"
-    assert label({**state, "mu": f24, "nu": jnp.zeros((3,), jnp.float32)}) == "float24 mu, float32 nu"
+    mixed = {**state, "mu": f24, "nu": jnp.zeros((3,), jnp.float32)}
+    assert label(mixed) == "float24 mu, float32 nu"
 
 
 def _record(dtype, evals, train=None, seed=0):

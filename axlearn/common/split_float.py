@@ -7,9 +7,10 @@ Two layouts:
   uint16 and a uint8 array (`Float24`); 3 bytes an element, relative error at most 2**-16,
   for optimizer state (`optimizers.cast_optimizer_state(dtype=FLOAT24)`).
 
-Split weights: a mixed-precision train step keeps float32 weights for the update and reads bfloat16
-copies of them in the forward and backward passes. Carried side by side, the two take 6
-bytes a weight, and the update writes all 6. Split, they take 4 and lose nothing:
+Split weights: a mixed-precision train step keeps float32 weights for the update and
+reads bfloat16 copies of them in the forward and backward passes. Carried side by side,
+the two take 6 bytes a weight, and the update writes all 6. Split, they take 4 and lose
+nothing:
 
     high = the bfloat16 nearest x (ties away from zero): the copy the model reads
     low  = x's bits minus high's, as an int16                (|low| <= 2**15)
@@ -55,7 +56,7 @@ def join_float32(high: Tensor, low: Tensor) -> Tensor:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-# The name `cast_optimizer_state` (and configs) give the 24-bit layout in place of a dtype.
+# What `cast_optimizer_state` (and a config) takes in place of a dtype for the 24-bit layout.
 FLOAT24 = "float24"
 # Added to a float32's bits before the low 8 are dropped: rounds its magnitude to the
 # nearest 24-bit value, halfway cases up.
