@@ -12,7 +12,7 @@ import pytest
 
 from axlearn.common import optimizers as opt
 from axlearn.common import schedule
-from axlearn.common.base_layer import ParameterSpec
+from axlearn.common.base_layer import ParameterSpec, flatten_with_paths
 from axlearn.common.config import ConfigError, config_for_function
 from axlearn.common.param_init import FanAxes
 from axlearn.common.split_float import FLOAT24, Float24, float24_to_float32, round_to_float24
@@ -817,3 +817,21 @@ def test_adam_moments_are_sharded_like_their_parameters_and_counts_replicated():
         assert adam_state.nu[name].partition_spec == spec.partition_spec
     assert adam_state.count.shape == []
     assert adam_state.count.partition_spec == jax.sharding.PartitionSpec()
+
+
+def test_float24_state_halves_are_sharded_like_their_parameters():
+    specs = sharded_specs()
+    state_specs = ALL_OPTIMIZERS["cast_float24_skip_clip_adastar"]().partition(specs)
+    is_float24 = lambda x: isinstance(x, Float24)  # noqa: E731
+    kept = [
+        (path, x)
+        for path, x in flatten_with_paths(state_specs, is_leaf=is_float24)
+        if is_float24(x)
+    ]
+    # Each EMA of each parameter: Adastar's gradient, second-moment and update EMAs.
+    assert len(kept) == 3 * len(specs)
+    for path, x in kept:
+        param = specs[path.split("/")[-1]]
+        for half, dtype in ((x.high, jnp.uint16), (x.low, jnp.uint8)):
+            assert half.dtype == dtype and tuple(half.shape) == tuple(param.shape)
+            assert half.mesh_axes == param.mesh_axes
