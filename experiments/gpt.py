@@ -260,7 +260,8 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
         # gpt_1b with Adastar's EMAs rounded to 24 bits between steps (split_float.Float24:
         # 3 bytes, relative error at most 2**-16): 0.5-0.7% faster and 2 GiB less on one
         # H100, 55.2% MFU on the faster of two; on the CPU its runs follow float32 state's
-        # to 1e-5 in loss (docs/benchmarks.md, the twenty-fifth round).
+        # to 1e-5 in loss over 200 steps and 4e-4 over 1,000 (docs/benchmarks.md, the
+        # twenty-fifth round).
         "gpt_1b_float24_optimizer_state": functools.partial(
             gpt_trainer, "1B", optimizer_state_dtype=FLOAT24
         ),
