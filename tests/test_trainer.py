@@ -812,6 +812,13 @@ def test_meshes_of_eight_and_four_devices_match_one_device(tmp_path):
     np.testing.assert_allclose(
         split["losses"], results["sharded_bf16_carried"]["losses"], rtol=5e-3
     )
+    # Float24 optimizer state on the same mesh: both halves of each moment sharded like its
+    # parameter, and the steps those of float32 state to the rounding's 2**-16.
+    float24 = results["sharded_float24_state"]
+    assert float24["moment_specs"]
+    assert all(high == low == param for high, low, param in float24["moment_specs"])
+    assert any("fsdp" in param for _, _, param in float24["moment_specs"])
+    np.testing.assert_allclose(float24["losses"], results["sharded"]["losses"], rtol=1e-4)
     # Two rows a device in microbatches of one: the same steps as the whole batch at once.
     microbatched = results["microbatched"]
     assert microbatched["num_microbatches"] == 2 and results["single"]["num_microbatches"] is None
