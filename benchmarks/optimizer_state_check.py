@@ -59,7 +59,7 @@ from axlearn.common.optimizers import (
     cast_optimizer_state,
     is_state_tensor,
 )
-from axlearn.common.split_float import FLOAT24, Float24
+from axlearn.common.split_float import FLOAT24, is_float24
 from axlearn.common.summary_writer import JSONL_FILE_NAME
 
 
@@ -76,7 +76,6 @@ def _state_label(optimizer_state: Any) -> str:
     ', stochastic rounding' where `cast_optimizer_state` rounds them so. Scalars (counters,
     schedules' steps) do not count."""
     fields_by_dtype: dict[str, set[str]] = {}
-    is_float24 = lambda x: isinstance(x, Float24)  # noqa: E731
     for path, leaf in flatten_with_paths(optimizer_state, is_leaf=is_float24):
         if is_float24(leaf):
             dtype = FLOAT24

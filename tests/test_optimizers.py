@@ -15,7 +15,12 @@ from axlearn.common import schedule
 from axlearn.common.base_layer import ParameterSpec, flatten_with_paths
 from axlearn.common.config import ConfigError, config_for_function
 from axlearn.common.param_init import FanAxes
-from axlearn.common.split_float import FLOAT24, Float24, float24_to_float32, round_to_float24
+from axlearn.common.split_float import (
+    FLOAT24,
+    float24_to_float32,
+    is_float24,
+    round_to_float24,
+)
 from tests.test_split_float import _nearest_ties_away
 
 RNG_SEED = 0
@@ -244,8 +249,8 @@ def test_adastar_with_float24_state_matches_numpy_rounding_its_emas_to_24_bits()
     )
     adastar = state[0]
     for field in ("gradient_ema", "gradient_square_ema", "update_ema"):
-        kept = jax.tree.leaves(getattr(adastar, field), is_leaf=lambda x: isinstance(x, Float24))
-        assert kept and all(isinstance(x, Float24) for x in kept)
+        kept = jax.tree.leaves(getattr(adastar, field), is_leaf=is_float24)
+        assert kept and all(is_float24(x) for x in kept)
         halves = {(x.high.dtype, x.low.dtype) for x in kept}
         assert halves == {(jnp.dtype(jnp.uint16), jnp.dtype(jnp.uint8))}
     assert adastar.count.dtype == jnp.int32
@@ -822,7 +827,6 @@ def test_adam_moments_are_sharded_like_their_parameters_and_counts_replicated():
 def test_float24_state_halves_are_sharded_like_their_parameters():
     specs = sharded_specs()
     state_specs = ALL_OPTIMIZERS["cast_float24_skip_clip_adastar"]().partition(specs)
-    is_float24 = lambda x: isinstance(x, Float24)  # noqa: E731
     kept = [
         (path, x)
         for path, x in flatten_with_paths(state_specs, is_leaf=is_float24)

@@ -33,7 +33,7 @@ from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import ConfigError, apply_overrides, config_for_function
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.optimizers import StochasticRoundingState, cast_optimizer_state
-from axlearn.common.split_float import FLOAT24, Float24
+from axlearn.common.split_float import FLOAT24, is_float24
 from axlearn.common.trainer import NonFiniteLossError, SpmdTrainer, infer_mesh_shape
 from axlearn.experiments.text.gpt import common
 from tests.fresh_python import assert_prints_ok, fresh_env
@@ -666,7 +666,6 @@ def test_float24_optimizer_state_is_checkpointed_and_resumes_bit_for_bit(tmp_pat
     whole = _train_in_runs(str(tmp_path / "whole"), [6], learner)
     resumed = _train_in_runs(str(tmp_path / "resumed"), [3, 6], learner)
     assert losses_by_step(str(tmp_path / "resumed")) == losses_by_step(str(tmp_path / "whole"))
-    is_float24 = lambda x: isinstance(x, Float24)  # noqa: E731
     kept = [
         x
         for x in jax.tree.leaves(resumed.trainer_state.learner["optimizer"], is_leaf=is_float24)

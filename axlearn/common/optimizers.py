@@ -36,7 +36,13 @@ from axlearn.common.base_layer import ParameterSpec, flatten_with_paths
 from axlearn.common.config import ConfigError, ConfigOr, maybe_instantiate
 from axlearn.common.param_init import FanAxes
 from axlearn.common.schedule import ScheduleLike, adafactor_decay_rate, as_schedule_fn
-from axlearn.common.split_float import FLOAT24, Float24, float24_to_float32, round_to_float24
+from axlearn.common.split_float import (
+    FLOAT24,
+    Float24,
+    float24_to_float32,
+    is_float24,
+    round_to_float24,
+)
 
 Tensor = jax.Array
 Nested = Any  # A nested dict (or other pytree) of leaves.
@@ -413,20 +419,7 @@ def _map_state_tensors(
 
 
 def _cast_state_tensors(state: Nested, dtype: Any, selected: Optional[re.Pattern]) -> Nested:
-    """`state` with its (selected) state tensors in `dtype`, or as `Float24` for FLOAT24."""
-    if isinstance(dtype, str) and dtype == FLOAT24:
-        return _map_state_tensors(
-            lambda _, x: round_to_float24(x.astype(jnp.float32)), state, selected
-        )
     return _map_state_tensors(lambda _, x: x.astype(dtype), state, selected)
-
-
-def _float24_tensors_to_float32(state: Nested) -> Nested:
-    """`state` with each `Float24` in it as the float32 array it holds."""
-    is_float24 = lambda x: isinstance(x, Float24)  # noqa: E731
-    return jax.tree.map(
-        lambda x: float24_to_float32(x) if is_float24(x) else x, state, is_leaf=is_float24
-    )
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -540,6 +533,24 @@ def cast_optimizer_state(
     inner = maybe_instantiate(inner)
     stochastic = rounding == "stochastic"
 
+    def kept(inner_state):
+        """`inner_state` as carried between steps (rounding to nearest)."""
+        if float24:
+            return _map_state_tensors(
+                lambda _, x: round_to_float24(x.astype(jnp.float32)), inner_state, selected
+            )
+        return _cast_state_tensors(inner_state, dtype, selected)
+
+    def in_float32(inner_state):
+        """The carried `inner_state` as `inner` computes with it."""
+        if float24:
+            return jax.tree.map(
+                lambda x: float24_to_float32(x) if is_float24(x) else x,
+                inner_state,
+                is_leaf=is_float24,
+            )
+        return _cast_state_tensors(inner_state, jnp.float32, selected)
+
     def init(params):
         inner_state = inner.init(params)
         if selected is not None and not any(
@@ -549,18 +560,14 @@ def cast_optimizer_state(
                 f"cast_optimizer_state: state_paths={state_paths!r} matches none of the "
                 f"state tensors' paths, e.g. {_state_tensor_paths(inner_state)[:3]}"
             )
-        state = _cast_state_tensors(inner_state, dtype, selected)
+        state = kept(inner_state)
         return StochasticRoundingState(state, _count_init()) if stochastic else state
 
     def update(updates, state, params=None):
         inner_state = state.inner_state if stochastic else state
-        if float24:
-            computed = _float24_tensors_to_float32(inner_state)
-        else:
-            computed = _cast_state_tensors(inner_state, jnp.float32, selected)
-        updates, new_state = inner.update(updates, computed, params)
+        updates, new_state = inner.update(updates, in_float32(inner_state), params)
         if not stochastic:
-            return updates, _cast_state_tensors(new_state, dtype, selected)
+            return updates, kept(new_state)
         count = state.count + 1
         return updates, StochasticRoundingState(
             _stochastic_round_state_tensors(new_state, count, selected), count

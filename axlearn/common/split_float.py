@@ -21,7 +21,7 @@ bfloat16 values and round-to-nearest-even would round toward zero (one float32 i
 rounding ties the other way is what keeps `low` within 16 bits.
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +78,11 @@ class Float24(NamedTuple):
 
     high: Tensor
     low: Tensor
+
+
+def is_float24(x: Any) -> bool:
+    """Whether `x` is a `Float24` (for `is_leaf` in tree maps over state that holds them)."""
+    return isinstance(x, Float24)
 
 
 def round_to_float24(x: Tensor) -> Float24:

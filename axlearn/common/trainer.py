@@ -377,8 +377,10 @@ class SpmdTrainer(Module):
         )
         if not cast:
             return kept, weights, weights
-        high = jax.tree.map(lambda w: split_float32(w)[0], weights)
-        low = jax.tree.map(lambda w: split_float32(w)[1], weights)
+        # Split each weight once; `weights` marks where its (high, low) pairs stand.
+        halves = jax.tree.map(split_float32, weights)
+        high = jax.tree.map(lambda _, pair: pair[0], weights, halves)
+        low = jax.tree.map(lambda _, pair: pair[1], weights, halves)
         return kept, high, low
 
     def _joined_params(self, state: TrainerState) -> Any:
