@@ -258,10 +258,11 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
             gpt_trainer, "1B", optimizer_state_dtype=jnp.bfloat16
         ),
         # gpt_1b with Adastar's EMAs rounded to 24 bits between steps (split_float.Float24:
-        # 3 bytes, relative error at most 2**-16): 0.5-0.7% faster and 2 GiB less on one
-        # H100, 55.2% MFU on the faster of two; on the CPU its runs follow float32 state's
-        # to 1e-5 in loss over 200 steps and 4e-4 over 1,000 (docs/benchmarks.md, the
-        # twenty-fifth round).
+        # 3 bytes, relative error at most 2**-16): 0.5-1.0% faster and 2 GiB less on one
+        # H100, 54.3-55.2% MFU on four; on the CPU its runs follow float32 state's to 1e-5
+        # in loss over 200 steps and 4e-4 over 1,000, and on the GPU four runs of a 700-step
+        # schedule end where float32 state's do (docs/benchmarks.md, the twenty-fifth and
+        # twenty-sixth rounds).
         "gpt_1b_float24_optimizer_state": functools.partial(
             gpt_trainer, "1B", optimizer_state_dtype=FLOAT24
         ),
