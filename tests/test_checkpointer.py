@@ -640,13 +640,23 @@ def test_sharded_save_writes_one_chunk_per_shard(fsdp8_checkpoint):
     assert w_files == [f"arrays/w/{i}.0" for i in range(8)]
 
 
-def test_benchmark_runs_and_restores_equal_values(tmp_path, monkeypatch, capsys):
+def test_benchmark_saves_each_new_state_and_restores_the_last(tmp_path, monkeypatch, capsys):
     from axlearn.common import checkpointer_benchmark  # pylint: disable=import-outside-toplevel
 
-    argv = ["bench", "--size=65536", "--leaves=2", "--repeats=1", f"--dir={tmp_path}"]
+    argv = ["bench", "--size=65536", "--leaves=2", "--repeats=2", f"--dir={tmp_path}"]
     monkeypatch.setattr(sys, "argv", argv)
     checkpointer_benchmark.main()
     assert "values equal: True" in capsys.readouterr().out
+    # The second save holds the state after one step (x + 1), not the first state again:
+    # saving the same arrays twice would not time a second device-to-host copy.
+    first = checkpointer_benchmark.build_state(65536, 2, jnp.float32)
+    template = {k: np.zeros(v.shape, v.dtype) for k, v in first.items()}
+    cfg = Checkpointer.default_config().set(name="reader", dir=str(tmp_path))
+    with cfg.instantiate(parent=None) as reader:
+        step, saved, _ = reader.restore(state=template)
+    assert step == 2
+    for name, array in first.items():
+        np.testing.assert_array_equal(np.asarray(saved[name]), np.asarray(array) + 1)
 
 
 def test_two_processes_each_write_their_own_shards_and_restore_resharded(tmp_path):
