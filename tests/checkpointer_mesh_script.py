@@ -1,11 +1,13 @@
 """Saves a state sharded over one mesh, or restores it onto another (run as a subprocess).
 
     python tests/checkpointer_mesh_script.py save DIR REFERENCE.npz
+    python tests/checkpointer_mesh_script.py save_pinned_host DIR REFERENCE.npz
     python tests/checkpointer_mesh_script.py restore_1 DIR OUT.npz
     python tests/checkpointer_mesh_script.py restore_2x4 DIR OUT.npz
 
 `save` needs 8 devices and shards the state with fsdp=8; the reference values come from
-REFERENCE.npz (written by the test with NumPy). `restore_*` write the restored values
+REFERENCE.npz (written by the test with NumPy). `save_pinned_host` saves the same with
+the shards copied through pinned host memory (`host_memory_kind`). `restore_*` write the restored values
 (bfloat16 as float32, PRNG keys as their key data) and each leaf's per-device shard
 shapes to OUT.npz. The caller sets XLA_FLAGS to choose the fake device count.
 """
@@ -21,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position
-from axlearn.common.checkpointer import Checkpointer
+from axlearn.common.checkpointer import Checkpointer, TensorStoreStateStorage
 from axlearn.common.sharding import create_mesh
 
 # Leaf -> (dtype, fsdp=8 spec for saving, 2x4 spec for restoring).
@@ -34,12 +36,13 @@ LAYOUT = {
 }
 
 
-def _checkpointer(directory: str) -> Checkpointer:
-    cfg = Checkpointer.default_config().set(name="checkpointer", dir=directory)
+def _checkpointer(directory: str, host_memory_kind=None) -> Checkpointer:
+    storage = TensorStoreStateStorage.default_config().set(host_memory_kind=host_memory_kind)
+    cfg = Checkpointer.default_config().set(name="checkpointer", dir=directory, storage=storage)
     return cfg.instantiate(parent=None)
 
 
-def save(directory: str, reference: str) -> None:
+def save(directory: str, reference: str, host_memory_kind=None) -> None:
     assert jax.device_count() == 8, jax.devices()
     mesh = create_mesh((8,), ("fsdp",))
     values = np.load(reference)
@@ -49,7 +52,7 @@ def save(directory: str, reference: str) -> None:
     }
     key = jax.random.wrap_key_data(values["key"], impl="threefry2x32")
     state["key"] = jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
-    with _checkpointer(directory) as checkpointer:
+    with _checkpointer(directory, host_memory_kind) as checkpointer:
         checkpointer.save(3, state, extra={"mesh": "fsdp=8"})
 
 
@@ -87,6 +90,8 @@ if __name__ == "__main__":
     mode, directory, path = sys.argv[1:4]
     if mode == "save":
         save(directory, path)
+    elif mode == "save_pinned_host":
+        save(directory, path, host_memory_kind="pinned_host")
     elif mode == "restore_1":
         restore(directory, path, (1,))
     elif mode == "restore_2x4":

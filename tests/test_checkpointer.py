@@ -214,8 +214,12 @@ def test_next_save_waits_for_the_previous_one(make_checkpointer, monkeypatch):
     assert checkpointer.committed_steps() == [1]
 
 
-def test_changing_the_state_after_save_does_not_change_the_checkpoint(make_checkpointer):
-    checkpointer = make_checkpointer()
+@pytest.mark.parametrize("host_memory_kind", [None, "pinned_host"])
+def test_changing_the_state_after_save_does_not_change_the_checkpoint(
+    make_checkpointer, host_memory_kind
+):
+    storage = TensorStoreStateStorage.default_config().set(host_memory_kind=host_memory_kind)
+    checkpointer = make_checkpointer(storage=storage)
     state = _random_state(4)
     expected = _as_numpy(state)
     checkpointer.save(1, state)
@@ -607,6 +611,20 @@ def fixture_fsdp8_checkpoint(tmp_path_factory):
     return root / "ckpt", reference
 
 
+def test_fsdp8_checkpoint_through_pinned_host_memory_writes_the_same_files(
+    fsdp8_checkpoint, tmp_path
+):
+    directory, reference = fsdp8_checkpoint
+    np.savez(tmp_path / "reference.npz", **reference)
+    _mesh_script("save_pinned_host", tmp_path / "ckpt", tmp_path / "reference.npz", devices=8)
+    indexes = []
+    for root in (directory, tmp_path / "ckpt"):
+        with open(os.path.join(root, step_dir_name(3), INDEX_FILE), encoding="utf-8") as f:
+            indexes.append(json.load(f))
+    assert indexes[1]["files"] == indexes[0]["files"]  # Sizes and CRC32s, file by file.
+    assert indexes[1]["arrays"] == indexes[0]["arrays"]
+
+
 @pytest.mark.parametrize(
     "mode,devices,shard_shapes",
     [
@@ -638,6 +656,21 @@ def test_sharded_save_writes_one_chunk_per_shard(fsdp8_checkpoint):
         f for f in index["files"] if f.startswith("arrays/w/") and not f.endswith(".zarray")
     )
     assert w_files == [f"arrays/w/{i}.0" for i in range(8)]
+
+
+@pytest.mark.parametrize("kind", ["device", 3])
+def test_host_memory_kind_that_is_not_a_host_memory_is_a_config_error(tmp_path, kind):
+    storage = TensorStoreStateStorage.default_config().set(host_memory_kind=kind)
+    with pytest.raises(ConfigError, match="checkpointer.storage.host_memory_kind"):
+        _make(tmp_path, storage=storage)
+
+
+def test_host_memory_kind_the_devices_lack_is_a_config_error(make_checkpointer):
+    storage = TensorStoreStateStorage.default_config().set(host_memory_kind="far_memory")
+    checkpointer = make_checkpointer(storage=storage)
+    with pytest.raises(ConfigError, match="host_memory_kind='far_memory'.*pinned_host"):
+        checkpointer.save(1, _random_state(1))
+    assert checkpointer.committed_steps() == []
 
 
 def test_benchmark_saves_each_new_state_and_restores_the_last(tmp_path, monkeypatch, capsys):

@@ -16,8 +16,10 @@ A step directory without `index.json` is not a checkpoint: it is never restored,
 garbage collection removes it. Restore re-checks the sizes and checksums of the files it
 reads, so a torn or altered file is detected; the previous committed step is then used.
 
-`save()` blocks only while device arrays are copied to host memory; the files are
-written by a background thread, and the next `save()` waits for the previous one.
+`save()` blocks only while device arrays are copied to host memory (new numpy arrays, or
+with `TensorStoreStateStorage.Config.host_memory_kind` a memory such as pinned host
+memory); the files are written by a background thread, and the next `save()` waits for
+the previous one.
 Only local (or mounted, shared for multi-host) file systems are supported: the commit
 relies on POSIX rename.
 """
@@ -252,7 +254,9 @@ class _LeafSnapshot:
     path: str
     array_dir: str
     meta: dict[str, Any]  # Goes to the index: shape, dtype, stored_shape, stored_dtype, chunks.
-    shards: list[tuple[tuple[tuple[int, int], ...], np.ndarray]]  # (bounds, host data).
+    # (bounds, host data): numpy arrays, or jax arrays in a host memory
+    # (TensorStoreStateStorage.Config.host_memory_kind) that the writer reads as numpy.
+    shards: list[tuple[tuple[tuple[int, int], ...], Any]]
 
 
 class StateSnapshot(NamedTuple):
@@ -262,8 +266,15 @@ class StateSnapshot(NamedTuple):
     treedef: str  # For people reading the index; restore takes the structure from a template.
 
 
-def _start_host_copy(path: str, leaf: Any) -> Callable[[], _LeafSnapshot]:
-    """Starts copying the shards of `leaf` this process owns; the returned call waits."""
+def _start_host_copy(
+    path: str, leaf: Any, host_memory_kind: Optional[str] = None
+) -> Callable[[], _LeafSnapshot]:
+    """Starts copying the shards of `leaf` this process owns; the returned call waits.
+
+    `host_memory_kind`: None copies each shard into a new numpy array; a host memory kind
+    of the devices ('pinned_host') copies it into a jax array in that memory, which the
+    writer thread reads as numpy later (TensorStoreStateStorage.Config.host_memory_kind).
+    """
     meta: dict[str, Any] = {}
     if isinstance(leaf, jax.Array):
         meta.update(shape=list(leaf.shape), dtype=str(leaf.dtype))
@@ -275,17 +286,33 @@ def _start_host_copy(path: str, leaf: Any) -> Callable[[], _LeafSnapshot]:
             for index in leaf.sharding.devices_indices_map(leaf.shape).values()
         ]
         owned = [shard for shard in leaf.addressable_shards if shard.replica_id == 0]
-        for shard in owned:
-            shard.data.copy_to_host_async()
+        if host_memory_kind is None:
+            for shard in owned:
+                shard.data.copy_to_host_async()
+        else:
+            # One transfer a shard, not of the whole array: replicas need no copy.
+            in_host_memory = [
+                jax.device_put(
+                    shard.data,
+                    jax.sharding.SingleDeviceSharding(shard.device, memory_kind=host_memory_kind),
+                )
+                for shard in owned
+            ]
 
         def host_shards():
             shards = []
-            for shard in owned:
+            for i, shard in enumerate(owned):
+                bounds = _normalize_index(shard.index, leaf.shape)
+                if host_memory_kind is not None:
+                    # Waits for the copy; once it is done a donating step may reuse the
+                    # device buffer, and the host array is the writer's alone.
+                    shards.append((bounds, in_host_memory[i].block_until_ready()))
+                    continue
                 data = np.asarray(shard.data)
                 if shard.device.platform == "cpu":
                     # On CPU that is a view of the device buffer, which a donating step reuses.
                     data = data.copy()
-                shards.append((_normalize_index(shard.index, leaf.shape), data))
+                shards.append((bounds, data))
             return shards
 
     elif isinstance(leaf, (np.ndarray, np.generic, bool, int, float)):
@@ -331,6 +358,12 @@ class TensorStoreStateStorage(Configurable):
 
         # Seconds to wait for one checkpoint's writes, reads or the other processes' files.
         timeout_secs: float = 3600
+        # Where `save()` copies the device shards before returning. None: into new numpy
+        # arrays (pageable memory). A host memory kind of the devices, such as
+        # 'pinned_host': into jax arrays in that memory, which the writer thread reads
+        # as numpy; on a GPU, page-locked memory the device fills by DMA. Holds that much
+        # host memory per save in flight.
+        host_memory_kind: Optional[str] = None
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
@@ -343,11 +376,27 @@ class TensorStoreStateStorage(Configurable):
         """Copies the shards this process owns to host memory; the state may change after."""
         entries = flatten_with_paths(state)
         _check_unique_paths([path for path, _ in entries])
+        kind = self.config.host_memory_kind
+        if kind is not None:
+            self._check_host_memory_kind(kind, [leaf for _, leaf in entries])
         # Every device-to-host transfer starts before the first one is waited for.
-        started = [_start_host_copy(path, leaf) for path, leaf in entries]
+        started = [_start_host_copy(path, leaf, kind) for path, leaf in entries]
         return StateSnapshot(
             [finish() for finish in started], treedef=str(jax.tree_util.tree_structure(state))
         )
+
+    def _check_host_memory_kind(self, kind: str, leaves: Sequence[Any]) -> None:
+        devices = set()
+        for leaf in leaves:
+            if isinstance(leaf, jax.Array):
+                devices.update(leaf.sharding.addressable_devices)
+        for device in devices:
+            kinds = sorted(m.kind for m in device.addressable_memories())
+            if kind not in kinds:
+                raise ConfigError(
+                    f"{type(self).__name__}.Config.host_memory_kind={kind!r}: device {device} "
+                    f"has the memories {kinds}"
+                )
 
     def write(self, snapshot: StateSnapshot, step_dir: str) -> dict[str, dict[str, int]]:
         """Writes this process's shards; returns {relative file: {size, crc32}} it wrote."""
@@ -367,7 +416,7 @@ class TensorStoreStateStorage(Configurable):
             array = future.result(timeout=cfg.timeout_secs)
             for bounds, data in leaf.shards:
                 index = tuple(slice(start, stop) for start, stop in bounds)
-                writes.append(array[index].write(data))
+                writes.append(array[index].write(np.asarray(data)))
                 chunk_files = _chunk_files(leaf.meta["chunks"], bounds)
                 files += [f"arrays/{leaf.array_dir}/{f}" for f in chunk_files]
             if jax.process_index() == 0:
@@ -572,6 +621,12 @@ class Checkpointer(Module):
             )
         if cfg.gc_loop_interval_seconds <= 0:
             raise ConfigError(f"{where}.gc_loop_interval_seconds must be > 0")
+        kind = cfg.storage.host_memory_kind
+        if kind is not None and (not isinstance(kind, str) or kind == "device"):
+            raise ConfigError(
+                f"{where}.storage.host_memory_kind must be None or a host memory kind such as "
+                f"'pinned_host', got {kind!r}"
+            )
         interval = cfg.temporary_save_interval_seconds
         if interval is not None and interval <= 0:
             raise ConfigError(f"{where}.temporary_save_interval_seconds must be None or > 0")

@@ -1,6 +1,7 @@
 """How long a checkpoint save stalls the train loop, and how long until it is committed.
 
-    python -m axlearn.common.checkpointer_benchmark [--size 1e9] [--dir /tmp/ckpt_bench]
+    python -m axlearn.common.checkpointer_benchmark [--size 1e9] [--dir /tmp/ckpt_bench] \
+        [--host_memory_kind=pinned_host]
 
 Builds a float32 state of `--size` parameters (split into `--leaves` arrays of 4096
 columns, sharded over all local devices along their rows, as fsdp would), then saves it
@@ -9,7 +10,8 @@ donates the old buffers, as a train step does. (Saving the same arrays again wou
 nothing: jax keeps an array's host copy once made, so a second save of it does not copy.)
 "blocks" is how long `save()` kept the caller (the device-to-host copy); "committed" is
 until the index was written; the last column is the write throughput. A final restore
-of the last state saved, into the same shardings, is timed too.
+of the last state saved, into the same shardings, is timed too. `--host_memory_kind`
+sets the storage's `host_memory_kind` (where `save()` copies the shards).
 """
 
 import argparse
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from axlearn.common.checkpointer import Checkpointer
+from axlearn.common.checkpointer import Checkpointer, TensorStoreStateStorage
 from axlearn.common.sharding import create_mesh
 
 _COLUMNS = 4096
@@ -52,6 +54,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="Default: a new temporary directory.")
     parser.add_argument("--keep", action="store_true", help="Keep the checkpoint files.")
+    parser.add_argument(
+        "--host_memory_kind", default=None, help="E.g. pinned_host; default: numpy arrays."
+    )
     args = parser.parse_args()
 
     directory = args.dir or tempfile.mkdtemp(prefix="ckpt_bench_")
@@ -60,9 +65,13 @@ def main() -> None:
     gigabytes = sum(x.nbytes for x in state.values()) / 1e9
     devices = jax.devices()
     print(f"state: {params / 1e9:.3f}B params, {gigabytes:.2f} GB {args.dtype}, "
-          f"{len(devices)} x {devices[0].device_kind}; dir {directory}")
+          f"{len(devices)} x {devices[0].device_kind}; dir {directory}; "
+          f"host copies: {args.host_memory_kind or 'numpy'}")
 
-    cfg = Checkpointer.default_config().set(name="checkpointer", dir=directory, keep_last_n=1)
+    storage = TensorStoreStateStorage.default_config().set(host_memory_kind=args.host_memory_kind)
+    cfg = Checkpointer.default_config().set(
+        name="checkpointer", dir=directory, keep_last_n=1, storage=storage
+    )
     checkpointer = cfg.instantiate(parent=None)
     train_step = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
     rows = []
