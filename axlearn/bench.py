@@ -462,6 +462,15 @@ def run_in_rounds(
     return results
 
 
+class _Side(NamedTuple):
+    """One side of a comparison: this benchmark run from `tree` with `argv`, and
+    `xla_flags` added to the environment's XLA_FLAGS."""
+
+    tree: str
+    argv: list[str]
+    xla_flags: str = ""
+
+
 def _export_revision(rev: str, repo: str, dest: str) -> None:
     """Writes the tree of `rev` into `dest` (git archive: no checkout of ours is touched)."""
     os.makedirs(dest, exist_ok=True)
@@ -597,51 +606,53 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with_config = lambda name: [f"--config={name}", *run_args]  # noqa: E731
+    # Every comparison is named sides, run in rounds.
+    sides: dict[str, _Side] = {}
+    tmp = tempfile.mkdtemp(prefix="axlearn-bench-") if args.compare else None
     if args.compare_configs:
-        results = run_in_rounds(
-            {name: name for name in config_names},
-            lambda name: _run_in_tree(repo, with_config(name)),
-            rounds=args.rounds,
-        )
+        sides = {name: _Side(repo, with_config(name)) for name in config_names}
     elif override_sides:
-        results = run_in_rounds(
-            override_sides,
-            lambda overrides: _run_in_tree(
-                repo, with_config(args.config) + [f"--config_override={o}" for o in overrides]
-            ),
-            rounds=args.rounds,
-        )
-    elif args.compare_xla_flags:
-        sides = {flags or "default": flags for flags in args.compare_xla_flags}
-        results = run_in_rounds(
-            sides,
-            lambda flags: _run_in_tree(repo, with_config(args.config), xla_flags=flags),
-            rounds=args.rounds,
-        )
-    elif args.compare or args.compare_dirs:
-        tmp = tempfile.mkdtemp(prefix="axlearn-bench-")
-        try:
-            if args.compare:
-                trees = {}
-                for rev in args.compare.split(","):
-                    trees[rev] = os.path.join(tmp, rev.replace("/", "_"))
-                    _export_revision(rev, repo, trees[rev])
-            else:
-                trees = {os.path.basename(d.rstrip("/")) or d: d for d in args.compare_dirs.split(",")}
-            results = run_in_rounds(
-                trees, lambda tree: _run_in_tree(tree, with_config(args.config)), rounds=args.rounds
-            )
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        results = {
-            args.config: run_benchmark(
-                config=args.config, module=args.module, mesh_selector=args.mesh_selector,
-                data_dir=args.data_dir, overrides=args.config_override, steps=args.steps,
-                warmup_steps=args.warmup_steps, profile_dir=args.profile_dir,
-                xla_dump_dir=args.xla_dump_dir, xla_flags_preset=args.xla_flags_preset,
-            )
+        sides = {
+            name: _Side(repo, with_config(args.config) + [f"--config_override={o}" for o in overrides])
+            for name, overrides in override_sides.items()
         }
+    elif args.compare_xla_flags:
+        sides = {
+            flags or "default": _Side(repo, with_config(args.config), flags)
+            for flags in args.compare_xla_flags
+        }
+    elif args.compare_dirs:
+        sides = {
+            os.path.basename(d.rstrip("/")) or d: _Side(d, with_config(args.config))
+            for d in args.compare_dirs.split(",")
+        }
+    elif args.compare:
+        sides = {
+            rev: _Side(os.path.join(tmp, rev.replace("/", "_")), with_config(args.config))
+            for rev in args.compare.split(",")
+        }
+    try:
+        if args.compare:
+            for rev, side in sides.items():
+                _export_revision(rev, repo, side.tree)
+        if sides:
+            results = run_in_rounds(
+                sides,
+                lambda side: _run_in_tree(side.tree, side.argv, xla_flags=side.xla_flags),
+                rounds=args.rounds,
+            )
+        else:
+            results = {
+                args.config: run_benchmark(
+                    config=args.config, module=args.module, mesh_selector=args.mesh_selector,
+                    data_dir=args.data_dir, overrides=args.config_override, steps=args.steps,
+                    warmup_steps=args.warmup_steps, profile_dir=args.profile_dir,
+                    xla_dump_dir=args.xla_dump_dir, xla_flags_preset=args.xla_flags_preset,
+                )
+            }
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     # One run's result alone; a comparison's keyed by side.
     write_json(args.json_out, next(iter(results.values())) if len(results) == 1 else results)
     print(format_table(results))
