@@ -1,10 +1,11 @@
 """One of two CPU processes that save a state sharded over both, then restore it resharded.
 
-    python tests/checkpointer_multiprocess_script.py PROCESS_ID DIR PORT
+    python tests/checkpointer_multiprocess_script.py PROCESS_ID DIR PORT [HOST_MEMORY_KIND]
 
 Each process has 4 fake devices (the caller sets XLA_FLAGS); together they form an
 fsdp=8 mesh. The state is saved, then restored onto a 2x4 mesh, and every shard this
-process holds is compared with the NumPy values it was built from.
+process holds is compared with the NumPy values it was built from. HOST_MEMORY_KIND (e.g.
+pinned_host) sets the storage's `host_memory_kind`.
 """
 
 import os
@@ -22,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from axlearn.common.checkpointer import Checkpointer
+from axlearn.common.checkpointer import Checkpointer, TensorStoreStateStorage
 from axlearn.common.sharding import create_mesh
 
 WEIGHTS = np.arange(16 * 12, dtype=np.float32).reshape(16, 12) / 7
@@ -31,6 +32,7 @@ REPLICATED = np.arange(3, dtype=np.float32)
 
 def main() -> None:
     process_id, directory, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    host_memory_kind = sys.argv[4] if len(sys.argv) > 4 else None
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
     assert jax.device_count() == 8 and jax.local_device_count() == 4
 
@@ -43,7 +45,8 @@ def main() -> None:
             REPLICATED.shape, NamedSharding(mesh, PartitionSpec()), lambda i: REPLICATED[i]
         ),
     }
-    cfg = Checkpointer.default_config().set(name="checkpointer", dir=directory)
+    storage = TensorStoreStateStorage.default_config().set(host_memory_kind=host_memory_kind)
+    cfg = Checkpointer.default_config().set(name="checkpointer", dir=directory, storage=storage)
     with cfg.instantiate(parent=None) as checkpointer:
         checkpointer.save(1, state, extra={"processes": 2})
         checkpointer.wait_until_finished()

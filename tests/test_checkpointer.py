@@ -692,7 +692,10 @@ def test_benchmark_saves_each_new_state_and_restores_the_last(tmp_path, monkeypa
         np.testing.assert_array_equal(np.asarray(saved[name]), np.asarray(array) + 1)
 
 
-def test_two_processes_each_write_their_own_shards_and_restore_resharded(tmp_path):
+@pytest.mark.parametrize("host_memory_kind", [[], ["pinned_host"]], ids=["numpy", "pinned_host"])
+def test_two_processes_each_write_their_own_shards_and_restore_resharded(
+    tmp_path, host_memory_kind
+):
     with socket.socket() as probe:
         probe.bind(("localhost", 0))
         port = probe.getsockname()[1]
@@ -700,7 +703,7 @@ def test_two_processes_each_write_their_own_shards_and_restore_resharded(tmp_pat
     env = fresh_env(devices=4)
     processes = [
         subprocess.Popen(
-            [sys.executable, script, str(i), str(tmp_path), str(port)],
+            [sys.executable, script, str(i), str(tmp_path), str(port), *host_memory_kind],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
