@@ -281,6 +281,36 @@ def _final_updates(
     return treedef.unflatten(out)
 
 
+def _decayed_update(
+    direction: Nested,
+    grads: Nested,
+    params: Optional[Nested],
+    *,
+    weight_decay: float,
+    weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]],
+    lr: Union[float, Tensor],
+    wd_multiplier: Union[float, Tensor],
+    what: str,
+    extra: Optional[PartitionedGradientTransformation] = None,
+    extra_state: Any = None,
+) -> tuple[Nested, Any]:
+    """The updates of a direction with decoupled weight decay:
+    -(lr * d + wd_multiplier * weight_decay * scale * p) per leaf, where d is `direction`
+    after `extra` (an adam_update_transformation, if given). Returns the updates and
+    extra's new state (`extra_state` without `extra`)."""
+    if extra is not None:
+        direction, extra_state = extra.update(direction, extra_state, params)
+    decay = _weight_decay_terms(
+        params,
+        grads,
+        weight_decay=weight_decay,
+        weight_decay_per_param_scale=weight_decay_per_param_scale,
+        what=what,
+    )
+    updates = _final_updates(direction, grads, decay, lr=lr, wd_multiplier=wd_multiplier)
+    return updates, extra_state
+
+
 # ----- composition -----
 
 
@@ -731,21 +761,17 @@ def _adam_transformation(
         direction = jax.tree.map(
             lambda m, v: _debias(m, b1, count) / (jnp.sqrt(_debias(v, b2, count)) + eps), mu, nu
         )
-        if extra is not None:
-            direction, extra_state = extra.update(direction, extra_state, params)
-        decay = _weight_decay_terms(
-            params,
-            grads,
-            weight_decay=weight_decay,
-            weight_decay_per_param_scale=weight_decay_per_param_scale,
-            what=what,
-        )
-        step = _final_updates(
+        step, extra_state = _decayed_update(
             direction,
             grads,
-            decay,
+            params,
+            weight_decay=weight_decay,
+            weight_decay_per_param_scale=weight_decay_per_param_scale,
             lr=lr_fn(adam.count),
             wd_multiplier=wd_multiplier_fn(adam.count),
+            what=what,
+            extra=extra,
+            extra_state=extra_state,
         )
         return step, (AdamState(count=count, mu=mu, nu=nu), extra_state)
 
@@ -944,18 +970,19 @@ def adastar_optimizer(
                 len(raws),
                 (sizes * was_clipped).sum() / sizes.sum(),
             )
-        direction = treedef.unflatten(smoothed)
-        if extra is not None:
-            direction, extra_state = extra.update(direction, extra_state, params)
-        decay = _weight_decay_terms(
-            params,
+        s_t = schedule(opt.count)
+        step, extra_state = _decayed_update(
+            treedef.unflatten(smoothed),
             grads,
+            params,
             weight_decay=weight_decay,
             weight_decay_per_param_scale=weight_decay_per_param_scale,
+            lr=lr(opt.count) * s_t,
+            wd_multiplier=s_t,
             what="adastar_optimizer",
+            extra=extra,
+            extra_state=extra_state,
         )
-        s_t = schedule(opt.count)
-        step = _final_updates(direction, grads, decay, lr=lr(opt.count) * s_t, wd_multiplier=s_t)
         new_state = AdastarState(count, *(treedef.unflatten(x) for x in (m, v, u)))
         return step, (new_state, extra_state)
 
@@ -1010,15 +1037,17 @@ def lion_optimizer(
         momentum = jax.tree.map(
             lambda m, g: (b2 * m + (1 - b2) * g).astype(m.dtype), state.momentum, grads
         )
-        decay = _weight_decay_terms(
-            params,
+        lr_t = lr(state.count)
+        step, _ = _decayed_update(
+            direction,
             grads,
+            params,
             weight_decay=weight_decay,
             weight_decay_per_param_scale=weight_decay_per_param_scale,
+            lr=lr_t,
+            wd_multiplier=lr_t,
             what="lion_optimizer",
         )
-        lr_t = lr(state.count)
-        step = _final_updates(direction, grads, decay, lr=lr_t, wd_multiplier=lr_t)
         return step, MomentumState(count=state.count + 1, momentum=momentum)
 
     def partition(param_specs):
@@ -1221,16 +1250,16 @@ def adafactor_optimizer(
             directions.append(step_size * u)
             for states, x in ((new_r, r), (new_c, c), (new_v, v), (new_m, m)):
                 states.append(x)
-        decay_terms = _weight_decay_terms(
-            params,
+        # The step size is already in `directions` (it may depend on the parameter).
+        step, _ = _decayed_update(
+            treedef.unflatten(directions),
             grads,
+            params,
             weight_decay=weight_decay,
             weight_decay_per_param_scale=weight_decay_per_param_scale,
+            lr=1.0,
+            wd_multiplier=lr_t,
             what="adafactor_optimizer",
-        )
-        # The step size is already in `directions` (it may depend on the parameter).
-        step = _final_updates(
-            treedef.unflatten(directions), grads, decay_terms, lr=1.0, wd_multiplier=lr_t
         )
         new_state = AdafactorState(
             state.count + 1, *(treedef.unflatten(x) for x in (new_r, new_c, new_v, new_m))
