@@ -613,7 +613,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sides = {name: _Side(repo, with_config(name)) for name in config_names}
     elif override_sides:
         sides = {
-            name: _Side(repo, with_config(args.config) + [f"--config_override={o}" for o in overrides])
+            name: _Side(
+                repo, with_config(args.config) + [f"--config_override={o}" for o in overrides]
+            )
             for name, overrides in override_sides.items()
         }
     elif args.compare_xla_flags:
