@@ -1,13 +1,14 @@
 """Saves a state sharded over one mesh, or restores it onto another (run as a subprocess).
 
     python tests/checkpointer_mesh_script.py save DIR REFERENCE.npz
-    python tests/checkpointer_mesh_script.py save_pinned_host DIR REFERENCE.npz
+    python tests/checkpointer_mesh_script.py save_numpy DIR REFERENCE.npz
     python tests/checkpointer_mesh_script.py restore_1 DIR OUT.npz
     python tests/checkpointer_mesh_script.py restore_2x4 DIR OUT.npz
 
 `save` needs 8 devices and shards the state with fsdp=8; the reference values come from
-REFERENCE.npz (written by the test with NumPy). `save_pinned_host` saves the same with
-the shards copied through pinned host memory (`host_memory_kind`). `restore_*` write the
+REFERENCE.npz (written by the test with NumPy). `save_numpy` saves the same with the
+shards copied into numpy arrays (`host_memory_kind='numpy'`) instead of pinned host
+memory. `restore_*` write the
 restored values (bfloat16 as float32, PRNG keys as their key data) and each leaf's
 per-device shard shapes to OUT.npz. The caller sets XLA_FLAGS to choose the fake device
 count.
@@ -91,8 +92,8 @@ if __name__ == "__main__":
     mode, directory, path = sys.argv[1:4]
     if mode == "save":
         save(directory, path)
-    elif mode == "save_pinned_host":
-        save(directory, path, host_memory_kind="pinned_host")
+    elif mode == "save_numpy":
+        save(directory, path, host_memory_kind="numpy")
     elif mode == "restore_1":
         restore(directory, path, (1,))
     elif mode == "restore_2x4":

@@ -5,7 +5,7 @@
 Each process has 4 fake devices (the caller sets XLA_FLAGS); together they form an
 fsdp=8 mesh. The state is saved, then restored onto a 2x4 mesh, and every shard this
 process holds is compared with the NumPy values it was built from. HOST_MEMORY_KIND (e.g.
-pinned_host) sets the storage's `host_memory_kind`.
+numpy) sets the storage's `host_memory_kind`.
 """
 
 import os

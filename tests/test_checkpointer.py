@@ -214,7 +214,7 @@ def test_next_save_waits_for_the_previous_one(make_checkpointer, monkeypatch):
     assert checkpointer.committed_steps() == [1]
 
 
-@pytest.mark.parametrize("host_memory_kind", [None, "pinned_host"])
+@pytest.mark.parametrize("host_memory_kind", [None, "numpy"], ids=["pinned_host", "numpy"])
 def test_changing_the_state_after_save_does_not_change_the_checkpoint(
     make_checkpointer, host_memory_kind
 ):
@@ -611,12 +611,10 @@ def fixture_fsdp8_checkpoint(tmp_path_factory):
     return root / "ckpt", reference
 
 
-def test_fsdp8_checkpoint_through_pinned_host_memory_writes_the_same_files(
-    fsdp8_checkpoint, tmp_path
-):
+def test_fsdp8_checkpoint_through_numpy_copies_writes_the_same_files(fsdp8_checkpoint, tmp_path):
     directory, reference = fsdp8_checkpoint
     np.savez(tmp_path / "reference.npz", **reference)
-    _mesh_script("save_pinned_host", tmp_path / "ckpt", tmp_path / "reference.npz", devices=8)
+    _mesh_script("save_numpy", tmp_path / "ckpt", tmp_path / "reference.npz", devices=8)
     indexes = []
     for root in (directory, tmp_path / "ckpt"):
         with open(os.path.join(root, step_dir_name(3), INDEX_FILE), encoding="utf-8") as f:
@@ -673,13 +671,20 @@ def test_host_memory_kind_the_devices_lack_is_a_config_error(make_checkpointer):
     assert checkpointer.committed_steps() == []
 
 
-def test_benchmark_saves_each_new_state_and_restores_the_last(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "flags, host_copies", [([], "pinned_host (default)"), (["--host_memory_kind=numpy"], "numpy")]
+)
+def test_benchmark_saves_each_new_state_and_restores_the_last(
+    tmp_path, monkeypatch, capsys, flags, host_copies
+):
     from axlearn.common import checkpointer_benchmark  # pylint: disable=import-outside-toplevel
 
-    argv = ["bench", "--size=65536", "--leaves=2", "--repeats=2", f"--dir={tmp_path}"]
+    argv = ["bench", "--size=65536", "--leaves=2", "--repeats=2", f"--dir={tmp_path}", *flags]
     monkeypatch.setattr(sys, "argv", argv)
     checkpointer_benchmark.main()
-    assert "values equal: True" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"host copies: {host_copies}" in out
+    assert "values equal: True" in out
     # The second save holds the state after one step (x + 1), not the first state again:
     # saving the same arrays twice would not time a second device-to-host copy.
     first = checkpointer_benchmark.build_state(65536, 2, jnp.float32)
@@ -692,7 +697,7 @@ def test_benchmark_saves_each_new_state_and_restores_the_last(tmp_path, monkeypa
         np.testing.assert_array_equal(np.asarray(saved[name]), np.asarray(array) + 1)
 
 
-@pytest.mark.parametrize("host_memory_kind", [[], ["pinned_host"]], ids=["numpy", "pinned_host"])
+@pytest.mark.parametrize("host_memory_kind", [[], ["numpy"]], ids=["pinned_host", "numpy"])
 def test_two_processes_each_write_their_own_shards_and_restore_resharded(
     tmp_path, host_memory_kind
 ):

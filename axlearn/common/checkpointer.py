@@ -16,10 +16,9 @@ A step directory without `index.json` is not a checkpoint: it is never restored,
 garbage collection removes it. Restore re-checks the sizes and checksums of the files it
 reads, so a torn or altered file is detected; the previous committed step is then used.
 
-`save()` blocks only while device arrays are copied to host memory (new numpy arrays, or
-with `TensorStoreStateStorage.Config.host_memory_kind` a memory such as pinned host
-memory); the files are written by a background thread, and the next `save()` waits for
-the previous one.
+`save()` blocks only while device arrays are copied to host memory (by default into
+pinned host memory, see `TensorStoreStateStorage.Config.host_memory_kind`); the files are
+written by a background thread, and the next `save()` waits for the previous one.
 Only local (or mounted, shared for multi-host) file systems are supported: the commit
 relies on POSIX rename.
 """
@@ -66,6 +65,10 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # and reads them in parallel and a restore on another mesh reads little it does not need.
 _TARGET_CHUNK_BYTES = 64 << 20
 _CHECKSUM_BLOCK_BYTES = 16 << 20
+# The values of TensorStoreStateStorage.Config.host_memory_kind that are not just passed on:
+# what None means, and the one that copies into numpy arrays instead of a jax memory.
+_PINNED_HOST = "pinned_host"
+_NUMPY = "numpy"
 
 
 class CheckpointSaveError(RuntimeError):
@@ -267,13 +270,13 @@ class StateSnapshot(NamedTuple):
 
 
 def _start_host_copy(
-    path: str, leaf: Any, host_memory_kind: Optional[str] = None
+    path: str, leaf: Any, host_memory_kind: str
 ) -> Callable[[], _LeafSnapshot]:
     """Starts copying the shards of `leaf` this process owns; the returned call waits.
 
-    `host_memory_kind`: None copies each shard into a new numpy array; a host memory kind
-    of the devices ('pinned_host') copies it into a jax array in that memory, which the
-    writer thread reads as numpy later (TensorStoreStateStorage.Config.host_memory_kind).
+    `host_memory_kind`: a host memory kind of the devices ('pinned_host') copies each shard
+    into a jax array in that memory, which the writer thread reads as numpy later; 'numpy'
+    copies it into a new numpy array (TensorStoreStateStorage.Config.host_memory_kind).
     """
     meta: dict[str, Any] = {}
     if isinstance(leaf, jax.Array):
@@ -286,7 +289,7 @@ def _start_host_copy(
             for index in leaf.sharding.devices_indices_map(leaf.shape).values()
         ]
         owned = [shard for shard in leaf.addressable_shards if shard.replica_id == 0]
-        if host_memory_kind is None:
+        if host_memory_kind == _NUMPY:
             for shard in owned:
                 shard.data.copy_to_host_async()
         else:
@@ -303,7 +306,7 @@ def _start_host_copy(
             shards = []
             for i, shard in enumerate(owned):
                 bounds = _normalize_index(shard.index, leaf.shape)
-                if host_memory_kind is not None:
+                if host_memory_kind != _NUMPY:
                     # Waits for the copy; once it is done a donating step may reuse the
                     # device buffer, and the host array is the writer's alone.
                     shards.append((bounds, in_host_memory[i].block_until_ready()))
@@ -358,11 +361,13 @@ class TensorStoreStateStorage(Configurable):
 
         # Seconds to wait for one checkpoint's writes, reads or the other processes' files.
         timeout_secs: float = 3600
-        # Where `save()` copies the device shards before returning. None: into new numpy
-        # arrays (pageable memory). A host memory kind of the devices, such as
-        # 'pinned_host': into jax arrays in that memory, which the writer thread reads
-        # as numpy; on a GPU, page-locked memory the device fills by DMA. Holds that much
-        # host memory per save in flight.
+        # Where `save()` copies the device shards before returning. A host memory kind of
+        # the devices, None meaning 'pinned_host': into jax arrays in that memory, which
+        # the writer thread reads as numpy. On a GPU that is page-locked memory the device
+        # fills by DMA: gpt_1b's saves after the first block ~0.3 s instead of ~6 s (H100,
+        # docs/benchmarks.md), and the runtime keeps the pool (about the state's size)
+        # between saves. 'numpy': into new numpy arrays, pageable memory freed after the
+        # write, for hosts short of memory.
         host_memory_kind: Optional[str] = None
 
     def __init__(self, cfg: Config):
@@ -376,8 +381,8 @@ class TensorStoreStateStorage(Configurable):
         """Copies the shards this process owns to host memory; the state may change after."""
         entries = flatten_with_paths(state)
         _check_unique_paths([path for path, _ in entries])
-        kind = self.config.host_memory_kind
-        if kind is not None:
+        kind = self.config.host_memory_kind or _PINNED_HOST
+        if kind != _NUMPY:
             self._check_host_memory_kind(kind, [leaf for _, leaf in entries])
         # Every device-to-host transfer starts before the first one is waited for.
         started = [_start_host_copy(path, leaf, kind) for path, leaf in entries]
@@ -624,8 +629,8 @@ class Checkpointer(Module):
         kind = cfg.storage.host_memory_kind
         if kind is not None and (not isinstance(kind, str) or kind == "device"):
             raise ConfigError(
-                f"{where}.storage.host_memory_kind must be None or a host memory kind such as "
-                f"'pinned_host', got {kind!r}"
+                f"{where}.storage.host_memory_kind must be None, '{_NUMPY}' or a host memory "
+                f"kind such as '{_PINNED_HOST}', got {kind!r}"
             )
         interval = cfg.temporary_save_interval_seconds
         if interval is not None and interval <= 0:

@@ -1,7 +1,7 @@
 """How long a checkpoint save stalls the train loop, and how long until it is committed.
 
     python -m axlearn.common.checkpointer_benchmark [--size 1e9] [--dir /tmp/ckpt_bench] \
-        [--host_memory_kind=pinned_host]
+        [--host_memory_kind=numpy]
 
 Builds a float32 state of `--size` parameters (split into `--leaves` arrays of 4096
 columns, sharded over all local devices along their rows, as fsdp would), then saves it
@@ -11,7 +11,8 @@ nothing: jax keeps an array's host copy once made, so a second save of it does n
 "blocks" is how long `save()` kept the caller (the device-to-host copy); "committed" is
 until the index was written; the last column is the write throughput. A final restore
 of the last state saved, into the same shardings, is timed too. `--host_memory_kind`
-sets the storage's `host_memory_kind` (where `save()` copies the shards).
+sets the storage's `host_memory_kind` (where `save()` copies the shards): by default
+pinned host memory, or `numpy` for new numpy arrays.
 """
 
 import argparse
@@ -55,7 +56,9 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="Default: a new temporary directory.")
     parser.add_argument("--keep", action="store_true", help="Keep the checkpoint files.")
     parser.add_argument(
-        "--host_memory_kind", default=None, help="E.g. pinned_host; default: numpy arrays."
+        "--host_memory_kind",
+        default=None,
+        help="A host memory kind of the devices, or 'numpy' (default: the storage's, pinned_host).",
     )
     args = parser.parse_args()
 
@@ -66,7 +69,7 @@ def main() -> None:
     devices = jax.devices()
     print(f"state: {params / 1e9:.3f}B params, {gigabytes:.2f} GB {args.dtype}, "
           f"{len(devices)} x {devices[0].device_kind}; dir {directory}; "
-          f"host copies: {args.host_memory_kind or 'numpy'}")
+          f"host copies: {args.host_memory_kind or 'pinned_host (default)'}")
 
     storage = TensorStoreStateStorage.default_config().set(host_memory_kind=args.host_memory_kind)
     cfg = Checkpointer.default_config().set(
