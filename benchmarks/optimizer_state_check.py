@@ -64,8 +64,12 @@ from axlearn.common.summary_writer import JSONL_FILE_NAME
 
 
 def _logged_losses(writer) -> dict[int, float]:
-    """The loss at every step a summary writer logged, from its metrics.jsonl."""
-    with open(os.path.join(writer.config.dir, JSONL_FILE_NAME), encoding="utf-8") as f:
+    """The loss at every step a summary writer logged, from its metrics.jsonl (none if it
+    wrote no file: an evaler whose policy never fired in the run)."""
+    path = os.path.join(writer.config.dir, JSONL_FILE_NAME)
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
@@ -128,7 +132,9 @@ def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[str, Any
     losses = {"train": _logged_losses(trainer.summary_writer)}
     for name in cfg.evalers:
         if "summary_writer" in trainer.children[name].children:
-            losses[name] = _logged_losses(trainer.children[name].summary_writer)
+            logged = _logged_losses(trainer.children[name].summary_writer)
+            if logged:
+                losses[name] = logged
     return {
         "config": args.config,
         "config_overrides": args.config_override,

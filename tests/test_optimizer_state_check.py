@@ -177,6 +177,18 @@ def test_a_float32_cast_changes_nothing_and_bfloat16_changes_the_losses(tmp_path
     assert last[2].strip().startswith(f"{bf16_at_6:.4f}")
 
 
+def test_an_evaler_that_never_ran_is_left_out_of_the_record(tmp_path):
+    # Evaluation every 10 steps up to step 20 in a 6-step run: the evaler writes no summaries.
+    out = _run(
+        tmp_path, "--cast_only", "--state_dtype=float32",
+        "--config_override=evalers['validation'].eval_policy.n=10",
+        "--config_override=evalers['validation'].eval_policy.max_step=20",
+    )
+    (record,) = json.loads(out.read_text()).values()
+    assert list(record["losses"]) == ["train"]
+    assert sorted(record["losses"]["train"], key=int) == [str(s) for s in range(1, 7)]
+
+
 def test_differences_under_the_fourth_decimal_print_in_scientific_notation():
     assert optimizer_state_check._difference(0.0012, 0.0018) == "+0.0012 ± 0.0018"
     assert optimizer_state_check._difference(-1.2e-6, 1.9e-6) == "-1.2e-06 ± 1.9e-06"
