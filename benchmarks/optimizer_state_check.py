@@ -9,10 +9,15 @@ the steadier measure.
 
 One pair is not enough on a GPU, whose nondeterministic sums make two identical runs
 differ by as much as the rounding does. `--json_out` records each run's config, seed,
-overrides and how its optimizer state was kept (its dtype, and whether rounded
+overrides, setup (the device kind, the Python version and `--data_dir`: the built-in
+corpus is the running Python's standard library, so another Python trains and validates
+on other text) and how its optimizer state was kept (its dtype, and whether rounded
 stochastically: `--rounding`); `--summarize` reads any number of those files, groups the
 runs by that and prints each group's mean and spread by step with the difference of the
-means and its standard error, and the same difference matched by seed.
+means and its standard error, and the same difference matched by seed. It lists each
+group's setups first, and warns where a group shares none with the reference: 8 float32
+runs on H200s ended 0.042 ± 0.013 above 16 on H100s (docs/benchmarks.md, the
+twenty-seventh round), as large as any dtype's difference.
 
     # CPU, ~3 minutes: gpt_test on the built-in corpus.
     PYTHONPATH=. python benchmarks/optimizer_state_check.py --config=gpt_test --trainer_dir=/tmp/osc
@@ -42,8 +47,9 @@ import argparse
 import json
 import math
 import os
+import platform
 import statistics
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -140,8 +146,27 @@ def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[str, Any
         "config_overrides": args.config_override,
         "seed": cfg.seed or 0,
         "state": _state_label(trainer.trainer_state.learner["optimizer"]),
+        "setup": _setup(args.data_dir),
         "losses": losses,
     }
+
+
+def _setup(data_dir: Optional[str]) -> dict[str, Optional[str]]:
+    """What besides the recipe sets a run's losses: the device kind (its kernels' sums), and
+    the data. The built-in corpus is the running Python's standard library, so its text,
+    and with it every loss, changes with the Python version."""
+    return {
+        "device": jax.devices()[0].device_kind,
+        "python": platform.python_version(),
+        "data_dir": data_dir,
+    }
+
+
+def _setup_label(run: dict[str, Any]) -> str:
+    setup = run.get("setup")
+    if setup is None:
+        return "not recorded"
+    return f"{setup['device']}, Python {setup['python']}, data {setup['data_dir'] or 'as configured'}"
 
 
 def _window_means(losses: dict[int, float], window: int) -> dict[int, float]:
@@ -186,7 +211,7 @@ def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[
         groups.setdefault(run["state"], []).append(
             (run["seed"], _window_means(curve, window) if window else curve)
         )
-    reference = "float32" if "float32" in groups else sorted(groups)[0]
+    reference = _reference(set(groups))
     steps = sorted(
         set.intersection(*(set(curve) for runs_ in groups.values() for _, curve in runs_))
     )
@@ -219,6 +244,11 @@ def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[
     return rows
 
 
+def _reference(labels: set[str]) -> str:
+    """The group the others are compared with: float32 state, where present."""
+    return "float32" if "float32" in labels else sorted(labels)[0]
+
+
 def _losses_by_seed(seeded_losses: list[tuple[int, float]]) -> dict[int, float]:
     """The mean loss of each seed's runs."""
     by_seed: dict[int, list[float]] = {}
@@ -249,7 +279,8 @@ def _difference(diff: float, se: float) -> str:
 
 def _print_summary(runs: list[dict[str, Any]], window: int) -> None:
     """Prints `summarize` for each evaler, and for the training loss's `window` means if given
-    (its single steps are too noisy to compare across runs)."""
+    (its single steps are too noisy to compare across runs), after the runs' setups."""
+    _print_setups(runs, _reference({run["state"] for run in runs}))
     for source in runs[0]["losses"]:
         if source == "train" and not window:
             continue
@@ -285,6 +316,27 @@ def _print_summary(runs: list[dict[str, Any]], window: int) -> None:
                 for d in others
             ]
             print(f"{row['step']:>6} | " + " | ".join(cells))
+
+
+def _print_setups(runs: list[dict[str, Any]], reference: str) -> None:
+    """Each group's runs by setup (`_setup`); a warning for a group that shares no recorded
+    setup with the reference, whose differences then include the setups' own."""
+    by_group: dict[str, dict[str, int]] = {}
+    for run in runs:
+        setups = by_group.setdefault(run["state"], {})
+        setups[_setup_label(run)] = setups.get(_setup_label(run), 0) + 1
+    print("Setups (device, Python, data):")
+    for label, setups in by_group.items():
+        print(f"  {label}: " + "; ".join(f"{n} x {setup}" for setup, n in setups.items()))
+    for label, setups in by_group.items():
+        recorded = set(setups) - {"not recorded"}
+        ref_recorded = set(by_group[reference]) - {"not recorded"}
+        if label != reference and recorded and ref_recorded and not recorded & ref_recorded:
+            print(
+                f"WARNING: {label} and {reference} ran on different setups: their differences "
+                "include the setups' own (another device kind, or another Python, whose "
+                "standard library is the built-in corpus)."
+            )
 
 
 def main() -> None:

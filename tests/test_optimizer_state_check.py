@@ -2,6 +2,7 @@
 
 import json
 import math
+import platform
 import subprocess
 import sys
 
@@ -99,6 +100,33 @@ def test_summarize_matches_seeds_as_a_numpy_derivation():
     assert math.isnan(row["diffs"]["bfloat16"]["paired_diff"])
 
 
+def _with_setup(run, device, python="3.12.3"):
+    run["setup"] = {"device": device, "python": python, "data_dir": "BUILTIN"}
+    return run
+
+
+def test_summary_warns_where_a_group_ran_only_on_other_setups(capsys):
+    # float24 on H200s only, float32 on H100s only: the difference mixes in the setups'.
+    runs = [_with_setup(_record("float32", {100: 3.0}), "NVIDIA H100 80GB HBM3") for _ in range(2)]
+    runs += [_with_setup(_record("float24", {100: 3.1}), "NVIDIA H200") for _ in range(2)]
+    optimizer_state_check._print_summary(runs, window=0)
+    out = capsys.readouterr().out
+    assert "float32: 2 x NVIDIA H100 80GB HBM3, Python 3.12.3, data BUILTIN" in out
+    assert "WARNING: float24 and float32 ran on different setups" in out
+    # One float32 run on an H200 too: a setup in common, no warning.
+    runs.append(_with_setup(_record("float32", {100: 3.0}), "NVIDIA H200"))
+    optimizer_state_check._print_summary(runs, window=0)
+    assert "WARNING" not in capsys.readouterr().out
+    # Records from before setups were recorded: listed as such, no warning.
+    optimizer_state_check._print_summary([_record("float32", {100: 3.0}), runs[2]], window=0)
+    out = capsys.readouterr().out
+    assert "float32: 1 x not recorded" in out and "WARNING" not in out
+    # Another Python alone (another built-in corpus) is another setup.
+    other_python = [_with_setup(_record("float32", {100: 3.0}), "NVIDIA H200", python="3.11.7")]
+    optimizer_state_check._print_summary(other_python + runs[2:4], window=0)
+    assert "WARNING: float24 and float32" in capsys.readouterr().out
+
+
 def test_summarize_windows_the_training_loss():
     runs = [_record("float32", {}, train={1: 4.0, 2: 2.0, 3: 1.0, 4: 3.0}) for _ in range(2)]
     rows = optimizer_state_check.summarize(runs, "train", window=2)
@@ -155,6 +183,8 @@ def test_a_float32_cast_changes_nothing_and_bfloat16_changes_the_losses(tmp_path
     records = json.loads(rounded_file.read_text())
     assert list(records) == ["as_configured", "bfloat16_state"]
     assert [r["state"] for r in records.values()] == ["float32", "bfloat16"]
+    setup = {"device": "cpu", "python": platform.python_version(), "data_dir": None}
+    assert [r["setup"] for r in records.values()] == [setup, setup]
     assert {r["seed"] for r in records.values()} == {3}
     assert "seed=3" in records["as_configured"]["config_overrides"]
     rounded = {name: run["losses"] for name, run in records.items()}
