@@ -259,10 +259,10 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
         ),
         # gpt_1b with Adastar's EMAs rounded to 24 bits between steps (split_float.Float24:
         # 3 bytes, relative error at most 2**-16): 0.5-1.0% faster and 2 GiB less on one
-        # H100, 54.3-55.2% MFU on four; on the CPU its runs follow float32 state's to 1e-5
-        # in loss over 200 steps and 4e-4 over 1,000, and on the GPU four runs of a 700-step
-        # schedule end where float32 state's do (docs/benchmarks.md, the twenty-fifth and
-        # twenty-sixth rounds).
+        # H100, 54.3-55.2% MFU on five; on the CPU its runs follow float32 state's to 1e-5
+        # in loss over 200 steps and 4e-4 over 1,000, and on the GPU 12 runs of a 700-step
+        # schedule end 0.021 ± 0.016 below float32 state's on the same kind of card
+        # (docs/benchmarks.md, the twenty-fifth to twenty-seventh rounds).
         "gpt_1b_float24_optimizer_state": functools.partial(
             gpt_trainer, "1B", optimizer_state_dtype=FLOAT24
         ),
