@@ -163,10 +163,12 @@ def _setup(data_dir: Optional[str]) -> dict[str, Optional[str]]:
 
 
 def _setup_label(run: dict[str, Any]) -> str:
+    """A run's setup in words; "not recorded" for records written before setups were."""
     setup = run.get("setup")
     if setup is None:
         return "not recorded"
-    return f"{setup['device']}, Python {setup['python']}, data {setup['data_dir'] or 'as configured'}"
+    data = setup["data_dir"] or "as configured"
+    return f"{setup['device']}, Python {setup['python']}, data {data}"
 
 
 def _window_means(losses: dict[int, float], window: int) -> dict[int, float]:
@@ -328,9 +330,9 @@ def _print_setups(runs: list[dict[str, Any]], reference: str) -> None:
     print("Setups (device, Python, data):")
     for label, setups in by_group.items():
         print(f"  {label}: " + "; ".join(f"{n} x {setup}" for setup, n in setups.items()))
+    ref_recorded = set(by_group[reference]) - {"not recorded"}
     for label, setups in by_group.items():
         recorded = set(setups) - {"not recorded"}
-        ref_recorded = set(by_group[reference]) - {"not recorded"}
         if label != reference and recorded and ref_recorded and not recorded & ref_recorded:
             print(
                 f"WARNING: {label} and {reference} ran on different setups: their differences "

@@ -8,10 +8,9 @@
 `save` needs 8 devices and shards the state with fsdp=8; the reference values come from
 REFERENCE.npz (written by the test with NumPy). `save_numpy` saves the same with the
 shards copied into numpy arrays (`host_memory_kind='numpy'`) instead of pinned host
-memory. `restore_*` write the
-restored values (bfloat16 as float32, PRNG keys as their key data) and each leaf's
-per-device shard shapes to OUT.npz. The caller sets XLA_FLAGS to choose the fake device
-count.
+memory. `restore_*` write the restored values (bfloat16 as float32, PRNG keys as their
+key data) and each leaf's per-device shard shapes to OUT.npz. The caller sets XLA_FLAGS
+to choose the fake device count.
 """
 
 import os
