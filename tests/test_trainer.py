@@ -569,7 +569,7 @@ def test_a_split_checkpoint_holds_float32_weights_any_trainer_restores(bf16_runs
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_split_weights_are_joined_once_and_only_at_steps_that_evaluate_or_save(tmp_path, monkeypatch):
+def test_split_weights_join_once_only_at_steps_that_evaluate_or_save(tmp_path, monkeypatch):
     # The loop asks for the evalers every step; joining the weights there would write every
     # weight as float32 each step.
     cfg = _bf16_trainer_config(str(tmp_path), max_step=6, carry="split")
