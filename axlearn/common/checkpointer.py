@@ -26,6 +26,7 @@ relies on POSIX rename.
 import concurrent.futures
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import math
@@ -269,6 +270,15 @@ class StateSnapshot(NamedTuple):
     treedef: str  # For people reading the index; restore takes the structure from a template.
 
 
+def _numpy_copy(shard: jax.Shard) -> np.ndarray:
+    """The shard's data in a numpy array of its own (after `copy_to_host_async`)."""
+    data = np.asarray(shard.data)
+    if shard.device.platform == "cpu":
+        # On CPU that is a view of the device buffer, which a donating step reuses.
+        data = data.copy()
+    return data
+
+
 def _start_host_copy(
     path: str, leaf: Any, host_memory_kind: str
 ) -> Callable[[], _LeafSnapshot]:
@@ -292,31 +302,24 @@ def _start_host_copy(
         if host_memory_kind == _NUMPY:
             for shard in owned:
                 shard.data.copy_to_host_async()
+            finish = [functools.partial(_numpy_copy, shard) for shard in owned]
         else:
-            # One transfer a shard, not of the whole array: replicas need no copy.
-            in_host_memory = [
+            # One transfer a shard, not of the whole array: replicas need no copy. Waiting
+            # for it means a donating step may reuse the device buffer after, and the host
+            # array is the writer's alone.
+            finish = [
                 jax.device_put(
                     shard.data,
                     jax.sharding.SingleDeviceSharding(shard.device, memory_kind=host_memory_kind),
-                )
+                ).block_until_ready
                 for shard in owned
             ]
 
         def host_shards():
-            shards = []
-            for i, shard in enumerate(owned):
-                bounds = _normalize_index(shard.index, leaf.shape)
-                if host_memory_kind != _NUMPY:
-                    # Waits for the copy; once it is done a donating step may reuse the
-                    # device buffer, and the host array is the writer's alone.
-                    shards.append((bounds, in_host_memory[i].block_until_ready()))
-                    continue
-                data = np.asarray(shard.data)
-                if shard.device.platform == "cpu":
-                    # On CPU that is a view of the device buffer, which a donating step reuses.
-                    data = data.copy()
-                shards.append((bounds, data))
-            return shards
+            return [
+                (_normalize_index(shard.index, leaf.shape), wait())
+                for shard, wait in zip(owned, finish)
+            ]
 
     elif isinstance(leaf, (np.ndarray, np.generic, bool, int, float)):
         leaf = np.array(leaf)  # A copy: the caller may change its array after save().
