@@ -10,6 +10,11 @@ and the largest kernels. The paths:
 - cudnn: `jax.nn.dot_product_attention(implementation="cudnn")`, grouped-query (the model's).
 - cudnn_repeated_kv: the same with K/V repeated to one head per query head (cuDNN then
   needs no float32 dK/dV buffer, memset or head sum).
+- cudnn_kv_repeated_backward: cuDNN's grouped-query forward, and its backward kernel given
+  K/V repeated to one head per query head (a custom gradient over jax's private cuDNN
+  module, which alone returns the softmax statistics a backward takes): no float32 dK/dV
+  buffer, memset or head sum, and no repeat in the forward (tried in gpt_1b in the
+  twenty-eighth round, not kept).
 - cudnn_query_groups: one multi-head cuDNN call per query group (query heads g, g+G, ...
   share no K/V head), so no float32 dK/dV buffer or head sum and no repeat, but slices
   of q, an interleave of the contexts and a sum of each group's dK and dV.
@@ -34,6 +39,41 @@ from axlearn.bench import gpu_time_ms, write_json
 def _repeat_kv(q, k, v):
     groups = q.shape[2] // k.shape[2]
     return jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+
+
+def _cudnn_kv_repeated_backward(scale: float):
+    """Grouped-query cuDNN attention whose backward runs on K/V repeated to N heads."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=import-outside-toplevel
+
+    mask_type = fa.MaskType.CAUSAL
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return fa.dot_product_attention(q, k, v, scale=scale, mask_type=mask_type)
+
+    def forward(q, k, v):
+        out, stats = fa.dot_product_attention(
+            q, k, v, scale=scale, mask_type=mask_type, return_residual=True
+        )
+        return out, (q, k, v, out, stats)
+
+    def backward(residuals, d_out):
+        q, k, v, out, stats = residuals
+        k_rep, v_rep = _repeat_kv(q, k, v)
+        unused = jnp.zeros((0,), q.dtype)  # No bias, padding, segments or paged K/V.
+        dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(  # pylint: disable=protected-access
+            q, k_rep, v_rep, *([unused] * 7), stats, out, d_out,
+            scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False),
+            mask_type=mask_type, layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None,
+        )  # fmt: skip
+        # Query head i read K/V head i // groups: sum each group's gradients.
+        kv_shape = k.shape[:3] + (q.shape[2] // k.shape[2], k.shape[3])
+        return (dq,) + tuple(
+            g.reshape(kv_shape).sum(axis=3, dtype=jnp.float32).astype(k.dtype) for g in (dk, dv)
+        )
+
+    attention.defvjp(forward, backward)
+    return attention
 
 
 def reference(q, k, v, *, scale):
@@ -95,6 +135,7 @@ def paths(scale: float) -> dict:
     return {
         "cudnn": cudnn,
         "cudnn_repeated_kv": cudnn_repeated_kv,
+        "cudnn_kv_repeated_backward": lambda q, k, v: _cudnn_kv_repeated_backward(scale)(q, k, v),
         "cudnn_query_groups": cudnn_query_groups,
         "cudnn_bnth": cudnn_bnth,
         "tokamax_mosaic": functools.partial(tokamax_path, "mosaic"),
