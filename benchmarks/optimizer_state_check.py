@@ -15,9 +15,11 @@ on other text) and how its optimizer state was kept (its dtype, and whether roun
 stochastically: `--rounding`); `--summarize` reads any number of those files, groups the
 runs by that and prints each group's mean and spread by step with the difference of the
 means and its standard error, and the same difference matched by seed. It lists each
-group's setups first, and warns where a group shares none with the reference: 8 float32
-runs on H200s ended 0.042 ± 0.013 above 16 on H100s (docs/benchmarks.md, the
-twenty-seventh round), as large as any dtype's difference.
+group's setups first, and warns where a group shares none with the reference. Even one
+setup differs from host to host: float32 state's eight runs on one 4× H200 host ended
+0.039 ± 0.015 above eight on another (docs/benchmarks.md, the twenty-eighth round), as
+large as any dtype's difference. So spread each group over several hosts (4-GPU calls)
+and compare groups, not hosts.
 
     # CPU, ~3 minutes: gpt_test on the built-in corpus.
     PYTHONPATH=. python benchmarks/optimizer_state_check.py --config=gpt_test --trainer_dir=/tmp/osc
