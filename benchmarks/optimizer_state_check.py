@@ -19,7 +19,8 @@ group's setups first, and warns where a group shares none with the reference. Ev
 setup differs from host to host: float32 state's eight runs on one 4× H200 host ended
 0.039 ± 0.015 above eight on another (docs/benchmarks.md, the twenty-eighth round), as
 large as any dtype's difference. So spread each group over several hosts (4-GPU calls)
-and compare groups, not hosts.
+and compare groups, not hosts; after each evaler's table, a group whose runs came from
+several files (a file usually holds one call's, on one host) is listed by file.
 
     # CPU, ~3 minutes: gpt_test on the built-in corpus.
     PYTHONPATH=. python benchmarks/optimizer_state_check.py --config=gpt_test --trainer_dir=/tmp/osc
@@ -262,14 +263,15 @@ def _losses_by_seed(seeded_losses: list[tuple[int, float]]) -> dict[int, float]:
 
 
 def _load_runs(paths: list[str]) -> list[dict[str, Any]]:
-    """Every run recorded in the --json_out files at `paths`."""
+    """Every run recorded in the --json_out files at `paths`, each with its file's name
+    under "file"."""
     runs = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
             for name, run in json.load(f).items():
                 if "state" not in run or "losses" not in run:
                     raise SystemExit(f"{path}: run {name!r} has no 'state' and 'losses'")
-                runs.append(run)
+                runs.append(dict(run, file=os.path.basename(path)))
     return runs
 
 
@@ -320,6 +322,29 @@ def _print_summary(runs: list[dict[str, Any]], window: int) -> None:
                 for d in others
             ]
             print(f"{row['step']:>6} | " + " | ".join(cells))
+        if source != "train":
+            _print_by_file(runs, source, rows[-1]["step"])
+
+
+def _print_by_file(runs: list[dict[str, Any]], source: str, step: int) -> None:
+    """Each group's loss of `source` at `step` by the file its runs came from, for the groups
+    whose runs came from several: a file usually holds one call's runs, on one host, and
+    hosts of one setup can differ by as much as the dtypes (the module's docstring)."""
+    by_group: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        files = by_group.setdefault(run["state"], {})
+        files.setdefault(run.get("file", "?"), []).append(run["losses"][source][str(step)])
+    lines = []
+    for label, files in by_group.items():
+        if len(files) > 1:
+            cells = []
+            for name, losses in files.items():
+                mean, sd = _mean_and_sd(losses)
+                cells.append(f"{name} {mean:.4f} ± {sd:.4f} (n={len(losses)})")
+            lines.append(f"  {label}: " + "; ".join(cells))
+    if lines:
+        print(f"Evaler '{source}' loss at step {step} by file (a file is usually one host's runs):")
+        print("\n".join(lines))
 
 
 def _print_setups(runs: list[dict[str, Any]], reference: str) -> None:

@@ -127,6 +127,28 @@ def test_summary_warns_where_a_group_ran_only_on_other_setups(capsys):
     assert "WARNING: float24 and float32" in capsys.readouterr().out
 
 
+def test_summary_lists_a_group_by_file_where_its_runs_came_from_several(tmp_path, capsys):
+    # float32 from two files (two hosts' calls) whose means differ; float24 from one.
+    host_a, host_b, f24 = [3.0, 3.2, 3.1], [2.8, 2.9], [3.0, 3.05]
+    files = {
+        "a.json": {f"r{i}": _record("float32", {100: 3.5, 200: x}) for i, x in enumerate(host_a)},
+        "b.json": {f"r{i}": _record("float32", {100: 3.5, 200: x}) for i, x in enumerate(host_b)},
+        "c.json": {f"r{i}": _record("float24", {100: 3.5, 200: x}) for i, x in enumerate(f24)},
+    }
+    for name, records in files.items():
+        (tmp_path / name).write_text(json.dumps(records))
+    runs = optimizer_state_check._load_runs([str(tmp_path / name) for name in files])
+    assert [run["file"] for run in runs] == ["a.json"] * 3 + ["b.json"] * 2 + ["c.json"] * 2
+    optimizer_state_check._print_summary(runs, window=0)
+    out = capsys.readouterr().out
+    a, b = np.array(host_a), np.array(host_b)
+    assert f"  float32: a.json {a.mean():.4f} ± {a.std(ddof=1):.4f} (n=3); " in out
+    assert f"b.json {b.mean():.4f} ± {b.std(ddof=1):.4f} (n=2)" in out
+    assert "Evaler 'eval' loss at step 200 by file" in out
+    # float24 came from one file: nothing to list for it.
+    assert "c.json" not in out
+
+
 def test_summarize_windows_the_training_loss():
     runs = [_record("float32", {}, train={1: 4.0, 2: 2.0, 3: 1.0, 4: 3.0}) for _ in range(2)]
     rows = optimizer_state_check.summarize(runs, "train", window=2)
