@@ -340,10 +340,14 @@ def _print_by_file(runs: list[dict[str, Any]], source: str, step: int) -> None:
             cells = []
             for name, losses in files.items():
                 mean, sd = _mean_and_sd(losses)
-                cells.append(f"{name} {mean:.4f} ± {sd:.4f} (n={len(losses)})")
+                spread = f" ± {sd:.4f}" if len(losses) > 1 else ""
+                cells.append(f"{name} {mean:.4f}{spread} (n={len(losses)})")
             lines.append(f"  {label}: " + "; ".join(cells))
     if lines:
-        print(f"Evaler '{source}' loss at step {step} by file (a file is usually one host's runs):")
+        print(
+            f"Evaler '{source}' loss at step {step} by file (one call's runs; on a GPU, "
+            "usually one host's):"
+        )
         print("\n".join(lines))
 
 

@@ -147,6 +147,9 @@ def test_summary_lists_a_group_by_file_where_its_runs_came_from_several(tmp_path
     assert "Evaler 'eval' loss at step 200 by file" in out
     # float24 came from one file: nothing to list for it.
     assert "c.json" not in out
+    # A file of one run: its loss alone.
+    optimizer_state_check._print_summary(runs[:4], window=0)
+    assert f"b.json {host_b[0]:.4f} (n=1)" in capsys.readouterr().out
 
 
 def test_summarize_windows_the_training_loss():
