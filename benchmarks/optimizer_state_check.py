@@ -52,6 +52,7 @@ import math
 import os
 import platform
 import statistics
+from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
@@ -326,19 +327,27 @@ def _print_summary(runs: list[dict[str, Any]], window: int) -> None:
             _print_by_file(runs, source, rows[-1]["step"])
 
 
+def _runs_by_group(
+    runs: list[dict[str, Any]], key: Callable[[dict[str, Any]], str]
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """The runs by group (how their optimizer state was kept), then by `key(run)`, in the
+    order first seen."""
+    by_group: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for run in runs:
+        by_group.setdefault(run["state"], {}).setdefault(key(run), []).append(run)
+    return by_group
+
+
 def _print_by_file(runs: list[dict[str, Any]], source: str, step: int) -> None:
     """Each group's loss of `source` at `step` by the file its runs came from, for the groups
     whose runs came from several: a file usually holds one call's runs, on one host, and
     hosts of one setup can differ by as much as the dtypes (the module's docstring)."""
-    by_group: dict[str, dict[str, list[float]]] = {}
-    for run in runs:
-        files = by_group.setdefault(run["state"], {})
-        files.setdefault(run.get("file", "?"), []).append(run["losses"][source][str(step)])
     lines = []
-    for label, files in by_group.items():
+    for label, files in _runs_by_group(runs, lambda run: run.get("file", "?")).items():
         if len(files) > 1:
             cells = []
-            for name, losses in files.items():
+            for name, runs_ in files.items():
+                losses = [run["losses"][source][str(step)] for run in runs_]
                 mean, sd = _mean_and_sd(losses)
                 spread = f" ± {sd:.4f}" if len(losses) > 1 else ""
                 cells.append(f"{name} {mean:.4f}{spread} (n={len(losses)})")
@@ -354,13 +363,10 @@ def _print_by_file(runs: list[dict[str, Any]], source: str, step: int) -> None:
 def _print_setups(runs: list[dict[str, Any]], reference: str) -> None:
     """Each group's runs by setup (`_setup`); a warning for a group that shares no recorded
     setup with the reference, whose differences then include the setups' own."""
-    by_group: dict[str, dict[str, int]] = {}
-    for run in runs:
-        setups = by_group.setdefault(run["state"], {})
-        setups[_setup_label(run)] = setups.get(_setup_label(run), 0) + 1
+    by_group = _runs_by_group(runs, _setup_label)
     print("Setups (device, Python, data):")
     for label, setups in by_group.items():
-        print(f"  {label}: " + "; ".join(f"{n} x {setup}" for setup, n in setups.items()))
+        print(f"  {label}: " + "; ".join(f"{len(r)} x {setup}" for setup, r in setups.items()))
     ref_recorded = set(by_group[reference]) - {"not recorded"}
     for label, setups in by_group.items():
         recorded = set(setups) - {"not recorded"}
