@@ -13,7 +13,8 @@ overrides, setup (the device kind, the Python version and `--data_dir`: the buil
 corpus is the running Python's standard library, so another Python trains and validates
 on other text) and how its optimizer state was kept (its dtype, and whether rounded
 stochastically: `--rounding`); `--summarize` reads any number of those files, groups the
-runs by that and prints each group's mean and spread by step with the difference of the
+runs by that and by their `--recipe_override`s (a change of recipe other than the state's
+dtype, such as Adastar without its update clipping), and prints each group's mean and spread by step with the difference of the
 means and its standard error, and the same difference matched by seed. It lists each
 group's setups first, and warns where a group shares none with the reference. Even one
 setup differs from host to host: float32 state's eight runs on one 4× H200 host ended
@@ -42,7 +43,11 @@ several files (a file usually holds one call's, on one host) is listed by file.
         --config_override="evalers['openwebtext_2'].eval_policy.n=100" \
         --window=100 --json_out=/tmp/q_seed1.json
 
-    # The runs of several such files, by state dtype:
+    # A recipe of its own, beside float24 state runs of the same command:
+    #   ... --state_dtype=float24 --cast_only \
+    #   --recipe_override=learner.optimizer.inner.raw_update_clipping_threshold=None
+
+    # The runs of several such files, by state dtype and recipe:
     python benchmarks/optimizer_state_check.py --summarize /tmp/q_seed*.json --window=100
 """
 
@@ -118,7 +123,9 @@ def _state_label(optimizer_state: Any) -> str:
 def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[str, Any]:
     """Trains into `run_dir`, its optimizer state cast to `state_dtype` (None: as configured);
     returns the run's record: its config, overrides and seed, how its optimizer state was
-    kept (`_state_label`), and the logged losses by source: 'train' (the training loss of
+    kept (`_state_label`), its recipe overrides (`--recipe_override`, applied after
+    `--config_override`; recorded apart, since they name the recipe, not the run's setup),
+    and the logged losses by source: 'train' (the training loss of
     single steps), then each evaler's name (its loss over its whole input)."""
     if os.path.exists(run_dir) and os.listdir(run_dir):
         raise SystemExit(f"{run_dir} is not empty (the trainer would resume from it): remove it")
@@ -126,7 +133,7 @@ def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[str, Any
         config_name=args.config,
         mesh_selector=args.mesh_selector,
         data_dir=args.data_dir,
-        config_overrides=args.config_override,
+        config_overrides=args.config_override + args.recipe_override,
         trainer_dir=run_dir,
     )
     if state_dtype is not None:
@@ -150,6 +157,7 @@ def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[str, Any
         "config_overrides": args.config_override,
         "seed": cfg.seed or 0,
         "state": _state_label(trainer.trainer_state.learner["optimizer"]),
+        "recipe_overrides": args.recipe_override,
         "setup": _setup(args.data_dir),
         "losses": losses,
     }
@@ -201,7 +209,8 @@ def _mean_and_sd(values: list[float]) -> tuple[float, float]:
 
 def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[dict[str, Any]]:
     """The runs' losses of `source` (their means over `window` steps, if given) grouped by
-    how their optimizer state was kept (their records' "state"), at every step that all
+    recipe (`_group_label`: how their optimizer state was kept, and their recipe overrides),
+    at every step that all
     runs logged: a row a step with each group's n, mean and sample standard deviation, and
     each other group's mean minus the reference group's (float32, where present) two ways:
 
@@ -214,7 +223,7 @@ def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[
     groups: dict[str, list[tuple[int, dict[int, float]]]] = {}
     for run in runs:
         curve = {int(step): loss for step, loss in run["losses"][source].items()}
-        groups.setdefault(run["state"], []).append(
+        groups.setdefault(_group_label(run), []).append(
             (run["seed"], _window_means(curve, window) if window else curve)
         )
     reference = _reference(set(groups))
@@ -248,6 +257,13 @@ def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[
             }
         rows.append({"step": step, "reference": reference, "groups": stats, "diffs": diffs})
     return rows
+
+
+def _group_label(run: dict[str, Any]) -> str:
+    """The recipe a run belongs to: how its optimizer state was kept, then its recipe
+    overrides, if any ('float24, learner.optimizer.inner.raw_update_clipping_threshold=None').
+    Records written before recipe overrides were have none."""
+    return ", ".join([run["state"]] + run.get("recipe_overrides", []))
 
 
 def _reference(labels: set[str]) -> str:
@@ -287,7 +303,7 @@ def _difference(diff: float, se: float) -> str:
 def _print_summary(runs: list[dict[str, Any]], window: int) -> None:
     """Prints `summarize` for each evaler, and for the training loss's `window` means if given
     (its single steps are too noisy to compare across runs), after the runs' setups."""
-    _print_setups(runs, _reference({run["state"] for run in runs}))
+    _print_setups(runs, _reference({_group_label(run) for run in runs}))
     for source in runs[0]["losses"]:
         if source == "train" and not window:
             continue
@@ -330,11 +346,10 @@ def _print_summary(runs: list[dict[str, Any]], window: int) -> None:
 def _runs_by_group(
     runs: list[dict[str, Any]], key: Callable[[dict[str, Any]], str]
 ) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """The runs by group (how their optimizer state was kept), then by `key(run)`, in the
-    order first seen."""
+    """The runs by group (`_group_label`), then by `key(run)`, in the order first seen."""
     by_group: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for run in runs:
-        by_group.setdefault(run["state"], {}).setdefault(key(run), []).append(run)
+        by_group.setdefault(_group_label(run), {}).setdefault(key(run), []).append(run)
     return by_group
 
 
@@ -386,6 +401,14 @@ def main() -> None:
     parser.add_argument("--mesh_selector", default=None)
     parser.add_argument("--data_dir", default=None, help="As the launcher's (FAKE, BUILTIN, a path).")
     parser.add_argument("--config_override", action="append", default=[])
+    parser.add_argument(
+        "--recipe_override", action="append", default=[],
+        help="A config override that makes a recipe of its own (e.g. "
+        "learner.optimizer.inner.raw_update_clipping_threshold=None): applied after the "
+        "--config_overrides and recorded apart, so --summarize groups its runs apart from "
+        "runs of the same state dtype without it. Use --state_dtype=float32 --cast_only for "
+        "a run of float32 state.",
+    )
     parser.add_argument("--trainer_dir", default=None, help="Each run trains in a subfolder.")
     parser.add_argument(
         "--state_dtype", default="bfloat16",
@@ -415,7 +438,7 @@ def main() -> None:
     parser.add_argument(
         "--summarize", nargs="+", metavar="JSON", default=None,
         help="Train nothing: group the runs of these --json_out files by how their optimizer "
-        "state was kept and print each group's mean loss by step, and the differences.",
+        "state was kept and their recipe overrides, and print each group's mean loss by step, and the differences.",
     )
     args = parser.parse_args()
     if args.summarize:

@@ -100,6 +100,31 @@ def test_summarize_matches_seeds_as_a_numpy_derivation():
     assert math.isnan(row["diffs"]["bfloat16"]["paired_diff"])
 
 
+def test_summarize_groups_a_recipe_override_apart_from_its_state_dtype():
+    # float24 state with and without a recipe override, seeds 1 and 2 each; older float24
+    # records (no "recipe_overrides" key) join the plain float24 group.
+    plain = [(1, 2.40), (2, 2.30)]
+    no_clip = [(1, 2.45), (2, 2.41)]
+    clip_off = "learner.optimizer.inner.raw_update_clipping_threshold=None"
+    runs = [dict(_record("float24", {700: x}, seed=seed), recipe_overrides=[]) for seed, x in plain]
+    runs += [
+        dict(_record("float24", {700: x}, seed=seed), recipe_overrides=[clip_off])
+        for seed, x in no_clip
+    ]
+    runs.append(_record("float24", {700: 2.35}, seed=3))
+    (row,) = optimizer_state_check.summarize(runs, "eval")
+    label = f"float24, {clip_off}"
+    assert row["reference"] == "float24"
+    assert {k: g["n"] for k, g in row["groups"].items()} == {"float24": 3, label: 2}
+    a, b = np.array([2.40, 2.30, 2.35]), np.array([2.45, 2.41])
+    diff = row["diffs"][label]
+    assert diff["diff"] == pytest.approx(b.mean() - a.mean())
+    assert diff["se"] == pytest.approx(np.sqrt(a.var(ddof=1) / 3 + b.var(ddof=1) / 2))
+    pairs = np.array([2.45 - 2.40, 2.41 - 2.30])
+    assert diff["paired_diff"] == pytest.approx(pairs.mean())
+    assert diff["paired_se"] == pytest.approx(pairs.std(ddof=1) / np.sqrt(2))
+
+
 def _with_setup(run, device, python="3.12.3"):
     run["setup"] = {"device": device, "python": python, "data_dir": "BUILTIN"}
     return run
@@ -230,6 +255,24 @@ def test_a_float32_cast_changes_nothing_and_bfloat16_changes_the_losses(tmp_path
     assert last[0].strip() == "6"
     bf16_at_6 = rounded["bfloat16_state"]["validation"]["6"]
     assert last[2].strip().startswith(f"{bf16_at_6:.4f}")
+
+
+def test_a_recipe_override_is_applied_and_recorded_apart(tmp_path):
+    # Adastar without its update clipping (which fires in gpt_test's first steps): the
+    # losses differ from the clipped run of the same seed, and the record names the override.
+    clip_off = "learner.optimizer.inner.raw_update_clipping_threshold=None"
+    clipped = _run(tmp_path / "clipped", "--cast_only", "--state_dtype=float32")
+    unclipped = _run(
+        tmp_path / "unclipped", "--cast_only", "--state_dtype=float32", f"--recipe_override={clip_off}"
+    )
+    (a,) = json.loads(clipped.read_text()).values()
+    (b,) = json.loads(unclipped.read_text()).values()
+    assert a["recipe_overrides"] == [] and b["recipe_overrides"] == [clip_off]
+    assert clip_off not in b["config_overrides"]
+    assert a["losses"]["train"]["1"] == b["losses"]["train"]["1"]  # The same initial weights.
+    assert a["losses"]["train"]["6"] != b["losses"]["train"]["6"]
+    summary = _tool("--summarize", str(clipped), str(unclipped))
+    assert "float32 (n=1)" in summary and f"float32, {clip_off} (n=1)" in summary
 
 
 def test_an_evaler_that_never_ran_is_left_out_of_the_record(tmp_path):
