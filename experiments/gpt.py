@@ -259,10 +259,11 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
         ),
         # gpt_1b with Adastar's EMAs rounded to 24 bits between steps (split_float.Float24:
         # 3 bytes, relative error at most 2**-16): 0.4-1.0% faster and 2 GiB less on one
-        # H100, 53.8-55.2% MFU on six; on the CPU its runs follow float32 state's to 1e-5
-        # in loss over 200 steps and 4e-4 over 1,000, and on the GPU 20 runs of a 700-step
-        # schedule end 0.002 ± 0.013 below float32 state's 16 on the same kind of card
-        # (docs/benchmarks.md, the twenty-fifth to twenty-eighth rounds).
+        # H100, 53.8-55.2% MFU on seven; on the CPU its runs follow float32 state's to 1e-5
+        # in loss over 200 steps and 4e-4 over 1,000, and on the GPU its runs of a 700-step
+        # schedule end within 0.002 of float32 state's on the same kind of card (± 0.013
+        # on H200s, ± 0.012 on H100s; docs/benchmarks.md, the twenty-fifth to twenty-ninth
+        # rounds).
         "gpt_1b_float24_optimizer_state": functools.partial(
             gpt_trainer, "1B", optimizer_state_dtype=FLOAT24
         ),
