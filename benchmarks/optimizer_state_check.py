@@ -14,8 +14,9 @@ corpus is the running Python's standard library, so another Python trains and va
 on other text) and how its optimizer state was kept (its dtype, and whether rounded
 stochastically: `--rounding`); `--summarize` reads any number of those files, groups the
 runs by that and by their `--recipe_override`s (a change of recipe other than the state's
-dtype, such as Adastar without its update clipping), and prints each group's mean and spread by step with the difference of the
-means and its standard error, and the same difference matched by seed. It lists each
+dtype, such as Adastar without its update clipping), and prints each group's mean and
+spread by step with the difference of the means and its standard error, and the same
+difference matched by seed. It lists each
 group's setups first, and warns where a group shares none with the reference. Even one
 setup differs from host to host: float32 state's eight runs on one 4× H200 host ended
 0.039 ± 0.015 above eight on another (docs/benchmarks.md, the twenty-eighth round), as
@@ -125,8 +126,8 @@ def _train(args: argparse.Namespace, run_dir: str, state_dtype) -> dict[str, Any
     returns the run's record: its config, overrides and seed, how its optimizer state was
     kept (`_state_label`), its recipe overrides (`--recipe_override`, applied after
     `--config_override`; recorded apart, since they name the recipe, not the run's setup),
-    and the logged losses by source: 'train' (the training loss of
-    single steps), then each evaler's name (its loss over its whole input)."""
+    and the logged losses by source: 'train' (the training loss of single steps), then each
+    evaler's name (its loss over its whole input)."""
     if os.path.exists(run_dir) and os.listdir(run_dir):
         raise SystemExit(f"{run_dir} is not empty (the trainer would resume from it): remove it")
     cfg = build_trainer_config(
@@ -210,9 +211,9 @@ def _mean_and_sd(values: list[float]) -> tuple[float, float]:
 def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[dict[str, Any]]:
     """The runs' losses of `source` (their means over `window` steps, if given) grouped by
     recipe (`_group_label`: how their optimizer state was kept, and their recipe overrides),
-    at every step that all
-    runs logged: a row a step with each group's n, mean and sample standard deviation, and
-    each other group's mean minus the reference group's (float32, where present) two ways:
+    at every step that all runs logged: a row a step with each group's n, mean and sample
+    standard deviation, and each other group's mean minus the reference group's (float32,
+    where present) two ways:
 
     - "diff", "se": the groups' means, with Welch's standard error sqrt(s1^2/n1 + s2^2/n2);
     - "paired_diff", "paired_se", "seeds": matched by seed, over the seeds both groups ran:
@@ -438,7 +439,8 @@ def main() -> None:
     parser.add_argument(
         "--summarize", nargs="+", metavar="JSON", default=None,
         help="Train nothing: group the runs of these --json_out files by how their optimizer "
-        "state was kept and their recipe overrides, and print each group's mean loss by step, and the differences.",
+        "state was kept and their recipe overrides, and print each group's mean loss by step, "
+        "and the differences.",
     )
     args = parser.parse_args()
     if args.summarize:

@@ -263,7 +263,8 @@ def test_a_recipe_override_is_applied_and_recorded_apart(tmp_path):
     clip_off = "learner.optimizer.inner.raw_update_clipping_threshold=None"
     clipped = _run(tmp_path / "clipped", "--cast_only", "--state_dtype=float32")
     unclipped = _run(
-        tmp_path / "unclipped", "--cast_only", "--state_dtype=float32", f"--recipe_override={clip_off}"
+        tmp_path / "unclipped", "--cast_only", "--state_dtype=float32",
+        f"--recipe_override={clip_off}",
     )
     (a,) = json.loads(clipped.read_text()).values()
     (b,) = json.loads(unclipped.read_text()).values()
