@@ -218,8 +218,10 @@ def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[
     - "diff", "se": the groups' means, with Welch's standard error sqrt(s1^2/n1 + s2^2/n2);
     - "paired_diff", "paired_se", "seeds": matched by seed, over the seeds both groups ran:
       the mean over those seeds of (the group's mean of the seed's runs minus the
-      reference's), with that mean's standard error. A seed fixes the initial weights and
-      the data's order, so pairing takes their share out of the spread.
+      reference's), with that mean's standard error. The trainer's seed (`seed=N`) fixes
+      the initial weights, so pairing takes their share out of the spread. The data's
+      order has a seed of its own (`input.seed`, 0 unless overridden), so runs that
+      override only the trainer's see the same batches in the same order.
     """
     groups: dict[str, list[tuple[int, dict[int, float]]]] = {}
     for run in runs:
