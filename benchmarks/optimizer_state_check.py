@@ -16,13 +16,13 @@ stochastically: `--rounding`); `--summarize` reads any number of those files, gr
 runs by that and by their `--recipe_override`s (a change of recipe other than the state's
 dtype, such as Adastar without its update clipping), and prints each group's mean and
 spread by step with the difference of the means and its standard error, and the same
-difference matched by seed. It lists each
-group's setups first, and warns where a group shares none with the reference. Even one
-setup differs from host to host: float32 state's eight runs on one 4× H200 host ended
-0.039 ± 0.015 above eight on another (docs/benchmarks.md, the twenty-eighth round), as
-large as any dtype's difference. So spread each group over several hosts (4-GPU calls)
-and compare groups, not hosts; after each evaler's table, a group whose runs came from
-several files (a file usually holds one call's, on one host) is listed by file.
+difference matched by seed. It lists each group's setups first, and warns where a group
+shares none with the reference. Even one setup differs from host to host: float32 state's
+eight runs on one 4× H200 host ended 0.039 ± 0.015 above eight on another
+(docs/benchmarks.md, the twenty-eighth round), as large as any dtype's difference. So
+spread each group over several hosts (4-GPU calls) and compare groups, not hosts, or pair
+the runs of two groups on one host; after each evaler's table, a group whose runs came
+from several files (a file usually holds one call's, on one host) is listed by file.
 
     # CPU, ~3 minutes: gpt_test on the built-in corpus.
     PYTHONPATH=. python benchmarks/optimizer_state_check.py --config=gpt_test --trainer_dir=/tmp/osc
@@ -175,11 +175,14 @@ def _setup(data_dir: Optional[str]) -> dict[str, Optional[str]]:
     }
 
 
+_NOT_RECORDED = "not recorded"  # The setup label of records written before setups were.
+
+
 def _setup_label(run: dict[str, Any]) -> str:
-    """A run's setup in words; "not recorded" for records written before setups were."""
+    """A run's setup in words, or `_NOT_RECORDED`."""
     setup = run.get("setup")
     if setup is None:
-        return "not recorded"
+        return _NOT_RECORDED
     data = setup["data_dir"] or "as configured"
     return f"{setup['device']}, Python {setup['python']}, data {data}"
 
@@ -385,9 +388,9 @@ def _print_setups(runs: list[dict[str, Any]], reference: str) -> None:
     print("Setups (device, Python, data):")
     for label, setups in by_group.items():
         print(f"  {label}: " + "; ".join(f"{len(r)} x {setup}" for setup, r in setups.items()))
-    ref_recorded = set(by_group[reference]) - {"not recorded"}
+    ref_recorded = set(by_group[reference]) - {_NOT_RECORDED}
     for label, setups in by_group.items():
-        recorded = set(setups) - {"not recorded"}
+        recorded = set(setups) - {_NOT_RECORDED}
         if label != reference and recorded and ref_recorded and not recorded & ref_recorded:
             print(
                 f"WARNING: {label} and {reference} ran on different setups: their differences "
