@@ -48,7 +48,13 @@ from several files (a file usually holds one call's, on one host) is listed by f
     #   ... --state_dtype=float24 --cast_only \
     #   --recipe_override=learner.optimizer.inner.raw_update_clipping_threshold=None
 
-    # The runs of several such files, by state dtype and recipe:
+    # A named variant that keeps its state in dtypes of its own, trained as configured (its
+    # schedule one level deeper for each cast around Adastar):
+    #   ... --config=gpt_1b_narrow_state --configured_only \
+    #   --config_override=learner.optimizer.inner.inner.inner.update_schedule.max_step=700 ...
+
+    # The runs of several such files, by state dtype and recipe (--reference=LABEL: the
+    # group the others are compared with, e.g. float24; default float32):
     python benchmarks/optimizer_state_check.py --summarize /tmp/q_seed*.json --window=100
 """
 
@@ -211,12 +217,14 @@ def _mean_and_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
 
 
-def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[dict[str, Any]]:
+def summarize(
+    runs: list[dict[str, Any]], source: str, window: int = 0, reference: Optional[str] = None
+) -> list[dict[str, Any]]:
     """The runs' losses of `source` (their means over `window` steps, if given) grouped by
     recipe (`_group_label`: how their optimizer state was kept, and their recipe overrides),
     at every step that all runs logged: a row a step with each group's n, mean and sample
-    standard deviation, and each other group's mean minus the reference group's (float32,
-    where present) two ways:
+    standard deviation, and each other group's mean minus the reference group's
+    (`reference`; None: float32, where present) two ways:
 
     - "diff", "se": the groups' means, with Welch's standard error sqrt(s1^2/n1 + s2^2/n2);
     - "paired_diff", "paired_se", "seeds": matched by seed, over the seeds both groups ran:
@@ -232,7 +240,7 @@ def summarize(runs: list[dict[str, Any]], source: str, window: int = 0) -> list[
         groups.setdefault(_group_label(run), []).append(
             (run["seed"], _window_means(curve, window) if window else curve)
         )
-    reference = _reference(set(groups))
+    reference = _reference(set(groups), reference)
     steps = sorted(
         set.intersection(*(set(curve) for runs_ in groups.values() for _, curve in runs_))
     )
@@ -272,8 +280,15 @@ def _group_label(run: dict[str, Any]) -> str:
     return ", ".join([run["state"]] + run.get("recipe_overrides", []))
 
 
-def _reference(labels: set[str]) -> str:
-    """The group the others are compared with: float32 state, where present."""
+def _reference(labels: set[str], reference: Optional[str] = None) -> str:
+    """The group the others are compared with: `reference` if given, else float32 state
+    where present, else the first label in sorted order."""
+    if reference is not None:
+        if reference not in labels:
+            raise SystemExit(
+                f"--reference={reference!r} names no group; the groups: {sorted(labels)}"
+            )
+        return reference
     return "float32" if "float32" in labels else sorted(labels)[0]
 
 
@@ -306,14 +321,17 @@ def _difference(diff: float, se: float) -> str:
     return f"{diff:+.4f} ± {se:.4f}"
 
 
-def _print_summary(runs: list[dict[str, Any]], window: int) -> None:
+def _print_summary(
+    runs: list[dict[str, Any]], window: int, reference: Optional[str] = None
+) -> None:
     """Prints `summarize` for each evaler, and for the training loss's `window` means if given
     (its single steps are too noisy to compare across runs), after the runs' setups."""
-    _print_setups(runs, _reference({_group_label(run) for run in runs}))
+    reference = _reference({_group_label(run) for run in runs}, reference)
+    _print_setups(runs, reference)
     for source in runs[0]["losses"]:
         if source == "train" and not window:
             continue
-        rows = summarize(runs, source, window if source == "train" else 0)
+        rows = summarize(runs, source, window if source == "train" else 0, reference)
         if not rows:
             continue
         if source == "train":
@@ -436,11 +454,21 @@ def main() -> None:
         "float32 runs of other files (the reference need not be retrained beside every run).",
     )
     parser.add_argument(
+        "--configured_only", action="store_true",
+        help="Train the configured run alone: a named variant whose own config keeps its "
+        "state in other dtypes, e.g. --config=gpt_1b_narrow_state.",
+    )
+    parser.add_argument(
         "--window", type=int, default=0,
         help="Print the training loss as means over windows of this many steps (0: every "
         "logged step); log every step (summary_writer.write_every_n_steps=1) to average them all.",
     )
     parser.add_argument("--json_out", default=None)
+    parser.add_argument(
+        "--reference", default=None,
+        help="With --summarize: the group the others are compared with, by its label as "
+        "the table prints it (default: float32, where present).",
+    )
     parser.add_argument(
         "--summarize", nargs="+", metavar="JSON", default=None,
         help="Train nothing: group the runs of these --json_out files by how their optimizer "
@@ -449,14 +477,18 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.summarize:
-        _print_summary(_load_runs(args.summarize), args.window)
+        _print_summary(_load_runs(args.summarize), args.window, args.reference)
         return
     if not args.trainer_dir:
         parser.error("--trainer_dir is required to train")
     if args.rounding == "stochastic" and args.state_dtype != "bfloat16":
         parser.error("--rounding=stochastic rounds to bfloat16 only: give --state_dtype=bfloat16")
-    if args.cast_only and args.cast_first:
-        parser.error("--cast_only trains one run: --cast_first has nothing to order")
+    if (args.cast_only or args.configured_only) and args.cast_first:
+        parser.error(
+            "--cast_only and --configured_only train one run: --cast_first has nothing to order"
+        )
+    if args.cast_only and args.configured_only:
+        parser.error("give --cast_only or --configured_only, not both")
     launch.setup()
 
     # --state_dtype=float32 wraps the second run in a cast that changes nothing: the two runs
@@ -467,6 +499,8 @@ def main() -> None:
     runs = {"as_configured": None, cast_name: cast_dtype}
     if args.cast_only:
         del runs["as_configured"]
+    if args.configured_only:
+        del runs[cast_name]
     trained = {}
     for name in reversed(runs) if args.cast_first else runs:
         trained[name] = _train(args, os.path.join(args.trainer_dir, name), runs[name])

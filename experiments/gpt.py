@@ -106,9 +106,12 @@ FLEET_MESHES = (
 )
 
 
-def mesh_rules(size: Size) -> list[tuple[str, Any]]:
+def mesh_rules(size: Size, *, split_carried_weights: bool = False) -> list[tuple[str, Any]]:
     """The cloud fleets (only the sizes that split the global batch evenly), single-host
-    H100/H200 machines that hold the size (SingleHost), and CPU."""
+    H100/H200 machines that hold the size (SingleHost), and CPU.
+
+    `split_carried_weights`: the single-host rule, where it carries the weights' bf16 copies,
+    carries each weight as its copy and low bits (`common.single_host_gpu_rule`)."""
     rules = [
         common.fleet_mesh_rule(fleet, shape, global_batch_size=size.global_batch_size)
         for fleet, shape in FLEET_MESHES
@@ -116,16 +119,17 @@ def mesh_rules(size: Size) -> list[tuple[str, Any]]:
     single_host = size.single_host
     if single_host is not None:
         unrolled = size.num_layers <= 32
+        # Carried bf16 weights gained 0.5-0.7% on gpt_1b (no remat); on gpt_7b (remat, FSDP
+        # over 4 H100s) they gained nothing and held 1.4 GiB more a GPU.
+        carried = unrolled and single_host.remat is None
         rules.append(
             (
                 common.GPU_SINGLE_HOST.selector(single_host.gpu_counts),
                 common.single_host_gpu_rule(
                     single_host.remat,
                     unrolled_layers=unrolled,
-                    # Carried bf16 weights gained 0.5-0.7% on gpt_1b (no remat); on gpt_7b
-                    # (remat, FSDP over 4 H100s) they gained nothing and held 1.4 GiB more
-                    # a GPU.
-                    carry_train_dtype_weights=unrolled and single_host.remat is None,
+                    carry_train_dtype_weights=carried,
+                    split_carried_weights=carried and split_carried_weights,
                     per_device_microbatch_size=single_host.microbatch,
                 ),
             )
@@ -135,14 +139,20 @@ def mesh_rules(size: Size) -> list[tuple[str, Any]]:
 
 
 def gpt_trainer(
-    size_name: str, *, optimizer_state_dtype: Optional[Any] = None
+    size_name: str,
+    *,
+    optimizer_state_dtype: Optional[Any] = None,
+    split_carried_weights: bool = False,
 ) -> SpmdTrainer.Config:
     """The trainer of one model size on the reference corpora.
 
     `optimizer_state_dtype`: the dtype of the optimizer's two EMAs between steps (None:
-    float32; or `split_float.FLOAT24`). bfloat16 changes the recipe, not only the speed:
-    see `gpt_1b_bf16_optimizer_state`, `gpt_1b_float24_optimizer_state` and
-    docs/benchmarks.md.
+    float32; or `split_float.FLOAT24`; or a dtype each, `common.adastar_learner_config`).
+    bfloat16 changes the recipe, not only the speed: see `gpt_1b_bf16_optimizer_state`,
+    `gpt_1b_float24_optimizer_state` and docs/benchmarks.md.
+
+    `split_carried_weights`: where the GPU rule carries bf16 weight copies, carry each
+    weight as its copy and low bits (`mesh_rules`): the same weights in 2 bytes less.
     """
     size = SIZES[size_name]
     reference = size_name == "3B"
@@ -188,7 +198,11 @@ def gpt_trainer(
         },
         max_step=size.max_step,
         mesh_shape=common.mesh_shape_from_axes(data=-1, fsdp=8),
-        mesh_rules=REFERENCE_MESH_RULES if size_name == "3B" else mesh_rules(size),
+        mesh_rules=(
+            REFERENCE_MESH_RULES
+            if size_name == "3B"
+            else mesh_rules(size, split_carried_weights=split_carried_weights)
+        ),
         checkpointer=common.checkpointer_config(
             every_n_steps=5000, max_step=size.max_step, keep_last_n=3, keep_every_n_steps=5000
         ),
@@ -266,6 +280,22 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
         # rounds).
         "gpt_1b_float24_optimizer_state": functools.partial(
             gpt_trainer, "1B", optimizer_state_dtype=FLOAT24
+        ),
+        # gpt_1b carrying 8 bytes a weight between steps where float32 carries 14: Adastar's
+        # second moment in bfloat16, its update EMA in float16 (bounded by 1 / sqrt(1 - 0.95)
+        # = 4.5, so float16's range holds it, with 8 times bfloat16's precision), and on the
+        # GPU rule the weights split into their bf16 copy and low bits (exact). 0.9-1.0%
+        # faster than the float24 variant on one H100 (55.2-55.5% MFU), 4 GiB less; its
+        # quality is not measured yet (docs/benchmarks.md, the thirtieth round): the
+        # bfloat16 variant, whose second moment is kept the same way, ended 0.024 behind.
+        "gpt_1b_narrow_state": functools.partial(
+            gpt_trainer,
+            "1B",
+            optimizer_state_dtype={
+                "gradient_square_ema": jnp.bfloat16,
+                "update_ema": jnp.float16,
+            },
+            split_carried_weights=True,
         ),
         "gpt_3b": functools.partial(gpt_trainer, "3B"),
         "gpt_7b": functools.partial(gpt_trainer, "7B"),

@@ -125,6 +125,22 @@ def test_summarize_groups_a_recipe_override_apart_from_its_state_dtype():
     assert diff["paired_se"] == pytest.approx(pairs.std(ddof=1) / np.sqrt(2))
 
 
+def test_summarize_compares_with_a_chosen_reference():
+    # float24 state against gpt_1b_narrow_state's label, which sorts first: it would be the
+    # reference unless another is named.
+    narrow = "bfloat16 gradient_square_ema, float16 update_ema"
+    runs = [_record("float24", {700: x}, seed=seed) for seed, x in [(1, 2.40), (2, 2.30)]]
+    runs += [_record(narrow, {700: x}, seed=seed) for seed, x in [(1, 2.41), (2, 2.33)]]
+    (row,) = optimizer_state_check.summarize(runs, "eval")
+    assert row["reference"] == narrow  # The first in sorted order.
+    (row,) = optimizer_state_check.summarize(runs, "eval", reference="float24")
+    assert row["reference"] == "float24"
+    assert {k: g["n"] for k, g in row["groups"].items()} == {"float24": 2, narrow: 2}
+    assert row["diffs"][narrow]["paired_diff"] == pytest.approx(np.mean([0.01, 0.03]))
+    with pytest.raises(SystemExit, match="--reference='float32' names no group"):
+        optimizer_state_check.summarize(runs, "eval", reference="float32")
+
+
 def _with_setup(run, device, python="3.12.3"):
     run["setup"] = {"device": device, "python": python, "data_dir": "BUILTIN"}
     return run
@@ -214,7 +230,20 @@ def test_cast_only_with_cast_first_is_refused():
         cwd=REPO, env=fresh_env(), capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 2
-    assert "--cast_only trains one run: --cast_first has nothing to order" in result.stderr
+    assert (
+        "--cast_only and --configured_only train one run: --cast_first has nothing to order"
+        in result.stderr
+    )
+
+
+def test_configured_only_is_refused_with_cast_only():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/optimizer_state_check.py", "--trainer_dir=/nonexistent",
+         "--cast_only", "--configured_only"],
+        cwd=REPO, env=fresh_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 2
+    assert "give --cast_only or --configured_only, not both" in result.stderr
 
 
 def test_a_float32_cast_changes_nothing_and_bfloat16_changes_the_losses(tmp_path):
@@ -247,6 +276,12 @@ def test_a_float32_cast_changes_nothing_and_bfloat16_changes_the_losses(tmp_path
     alone = json.loads(alone_file.read_text())
     assert list(alone) == ["bfloat16_state"]
     assert alone["bfloat16_state"]["losses"] == rounded["bfloat16_state"]
+    # --configured_only trains the config as it is, alone: the first run of that pair.
+    configured = json.loads(
+        _run(tmp_path / "configured", "--configured_only", "--config_override=seed=3").read_text()
+    )
+    assert list(configured) == ["as_configured"]
+    assert configured["as_configured"]["losses"] == rounded["as_configured"]
 
     # The files together: three float32 runs and two bfloat16 runs.
     summary = _tool("--summarize", str(control_file), str(rounded_file), str(alone_file))

@@ -283,7 +283,9 @@ def adastar_learner_config(
     with muP-style update scales and skip-on-spike global-norm clipping.
 
     `state_dtype`: the dtype Adastar's two EMAs are kept in between steps
-    (`cast_optimizer_state`: a floating dtype or `split_float.FLOAT24`); None keeps them in
+    (`cast_optimizer_state`: a floating dtype or `split_float.FLOAT24`); or a dict of
+    {state path regex: dtype}, one `cast_optimizer_state` for each, the first outermost
+    (e.g. {"gradient_square_ema": FLOAT24, "update_ema": jnp.float16}). None keeps them in
     float32, like the parameters.
     """
     mup_scale = min(1.0, MUP_BASE_DIM / dim)
@@ -312,7 +314,12 @@ def adastar_learner_config(
         ),
         verbosity=0,
     )
-    if state_dtype is not None:
+    if isinstance(state_dtype, dict):
+        for state_paths, dtype in reversed(state_dtype.items()):
+            inner = config_for_function(cast_optimizer_state).set(
+                inner=inner, dtype=dtype, state_paths=state_paths
+            )
+    elif state_dtype is not None:
         inner = config_for_function(cast_optimizer_state).set(inner=inner, dtype=state_dtype)
     optimizer = config_for_function(skip_and_clip_by_global_norm).set(
         inner=inner, drop_norm=100, max_norm=1, eps=1e-08
@@ -564,6 +571,7 @@ def single_host_gpu_rule(
     mesh_shape: Optional[Sequence[int]] = None,
     unrolled_layers: bool = False,
     carry_train_dtype_weights: bool = False,
+    split_carried_weights: bool = False,
     per_device_microbatch_size: Optional[int] = None,
 ) -> ConfigBase:
     """The host's GPUs on `mesh_shape` (None: all in one FSDP group) with `remat_spec` on
@@ -586,6 +594,10 @@ def single_host_gpu_rule(
     optimizer's two EMAs back each step (48 copies for gpt_1b). gpt_1b on two GPUs: +1.5%;
     on four: no change (docs/benchmarks.md). With no tensor parallelism, hidden's 'model'
     split has nothing to keep.
+
+    `split_carried_weights`: carry each weight as its bf16 copy and the 16 bits below it,
+    the same float32 weight in 4 bytes instead of 6 (SpmdTrainer.Config.split_carried_weights);
+    needs `carry_train_dtype_weights`.
 
     `per_device_microbatch_size`: the rows a GPU computes at once
     (SpmdTrainer.Config.per_device_microbatch_size); a cluster-sized global batch is
@@ -622,6 +634,12 @@ def single_host_gpu_rule(
     trainer_fields = {}
     if carry_train_dtype_weights:
         trainer_fields["carry_train_dtype_weights"] = True
+    if split_carried_weights:
+        if not carry_train_dtype_weights:
+            raise ValueError(
+                "single_host_gpu_rule: split_carried_weights needs carry_train_dtype_weights"
+            )
+        trainer_fields["split_carried_weights"] = True
     if per_device_microbatch_size is not None:
         trainer_fields["per_device_microbatch_size"] = per_device_microbatch_size
     if trainer_fields:
