@@ -152,7 +152,7 @@ def gpt_trainer(
     `gpt_1b_float24_optimizer_state` and docs/benchmarks.md.
 
     `split_carried_weights`: where the GPU rule carries bf16 weight copies, carry each
-    weight as its copy and low bits (`mesh_rules`): the same weights in 2 bytes less.
+    weight as its copy and low bits (`mesh_rules`): the same weights, 2 bytes a weight fewer.
     """
     size = SIZES[size_name]
     reference = size_name == "3B"
@@ -284,8 +284,8 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
         # gpt_1b carrying 8 bytes a weight between steps where float32 carries 14: Adastar's
         # second moment in bfloat16, its update EMA in float16 (bounded by 1 / sqrt(1 - 0.95)
         # = 4.5, so float16's range holds it, with 8 times bfloat16's precision), and on the
-        # GPU rule the weights split into their bf16 copy and low bits (exact). 0.9-1.0%
-        # faster than the float24 variant on one H100 (55.2-55.5% MFU), 4 GiB less; its
+        # GPU rule the weights split into their bf16 copy and low bits (exact). 0.9-1.3%
+        # faster than the float24 variant on two H100s (55.2-55.5% MFU), 4 GiB less; its
         # quality is not measured yet (docs/benchmarks.md, the thirtieth round): the
         # bfloat16 variant, whose second moment is kept the same way, ended 0.024 behind.
         "gpt_1b_narrow_state": functools.partial(
