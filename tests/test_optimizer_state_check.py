@@ -223,27 +223,24 @@ def _tool(*flags) -> str:
     ).stdout
 
 
-def test_cast_only_with_cast_first_is_refused():
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--cast_only", "--cast_first"],
+            "--cast_only and --configured_only train one run: --cast_first has nothing to order",
+        ),
+        (["--cast_only", "--configured_only"], "give --cast_only or --configured_only, not both"),
+    ],
+)
+def test_contradictory_run_flags_are_refused(flags, message):
     result = subprocess.run(
         [sys.executable, "benchmarks/optimizer_state_check.py", "--trainer_dir=/nonexistent",
-         "--cast_only", "--cast_first"],
+         *flags],
         cwd=REPO, env=fresh_env(), capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 2
-    assert (
-        "--cast_only and --configured_only train one run: --cast_first has nothing to order"
-        in result.stderr
-    )
-
-
-def test_configured_only_is_refused_with_cast_only():
-    result = subprocess.run(
-        [sys.executable, "benchmarks/optimizer_state_check.py", "--trainer_dir=/nonexistent",
-         "--cast_only", "--configured_only"],
-        cwd=REPO, env=fresh_env(), capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 2
-    assert "give --cast_only or --configured_only, not both" in result.stderr
+    assert message in result.stderr
 
 
 def test_a_float32_cast_changes_nothing_and_bfloat16_changes_the_losses(tmp_path):
