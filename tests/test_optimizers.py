@@ -110,6 +110,7 @@ def adastar_reference(params, grads_seq, *, lr, b1, b1_debias, b2, b2_debias, ep
     names."""
     params = to_numpy(params)
     state = {k: dict(m=0.0, v=0.0, u=0.0) for k in params}
+    rounding = carried if isinstance(carried, dict) else dict.fromkeys(carried_keys, carried)
     for t, grads in enumerate(to_numpy(grads_seq)):
         for name, g in grads.items():
             s = state[name]
@@ -130,9 +131,6 @@ def adastar_reference(params, grads_seq, *, lr, b1, b1_debias, b2, b2_debias, ep
                 u_hat = s["u"] / (1 - b3 ** (t + 1)) if b3_debias else s["u"]
             u_hat = u_hat * update_scale(name)
             params[name] = params[name] - sched(t) * (lr * u_hat + weight_decay * params[name])
-            rounding = (
-                carried if isinstance(carried, dict) else dict.fromkeys(carried_keys, carried)
-            )
             state[name] = {k: rounding[k](x) if k in rounding else x for k, x in s.items()}
     return params
 
