@@ -285,9 +285,12 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
         # second moment in bfloat16, its update EMA in float16 (bounded by 1 / sqrt(1 - 0.95)
         # = 4.5, so float16's range holds it, with 8 times bfloat16's precision), and on the
         # GPU rule the weights split into their bf16 copy and low bits (exact). 0.9-1.3%
-        # faster than the float24 variant on two H100s (55.2-55.5% MFU), 4 GiB less; its
-        # quality is not measured yet (docs/benchmarks.md, the thirtieth round): the
-        # bfloat16 variant, whose second moment is kept the same way, ended 0.024 behind.
+        # faster than the float24 variant on five H100s: 54.7-55.3% MFU, mean 55.1%; 4 GiB
+        # less. After a 700-step schedule on H200s its validation loss ends 0.003 ± 0.020
+        # below the float24 variant's (8 seed-matched pairs on one host) and 0.011 ± 0.016
+        # below float24 state's 24 runs on three hosts (docs/benchmarks.md, the thirtieth and
+        # thirty-first rounds), which points at its update EMA as what cost the bfloat16
+        # variant its 0.024.
         "gpt_1b_narrow_state": functools.partial(
             gpt_trainer,
             "1B",
