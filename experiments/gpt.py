@@ -14,7 +14,6 @@ import jax.numpy as jnp
 
 from axlearn.common.attention import build_remat_spec
 from axlearn.common.input_builtin import BuiltinTextInput
-from axlearn.common.split_float import FLOAT24
 from axlearn.common.trainer import SpmdTrainer
 from axlearn.experiments.text.gpt import common
 
@@ -119,8 +118,8 @@ def mesh_rules(size: Size, *, split_carried_weights: bool = False) -> list[tuple
     single_host = size.single_host
     if single_host is not None:
         unrolled = size.num_layers <= 32
-        # Carried bf16 weights gained 0.5-0.7% on gpt_1b (no remat); on gpt_7b (remat, FSDP
-        # over 4 H100s) they gained nothing and held 1.4 GiB more a GPU.
+        # Carried bf16 weights speed up a step that saves all activations; under remat they
+        # only add memory.
         carried = unrolled and single_host.remat is None
         rules.append(
             (
@@ -147,9 +146,7 @@ def gpt_trainer(
     """The trainer of one model size on the reference corpora.
 
     `optimizer_state_dtype`: the dtype of the optimizer's two EMAs between steps (None:
-    float32; or `split_float.FLOAT24`; or a dtype each, `common.adastar_learner_config`).
-    bfloat16 changes the recipe, not only the speed: see `gpt_1b_bf16_optimizer_state`,
-    `gpt_1b_float24_optimizer_state` and docs/benchmarks.md.
+    float32), or a dtype each (`common.adastar_learner_config`).
 
     `split_carried_weights`: where the GPU rule carries bf16 weight copies, carry each
     weight as its copy and low bits (`mesh_rules`): the same weights, 2 bytes a weight fewer.
@@ -166,9 +163,8 @@ def gpt_trainer(
         remat_spec=build_remat_spec(),
         # The reference 3B config keeps what its golden file shows: per-document attention,
         # QK-norm and the MLP diagnostics. The other sizes are Llama-shaped (no QK-norm;
-        # loadable with axlearn.common.hf_llama) and tuned for speed on one H100
-        # (docs/benchmarks.md): packed rows attend across documents so cuDNN runs
-        # unmasked (+4-10%), no QK-norm (+3.3%), no MLP diagnostic summaries (+1.2%).
+        # loadable with axlearn.common.hf_llama) and tuned for speed: packed rows attend
+        # across documents so cuDNN runs unmasked, and no MLP diagnostic summaries.
         attend_across_documents=None if reference else True,
         qk_norm=reference,
         extra_ffn_summaries=reference,
@@ -263,34 +259,9 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
         "gpt_125m": functools.partial(gpt_trainer, "125M"),
         "gpt_350m": functools.partial(gpt_trainer, "350M"),
         "gpt_1b": functools.partial(gpt_trainer, "1B"),
-        # gpt_1b with Adastar's EMAs in bfloat16: 1.3-1.5% faster and 4 GiB less memory on
-        # one H100, but 0.024 ± 0.010 higher validation loss after a 700-step schedule
-        # (docs/benchmarks.md, the twenty-second and twenty-third rounds): more than the
-        # speed gains back. learner.optimizer.inner.rounding=stochastic is as fast and
-        # ended 0.017 ± 0.012 higher: not shown to close the gap.
-        "gpt_1b_bf16_optimizer_state": functools.partial(
-            gpt_trainer, "1B", optimizer_state_dtype=jnp.bfloat16
-        ),
-        # gpt_1b with Adastar's EMAs rounded to 24 bits between steps (split_float.Float24:
-        # 3 bytes, relative error at most 2**-16): 0.4-1.0% faster and 2 GiB less on one
-        # H100, 53.8-55.2% MFU on seven; on the CPU its runs follow float32 state's to 1e-5
-        # in loss over 200 steps and 4e-4 over 1,000, and on the GPU its runs of a 700-step
-        # schedule end within 0.002 of float32 state's on the same kind of card (± 0.013
-        # on H200s, ± 0.012 on H100s; docs/benchmarks.md, the twenty-fifth to twenty-ninth
-        # rounds).
-        "gpt_1b_float24_optimizer_state": functools.partial(
-            gpt_trainer, "1B", optimizer_state_dtype=FLOAT24
-        ),
-        # gpt_1b carrying 8 bytes a weight between steps where float32 carries 14: Adastar's
-        # second moment in bfloat16, its update EMA in float16 (bounded by 1 / sqrt(1 - 0.95)
-        # = 4.5, so float16's range holds it, with 8 times bfloat16's precision), and on the
-        # GPU rule the weights split into their bf16 copy and low bits (exact). 0.9-1.3%
-        # faster than the float24 variant on five H100s: 54.7-55.3% MFU, mean 55.1%; 4 GiB
-        # less. After a 700-step schedule on H200s its validation loss ends 0.003 ± 0.020
-        # below the float24 variant's (8 seed-matched pairs on one host) and 0.011 ± 0.016
-        # below float24 state's 24 runs on three hosts (docs/benchmarks.md, the thirtieth and
-        # thirty-first rounds), which points at its update EMA as what cost the bfloat16
-        # variant its 0.024.
+        # gpt_1b carrying 8 bytes a weight instead of 14: Adastar's second moment in bfloat16,
+        # its update EMA in float16 (bounded by 4.5, so in range) and each weight split exactly
+        # into its bf16 copy and low bits. Faster than gpt_1b with the same validation loss.
         "gpt_1b_narrow_state": functools.partial(
             gpt_trainer,
             "1B",

@@ -12,16 +12,9 @@ import pytest
 
 from axlearn.common import optimizers as opt
 from axlearn.common import schedule
-from axlearn.common.base_layer import ParameterSpec, flatten_with_paths
+from axlearn.common.base_layer import ParameterSpec
 from axlearn.common.config import ConfigError, config_for_function
 from axlearn.common.param_init import FanAxes
-from axlearn.common.split_float import (
-    FLOAT24,
-    float24_to_float32,
-    is_float24,
-    round_to_float24,
-)
-from tests.test_split_float import _nearest_ties_away
 
 RNG_SEED = 0
 
@@ -135,11 +128,6 @@ def adastar_reference(params, grads_seq, *, lr, b1, b1_debias, b2, b2_debias, ep
     return params
 
 
-def _numpy_float24(x) -> np.ndarray:
-    """x (float64) as float32 rounded to its top 24 bits, ties away from zero, in float64."""
-    return _nearest_ties_away(np.asarray(x, np.float32), kept_bits=24)
-
-
 def adastar_case(b1, b3, threshold, transformation, *, state_dtype=None, state_paths=None):
     rng = np.random.default_rng(RNG_SEED)
     params = random_tree(rng, SHAPES)
@@ -176,8 +164,6 @@ def adastar_case(b1, b3, threshold, transformation, *, state_dtype=None, state_p
     carried_keys = [k for k, field in keys.items() if re.search(state_paths or "", field)]
     if state_dtype is None:
         expected = reference()
-    elif isinstance(state_dtype, str) and state_dtype == FLOAT24:
-        expected = reference(carried=_numpy_float24, carried_keys=carried_keys)
     else:
         expected = reference(
             carried=lambda x: np.asarray(x, state_dtype).astype(np.float64),
@@ -245,35 +231,9 @@ def test_adastar_with_bf16_state_matches_numpy_rounding_its_emas_each_step(b1):
     assert max(np.max(np.abs(got[k] - unrounded[k])) for k in SHAPES) > 1e-4
 
 
-def test_adastar_with_float24_state_matches_numpy_rounding_its_emas_to_24_bits():
-    got, state, reference = adastar_case(
-        b1=0.9, b3=0.95, threshold=1.0, transformation=mup_transformation(), state_dtype=FLOAT24
-    )
-    adastar = state[0]
-    for field in ("gradient_ema", "gradient_square_ema", "update_ema"):
-        kept = jax.tree.leaves(getattr(adastar, field), is_leaf=is_float24)
-        assert kept and all(is_float24(x) for x in kept)
-        halves = {(x.high.dtype, x.low.dtype) for x in kept}
-        assert halves == {(jnp.dtype(jnp.uint16), jnp.dtype(jnp.uint8))}
-    assert adastar.count.dtype == jnp.int32
-    # In the float64 reference, rounding the EMAs to 24 bits moves the parameters ~2**8
-    # times less than rounding them to bfloat16 does: the result stays within the float32
-    # tolerance of the unrounded reference, where bfloat16 state's does not (test above).
-    unrounded = reference()
-    bf16 = reference(carried=lambda x: np.asarray(x, jnp.bfloat16).astype(np.float64))
-    f24 = reference(carried=_numpy_float24)
-    f24_moved = max(np.max(np.abs(f24[k] - unrounded[k])) for k in SHAPES)
-    bf16_moved = max(np.max(np.abs(bf16[k] - unrounded[k])) for k in SHAPES)
-    assert 0 < 50 * f24_moved < bf16_moved
-    for k in SHAPES:
-        np.testing.assert_allclose(got[k], unrounded[k], atol=2e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("v_dtype", [jnp.bfloat16, FLOAT24])
-def test_adastar_with_each_ema_in_its_own_dtype_matches_numpy_rounding_each(v_dtype):
-    # gpt_1b_narrow_state's state (the second moment in bfloat16, the update EMA in
-    # float16), and with the second moment in 24 bits: two casts, one around the other, each
-    # picking its EMA by path.
+def test_adastar_with_each_ema_in_its_own_dtype_matches_numpy_rounding_each():
+    # gpt_1b_narrow_state's state: the second moment in bfloat16, the update EMA in float16;
+    # two casts, one around the other, each picking its EMA by path.
     rng = np.random.default_rng(RNG_SEED)
     params = random_tree(rng, SHAPES)
     grads_seq = [random_tree(rng, SHAPES, scale=0.1) for _ in range(20)]
@@ -286,26 +246,23 @@ def test_adastar_with_each_ema_in_its_own_dtype_matches_numpy_rounding_each(v_dt
     adastar = opt.adastar_optimizer(0.05, **kwargs)
     ours = opt.cast_optimizer_state(
         opt.cast_optimizer_state(adastar, dtype=jnp.float16, state_paths="update_ema"),
-        dtype=v_dtype,
+        dtype=jnp.bfloat16,
         state_paths="gradient_square_ema",
     )
     got, state = run_steps(ours, params, grads_seq)
     kept = state[0]
-    v_leaves = jax.tree.leaves(kept.gradient_square_ema, is_leaf=is_float24)
-    if v_dtype == FLOAT24:
-        assert v_leaves and all(is_float24(x) for x in v_leaves)
-        round_v = _numpy_float24
-    else:
-        assert {x.dtype for x in v_leaves} == {jnp.dtype(jnp.bfloat16)}
-        round_v = lambda x: np.asarray(x, jnp.bfloat16).astype(np.float64)  # noqa: E731
+    assert {x.dtype for x in jax.tree.leaves(kept.gradient_square_ema)} == {
+        jnp.dtype(jnp.bfloat16)
+    }
     assert {x.dtype for x in jax.tree.leaves(kept.update_ema)} == {jnp.dtype(jnp.float16)}
     reference = functools.partial(
         adastar_reference, params, grads_seq, lr=0.05, b1=None, b1_debias=None, b2=0.95,
         b2_debias=True, eps=1e-6, eps_square=1e-30, threshold=1.0, b3=0.95, b3_debias=False,
         weight_decay=0.01, sched=lambda t: 0.5, update_scale=lambda name: 1.0,
     )
+    bfloat16 = lambda x: np.asarray(x, jnp.bfloat16).astype(np.float64)  # noqa: E731
     float16 = lambda x: np.asarray(x, np.float16).astype(np.float64)  # noqa: E731
-    expected = reference(carried={"v": round_v, "u": float16})
+    expected = reference(carried={"v": bfloat16, "u": float16})
     unrounded = reference()
     off = np.concatenate([np.abs(got[k] - expected[k]).ravel() for k in SHAPES])
     off_unrounded = np.concatenate([np.abs(got[k] - unrounded[k]).ravel() for k in SHAPES])
@@ -335,13 +292,13 @@ def test_adastar_with_one_ema_in_bf16_matches_numpy_rounding_that_ema_alone(stat
 
 def test_cast_optimizer_state_paths_pick_tensors_in_state_and_specs_alike():
     transformation = opt.cast_optimizer_state(
-        skip_clip_adamw(), dtype=jnp.bfloat16, rounding="stochastic", state_paths="/mu/"
+        skip_clip_adamw(), dtype=jnp.bfloat16, state_paths="/mu/"
     )
     params = {"w": jnp.linspace(-1.0, 1.0, 64), "b": jnp.ones(3)}
     state = transformation.init(params)
     grads = {"w": jnp.full(64, 0.01), "b": jnp.ones(3)}
     _, state = jax.jit(transformation.update)(grads, state, params)
-    adam = state.inner_state.inner_state[0]
+    adam = state.inner_state[0]
     assert {adam.mu["w"].dtype, adam.mu["b"].dtype} == {jnp.dtype(jnp.bfloat16)}
     assert {adam.nu["w"].dtype, adam.nu["b"].dtype} == {jnp.dtype(jnp.float32)}
     specs = transformation.partition(
@@ -373,118 +330,8 @@ def test_cast_optimizer_state_keeps_scalars_and_rejects_an_integer_dtype():
     assert float(transformation.learning_rate_at(state)) == pytest.approx(0.1)
     with pytest.raises(ConfigError, match="cast_optimizer_state: dtype must be a floating"):
         opt.cast_optimizer_state(skip_clip_adamw(), dtype=jnp.int32)
-    with pytest.raises(ConfigError, match="or 'float24', got 'float42'"):
+    with pytest.raises(ConfigError, match="floating-point dtype, got 'float42'"):
         opt.cast_optimizer_state(skip_clip_adamw(), dtype="float42")
-    with pytest.raises(ConfigError, match="stochastic rounding is to bfloat16 only, got 'float24'"):
-        opt.cast_optimizer_state(skip_clip_adamw(), dtype=FLOAT24, rounding="stochastic")
-
-
-def _numpy_stochastic_round(x, salt):
-    """A NumPy derivation of `stochastic_round_to_bfloat16`: the same hash noise added below
-    bfloat16's last bit of the float32 pattern, the low 16 bits then dropped."""
-
-    def mix(v):
-        v = v ^ (v >> np.uint32(16))
-        v = v * np.uint32(0x7FEB352D)
-        v = v ^ (v >> np.uint32(15))
-        v = v * np.uint32(0x846CA68B)
-        return v ^ (v >> np.uint32(16))
-
-    with np.errstate(over="ignore"):
-        bits = np.asarray(x, np.float32).view(np.uint32)
-        index = np.arange(bits.size, dtype=np.uint32).reshape(bits.shape)
-        noise = mix(index ^ mix(np.uint32(salt))) & np.uint32(0xFFFF)
-        return ((bits + noise) & np.uint32(0xFFFF0000)).view(np.float32)
-
-
-def test_stochastic_rounding_lands_on_a_neighbour_up_with_the_probability_of_its_distance():
-    rng = np.random.default_rng(RNG_SEED)
-    n = 1 << 16
-    for value in (1 + 2**-10, -3.7e-5, 123.456, 2.0**-130):  # The last is subnormal.
-        x = np.full(n, value, np.float32)
-        got = opt.stochastic_round_to_bfloat16(jnp.asarray(x), jnp.uint32(5))
-        got = np.asarray(got, np.float32)
-        np.testing.assert_array_equal(got, _numpy_stochastic_round(x, 5))
-        bits = x.view(np.uint32)
-        down = (bits & np.uint32(0xFFFF0000)).view(np.float32)
-        up = ((bits & np.uint32(0xFFFF0000)) + np.uint32(0x10000)).view(np.float32)
-        assert set(np.unique(got)) <= {down[0], up[0]}
-        p_up = float(bits[0] & np.uint32(0xFFFF)) / 2**16
-        sigma = np.sqrt(p_up * (1 - p_up) / n)
-        assert abs(np.mean(got == up[0]) - p_up) < 5 * sigma + 1e-9
-    # Random values: the mean error is near zero where rounding to nearest is not.
-    x = rng.normal(size=n).astype(np.float32) * 1e-3 + 1.0 + 2**-9
-    got = np.asarray(opt.stochastic_round_to_bfloat16(jnp.asarray(x), jnp.uint32(9)), np.float32)
-    assert abs(np.mean(got - x)) < 2e-5
-    another_salt = np.asarray(opt.stochastic_round_to_bfloat16(jnp.asarray(x), jnp.uint32(10)))
-    assert np.mean(another_salt.astype(np.float32) != got) > 0.2
-
-
-def test_stochastic_rounding_keeps_infinities_and_nans():
-    x = jnp.array([np.inf, -np.inf, np.nan, 1.0], jnp.float32)
-    got = np.asarray(opt.stochastic_round_to_bfloat16(x, jnp.uint32(1)), np.float32)
-    assert got[0] == np.inf and got[1] == -np.inf and np.isnan(got[2]) and got[3] == 1.0
-
-
-def test_a_bfloat16_ema_stalls_under_rounding_to_nearest_but_not_stochastic_rounding():
-    # Each step moves the EMA by 0.05 * 3% = 0.15%, under half of bfloat16's unit at 1.0.
-    target, decay, steps = 1.03, 0.95, 200
-
-    def step(ema):
-        return decay * ema.astype(jnp.float32) + (1 - decay) * target
-
-    nearest = stochastic = jnp.ones(4096, jnp.bfloat16)
-    for t in range(steps):
-        nearest = step(nearest).astype(jnp.bfloat16)
-        stochastic = opt.stochastic_round_to_bfloat16(step(stochastic), jnp.uint32(t))
-    exact = target + (1.0 - target) * decay**steps
-    assert float(nearest.astype(jnp.float32).mean()) == 1.0
-    assert abs(float(stochastic.astype(jnp.float32).mean()) - exact) < 5e-4
-
-
-def test_a_float24_ema_follows_the_float32_one_where_bfloat16_stalls():
-    # The stalling EMA above, kept in 24 bits and rounded to nearest: its first steps of
-    # 0.15% are ~50 units of its last place, so it moves. It stops only where a step
-    # (5% of the distance left) falls under half a unit, 2**-16 at 1.0: 20 half-units,
-    # 0.03%, from the target, a band 2**8 times narrower than bfloat16's.
-    target, decay, steps = 1.03, 0.95, 200
-    f32 = jnp.ones(16, jnp.float32)
-    f24 = round_to_float24(f32)
-    for _ in range(steps):
-        f32 = decay * f32 + (1 - decay) * target
-        f24 = round_to_float24(decay * float24_to_float32(f24) + (1 - decay) * target)
-    exact = target + (1.0 - target) * decay**steps
-    assert abs(float(f32[0]) - exact) < 1e-6
-    band = 2.0**-16 / (1 - decay)
-    np.testing.assert_allclose(np.asarray(float24_to_float32(f24)), exact, rtol=band)
-
-
-def test_cast_optimizer_state_with_stochastic_rounding():
-    transformation = opt.cast_optimizer_state(
-        skip_clip_adamw(), dtype=jnp.bfloat16, rounding="stochastic"
-    )
-    params = {"w": jnp.linspace(-1.0, 1.0, 64), "b": jnp.ones(3)}
-    state = transformation.init(params)
-    assert isinstance(state, opt.StochasticRoundingState) and int(state.count) == 0
-    grads = {"w": jnp.full(64, 0.01), "b": jnp.full(3, -0.02)}
-    update = jax.jit(transformation.update)
-    updates, state = update(grads, state, params)
-    assert int(state.count) == 1
-    adam = state.inner_state.inner_state[0]
-    assert adam.mu["w"].dtype == jnp.bfloat16 and adam.count.dtype == jnp.int32
-    # The update itself is the float32 one; only the carried state is rounded, stochastically.
-    f32 = skip_clip_adamw()
-    want_updates, want_state = f32.update(grads, f32.init(params), params)
-    np.testing.assert_allclose(updates["w"], want_updates["w"], rtol=1e-6)
-    want_nu = np.asarray(want_state.inner_state[0].nu["w"], np.float32)
-    got_nu = np.asarray(adam.nu["w"], np.float32)
-    bits = want_nu.view(np.uint32) & np.uint32(0xFFFF0000)
-    assert np.all((got_nu == bits.view(np.float32)) | (got_nu == (bits + 0x10000).view(np.float32)))
-    assert float(transformation.learning_rate_at(state)) == pytest.approx(0.1)
-    with pytest.raises(ConfigError, match="rounding must be one of"):
-        opt.cast_optimizer_state(skip_clip_adamw(), dtype=jnp.bfloat16, rounding="up")
-    with pytest.raises(ConfigError, match="stochastic rounding is to bfloat16 only"):
-        opt.cast_optimizer_state(skip_clip_adamw(), dtype=jnp.float16, rounding="stochastic")
 
 
 def test_adastar_rejects_a_missing_debias_switch():
@@ -834,15 +681,6 @@ ALL_OPTIMIZERS = {
         opt.skip_and_clip_by_global_norm(ALL_OPTIMIZERS["adastar"](), max_norm=1.0),
         dtype=jnp.bfloat16,
     ),
-    "cast_float24_skip_clip_adastar": lambda: opt.cast_optimizer_state(
-        opt.skip_and_clip_by_global_norm(ALL_OPTIMIZERS["adastar"](), max_norm=1.0),
-        dtype=FLOAT24,
-    ),
-    "cast_bf16_stochastic_skip_clip_adastar": lambda: opt.cast_optimizer_state(
-        opt.skip_and_clip_by_global_norm(ALL_OPTIMIZERS["adastar"](), max_norm=1.0),
-        dtype=jnp.bfloat16,
-        rounding="stochastic",
-    ),
     "skip_clip_ema_chain": lambda: opt.chain(
         opt.skip_and_clip_by_global_norm(opt.adamw_optimizer(0.1), drop_norm=1.0, max_norm=1.0),
         opt.param_ema(0.99),
@@ -873,19 +711,3 @@ def test_adam_moments_are_sharded_like_their_parameters_and_counts_replicated():
     assert adam_state.count.shape == []
     assert adam_state.count.partition_spec == jax.sharding.PartitionSpec()
 
-
-def test_float24_state_halves_are_sharded_like_their_parameters():
-    specs = sharded_specs()
-    state_specs = ALL_OPTIMIZERS["cast_float24_skip_clip_adastar"]().partition(specs)
-    kept = [
-        (path, x)
-        for path, x in flatten_with_paths(state_specs, is_leaf=is_float24)
-        if is_float24(x)
-    ]
-    # Each EMA of each parameter: Adastar's gradient, second-moment and update EMAs.
-    assert len(kept) == 3 * len(specs)
-    for path, x in kept:
-        param = specs[path.split("/")[-1]]
-        for half, dtype in ((x.high, jnp.uint16), (x.low, jnp.uint8)):
-            assert half.dtype == dtype and tuple(half.shape) == tuple(param.shape)
-            assert half.mesh_axes == param.mesh_axes

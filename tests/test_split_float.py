@@ -4,36 +4,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axlearn.common.split_float import (
-    Float24,
-    float24_to_float32,
-    join_float32,
-    round_to_float24,
-    split_float32,
-)
+from axlearn.common.split_float import join_float32, split_float32
 
 
 def _float32s(rng: np.random.Generator, n: int) -> np.ndarray:
-    """Random float32 bit patterns (every exponent, subnormals included), ties at bf16 and
-    at 24-bit precision of both signs, and the special values."""
+    """Random float32 bit patterns (every exponent, subnormals included), ties at bf16
+    precision of both signs, and the special values."""
     bits = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
     ties = (rng.integers(0, 2**16, n // 4, dtype=np.uint64).astype(np.uint32) << 16) | 0x8000
-    ties24 = (rng.integers(0, 2**24, n // 4, dtype=np.uint64).astype(np.uint32) << 8) | 0x80
     special = np.array(
         [0.0, -0.0, np.inf, -np.inf, 3.4028235e38, -3.4028235e38, 1e-45, -1e-45, 1.1754944e-38],
         np.float32,
     )
-    return np.concatenate(
-        [bits.view(np.float32), ties.view(np.float32), ties24.view(np.float32), special]
-    )
+    return np.concatenate([bits.view(np.float32), ties.view(np.float32), special])
 
 
-def _nearest_ties_away(x: np.ndarray, kept_bits: int) -> np.ndarray:
-    """The value of `kept_bits` top bits (16: bfloat16; 24: Float24) nearest each finite
-    float32 x, halfway cases away from zero, in float64: the two candidates are x with its
-    low bits cleared and the next such value away from zero (2**128 standing for the one
-    past the largest, which rounds to infinity)."""
-    unit = 1 << (32 - kept_bits)
+def _nearest_bfloat16_ties_away(x: np.ndarray) -> np.ndarray:
+    """The bfloat16 value nearest each finite float32 x, halfway cases away from zero, in
+    float64: the two candidates are x with its low 16 bits cleared and the next such value
+    away from zero (2**128 standing for the one past the largest, which rounds to
+    infinity)."""
+    unit = 1 << 16
     magnitude = np.abs(x.astype(np.float64))
     down_bits = np.abs(x).view(np.uint32) & np.uint32(0xFFFFFFFF ^ (unit - 1))
     down = down_bits.view(np.float32).astype(np.float64)
@@ -58,7 +49,7 @@ def test_the_high_half_is_the_nearest_bfloat16_with_ties_away_from_zero():
     x = x[np.isfinite(x)]
     high, _ = split_float32(jnp.asarray(x))
     got = np.asarray(high).astype(np.float64)
-    np.testing.assert_array_equal(got, _nearest_ties_away(x, kept_bits=16))
+    np.testing.assert_array_equal(got, _nearest_bfloat16_ties_away(x))
     # So it is the cast wherever the cast (ties to even) agrees: everywhere but half the ties.
     cast = np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).astype(np.float64)
     tie = x.view(np.uint32) & 0xFFFF == 0x8000
@@ -81,40 +72,3 @@ def test_other_dtypes_are_refused():
     with pytest.raises(ValueError, match="join_float32 takes bfloat16 and int16, got float32"):
         join_float32(jnp.zeros(3, jnp.float32), jnp.zeros(3, jnp.int16))
 
-
-# ----- Float24 -----
-
-
-def test_float24_is_the_nearest_24_bit_value_with_ties_away_from_zero():
-    x = _float32s(np.random.default_rng(2), 200_000)
-    x = x[np.isfinite(x)]
-    packed = round_to_float24(jnp.asarray(x))
-    assert packed.high.dtype == jnp.uint16 and packed.low.dtype == jnp.uint8
-    got = np.asarray(float24_to_float32(packed))
-    np.testing.assert_array_equal(got.astype(np.float64), _nearest_ties_away(x, kept_bits=24))
-    # The bound the optimizer's docs give: at most 2**-16 of the value (normal numbers).
-    normal = (np.abs(x) >= np.finfo(np.float32).tiny) & np.isfinite(got)
-    rel = np.abs(got[normal].astype(np.float64) - x[normal]) / np.abs(x[normal].astype(np.float64))
-    assert rel.max() <= 2.0**-16
-
-
-def test_float24_keeps_values_of_24_bits_and_the_special_values_exactly():
-    x = _float32s(np.random.default_rng(3), 50_000)
-    x = (x.view(np.uint32) & np.uint32(0xFFFFFF00)).view(np.float32)  # Already 24 bits.
-    x = x[~np.isnan(x)]
-    got = np.asarray(float24_to_float32(round_to_float24(jnp.asarray(x))))
-    np.testing.assert_array_equal(got.view(np.uint32), x.view(np.uint32))
-    # NaNs of any bits, including the GPU's 0x7FFFFFFF (plus the rounding's half it would
-    # carry into the sign bit), stay NaN; the largest float32 rounds up to infinity.
-    nans = np.array([0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001], np.uint32).view(np.float32)
-    assert np.all(np.isnan(np.asarray(float24_to_float32(round_to_float24(jnp.asarray(nans))))))
-    largest = np.array([3.4028235e38, -3.4028235e38], np.float32)
-    got = np.asarray(float24_to_float32(round_to_float24(jnp.asarray(largest))))
-    np.testing.assert_array_equal(got, [np.inf, -np.inf])
-
-
-def test_float24_refuses_other_dtypes():
-    with pytest.raises(ValueError, match="round_to_float24 takes float32, got bfloat16"):
-        round_to_float24(jnp.zeros(3, jnp.bfloat16))
-    with pytest.raises(ValueError, match="float24_to_float32 takes uint16 and uint8, got int16"):
-        float24_to_float32(Float24(jnp.zeros(3, jnp.int16), jnp.zeros(3, jnp.uint8)))

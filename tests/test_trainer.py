@@ -30,10 +30,8 @@ from axlearn.common.base_layer import (
     weight_take,
 )
 from axlearn.common.checkpointer import Checkpointer
-from axlearn.common.config import ConfigError, apply_overrides, config_for_function
+from axlearn.common.config import ConfigError, apply_overrides
 from axlearn.common.input_builtin import BuiltinTextInput
-from axlearn.common.optimizers import StochasticRoundingState, cast_optimizer_state
-from axlearn.common.split_float import FLOAT24, is_float24
 from axlearn.common.trainer import NonFiniteLossError, SpmdTrainer, infer_mesh_shape
 from axlearn.experiments.text.gpt import common
 from tests.fresh_python import assert_prints_ok, fresh_env
@@ -621,65 +619,6 @@ def test_splitting_weights_other_than_float32_names_the_first():
         cfg.instantiate(parent=None)
 
 
-def _stochastic_bf16_state_learner():
-    learner = adamw_learner_config()
-    learner.optimizer = config_for_function(cast_optimizer_state).set(
-        inner=learner.optimizer, dtype=jnp.bfloat16, rounding="stochastic"
-    )
-    return learner
-
-
-def _train_in_runs(trainer_dir: str, max_steps: list[int], learner) -> SpmdTrainer:
-    """A tiny trainer run to each of `max_steps` in turn, each run resuming from the last
-    one's checkpoint; returns the last trainer."""
-    for max_step in max_steps:
-        cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=max_step, learner=learner())
-        trainer = cfg.instantiate(parent=None)
-        trainer.run()
-    return trainer
-
-
-def test_stochastically_rounded_optimizer_state_resumes_bit_for_bit(tmp_path):
-    # The rounding noise is salted with a step count kept in the state: a run resumed from
-    # step 3 must round steps 4-6 as the uninterrupted run did.
-    whole = _train_in_runs(str(tmp_path / "whole"), [6], _stochastic_bf16_state_learner)
-    resumed = _train_in_runs(str(tmp_path / "resumed"), [3, 6], _stochastic_bf16_state_learner)
-    assert losses_by_step(str(tmp_path / "resumed")) == losses_by_step(str(tmp_path / "whole"))
-    state = resumed.trainer_state.learner["optimizer"]
-    assert isinstance(state, StochasticRoundingState) and int(state.count) == 6
-    leaves = jax.tree.leaves(state.inner_state)
-    assert {x.dtype for x in leaves if x.ndim} == {jnp.dtype(jnp.bfloat16)}
-    for a, b in zip(leaves, jax.tree.leaves(whole.trainer_state.learner["optimizer"].inner_state)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
-def test_float24_optimizer_state_is_checkpointed_and_resumes_bit_for_bit(tmp_path):
-    # Each EMA is a Float24 pair of uint16 and uint8 arrays: both must reach the checkpoint
-    # and come back, so that a run resumed from step 3 repeats the uninterrupted one.
-    def learner():
-        cfg = adamw_learner_config()
-        cfg.optimizer = config_for_function(cast_optimizer_state).set(
-            inner=cfg.optimizer, dtype=FLOAT24
-        )
-        return cfg
-
-    whole = _train_in_runs(str(tmp_path / "whole"), [6], learner)
-    resumed = _train_in_runs(str(tmp_path / "resumed"), [3, 6], learner)
-    assert losses_by_step(str(tmp_path / "resumed")) == losses_by_step(str(tmp_path / "whole"))
-    kept = [
-        x
-        for x in jax.tree.leaves(resumed.trainer_state.learner["optimizer"], is_leaf=is_float24)
-        if is_float24(x)
-    ]
-    assert kept and {(x.high.dtype, x.low.dtype) for x in kept} == {
-        (jnp.dtype(jnp.uint16), jnp.dtype(jnp.uint8))
-    }
-    for a, b in zip(
-        jax.tree.leaves(resumed.trainer_state.learner), jax.tree.leaves(whole.trainer_state.learner)
-    ):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
 def test_carrying_weight_copies_needs_a_train_dtype():
     cfg = tiny_trainer_config(trainer_dir=None).set(train_dtype=None, carry_train_dtype_weights=True)
     with pytest.raises(ConfigError, match="carry_train_dtype_weights needs a train_dtype"):
@@ -811,13 +750,6 @@ def test_meshes_of_eight_and_four_devices_match_one_device(tmp_path):
     np.testing.assert_allclose(
         split["losses"], results["sharded_bf16_carried"]["losses"], rtol=5e-3
     )
-    # Float24 optimizer state on the same mesh: both halves of each moment sharded like its
-    # parameter, and the steps those of float32 state to the rounding's 2**-16.
-    float24 = results["sharded_float24_state"]
-    assert float24["moment_specs"]
-    assert all(high == low == param for high, low, param in float24["moment_specs"])
-    assert any("fsdp" in param for _, _, param in float24["moment_specs"])
-    np.testing.assert_allclose(float24["losses"], results["sharded"]["losses"], rtol=1e-4)
     # Two rows a device in microbatches of one: the same steps as the whole batch at once.
     microbatched = results["microbatched"]
     assert microbatched["num_microbatches"] == 2 and results["single"]["num_microbatches"] is None

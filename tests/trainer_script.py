@@ -31,12 +31,7 @@ from axlearn.common.config import config_class, config_for_function
 from axlearn.common.input_base import Batch
 from axlearn.common.input_fake import FakeLmInput
 from axlearn.common.learner import Learner
-from axlearn.common.optimizers import (
-    adamw_optimizer,
-    cast_optimizer_state,
-    skip_and_clip_by_global_norm,
-)
-from axlearn.common.split_float import FLOAT24
+from axlearn.common.optimizers import adamw_optimizer, skip_and_clip_by_global_norm
 from axlearn.common.summary_writer import SummaryWriter
 from axlearn.common.trainer import SpmdTrainer
 from axlearn.experiments.text.gpt import common
@@ -150,7 +145,6 @@ def _mesh_main(out_dir: str) -> None:
         ("sharded_bf16", sharded, None, None),
         ("sharded_bf16_carried", sharded, None, True),
         ("sharded_bf16_split", sharded, None, True),
-        ("sharded_float24_state", sharded, None, None),
         ("microbatched", dict(data=2, fsdp=2), jax.devices()[:4], None),
         ("data_fsdp_model", dict(data=2, fsdp=2, model=2), None, None),
     ):
@@ -162,10 +156,6 @@ def _mesh_main(out_dir: str) -> None:
             cfg.set(split_carried_weights=True)
         if name == "microbatched":
             cfg.set(per_device_microbatch_size=1)  # 2 rows a device: 2 microbatches.
-        if name == "sharded_float24_state":
-            cfg.learner.optimizer = config_for_function(cast_optimizer_state).set(
-                inner=cfg.learner.optimizer, dtype=FLOAT24
-            )
         trainer = cfg.instantiate(parent=None, devices=devices)
         trainer.run()
         losses = losses_by_step(trainer_dir)
@@ -176,22 +166,7 @@ def _mesh_main(out_dir: str) -> None:
             for copy, low in zip(copies, treedef.flatten_up_to(state.weight_low_bits)):
                 assert (copy is None) == (low is None)
                 assert copy is None or copy.sharding.spec == low.sharding.spec
-        # Float24 moments: each half's sharding spec and that of its parameter.
-        moment_specs = []
-        if name == "sharded_float24_state":
-            has_moments = lambda x: hasattr(x, "mu") and hasattr(x, "nu")  # noqa: E731
-            optimizer_state = state.learner["optimizer"]
-            (adam,) = [
-                x for x in jax.tree.leaves(optimizer_state, is_leaf=has_moments) if has_moments(x)
-            ]
-            for moment in (adam.mu, adam.nu):
-                for kept, param in zip(treedef.flatten_up_to(moment), params):
-                    moment_specs.append(
-                        [str(kept.high.sharding.spec), str(kept.low.sharding.spec),
-                         str(param.sharding.spec)]
-                    )
         results[name] = dict(
-            moment_specs=moment_specs,
             mesh={k: int(v) for k, v in trainer.mesh.shape.items()},
             num_microbatches=trainer.num_microbatches(BATCH),
             losses=[losses[step] for step in sorted(losses)],

@@ -36,13 +36,6 @@ from axlearn.common.base_layer import ParameterSpec, flatten_with_paths
 from axlearn.common.config import ConfigError, ConfigOr, maybe_instantiate
 from axlearn.common.param_init import FanAxes
 from axlearn.common.schedule import ScheduleLike, adafactor_decay_rate, as_schedule_fn
-from axlearn.common.split_float import (
-    FLOAT24,
-    Float24,
-    float24_to_float32,
-    is_float24,
-    round_to_float24,
-)
 
 Tensor = jax.Array
 Nested = Any  # A nested dict (or other pytree) of leaves.
@@ -431,76 +424,25 @@ def _state_tensor_paths(state: Nested) -> list[str]:
 
 
 def _map_state_tensors(
-    fn: Callable[[int, Any], Any], state: Nested, selected: Optional[re.Pattern] = None
+    fn: Callable[[Any], Any], state: Nested, selected: Optional[re.Pattern] = None
 ) -> Nested:
     """`state` with each state tensor x (an array, or the ParameterSpec of one) replaced by
-    fn(i, x), i its position among the leaves; scalars, integers and, given `selected`, the
-    tensors whose path it does not search-match as they are."""
+    fn(x); scalars, integers and, given `selected`, the tensors whose path it does not
+    search-match as they are."""
     leaves, treedef = jax.tree_util.tree_flatten(state)
     paths = [path for path, _ in flatten_with_paths(state)]  # In the same order.
     return treedef.unflatten(
         [
-            fn(i, x)
+            fn(x)
             if is_state_tensor(x.shape, x.dtype) and (selected is None or selected.search(path))
             else x
-            for i, (path, x) in enumerate(zip(paths, leaves))
+            for path, x in zip(paths, leaves)
         ]
     )
 
 
 def _cast_state_tensors(state: Nested, dtype: Any, selected: Optional[re.Pattern]) -> Nested:
-    return _map_state_tensors(lambda _, x: x.astype(dtype), state, selected)
-
-
-def _mix32(x: Tensor) -> Tensor:
-    """An integer hash of uint32 values: consecutive inputs give outputs whose bits look
-    independent and uniform (two multiply-xorshift rounds)."""
-    x = x ^ (x >> 16)
-    x = x * np.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * np.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def stochastic_round_to_bfloat16(x: Tensor, salt: Tensor) -> Tensor:
-    """`x` rounded to bfloat16 up or down at random, up with probability equal to x's distance
-    from the value below in units of the gap between the two, so that E[result] = x.
-
-    Rounding to nearest is biased for an EMA kept in bfloat16: a step whose change is under
-    half a unit in the last place (0.2-0.4% of the value) is lost every time, so the EMA
-    stalls where it should drift. The noise is a hash of each element's index and `salt`
-    (a uint32 scalar, different for every call), so it needs no random-number state and is
-    computed where x is, in the update's own passes, instead of being read from memory: on
-    an H100 the bf16-state gpt_1b step took the same time with it (docs/benchmarks.md).
-    """
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    index = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
-    noise = _mix32(index ^ _mix32(salt.astype(jnp.uint32))) & np.uint32(0xFFFF)
-    # float32 bits are sign and magnitude: adding the noise below bfloat16's last bit carries
-    # into it (a step away from zero) with probability (low 16 bits) / 2**16.
-    kept = (bits + noise) & np.uint32(0xFFFF0000)
-    rounded = jax.lax.bitcast_convert_type(kept, jnp.float32).astype(jnp.bfloat16)
-    return jnp.where(jnp.isfinite(x), rounded, x.astype(jnp.bfloat16))
-
-
-class StochasticRoundingState(NamedTuple):
-    """`cast_optimizer_state`'s state under stochastic rounding."""
-
-    inner_state: Any
-    count: Tensor  # Steps taken: each step's rounding noise is salted with it.
-
-
-def _stochastic_round_state_tensors(
-    state: Nested, count: Tensor, selected: Optional[re.Pattern]
-) -> Nested:
-    # A different salt for every tensor and step: uncorrelated noise across both.
-    step_salt = count.astype(jnp.uint32) * np.uint32(0x9E3779B1)
-    return _map_state_tensors(
-        lambda i, x: stochastic_round_to_bfloat16(x, step_salt + np.uint32(i)), state, selected
-    )
-
-
-ROUNDING_MODES = ("nearest", "stochastic")
+    return _map_state_tensors(lambda x: x.astype(dtype), state, selected)
 
 
 def _is_floating_dtype(dtype: Any) -> bool:
@@ -514,25 +456,17 @@ def cast_optimizer_state(
     inner: ConfigOr[PartitionedGradientTransformation],
     *,
     dtype: Any,
-    rounding: str = "nearest",
     state_paths: Optional[str] = None,
 ) -> PartitionedGradientTransformation:
     """Keeps `inner`'s floating-point state tensors in `dtype` between steps, e.g. Adam's
     or Adastar's moments in bfloat16: half their memory, and fewer bytes read and written
-    by every update, which is bandwidth-bound. `dtype=FLOAT24` ("float24") keeps each as
-    a `split_float.Float24`: float32 rounded to its top 24 bits, stored as a uint16 and a
-    uint8 array (3 bytes an element, relative error at most 2**-16).
+    by every update, which is bandwidth-bound.
 
     `inner` computes each update in float32: its state is cast up before `inner.update`
-    and the new state cast down after, so a step uses its unrounded new statistics and
-    only what is carried to the next step is rounded. Scalars and integer leaves keep
-    their dtype.
-
-    `rounding`: "nearest" (as `astype`) keeps `inner`'s state structure, so `find_states`
-    and checkpoints see the same tree in other dtypes (for FLOAT24, each kept tensor is a
-    pair, `.../high` and `.../low` in checkpoints). "stochastic" (bfloat16 only) rounds
-    without bias (`stochastic_round_to_bfloat16`) and keeps `inner`'s state in a
-    `StochasticRoundingState` with a step count that salts the noise.
+    and the new state cast down (to nearest) after, so a step uses its unrounded new
+    statistics and only what is carried to the next step is rounded. Scalars and integer
+    leaves keep their dtype, and the state keeps `inner`'s structure, so `find_states` and
+    checkpoints see the same tree.
 
     `state_paths`: a regex; only the state tensors whose path in `inner`'s state it
     matches (`re.search`; paths are '/'-joined as checkpoints name them, e.g.
@@ -540,19 +474,9 @@ def cast_optimizer_state(
     others as `inner` keeps them. None: all of them. E.g. 'update_ema' for Adastar's update
     EMA alone, as optax's `mu_dtype` does for Adam's first moment.
     """
-    float24 = isinstance(dtype, str) and dtype == FLOAT24
-    if not float24 and not _is_floating_dtype(dtype):
+    if not _is_floating_dtype(dtype):
         raise ConfigError(
-            "cast_optimizer_state: dtype must be a floating-point dtype or "
-            f"{FLOAT24!r}, got {dtype!r}"
-        )
-    if rounding not in ROUNDING_MODES:
-        raise ConfigError(
-            f"cast_optimizer_state: rounding must be one of {ROUNDING_MODES}, got {rounding!r}"
-        )
-    if rounding == "stochastic" and (float24 or jnp.dtype(dtype) != jnp.bfloat16):
-        raise ConfigError(
-            f"cast_optimizer_state: stochastic rounding is to bfloat16 only, got {dtype!r}"
+            f"cast_optimizer_state: dtype must be a floating-point dtype, got {dtype!r}"
         )
     selected = None
     if state_paths is not None:
@@ -561,25 +485,6 @@ def cast_optimizer_state(
         except re.error as e:
             raise ConfigError(f"cast_optimizer_state: state_paths={state_paths!r}: {e}") from e
     inner = maybe_instantiate(inner)
-    stochastic = rounding == "stochastic"
-
-    def kept(inner_state):
-        """`inner_state` as carried between steps (rounding to nearest)."""
-        if float24:
-            return _map_state_tensors(
-                lambda _, x: round_to_float24(x.astype(jnp.float32)), inner_state, selected
-            )
-        return _cast_state_tensors(inner_state, dtype, selected)
-
-    def in_float32(inner_state):
-        """The carried `inner_state` as `inner` computes with it."""
-        if float24:
-            return jax.tree.map(
-                lambda x: float24_to_float32(x) if is_float24(x) else x,
-                inner_state,
-                is_leaf=is_float24,
-            )
-        return _cast_state_tensors(inner_state, jnp.float32, selected)
 
     def init(params):
         inner_state = inner.init(params)
@@ -590,37 +495,21 @@ def cast_optimizer_state(
                 f"cast_optimizer_state: state_paths={state_paths!r} matches none of the "
                 f"state tensors' paths, e.g. {_state_tensor_paths(inner_state)[:3]}"
             )
-        state = kept(inner_state)
-        return StochasticRoundingState(state, _count_init()) if stochastic else state
+        return _cast_state_tensors(inner_state, dtype, selected)
 
     def update(updates, state, params=None):
-        inner_state = state.inner_state if stochastic else state
-        updates, new_state = inner.update(updates, in_float32(inner_state), params)
-        if not stochastic:
-            return updates, kept(new_state)
-        count = state.count + 1
-        return updates, StochasticRoundingState(
-            _stochastic_round_state_tensors(new_state, count, selected), count
-        )
-
-    def kept_spec(spec):
-        if float24:
-            return Float24(
-                high=dataclasses.replace(spec, dtype=jnp.uint16),
-                low=dataclasses.replace(spec, dtype=jnp.uint8),
-            )
-        return dataclasses.replace(spec, dtype=dtype)
+        in_float32 = _cast_state_tensors(state, jnp.float32, selected)
+        updates, new_state = inner.update(updates, in_float32, params)
+        return updates, _cast_state_tensors(new_state, dtype, selected)
 
     def partition(param_specs):
-        specs = _map_state_tensors(
-            lambda _, spec: kept_spec(spec), inner.partition(param_specs), selected
+        return _map_state_tensors(
+            lambda spec: dataclasses.replace(spec, dtype=dtype),
+            inner.partition(param_specs),
+            selected,
         )
-        return StochasticRoundingState(specs, _scalar_spec()) if stochastic else specs
 
-    learning_rate_at = inner.learning_rate_at
-    if stochastic and learning_rate_at is not None:
-        learning_rate_at = lambda state: inner.learning_rate_at(state.inner_state)  # noqa: E731
-    return PartitionedGradientTransformation(init, update, partition, learning_rate_at)
+    return PartitionedGradientTransformation(init, update, partition, inner.learning_rate_at)
 
 
 def per_param_scale_by_path(

@@ -177,7 +177,7 @@ def model_config(
 
     `stack`: 'repeat' (layers under jax.lax.scan; fast compiles) or 'stack' (unrolled).
     `attend_across_documents`: see causal_lm.Model.Config (True lets cuDNN's flash
-    attention run unmasked on packed rows: 15-20% faster steps on one H100).
+    attention run unmasked on packed rows, which is faster).
     `remat_spec`: per-layer rematerialization (None: none; `attention.build_remat_spec()`
     saves the attention projections and context and recomputes the MLP).
     """
@@ -282,10 +282,10 @@ def adastar_learner_config(
     """Adastar (Adam with update EMA and raw-update clipping) under a cosine schedule,
     with muP-style update scales and skip-on-spike global-norm clipping.
 
-    `state_dtype`: the dtype Adastar's two EMAs are kept in between steps
-    (`cast_optimizer_state`: a floating dtype or `split_float.FLOAT24`); or a dict of
-    {state path regex: dtype}, one `cast_optimizer_state` for each, the first outermost
-    (e.g. {"gradient_square_ema": FLOAT24, "update_ema": jnp.float16}). None keeps them in
+    `state_dtype`: the floating dtype Adastar's two EMAs are kept in between steps
+    (`cast_optimizer_state`); or a dict of {state path regex: dtype}, one
+    `cast_optimizer_state` for each, the first outermost (e.g.
+    {"gradient_square_ema": jnp.bfloat16, "update_ema": jnp.float16}). None keeps them in
     float32, like the parameters.
     """
     mup_scale = min(1.0, MUP_BASE_DIM / dim)
@@ -577,22 +577,20 @@ def single_host_gpu_rule(
     """The host's GPUs on `mesh_shape` (None: all in one FSDP group) with `remat_spec` on
     every transformer layer (None: no remat).
 
-    `unrolled_layers`: run the layers unrolled instead of under jax.lax.scan. On one
-    H100 this made gpt_1b 23% and golf_baseline 24% faster (docs/benchmarks.md): XLA
-    fuses across layers and drops the scan's parameter slices and gradient updates, at
-    the price of a compile time that grows with depth.
+    `unrolled_layers`: run the layers unrolled instead of under jax.lax.scan: faster, as
+    XLA fuses across layers and drops the scan's parameter slices and gradient updates,
+    at the price of a compile time that grows with depth.
 
     `carry_train_dtype_weights`: the trainer keeps the bf16 weights from one step to the
     next (SpmdTrainer.Config.carry_train_dtype_weights) instead of casting them in every
-    step. With unrolled layers the step held all the casts at once anyway: gpt_1b's peak
-    memory stayed the same and it gained 0.5-0.7% on two H100s (docs/benchmarks.md).
+    step. With unrolled layers and no remat the step holds all the casts at once anyway,
+    so carrying them costs no peak memory and saves the casts.
 
     On a mesh whose 'model' axis is 1 (any without `mesh_shape`), linear2's weight
     [hidden, model_dim] is split over the FSDP axes along hidden instead of model_dim. On
     GPUs its gradient's reduce-scatter then splits the major dim: along model_dim, XLA
     computes the gradient transposed, and the update copies the weight and the
-    optimizer's two EMAs back each step (48 copies for gpt_1b). gpt_1b on two GPUs: +1.5%;
-    on four: no change (docs/benchmarks.md). With no tensor parallelism, hidden's 'model'
+    optimizer's two EMAs back each step. With no tensor parallelism, hidden's 'model'
     split has nothing to keep.
 
     `split_carried_weights`: carry each weight as its bf16 copy and the 16 bits below it,
