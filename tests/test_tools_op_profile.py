@@ -2,7 +2,7 @@
 on synthetic traces (no GPU needed)."""
 
 from axlearn.bench import KernelEvent
-from benchmarks import op_profile
+from tools import op_profile
 
 _STACK = "jit(_train_step)/transpose(jvp(decoder))/transformer/layer{}/feed_forward/linear2"
 _DUMP = "\n".join(
