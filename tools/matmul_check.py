@@ -1,26 +1,27 @@
-r"""Times each matrix multiply of a gpt_1b step alone, and one of them back to back.
+r"""Times each matrix multiply of a gpt_1b train step alone, on the local GPU.
 
-    PYTHONPATH=. python benchmarks/matmul_check.py [--back_to_back=1500] [--stacked_mlp_input=400] \
-        [--json_out=mm.json]
+Matmuls are most of a GPT step's time. Run this on new hardware, or after a jax or CUDA
+upgrade, to see the rate each of the step's matmul shapes reaches and which kernel XLA
+picks for it, and to compare with the step's own matmul time in `tools/op_profile.py`:
 
-For every weight of the layer and the LM head, the three matmuls a step runs with it:
-forward (x·W), input gradient (dy·Wᵀ) and weight gradient (xᵀ·dy), each as GPU time from
-a profiler trace of 10 calls, with the kernel XLA picked. Their sum over a step is what
-the step's matmuls would take on a cold card.
+    PYTHONPATH=. python tools/matmul_check.py [--back_to_back=1500] [--json_out=mm.json]
+
+For every weight of a gpt_1b layer and the LM head (16,384 tokens a step, bf16), the
+three matmuls a step runs with it: forward (x·W), input gradient (dy·Wᵀ) and weight
+gradient (xᵀ·dy). Each line: GPU ms per call (kernel time in a profiler trace of 10
+calls), TFLOP/s, and the kernel. Last, the sum over all matmuls of a step: what they
+would take on a card that stays at full clock.
 
 `--back_to_back=N` then calls the MLP weight-gradient matmul N times without a pause and
-prints its time per tenth of the calls: on a card that reaches its power limit the later
-calls run slower, which is what the step's profile sees (docs/benchmarks.md).
-
-`--stacked_mlp_input=N` times the gated MLP's two input projections, in each layout, as
-two matmuls (and, for the input gradient, their sum) against one matmul on the weights
-stacked side by side, [input, 2 × hidden]: N calls back to back per side, on a card first
-warmed to its power limit, four rounds with the order flipped each round.
+prints its mean time per tenth of the calls. A card that reaches its power limit lowers
+its clock under a long run of matmuls: the later tenths then run slower, as the matmuls
+of a real step do. Compare the last tenth with the first to see how much.
 """
 
 import argparse
 import tempfile
-import time
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -57,49 +58,18 @@ def _back_to_back_ms(fn, args, calls: int) -> list[float]:
     return [e.ms for e in events if not e.name.startswith("Memset")]
 
 
-def _stacked_mlp_input_ms(rng: np.random.Generator, calls: int, rounds: int = 4) -> dict:
-    """Mean ms a call of the two MLP input projections, per layout, as two matmuls
-    ('<layout>/two') or one on the stacked weights ('<layout>/stacked')."""
-    d_in, hidden, _ = _WEIGHTS["mlp_input (each of 2)"]
-    bf16 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)  # noqa: E731
-    x, dh0, dh1 = bf16(_TOKENS, d_in), bf16(_TOKENS, hidden), bf16(_TOKENS, hidden)
-    w0, w1 = bf16(d_in, hidden), bf16(d_in, hidden)
-    w = jnp.concatenate([w0, w1], axis=1)
-    dh = jnp.concatenate([dh0, dh1], axis=1)
-    sides = {
-        "forward/two": (jax.jit(lambda x, a, b: (x @ a, x @ b)), (x, w0, w1)),
-        "forward/stacked": (jax.jit(lambda x, w: x @ w), (x, w)),
-        "input_grad/two": (jax.jit(lambda a, b, u, v: a @ u.T + b @ v.T), (dh0, dh1, w0, w1)),
-        "input_grad/stacked": (jax.jit(lambda d, w: d @ w.T), (dh, w)),
-        "weight_grad/two": (jax.jit(lambda x, a, b: (x.T @ a, x.T @ b)), (x, dh0, dh1)),
-        "weight_grad/stacked": (jax.jit(lambda x, d: x.T @ d), (x, dh)),
-    }
-
-    def run(name: str, n: int) -> float:
-        """Wall ms a call over n calls back to back (each output freed by the next)."""
-        fn, args = sides[name]
-        start = time.perf_counter()
-        for _ in range(n):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - start) / n * 1e3
-
-    for name in sides:
-        run(name, 1)  # Compiles.
-    run("forward/stacked", 1500)  # Brings the card to its power limit.
-    times = {name: [] for name in sides}
-    for round_ in range(rounds):
-        for name in list(sides)[:: 1 if round_ % 2 == 0 else -1]:
-            times[name].append(run(name, calls))
-    return {name: float(np.mean(ms)) for name, ms in times.items()}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--back_to_back", type=int, default=0)
-    parser.add_argument("--stacked_mlp_input", type=int, default=0)
-    parser.add_argument("--json_out", default=None)
-    args = parser.parse_args()
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--back_to_back", type=int, default=0, metavar="N",
+        help="Then time N back-to-back calls of one matmul (0: skip).",
+    )
+    parser.add_argument("--json_out", default=None, help="Write every entry as JSON.")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        parser.error(f"it times GPU kernels; this machine's backend is {jax.default_backend()}")
     rng = np.random.default_rng(0)
     results, step_ms = {}, 0.0
     for name, (d_in, d_out, uses) in _WEIGHTS.items():
@@ -126,13 +96,8 @@ def main() -> None:
         for i, ms in enumerate(chunks):
             print(f"back to back, calls {i * tenth:5d}+: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)")
         results["back_to_back_ms"] = chunks
-    if args.stacked_mlp_input:
-        stacked = _stacked_mlp_input_ms(rng, args.stacked_mlp_input)
-        for layout in _MATMULS:
-            two, one = stacked[f"{layout}/two"], stacked[f"{layout}/stacked"]
-            print(f"MLP inputs, {layout:12s} two matmuls {two:.3f} ms, stacked {one:.3f} ms ({one - two:+.3f})")
-        results["stacked_mlp_input_ms"] = stacked
     write_json(args.json_out, results)
+    return results
 
 
 if __name__ == "__main__":
