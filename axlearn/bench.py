@@ -1,8 +1,8 @@
 r"""Benchmarks named trainer configs and compares git revisions side by side.
 
     # One config, synthetic data, 20 timed steps after 5 warm-up steps (4 sequences a
-    # step, one microbatch: gpt_1b's configured 1,024 run as 256 microbatches, ~56 s a
-    # step on one H100):
+    # step, one microbatch, in place of gpt_1b's configured 1,024 that one GPU would run
+    # as 256 microbatches):
     python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 --steps=20 \
         --config_override=input.global_batch_size=4
 
@@ -21,14 +21,16 @@ r"""Benchmarks named trainer configs and compares git revisions side by side.
         --compare_xla_flags=--xla_gpu_enable_triton_gemm=true --rounds=2
 
     # Two named configs of this tree, e.g. a recipe variant against its base:
-    python -m axlearn.bench --compare_configs=gpt_1b,gpt_1b_bf16_optimizer_state \
+    python -m axlearn.bench --compare_configs=gpt_1b,gpt_1b_narrow_state \
         --mesh_selector=gpu-h100-1 --config_override=input.global_batch_size=4 --rounds=2
 
     # One config with two sets of extra overrides (space-separated, quoted as in a shell;
-    # '' for none), applied after the --config_override flags both sides share:
-    python -m axlearn.bench --config=gpt_1b_bf16_optimizer_state --mesh_selector=gpu-h100-1 \
+    # '' for none), applied after the --config_override flags both sides share; here,
+    # the cuDNN attention as configured against XLA's:
+    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 \
         --config_override=input.global_batch_size=4 --compare_overrides= \
-        --compare_overrides=learner.optimizer.inner.rounding=stochastic --rounds=2
+        --compare_overrides=model.decoder.transformer.layer.self_attention.attention.attention_implementation=xla \
+        --rounds=2
 
 Every run prints the standard columns: Parameters, Final loss, TFLOP/s/device,
 Tokens/s/device, Avg s/step, Memory %, MFU, JAX version, device; on NVIDIA GPUs also the
@@ -91,27 +93,29 @@ def build_benchmark_config(
     return cfg
 
 
-def time_steps(step: Callable[[], Any], steps: int) -> tuple[list[float], list[Any]]:
+def time_steps(
+    step: Callable[[], Any], steps: int, *, clock: Callable[[], float] = time.perf_counter
+) -> tuple[list[float], list[Any]]:
     """Runs `steps` calls of `step` (each dispatches one train step and returns its loss
     without waiting) as the training loop does: the next step is dispatched before the
     host waits for the current one, so the device always has a step queued and never
     waits for the host.
 
-    Returns each step's seconds, from the previous step's completion to its own (the
-    first from the start, so it includes the first dispatch), and the steps' losses.
+    Returns each step's seconds by `clock`, from the previous step's completion to its own
+    (the first from the start, so it includes the first dispatch), and the steps' losses.
     Waiting on each step in turn is what makes these per-step times: dispatching every
     step first and reading the completions afterwards would mostly time the dispatch
     loop, which the runtime blocks once a few steps are in flight.
     """
     import jax  # pylint: disable=import-outside-toplevel
 
-    start = time.perf_counter()
+    start = clock()
     done, losses = [], []
     current = step()
     for i in range(steps):
         following = step() if i + 1 < steps else None
         jax.block_until_ready(current)
-        done.append(time.perf_counter())
+        done.append(clock())
         losses.append(current)
         current = following
     return [b - a for a, b in zip([start] + done[:-1], done)], losses
@@ -228,10 +232,10 @@ class GpuSampler:
     """Samples the SM clock and board power of the visible NVIDIA GPUs with nvidia-smi
     between `start()` and `stop()`.
 
-    A Hopper card at its power limit (700 W) lowers its clock under a long run of matrix
-    multiplies, and how far differs from card to card: the same code ran 69,766-72,731
-    tokens/s on three H100s (docs/benchmarks.md). The mean clock tells such a difference
-    from one made by the code. Without nvidia-smi nothing is sampled.
+    A card at its power limit lowers its clock under a long run of matrix multiplies, and
+    how far differs from card to card, so the same code runs at different speeds on two
+    cards of one kind. The mean clock tells such a difference from one made by the code.
+    Without nvidia-smi nothing is sampled.
     """
 
     def __init__(self, interval_ms: int = 200):
@@ -437,8 +441,8 @@ def run_in_rounds(
 ) -> dict[str, dict[str, Any]]:
     """Runs `run(side)` for every named side (a source tree, a set of XLA flags), `rounds`
     times, reversing the order every other round (A B, B A, A B, ...): the run that goes
-    second in a call tends to be slower (a warmer card, docs/benchmarks.md), so
-    alternating keeps that from favouring one side.
+    second in a call tends to be slower (a warmer card), so alternating keeps that from
+    favouring one side.
 
     Returns per side its first run's result with each numeric column of the table replaced
     by the mean over its runs, and 'runs_tokens_per_s_per_device' listing every run's rate.

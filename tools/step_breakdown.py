@@ -1,14 +1,23 @@
-r"""Splits a train step's time into forward, backward and optimizer update.
+r"""Splits a named config's train step into forward, backward and optimizer update time.
 
-    PYTHONPATH=. python benchmarks/step_breakdown.py --config=gpt_1b --mesh_selector=gpu-h100-1 \
+Run it to see which part of a step to work on (a slow optimizer update, say, or a
+backward pass far above twice the forward), e.g. after changing the learner or on new
+hardware:
+
+    PYTHONPATH=. python tools/step_breakdown.py --config=gpt_1b --mesh_selector=gpu-h100-1 \
         --config_override=input.global_batch_size=4
 
-Each part is jitted on its own and timed (median of repeated calls after warm-up), so
-the parts need not add up exactly to the fused step; they tell where to look.
+It prints the milliseconds of: the forward pass (the loss); forward and backward (the
+gradients); the optimizer update (`learner.update`); and the whole train step. Each
+part is jitted on its own and timed as the median of 10 calls after a warm-up, so the
+parts need not add up to the whole step, which XLA fuses and schedules as one program:
+they say where to look, then `tools/op_profile.py` says which ops.
 """
 
 import argparse
 import time
+from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import numpy as np
@@ -18,6 +27,7 @@ from axlearn.common import launch
 
 
 def timeit(fn, *args, iters: int = 10) -> float:
+    """Median milliseconds of `iters` calls of `fn(*args)`, after one call to compile."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(iters):
@@ -27,12 +37,16 @@ def timeit(fn, *args, iters: int = 10) -> float:
     return float(np.median(times)) * 1e3
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--mesh_selector", default=None)
-    parser.add_argument("--config_override", action="append", default=[])
-    args = parser.parse_args()
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", required=True, help="The named trainer config.")
+    parser.add_argument("--mesh_selector", default=None, help="As for axlearn.bench.")
+    parser.add_argument(
+        "--config_override", action="append", default=[], help="PATH=VALUE; may repeat."
+    )
+    args = parser.parse_args(argv)
     launch.setup()
     cfg = build_benchmark_config(
         args.config, mesh_selector=args.mesh_selector, overrides=args.config_override

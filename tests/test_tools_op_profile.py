@@ -1,8 +1,10 @@
-"""benchmarks/op_profile.py: kernels of a trace attributed to the HLO ops of an XLA dump,
-on synthetic traces (no GPU needed)."""
+"""tools/op_profile.py: kernels of a trace attributed to the HLO ops of an XLA dump, on
+synthetic traces (no GPU needed)."""
+
+import pytest
 
 from axlearn.bench import KernelEvent
-from benchmarks import op_profile
+from tools import op_profile
 
 _STACK = "jit(_train_step)/transpose(jvp(decoder))/transformer/layer{}/feed_forward/linear2"
 _DUMP = "\n".join(
@@ -68,3 +70,9 @@ def test_library_kernels_are_attributed_to_their_op_only_outside_a_cuda_graph(tm
     assert [(r["ms_per_step"], r["count"]) for r in top] == [(2.0, 2), (1.0, 1), (0.25, 1)]
     assert "layerN/feed_forward/linear2" in top[0]["op_name"]
     assert top[1]["op"] == "nvjet_sm90_tst_128x160"
+
+
+def test_main_names_a_profile_dir_without_a_trace(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        op_profile.main([f"--profile_dir={tmp_path}", f"--xla_dump_dir={tmp_path}", "--steps=1"])
+    assert f"--profile_dir={tmp_path}: no GPU kernels in a trace there" in capsys.readouterr().err

@@ -1,21 +1,32 @@
-r"""Per-HLO-op GPU time from a profiler trace, grouped by where the op comes from.
+r"""Where a train step's GPU time goes: per-HLO-op time from a profiler trace.
+
+Run it to find the ops worth optimizing (which matmuls, fusions and attention kernels of
+the forward pass, the backward pass or the optimizer update take the time), after
+changing a layer or a config, or on new hardware. First run a few steps with a trace
+and an HLO dump, then read them with this tool:
 
     python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 --steps=5 \
         --config_override=input.global_batch_size=4 --profile_dir=/tmp/prof --xla_dump_dir=/tmp/dump
-    PYTHONPATH=. python benchmarks/op_profile.py --profile_dir=/tmp/prof --xla_dump_dir=/tmp/dump \
-        --steps=5 --json_out=ops.json
+    PYTHONPATH=. python tools/op_profile.py --profile_dir=/tmp/prof --xla_dump_dir=/tmp/dump \
+        --steps=5 [--top=40] [--json_out=ops.json]
 
-The trace names each kernel; a fusion's kernel is named after its HLO instruction, whose
+`--steps` is the number of traced steps (bench's `--steps`); times are per step. It prints
+the GPU op time of a step, then that time split by (pass, kind), by (pass, kind, module
+path), and the top ops with the same op of every layer summed into one row (ms per step,
+launches per step, kind, HLO op, result shape, JAX name stack). Pass is forward,
+backward, update/other or unknown; kind is gemm, attention, fusion, copy, custom-call or
+other; module paths have layer numbers folded into 'layerN'. `--json_out` writes one row
+per HLO op.
+
+How a kernel finds its op: a fusion's kernel is named after its HLO instruction, whose
 JAX name stack in the dump's optimized HLO (`metadata={op_name=...}`) says forward,
-backward (`transpose(jvp(...))`) or learner, and which module. Library kernels (cuBLAS,
-cuDNN, copies) run inside the step's CUDA graph, where the trace records only the graph,
-so they are grouped by library. To see each of them under its own HLO op (which matmul,
-its output shape), profile with the graphs off; the step then runs 1-2% slower:
+backward (`transpose(jvp(...))`) or update, and which module. Library kernels (cuBLAS,
+cuDNN, copies) launched inside the step's CUDA graph are recorded under the graph only,
+so they are grouped by library with pass 'unknown'. To see each of them under its own
+HLO op (which matmul, its output shape), profile with CUDA graphs off (the step then runs
+a little slower):
 
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python -m axlearn.bench ... --profile_dir=...
-
-Time is summed by (pass, kind, module path with layer numbers folded into 'layerN'); kind
-is gemm / attention / fusion / copy / custom-call / other.
 """
 
 import argparse
@@ -25,7 +36,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from axlearn.bench import KernelEvent, gpu_kernel_events
 
@@ -152,15 +163,23 @@ def top_ops(rows: Sequence[dict]) -> list[dict]:
     return sorted(merged.values(), key=lambda r: -r["ms_per_step"])
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--profile_dir", required=True)
-    parser.add_argument("--xla_dump_dir", required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--json_out", default=None)
-    parser.add_argument("--top", type=int, default=40)
-    args = parser.parse_args()
-    rows = op_rows(gpu_kernel_events(args.profile_dir), hlo_op_names(args.xla_dump_dir), args.steps)
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--profile_dir", required=True, help="bench's --profile_dir.")
+    parser.add_argument("--xla_dump_dir", required=True, help="bench's --xla_dump_dir.")
+    parser.add_argument("--steps", type=int, required=True, help="How many steps the trace holds.")
+    parser.add_argument("--json_out", default=None, help="Write one row per HLO op as JSON.")
+    parser.add_argument("--top", type=int, default=40, help="Rows printed per listing.")
+    args = parser.parse_args(argv)
+    events = gpu_kernel_events(args.profile_dir)
+    if not events:
+        parser.error(f"--profile_dir={args.profile_dir}: no GPU kernels in a trace there")
+    names = hlo_op_names(args.xla_dump_dir)
+    if not names:
+        parser.error(f"--xla_dump_dir={args.xla_dump_dir}: no *after_optimizations.txt there")
+    rows = op_rows(events, names, args.steps)
     total = sum(r["ms_per_step"] for r in rows)
     groups = collections.defaultdict(float)
     for r in rows:
