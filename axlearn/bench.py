@@ -156,8 +156,7 @@ def run_benchmark(
     trainer = cfg.instantiate(parent=None)
     accounting = perf.StepAccounting.for_trainer(trainer)
     batch_rows = trainer.input.element_spec()["input_ids"].shape[0]
-    # Gradient accumulation: per_device_microbatch_size, else the learner's fixed count.
-    microbatches = trainer.learner.microbatches(trainer.num_microbatches(batch_rows))
+    microbatches = trainer.num_microbatches(batch_rows)  # From per_device_microbatch_size.
     trainer._state = trainer.init_state(jax.random.PRNGKey(0))  # pylint: disable=protected-access
     from axlearn.common.input_prefetch import prefetch_in_thread  # pylint: disable=import-outside-toplevel
 
@@ -199,7 +198,7 @@ def run_benchmark(
         "losses": losses,
         "step_times": step_times,
         "avg_step_time_s": avg,
-        "tflops_per_device": metrics["perf/tflops_per_device"],
+        "tflops_per_device": metrics.get("perf/tflops_per_device", float("nan")),
         "tokens_per_s_per_device": metrics["perf/tokens_per_s_per_device"],
         "mfu_percent": 100 * metrics["perf/mfu"] if "perf/mfu" in metrics else float("nan"),
         "memory_percent": 100 * memory[0] / memory[1] if memory and memory[1] else float("nan"),

@@ -13,8 +13,10 @@ from axlearn.common.causal_lm import Model, count_parameters, matmul_parameter_c
 from axlearn.common.config import parse_flat_text
 from axlearn.common.hf_llama import llama_model_config
 from axlearn.common.module import functional as F
+from experiments import golf, gpt
 from tests import reference_spec
 from tests.fresh_python import assert_prints_ok
+from tests.trainer_script import tiny_model_config
 
 VOCAB, DIM, BATCH, SEQ = 29, 16, 3, 8
 _REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -224,6 +226,50 @@ def test_untied_head_counts_once_and_the_lookup_table_not_at_all():
     assert count_parameters(untied_model) == count_parameters(tied_model) + 100 * 8
     # Arrays work as well as specs.
     assert count_parameters(_random_params(tied_model)) == count_parameters(tied_model)
+
+
+def _design_flops_per_token(model_cfg, seq_len: int) -> int:
+    """DESIGN.md's training FLOPs per token, from the config's numbers alone: 6 x matmul
+    parameters (LM head in, embedding lookup out) + 6 x layers x seq_len x dim."""
+    decoder = model_cfg.decoder
+    dim, vocab = decoder.dim, decoder.vocab_size
+    layers = decoder.transformer.num_layers
+    layer = decoder.transformer.layer
+    attention = layer.self_attention.attention
+    heads, kv_heads = attention.num_heads, attention.input_linear.input_linear.num_kv_heads
+    head_dim = dim // heads
+    qkv_and_output = dim * (heads + 2 * kv_heads) * head_dim + heads * head_dim * dim
+    gated = isinstance(layer.feed_forward.activation, (tuple, list))  # Two input matrices.
+    mlp = (3 if gated else 2) * dim * layer.feed_forward.hidden_dim
+    lm_head = vocab * dim  # Tied or not, the head's matmul counts once.
+    matmul = layers * (qkv_and_output + mlp) + lm_head
+    return 6 * matmul + 6 * layers * seq_len * dim
+
+
+def _gpt_test_model_and_seq_len():
+    cfg = gpt.gpt_test_trainer()
+    return cfg.model, cfg.input.max_sequence_length
+
+
+def _golf_model_and_seq_len():
+    cfg = golf.golf_baseline()
+    return cfg.model, cfg.input.max_sequence_length
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _gpt_test_model_and_seq_len,
+        _golf_model_and_seq_len,  # Tied embeddings, a two-matrix (squared ReLU) MLP.
+        lambda: (tiny_model_config(stack="repeat"), 64),  # Parameters stacked over layers.
+        lambda: (_model_config(), SEQ),  # An untied LM head.
+    ],
+    ids=["gpt_test", "golf_baseline", "repeated_layers", "untied_head"],
+)
+def test_model_flops_per_token_is_the_design_formula_of_the_config(make):
+    model_cfg, seq_len = make()
+    model = model_cfg.clone(name="model").instantiate(parent=None)  # Specs only.
+    assert model.model_flops_per_token(seq_len) == _design_flops_per_token(model_cfg, seq_len)
 
 
 def test_generation_wrappers_delegate_to_the_decoder():

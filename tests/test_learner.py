@@ -57,10 +57,10 @@ def test_config_has_the_spec_fields_and_extras_default_to_none():
     cfg = Learner.default_config()
     assert set(cfg.keys()) == {
         "klass", "name", "optimizer", "ema", "enable_per_variable_summaries",
-        "update_rules", "gradient_accumulation_steps",
+        "update_rules",
     }
     assert cfg.enable_per_variable_summaries is False
-    assert cfg.update_rules is None and cfg.gradient_accumulation_steps is None
+    assert cfg.update_rules is None
     assert cfg.ema.fn is opt.param_ema
 
 
@@ -130,14 +130,11 @@ def test_gradient_accumulation_equals_one_full_batch_step():
               "v": jnp.asarray(rng.normal(size=(6, 1)), jnp.float32)}
     inputs = {"x": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
               "y": jnp.asarray(rng.normal(size=(8,)), jnp.float32)}
-    full = sgd_learner()
-    accumulated = sgd_learner(gradient_accumulation_steps=4)
-    # The count a step runs: an explicit num_microbatches wins over the configured one.
-    assert (full.microbatches(), accumulated.microbatches(), accumulated.microbatches(2)) == (1, 4, 2)
+    learner = sgd_learner()
     key = jax.random.PRNGKey(0)
-    loss, aux, grads = full.compute_gradients(regression_loss, params, inputs, key)
+    loss, aux, grads = learner.compute_gradients(regression_loss, params, inputs, key)
     acc_loss, acc_aux, acc_grads = jax.jit(
-        lambda p, i: accumulated.compute_gradients(regression_loss, p, i, key)
+        lambda p, i: learner.compute_gradients(regression_loss, p, i, key, num_microbatches=4)
     )(params, inputs)
     np.testing.assert_allclose(acc_loss, loss, rtol=1e-6)
     for name in params:
@@ -145,9 +142,9 @@ def test_gradient_accumulation_equals_one_full_batch_step():
     np.testing.assert_allclose(acc_aux["mse"].mean, aux["mse"].mean, rtol=1e-6)
     assert float(acc_aux["mse"].weight) == 8.0 and int(acc_aux["examples"]) == 8
     # The same optimizer step follows from either.
-    state = full.init(params)
-    new_full, _, _ = full.update(params, grads, state)
-    new_acc, _, _ = accumulated.update(params, acc_grads, state)
+    state = learner.init(params)
+    new_full, _, _ = learner.update(params, grads, state)
+    new_acc, _, _ = learner.update(params, acc_grads, state)
     for name in params:
         np.testing.assert_allclose(new_acc[name], new_full[name], rtol=1e-6, atol=1e-6)
 
@@ -202,11 +199,19 @@ def test_strided_microbatches_of_a_sharded_batch_stay_on_their_devices():
 
 
 def test_gradient_accumulation_rejects_a_batch_it_cannot_split():
-    learner = sgd_learner(gradient_accumulation_steps=3)
+    learner = sgd_learner()
     params = {"w": jnp.zeros((4, 6)), "v": jnp.zeros((6, 1))}
     inputs = {"x": jnp.zeros((8, 4)), "y": jnp.zeros((8,))}
     with pytest.raises(ValueError, match="input 'x' of shape \\(8, 4\\).* into 3 gradient"):
-        learner.compute_gradients(regression_loss, params, inputs, None)
+        learner.compute_gradients(regression_loss, params, inputs, None, num_microbatches=3)
+
+
+@pytest.mark.parametrize("count", [0, -1, 2.0])
+def test_gradient_accumulation_rejects_a_count_that_is_not_a_positive_int(count):
+    params = {"w": jnp.zeros((4, 6)), "v": jnp.zeros((6, 1))}
+    inputs = {"x": jnp.zeros((8, 4)), "y": jnp.zeros((8,))}
+    with pytest.raises(ValueError, match="learner: num_microbatches must be an int >= 1"):
+        sgd_learner().compute_gradients(regression_loss, params, inputs, None, num_microbatches=count)
 
 
 # ----- updates and summaries -----

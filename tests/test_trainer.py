@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axlearn.common import perf
+from axlearn.common import causal_lm, perf
 from axlearn.common.base_layer import (
     WeightWithCopy,
     cast_floats_with_copies,
@@ -442,7 +442,7 @@ def test_float32_weight_gradients_only_for_microbatches_on_one_device():
         parent=None, devices=jax.devices()[:1]
     )
     assert one._uses_float32_weight_grads(4) and one._uses_float32_weight_grads(2)
-    assert not one._uses_float32_weight_grads(1) and not one._uses_float32_weight_grads(None)
+    assert not one._uses_float32_weight_grads(1)
     # On a mesh of two devices (only its size is read), microbatches keep bf16 gradients.
     one._mesh = types.SimpleNamespace(size=2)
     assert not one._uses_float32_weight_grads(4)
@@ -663,7 +663,7 @@ def test_mesh_axis_names_and_mesh_shape_of_different_lengths_are_rejected():
 
 
 @pytest.mark.parametrize(
-    "microbatch,expected", [(None, None), (1, 8), (2, 4), (8, 1), (64, 1)]
+    "microbatch,expected", [(None, 1), (1, 8), (2, 4), (8, 1), (64, 1)]
 )
 def test_per_device_microbatch_size_sets_the_microbatch_count(microbatch, expected):
     cfg = tiny_trainer_config(trainer_dir=None).set(per_device_microbatch_size=microbatch)
@@ -714,14 +714,6 @@ def test_per_device_microbatch_size_must_be_a_positive_int(microbatch):
         cfg.instantiate(parent=None)
 
 
-def test_per_device_microbatch_size_and_learner_accumulation_are_exclusive():
-    cfg = tiny_trainer_config(trainer_dir=None).set(per_device_microbatch_size=2)
-    cfg.learner.gradient_accumulation_steps = 2
-    message = "set per_device_microbatch_size or learner.gradient_accumulation_steps, not both"
-    with pytest.raises(ConfigError, match=message):
-        cfg.instantiate(parent=None)
-
-
 def test_meshes_of_eight_and_four_devices_match_one_device(tmp_path):
     script = os.path.join(TESTS_DIR, "trainer_script.py")
     subprocess.run(
@@ -752,7 +744,7 @@ def test_meshes_of_eight_and_four_devices_match_one_device(tmp_path):
     )
     # Two rows a device in microbatches of one: the same steps as the whole batch at once.
     microbatched = results["microbatched"]
-    assert microbatched["num_microbatches"] == 2 and results["single"]["num_microbatches"] is None
+    assert microbatched["num_microbatches"] == 2 and results["single"]["num_microbatches"] == 1
     np.testing.assert_allclose(microbatched["losses"], single, rtol=1e-5, atol=1e-5)
     # The batch over two axes and the heads over a third (`sharding.gathered_for_matmul`).
     three_axes = results["data_fsdp_model"]
@@ -879,36 +871,51 @@ def _hand_counts(*, dim, layers, heads, kv_heads, hidden, vocab, tied=True) -> t
 
 
 @pytest.mark.parametrize("stack", ["stack", "repeat"])
-def test_parameter_counts_match_a_hand_count(stack):
+def test_tree_size_of_the_parameter_specs_matches_a_hand_count(stack):
     sizes = dict(dim=32, num_layers=3, num_heads=4, num_kv_heads=2, hidden_dim=48, vocab_size=96)
     model = tiny_model_config(**sizes, stack=stack).set(name="model").instantiate(parent=None)
-    total, matmul = perf.parameter_counts(model.create_parameter_specs_recursively())
-    assert (total, matmul) == _hand_counts(
-        dim=32, layers=3, heads=4, kv_heads=2, hidden=48, vocab=96
-    )
-
-
-def test_model_flops_per_token_is_the_design_formula():
-    _, matmul = _hand_counts(dim=32, layers=2, heads=4, kv_heads=2, hidden=64, vocab=VOCAB)
-    flops = perf.model_flops_per_token(matmul_params=matmul, num_layers=2, seq_len=32, d_model=32)
-    # 6 FLOPs per matmul parameter (forward 2, backward 4) plus causal attention:
-    # QK^T and AV over half the sequence, 2 * 2 * (seq/2) * d_model forward, x3 with backward.
-    assert flops == 6 * matmul + 2 * 3 * (2 * 2 * (32 // 2) * 32)
+    total, _ = _hand_counts(dim=32, layers=3, heads=4, kv_heads=2, hidden=48, vocab=96)
+    assert perf.tree_size(model.create_parameter_specs_recursively()) == total
 
 
 def test_step_accounting_turns_a_step_time_into_the_standard_columns():
     trainer = tiny_trainer_config(trainer_dir=None).instantiate(parent=None)
     accounting = perf.StepAccounting.for_trainer(trainer)
-    _, matmul = _hand_counts(dim=32, layers=2, heads=4, kv_heads=2, hidden=64, vocab=VOCAB)
+    total, matmul = _hand_counts(dim=32, layers=2, heads=4, kv_heads=2, hidden=64, vocab=VOCAB)
     tokens = BATCH * SEQ_LEN
+    assert accounting.num_params == total
     assert accounting.tokens_per_step == tokens
-    assert accounting.flops_per_step == tokens * (6 * matmul + 6 * 2 * SEQ_LEN * 32)
+    # DESIGN.md: 6 FLOPs per matmul parameter (forward 2, backward 4) plus causal attention,
+    # QK^T and AV over half the sequence: 2 * 2 * (seq/2) * d_model forward, x3 with backward.
+    attention = 3 * (2 * 2 * (SEQ_LEN // 2) * 32)
+    assert accounting.flops_per_step == tokens * (6 * matmul + 2 * attention)
     accounting.peak_tflops_per_device = 2e-6
     metrics = accounting.metrics(0.5)
     assert metrics["perf/tokens_per_s_per_device"] == tokens / 0.5
     assert math.isclose(metrics["perf/tflops_per_device"], accounting.flops_per_step / 0.5 / 1e12)
     assert math.isclose(metrics["perf/mfu"], metrics["perf/tflops_per_device"] / 2e-6)
     assert metrics["perf/peak_memory_gib"] > 0  # CPU: the process's peak resident set.
+
+
+class _UncountedModel(causal_lm.Model):
+    """A model that cannot count its FLOPs."""
+
+    def model_flops_per_token(self, seq_len: int) -> None:
+        del seq_len
+
+
+def test_a_model_without_a_flops_count_trains_and_reports_no_tflops_or_mfu():
+    cfg = tiny_trainer_config(trainer_dir=None, max_step=2)
+    cfg.model.klass = _UncountedModel
+    cfg.peak_tflops_per_device = 1.0
+    result = cfg.instantiate(parent=None).run()
+    assert "perf/tflops_per_device" not in result and "perf/mfu" not in result
+    assert result["perf/tokens_per_s_per_device"] > 0
+    assert "- TFLOP/s/dev" in perf.progress_line(2, 2, result)
+
+
+def test_a_model_without_the_method_counts_no_flops():
+    assert perf.model_flops_per_token(object(), seq_len=32) is None
 
 
 def test_peak_tflops_are_known_for_hopper_gpus_and_unknown_for_cpus():

@@ -10,7 +10,6 @@ from axlearn.common.config import ConfigError
 from axlearn.common.trainer import select_mesh_rule
 from axlearn.common.trainer_config_modifier import (
     ChainConfigModifier,
-    GradientAccumulationModifier,
     MeshShapeModifier,
     ModuleConfigModifier,
     PartitionSpecModifier,
@@ -106,27 +105,16 @@ def test_remat_spec_modifier_names_a_path_without_remat_spec():
         _apply(modifier, _config())
 
 
-def test_gradient_accumulation_modifier_sets_the_learner_microbatches():
-    cfg = _apply(GradientAccumulationModifier.default_config().set(grad_acc_steps=4), _config())
-    assert cfg.learner.gradient_accumulation_steps == 4
-
-
-@pytest.mark.parametrize("steps", [0, -2, 1.5])
-def test_gradient_accumulation_modifier_rejects_non_positive_steps(steps):
-    modifier = GradientAccumulationModifier.default_config().set(grad_acc_steps=steps)
-    with pytest.raises(ConfigError, match="grad_acc_steps must be >= 1"):
-        _apply(modifier, _config())
-
-
-def test_gradient_accumulation_trains_the_same_model_as_the_full_batch():
+def test_a_microbatch_size_set_by_a_modifier_trains_the_same_model_as_the_full_batch():
     plain = _config()
-    accumulated = _apply(
-        GradientAccumulationModifier.default_config().set(grad_acc_steps=2), _config()
+    microbatched = _apply(
+        TrainerFieldsModifier.default_config().set(fields={"per_device_microbatch_size": 4}),
+        _config(),
     )
     results, params = [], []
-    for cfg, microbatches in ((plain, None), (accumulated, 2)):
+    for cfg, microbatches in ((plain, 1), (microbatched, 2)):
         trainer = cfg.instantiate(parent=None)
-        assert trainer.learner.config.gradient_accumulation_steps == microbatches
+        assert trainer.num_microbatches(cfg.input.global_batch_size) == microbatches
         results.append(trainer.run())
         params.append(jax.tree.leaves(trainer.trainer_state.model))
     np.testing.assert_allclose(results[1]["loss"], results[0]["loss"], rtol=1e-5)
@@ -197,13 +185,13 @@ def test_chain_config_modifier_applies_its_modifiers_in_order():
     chain = ChainConfigModifier.default_config().set(
         config_modifiers=[
             MeshShapeModifier.default_config().set(mesh_shape=(1, 1, 1, -1, 1, 1)),
-            GradientAccumulationModifier.default_config().set(grad_acc_steps=2),
+            TrainerFieldsModifier.default_config().set(fields={"per_device_microbatch_size": 2}),
             MeshShapeModifier.default_config().set(mesh_shape=(1, -1, 1, 1, 1, 1)),
         ]
     )
     cfg = _apply(chain, _config())
     assert cfg.mesh_shape == (1, -1, 1, 1, 1, 1)  # The later mesh modifier wins.
-    assert cfg.learner.gradient_accumulation_steps == 2
+    assert cfg.per_device_microbatch_size == 2
 
 
 def test_single_host_gpu_rule_of_the_gpt_experiments_is_a_chain():

@@ -8,7 +8,7 @@ sequence at a time under `jax.checkpoint`, so the [batch, seq, vocab] float32 lo
 exist at once, in the forward pass or the backward pass.
 
 `count_parameters` and `matmul_parameter_count` read parameter specs (no allocation);
-the latter is the parameter count of the model-FLOPs formula in DESIGN.md.
+`Model.model_flops_per_token` turns the latter into the model FLOPs of DESIGN.md.
 """
 
 import math
@@ -198,6 +198,19 @@ class Model(BaseLayer):
             name: value.swapaxes(0, 1).reshape(batch_size, num_chunks * chunk)[:, :seq_len]
             for name, value in stats.items()
         }
+
+    # ----- accounting -----
+
+    def model_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward and backward) per token of `seq_len`-token sequences.
+
+        The DESIGN.md formula: 6 x matmul parameters (`matmul_parameter_count`: the LM head
+        included, the embedding lookup not) + 6 x layers x seq_len x dim, the second term
+        being causal attention's QK^T and AV over half the [seq_len, seq_len] matrix.
+        """
+        decoder = self.decoder.config
+        num_layers = self.decoder.transformer.config.num_layers
+        return 6.0 * matmul_parameter_count(self) + 6.0 * num_layers * seq_len * decoder.dim
 
     # ----- generation -----
 

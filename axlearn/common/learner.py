@@ -8,8 +8,8 @@
     loss, aux, grads = learner.compute_gradients(loss_fn, params, inputs, prng_key)
     params, state, summaries = learner.update(params, grads, state, param_specs=param_specs)
 
-`update_rules` freeze parameters by path; `gradient_accumulation_steps` (or the count the
-trainer derives from its `per_device_microbatch_size`) splits a batch into microbatches
+`update_rules` freeze parameters by path; `compute_gradients(..., num_microbatches=k)`
+(k from the trainer's `per_device_microbatch_size`) splits a batch into microbatches
 whose averaged gradients equal the full batch's.
 `regularizer_lines` lists each parameter's effective weight-decay scale for the
 `_regularizer.txt` golden files.
@@ -72,8 +72,6 @@ class Learner(Module):
         # '/'-path decides. None or no match: 'all'. 'no_update' parameters stay unchanged
         # and have no optimizer state.
         update_rules: Optional[Sequence[tuple[str, str]]] = None
-        # Microbatches per step in compute_gradients; None or 1: no accumulation.
-        gradient_accumulation_steps: Optional[int] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
@@ -89,13 +87,6 @@ class Learner(Module):
                 self._rules.append((re.compile(pattern), update_type))
             except re.error as e:
                 raise ConfigError(f"{self.path()}.update_rules[{i}]: bad regex {pattern!r}: {e}")
-        steps = cfg.gradient_accumulation_steps
-        if steps is not None and (not isinstance(steps, int) or steps < 1):
-            raise ConfigError(
-                f"{self.path()}.gradient_accumulation_steps must be None or an int >= 1, "
-                f"got {steps!r}"
-            )
-        self._accumulation_steps = steps or 1
         self._optimizer = maybe_instantiate(cfg.optimizer)
         self._ema = maybe_instantiate(cfg.ema)
 
@@ -103,11 +94,6 @@ class Learner(Module):
     def optimizer(self):
         """The PartitionedGradientTransformation built from `config.optimizer`."""
         return self._optimizer
-
-    def microbatches(self, num_microbatches: Optional[int] = None) -> int:
-        """The microbatches `compute_gradients` runs for this `num_microbatches`: that count,
-        or gradient_accumulation_steps (1 if unset) when None."""
-        return self._accumulation_steps if num_microbatches is None else num_microbatches
 
     def update_type(self, path: str) -> str:
         """'all' or 'no_update' for the parameter at '/'-joined `path`."""
@@ -158,19 +144,21 @@ class Learner(Module):
         inputs: Nested,
         prng_key: Optional[Tensor],
         *,
-        num_microbatches: Optional[int] = None,
+        num_microbatches: int = 1,
     ) -> tuple[Tensor, Any, Nested]:
         """(loss, aux, grads) of `loss_fn(params, inputs, prng_key) -> (loss, aux)`.
 
-        With k microbatches (`num_microbatches`, or else gradient_accumulation_steps) > 1,
-        the leading (batch) axis of every array in `inputs` is split into k equal
-        microbatches (`split_microbatches`), run one after another under jax.lax.scan with
-        keys fold_in(prng_key, i); loss and gradients are averaged over microbatches, so a
-        loss that is a mean over examples gives the full-batch result. aux leaves are
+        With k = `num_microbatches` > 1 (the trainer derives it), the leading (batch) axis of
+        every array in `inputs` is split into k equal microbatches (`split_microbatches`),
+        run one after another under jax.lax.scan with keys fold_in(prng_key, i); loss and
+        gradients are averaged over microbatches, so a loss that is a mean over examples
+        gives the full-batch result. aux leaves are
         averaged too, except WeightedScalars (combined by weight) and integer leaves (summed).
         """
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        k = self.microbatches(num_microbatches)
+        k = num_microbatches
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"{self.path()}: num_microbatches must be an int >= 1, got {k!r}")
         if k == 1:
             (loss, aux), grads = grad_fn(model_params, inputs, prng_key)
             return loss, aux, grads
@@ -217,11 +205,10 @@ class Learner(Module):
         it), and with enable_per_variable_summaries 'parameter_norm' (after the step),
         'update_norm' and all three norms per parameter path.
 
-        The norms of the new parameters and of the update are opt-in: reading the new
-        parameters once more cost 0.4% of gpt_1b's step on an H100, and a norm that XLA
-        fuses into the update makes it copy every parameter and optimizer state instead
-        of updating them in place (docs/benchmarks.md). The trainer reports the parameter
-        norm where it logs, from the state it keeps (`Trainer.parameter_norm`).
+        The norms of the new parameters and of the update are opt-in: they read every
+        parameter once more, and a norm that XLA fuses into the update makes it copy every
+        parameter and optimizer state instead of updating them in place. The trainer
+        reports the parameter norm where it logs (`SpmdTrainer.parameter_norm`).
         """
         params = self._trainable(self._with_specs(model_params, param_specs))
         trainable_grads = self._trainable(grads)

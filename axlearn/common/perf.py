@@ -1,16 +1,16 @@
 """Performance accounting shared by the trainer log and the benchmark report.
 
-Per token, model FLOPs = 6 x (matmul parameters, including the LM head, excluding the
-embedding lookup) + 6 x layers x seq_len x d_model (causal attention: QK^T and AV, half
-the matrix). TFLOP/s/device = FLOPs per step / step time / devices; MFU = that / peak.
+The model counts its own training FLOPs per token (`CountsModelFlops`; for the causal LM
+the DESIGN.md formula, `causal_lm.Model.model_flops_per_token`). Here:
+TFLOP/s/device = FLOPs per step / step time / devices; MFU = that / peak. A model that
+does not count its FLOPs gets step time, tokens/s and memory, but no TFLOP/s or MFU.
 """
 
 import dataclasses
-from typing import Any, Optional
+import math
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import jax
-
-from axlearn.common.causal_lm import count_parameters, matmul_parameter_count
 
 # Peak dense bf16 TFLOP/s per device, by a substring of jax's device_kind (first match).
 PEAK_TFLOPS_BY_DEVICE_KIND = (
@@ -36,21 +36,26 @@ def peak_tflops(device: Optional[jax.Device] = None) -> Optional[float]:
     return None
 
 
-def parameter_counts(param_specs: Any) -> tuple[int, int]:
-    """(all parameters, matmul parameters) from a tree of ParameterSpecs.
+@runtime_checkable
+class CountsModelFlops(Protocol):
+    """A model that knows its training FLOPs (forward and backward) per token."""
 
-    Matmul parameters follow `causal_lm.matmul_parameter_count`: every `weight` except
-    lookup tables, with the LM head counted (a tied token table counts once, as the head).
-    Norm scales and biases are left out, also when stacked over repeated layers.
-    """
-    return count_parameters(param_specs), matmul_parameter_count(param_specs)
+    def model_flops_per_token(self, seq_len: int) -> Optional[float]:
+        """FLOPs per token of a `seq_len`-token sequence; None where it cannot count."""
 
 
-def model_flops_per_token(
-    *, matmul_params: int, num_layers: int, seq_len: int, d_model: int
-) -> float:
-    """Training FLOPs per token (forward and backward), the DESIGN.md formula."""
-    return 6.0 * matmul_params + 6.0 * num_layers * seq_len * d_model
+def model_flops_per_token(model: Any, seq_len: int) -> Optional[float]:
+    """`model`'s own count (`CountsModelFlops`), or None for a model that has none."""
+    if isinstance(model, CountsModelFlops):
+        return model.model_flops_per_token(seq_len)
+    return None
+
+
+def tree_size(tree: Any) -> int:
+    """The number of elements of a tree of arrays or of ParameterSpecs (anything with a
+    `shape`): a model's parameter count from its specs, nothing allocated."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "shape"))
+    return sum(math.prod(leaf.shape) for leaf in leaves)
 
 
 @dataclasses.dataclass
@@ -58,46 +63,39 @@ class StepAccounting:
     """Turns a step time into the standard columns."""
 
     num_params: int
-    matmul_params: int
     tokens_per_step: int
-    flops_per_step: float
+    flops_per_step: Optional[float]  # None: the model does not count its FLOPs.
     num_devices: int
     peak_tflops_per_device: Optional[float]
 
     @classmethod
     def for_trainer(cls, trainer) -> "StepAccounting":
-        cfg = trainer.config
-        total, matmul = parameter_counts(trainer.model_param_specs)
-        spec = trainer.input.element_spec()["input_ids"]
-        batch, seq_len = spec.shape
-        decoder = cfg.model.decoder
-        flops = model_flops_per_token(
-            matmul_params=matmul,
-            num_layers=decoder.transformer.num_layers,
-            seq_len=seq_len,
-            d_model=decoder.dim,
-        )
-        num_devices = trainer.mesh.devices.size
-        peak = cfg.peak_tflops_per_device or peak_tflops(trainer.mesh.devices.flat[0])
+        """The accounting of `trainer`'s steps: its input's [batch, seq_len] tokens, its
+        model's parameters and FLOPs per token, its mesh's devices."""
+        batch, seq_len = trainer.input.element_spec()["input_ids"].shape
+        flops_per_token = model_flops_per_token(trainer.model, seq_len)
+        tokens = batch * seq_len
+        peak = trainer.config.peak_tflops_per_device or peak_tflops(trainer.mesh.devices.flat[0])
         return cls(
-            num_params=total,
-            matmul_params=matmul,
-            tokens_per_step=batch * seq_len,
-            flops_per_step=flops * batch * seq_len,
-            num_devices=num_devices,
+            num_params=tree_size(trainer.model_param_specs),
+            tokens_per_step=tokens,
+            flops_per_step=None if flops_per_token is None else flops_per_token * tokens,
+            num_devices=trainer.mesh.devices.size,
             peak_tflops_per_device=peak,
         )
 
     def metrics(self, step_time_s: float) -> dict[str, Any]:
-        """tokens/s/device, TFLOP/s/device, MFU, step time and peak memory."""
-        tflops = self.flops_per_step / step_time_s / self.num_devices / 1e12
+        """tokens/s/device, TFLOP/s/device and MFU (where FLOPs and peak are known), step
+        time and peak memory."""
         out = {
             "perf/step_time_s": step_time_s,
             "perf/tokens_per_s_per_device": self.tokens_per_step / step_time_s / self.num_devices,
-            "perf/tflops_per_device": tflops,
         }
-        if self.peak_tflops_per_device:
-            out["perf/mfu"] = tflops / self.peak_tflops_per_device
+        if self.flops_per_step is not None:
+            tflops = self.flops_per_step / step_time_s / self.num_devices / 1e12
+            out["perf/tflops_per_device"] = tflops
+            if self.peak_tflops_per_device:
+                out["perf/mfu"] = tflops / self.peak_tflops_per_device
         memory = device_memory()
         if memory is not None:
             out["perf/peak_memory_gib"] = memory[0] / 2**30

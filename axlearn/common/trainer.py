@@ -138,17 +138,16 @@ class SpmdTrainer(Module):
         # Carry each such weight as its bfloat16 copy and the 16 bits below it instead of
         # as float32 beside the copy (`split_float`): the same float32 weights in 4 bytes
         # instead of 6, and 2 fewer bytes a weight for the update to write. The copies round
-        # halfway cases away from zero (one float32 in 2**17 differs from a cast). For
-        # gpt_1b on one H100: 2.0 GiB less, the step no faster; on two GPUs (FSDP) 1.1%
-        # slower (docs/benchmarks.md). Evaluation and checkpoints join the halves into
-        # float32 arrays while they run. Needs carry_train_dtype_weights, train_dtype
-        # bfloat16 and float32 weights. None: not split.
+        # halfway cases away from zero (one float32 in 2**17 differs from a cast).
+        # Evaluation and checkpoints join the halves into float32 arrays while they run.
+        # Needs carry_train_dtype_weights, train_dtype bfloat16 and float32 weights.
+        # None: not split.
         split_carried_weights: Optional[bool] = None
         # Batch rows each device computes gradients for at once. A device's share of a
         # larger global batch is run as microbatches of this size, with the gradients
         # accumulated (the step equals the full-batch step; Learner.compute_gradients).
         # Lets one config run its cluster-sized batch on fewer devices. None: the whole
-        # share at once. Not together with learner.gradient_accumulation_steps.
+        # share at once.
         per_device_microbatch_size: Optional[int] = None
         mesh_shape: Required[MeshShape] = REQUIRED  # One entry may be -1 (inferred).
         mesh_axis_names: Required[Sequence[str]] = REQUIRED
@@ -191,11 +190,6 @@ class SpmdTrainer(Module):
                 raise ConfigError(
                     f"{self.path()}.per_device_microbatch_size must be None or an int >= 1, "
                     f"got {microbatch!r}"
-                )
-            if (cfg.learner.gradient_accumulation_steps or 1) > 1:
-                raise ConfigError(
-                    f"{self.path()}: set per_device_microbatch_size or "
-                    "learner.gradient_accumulation_steps, not both"
                 )
         mesh_shape = infer_mesh_shape(cfg.mesh_shape, len(devices))
         self._mesh = create_mesh(mesh_shape, cfg.mesh_axis_names, devices)
@@ -512,12 +506,12 @@ class SpmdTrainer(Module):
         aux = {k: v for k, v in (aux or {}).items() if k != "logits"}
         return loss, dict(aux=aux, summaries=collection.summaries)
 
-    def num_microbatches(self, global_batch_size: int) -> Optional[int]:
+    def num_microbatches(self, global_batch_size: int) -> int:
         """Microbatches a step of `global_batch_size` rows runs in (per_device_microbatch_size);
-        None: as the learner is configured."""
+        1 where that is None."""
         microbatch = self._config.per_device_microbatch_size
         if microbatch is None:
-            return None
+            return 1
         shards = batch_shards(self._mesh, self._config.batch_axis_names)
         per_device = global_batch_size // shards
         count = microbatch_count(per_device, microbatch)
@@ -529,22 +523,21 @@ class SpmdTrainer(Module):
             )
         return count
 
-    def _uses_float32_weight_grads(self, num_microbatches: Optional[int]) -> bool:
+    def _uses_float32_weight_grads(self, num_microbatches: int) -> bool:
         """Whether a step gives its weights their gradients in float32 out of the matmuls.
 
         Only where it pays: a step that sums several microbatches' gradients, on one
         device. The learner's float32 sum then folds into each weight-gradient matmul
-        instead of taking a pass of its own (+0.6% for gpt_1b on an H100). On several
-        devices each microbatch's weight gradients are reduced across them, and in float32
-        that moves twice the bytes of bf16 (−2.9% on two H100s; docs/benchmarks.md).
+        instead of taking a pass of its own. On several devices each microbatch's weight
+        gradients are reduced across them, and in float32 that moves twice the bytes of bf16.
         """
-        return self.learner.microbatches(num_microbatches) > 1 and self._mesh.size == 1
+        return num_microbatches > 1 and self._mesh.size == 1
 
     def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
         prng_key, step_key = jax.random.split(state.prng_key)
         global_batch_size = jax.tree.leaves(input_batch)[0].shape[0]
         num_microbatches = self.num_microbatches(global_batch_size)
-        if (num_microbatches or 1) > 1:  # Logged once a compile, as the step is traced.
+        if num_microbatches > 1:  # Logged once a compile, as the step is traced.
             log.info(
                 "Each step accumulates gradients over %d microbatches of %d rows a device",
                 num_microbatches,
@@ -556,7 +549,7 @@ class SpmdTrainer(Module):
             float32_weight_grads=self._uses_float32_weight_grads(num_microbatches),
         )
         # Split weights are joined here and split again below; XLA fuses both into the
-        # update (one H100: its fusions read and write the halves, no float32 weights).
+        # update, whose fusions then read and write the halves, never float32 weights.
         params = self._joined_params(state)
         loss, aux, grads = self.learner.compute_gradients(
             loss_fn, params, input_batch, step_key, num_microbatches=num_microbatches
@@ -597,10 +590,9 @@ class SpmdTrainer(Module):
     def parameter_norm(self) -> jax.Array:
         """The L2 norm of all model parameters of the current state (float32, on device).
 
-        Computed here, where the loop logs or saves, rather than in every step: the read
-        of all parameters it costs was 0.4% of gpt_1b's step on an H100. A non-finite
-        parameter also shows as a non-finite loss one step later, which the loop checks
-        every step.
+        Computed here, where the loop logs or saves, rather than in every step, whose
+        update would otherwise read all parameters once more. A non-finite parameter also
+        shows as a non-finite loss one step later, which the loop checks every step.
         """
         if self._jit_parameter_norm is None:
             self._jit_parameter_norm = jax.jit(
@@ -622,9 +614,11 @@ class SpmdTrainer(Module):
         log_every = cfg.log_every_n_steps or (
             self.summary_writer.config.write_every_n_steps if has_writer else 100
         )
+        flops = accounting.flops_per_step
         log.info(
-            "Model: %s parameters, %.3g model FLOPs per step", f"{accounting.num_params:,}",
-            accounting.flops_per_step,
+            "Model: %s parameters, %s", f"{accounting.num_params:,}",
+            "no FLOPs count (no TFLOP/s or MFU)" if flops is None
+            else f"{flops:.3g} model FLOPs per step",
         )
         if self._step >= cfg.max_step:
             log.info("Step %d is at max_step %d: nothing to train", self._step, cfg.max_step)
@@ -635,8 +629,7 @@ class SpmdTrainer(Module):
         # device memory is then always taken in the same order, between one step's
         # dispatch and the next. Taken from the reading thread, a batch could land just
         # above a step's large temporary buffer while it was held, and the next step's
-        # buffer could then fit neither below nor above it (golf_baseline ran out of
-        # memory that way; docs/benchmarks.md).
+        # buffer could then fit neither below nor above it (out of memory).
         batches = prefetch_in_thread(self._host_batches(), size=2)
         last: dict[str, Any] = {}
         pending: Optional[tuple[int, dict[str, Any]]] = None

@@ -1,8 +1,9 @@
 """Config modifiers: named, reviewable edits of a trainer config.
 
 Mesh rules map an instance type to either a mesh shape or one of these modifiers, so
-that what changes on new hardware (mesh, remat policy, gradient accumulation, partition
-specs, any module's config, trainer fields) is data that shows up in golden configs.
+that what changes on new hardware (mesh, remat policy, partition specs, any module's
+config, trainer fields such as `per_device_microbatch_size`) is data that shows up in
+golden configs.
 """
 
 from collections.abc import Sequence
@@ -72,25 +73,6 @@ class TrainerFieldsModifier(ConfigModifier):
             if name not in cfg.keys():
                 raise ConfigError(f"TrainerFieldsModifier: the trainer config has no '{name}'")
             setattr(cfg, name, value)
-        return cfg
-
-
-class GradientAccumulationModifier(ConfigModifier):
-    """Accumulates gradients over `grad_acc_steps` microbatches of the global batch."""
-
-    @config_class
-    class Config(ConfigModifier.Config):
-        """Configures GradientAccumulationModifier."""
-
-        grad_acc_steps: Required[int] = REQUIRED
-
-    def __call__(self, cfg):
-        steps = self.config.grad_acc_steps
-        if not isinstance(steps, int) or steps < 1:
-            raise ConfigError(
-                f"GradientAccumulationModifier.grad_acc_steps must be >= 1, got {steps!r}"
-            )
-        cfg.learner.gradient_accumulation_steps = steps
         return cfg
 
 
