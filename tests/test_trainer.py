@@ -25,7 +25,6 @@ from axlearn.common import perf
 from axlearn.common.base_layer import (
     WeightWithCopy,
     cast_floats_with_copies,
-    flatten_with_paths,
     weight_einsum,
     weight_take,
 )
@@ -35,6 +34,7 @@ from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.optimizers import StochasticRoundingState, cast_optimizer_state
 from axlearn.common.split_float import FLOAT24, is_float24
 from axlearn.common.trainer import NonFiniteLossError, SpmdTrainer, infer_mesh_shape
+from axlearn.common.utils import flatten_with_paths
 from axlearn.experiments.text.gpt import common
 from tests.fresh_python import assert_prints_ok, fresh_env
 from tests.trainer_script import (

@@ -18,12 +18,13 @@ from typing import Any, Optional, Union
 import jax
 import jax.numpy as jnp
 
-from axlearn.common.base_layer import BaseLayer, ParameterSpec, flatten_with_paths, is_parameter_spec
+from axlearn.common.base_layer import BaseLayer, ParameterSpec, is_parameter_spec
 from axlearn.common.config import InstantiableConfig, config_class
 from axlearn.common.decoder import Decoder
 from axlearn.common.module import Module, Tensor, functional
 from axlearn.common.sharding import maybe_shard
 from axlearn.common.summary import WeightedScalar
+from axlearn.common.utils import flatten_with_paths
 
 AxisNames = Optional[Union[str, Sequence[str]]]
 

@@ -44,7 +44,6 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from axlearn.common.base_layer import flatten_with_paths
 from axlearn.common.config import (
     REQUIRED,
     ConfigError,
@@ -56,6 +55,7 @@ from axlearn.common.config import (
     maybe_instantiate,
 )
 from axlearn.common.module import Module
+from axlearn.common.utils import flatten_with_paths
 
 _log = logging.getLogger(__name__)
 
