@@ -113,8 +113,8 @@ class WeightWithCopy(NamedTuple):
     matmul. Through a cast that gradient would come out of the matmul in bf16 and be
     converted and added to the float32 sum in a pass of its own; in float32, XLA folds the
     sum into the matmul (cuBLAS beta=1), and each microbatch's share is not rounded to
-    bf16 first (benchmarks/accumulate_check.py, docs/benchmarks.md). `weight_take` reads
-    rows from the copy and sums their gradients in the weight's dtype too.
+    bf16 first. `weight_take` reads rows from the copy and sums their gradients in the
+    weight's dtype too.
     """
 
     weight: Tensor
