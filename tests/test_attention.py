@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from axlearn.common import attention as attn
-from axlearn.common.base_layer import flatten_with_paths, is_parameter_spec
+from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.config import ConfigError, config_for_function, parse_flat_text
 from axlearn.common.layers import RMSNorm, scaled_hidden_dim
 from axlearn.common.module import F
 from axlearn.common.param_init import default_initializer_config
+from axlearn.common.utils import flatten_with_paths
 from tests import reference_spec
 from tests.fresh_python import REPO, assert_prints_ok
 

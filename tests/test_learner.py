@@ -14,7 +14,6 @@ from axlearn.common.base_layer import ParameterSpec
 from axlearn.common.config import ConfigError, config_for_function, parse_flat_text
 from axlearn.common.learner import (
     Learner,
-    microbatch_count,
     regularizer_lines,
     split_microbatches,
 )
@@ -147,13 +146,6 @@ def test_gradient_accumulation_equals_one_full_batch_step():
     new_acc, _, _ = learner.update(params, acc_grads, state)
     for name in params:
         np.testing.assert_allclose(new_acc[name], new_full[name], rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize(
-    "rows,microbatch,expected", [(8, 2, 4), (8, 8, 1), (4, 8, 1), (8, 3, None), (6, 4, None)]
-)
-def test_microbatch_count(rows, microbatch, expected):
-    assert microbatch_count(rows, microbatch) == expected
 
 
 def test_microbatch_i_holds_every_kth_row():

@@ -1,6 +1,8 @@
 """Tests of axlearn.common.sharding's batch and matmul helpers, on 8 fake CPU devices."""
 
-from axlearn.common.sharding import indivisible_dim
+import pytest
+
+from axlearn.common.sharding import indivisible_dim, microbatch_count
 from tests.fresh_python import assert_prints_ok
 
 _SCRIPT = """
@@ -113,3 +115,12 @@ def test_indivisible_dim_names_the_first_dim_a_mesh_cannot_split_evenly():
     assert indivisible_dim((3, 8, 4), spec, sizes) == "dim 2 (4) over model (8 parts)"
     want = "dim 0 (6) over data x fsdp (8 parts)"
     assert indivisible_dim((6, 12), (("data", "fsdp"), None), sizes) == want
+
+
+@pytest.mark.parametrize(
+    "rows,microbatch,expected", [(8, 2, 4), (8, 8, 1), (4, 8, 1), (8, 3, None), (6, 4, None)]
+)
+def test_microbatch_count_splits_a_device_s_rows_only_when_the_microbatch_divides_them(
+    rows, microbatch, expected
+):
+    assert microbatch_count(rows, microbatch) == expected

@@ -25,7 +25,6 @@ from axlearn.common import causal_lm, perf
 from axlearn.common.base_layer import (
     WeightWithCopy,
     cast_floats_with_copies,
-    flatten_with_paths,
     weight_einsum,
     weight_take,
 )
@@ -33,6 +32,7 @@ from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import ConfigError, apply_overrides
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.trainer import NonFiniteLossError, SpmdTrainer, infer_mesh_shape
+from axlearn.common.utils import flatten_with_paths
 from axlearn.experiments.text.gpt import common
 from tests.fresh_python import assert_prints_ok, fresh_env
 from tests.trainer_script import (

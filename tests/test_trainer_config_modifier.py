@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from axlearn.common.attention import StackedTransformerLayer, build_remat_spec
-from axlearn.common.base_layer import flatten_with_paths, is_parameter_spec
+from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.config import ConfigError
 from axlearn.common.trainer import select_mesh_rule
 from axlearn.common.trainer_config_modifier import (
@@ -17,6 +17,7 @@ from axlearn.common.trainer_config_modifier import (
     TrainerFieldsModifier,
     apply_mesh_rule,
 )
+from axlearn.common.utils import flatten_with_paths
 from axlearn.experiments.text.gpt import common
 from tests.trainer_script import tiny_trainer_config
 

@@ -231,8 +231,7 @@ def split_heads(x: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
 
     The backward pass concatenates the parts' cotangents. Autodiff of the slices would
     pad each to N heads and add them, which XLA fuses with the RoPE and QK-norm backward
-    into one kernel that evaluates every pad at every element: measured on an H100 at
-    up to 2.9 ms a layer of golf_baseline (docs/benchmarks.md).
+    into one slow kernel that evaluates every pad at every element.
     """
     starts = np.cumsum((0,) + tuple(sizes))
     return tuple(x[..., a:b, :] for a, b in zip(starts[:-1], starts[1:]))
@@ -355,13 +354,12 @@ def _rotate(x: Tensor, sin: Tensor, cos: Tensor) -> Tensor:
     """[x1 cos - x2 sin, x2 cos + x1 sin] in float32, x = [x1, x2] split in halves."""
     half = x.shape[-1] // 2
     # The halves on their own axis: XLA then indexes whole contiguous rows of `half`
-    # elements instead of splitting the minor axis, which vectorizes (docs/benchmarks.md).
+    # elements instead of splitting the minor axis, which vectorizes.
     y = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, half)
     # y * cos + (y with its halves swapped) * [-sin, sin]: elementwise with a reversal,
     # one loop fusion for XLA, where stacking the two halves' results made it a
-    # concatenation (docs/benchmarks.md). The same float32 formula (a + (-b) is a - b);
-    # where XLA contracts a product and a sum into one FMA, a result may differ in its
-    # last bf16 bit.
+    # concatenation. The same float32 formula (a + (-b) is a - b); where XLA contracts a
+    # product and a sum into one FMA, a result may differ in its last bf16 bit.
     signs = jnp.asarray([[-1.0], [1.0]], jnp.float32)
     out = y * cos[..., None, :] + jnp.flip(y, axis=-2) * (sin[..., None, :] * signs)
     return out.reshape(x.shape).astype(x.dtype)
@@ -380,7 +378,7 @@ def _rotate_halves_bwd(residuals, dy):
     # The rotation is orthogonal, so its transpose rotates by the opposite angle: the
     # backward pass is one fusion shaped like the forward one. Autodiff of the halves'
     # slices and concatenation instead builds pads, which XLA fuses with the rest of the
-    # QKV backward into one slow kernel (docs/benchmarks.md).
+    # QKV backward into one slow kernel.
     x, sin, cos = residuals
     half = x.shape[-1] // 2
     dx = _rotate(dy, -sin, cos)

@@ -28,6 +28,7 @@ from axlearn.common.config import ConfigError, InstantiableConfig, config_class,
 from axlearn.common.module import Module, Tensor, child_prng_key
 from axlearn.common.param_init import DefaultInitializer, FanAxes, Initializer
 from axlearn.common.sharding import gathered_for_matmul
+from axlearn.common.utils import cast_floats, flatten_with_paths, unflatten_paths
 
 # A partition spec as configs write it: one entry per tensor dim, each None, a mesh axis
 # name, or a tuple of names.
@@ -58,25 +59,6 @@ class ParameterSpec:
 
 def is_parameter_spec(x: Any) -> bool:
     return isinstance(x, ParameterSpec)
-
-
-def flatten_with_paths(tree: Any, separator: str = "/", is_leaf=None) -> list[tuple[str, Any]]:
-    """[(path, leaf)] for a nested dict tree, paths joined by `separator`."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [(separator.join(_key_str(k) for k in path), leaf) for path, leaf in leaves]
-
-
-def cast_floats(tree: Any, dtype: Optional[jnp.dtype]) -> Any:
-    """Casts the floating-point leaves of `tree` to `dtype` (None: unchanged)."""
-    if dtype is None:
-        return tree
-
-    def cast(x):
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
-            return x.astype(dtype)
-        return x
-
-    return jax.tree.map(cast, tree)
 
 
 def cast_floats_with_copies(
@@ -131,8 +113,8 @@ class WeightWithCopy(NamedTuple):
     matmul. Through a cast that gradient would come out of the matmul in bf16 and be
     converted and added to the float32 sum in a pass of its own; in float32, XLA folds the
     sum into the matmul (cuBLAS beta=1), and each microbatch's share is not rounded to
-    bf16 first (benchmarks/accumulate_check.py, docs/benchmarks.md). `weight_take` reads
-    rows from the copy and sums their gradients in the weight's dtype too.
+    bf16 first. `weight_take` reads rows from the copy and sums their gradients in the
+    weight's dtype too.
     """
 
     weight: Tensor
@@ -216,20 +198,6 @@ def _einsum_with_weight_grad_bwd(spec, residuals, dy):
 
 
 _einsum_with_weight_grad.defvjp(_einsum_with_weight_grad_fwd, _einsum_with_weight_grad_bwd)
-
-
-def tree_paths(tree: Any, separator: str = "/", is_leaf=None) -> Any:
-    """A tree of the same structure whose leaves are their own paths."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: separator.join(_key_str(k) for k in path), tree, is_leaf=is_leaf
-    )
-
-
-def _key_str(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
 
 
 def save_and_offload_only_these_names_regex(
@@ -348,7 +316,7 @@ class BaseLayer(Module):
                 dtype=spec.dtype,
                 axes=spec.fan_axes,
             )
-        return _unflatten(params)
+        return unflatten_paths(params)
 
     def describe_initializers(self, *, prefix: str = "") -> list[str]:
         """One `_init` golden line per parameter: path, initializer, shape and fan axes."""
@@ -402,13 +370,3 @@ class BaseLayer(Module):
             policy=_remat_policy(remat_spec.get("policy")),
         )
         return rematted(state, prng_key, [x for a, x in zip(is_array, leaves) if a])
-
-def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = tree
-        parts = path.split("/")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-    return tree

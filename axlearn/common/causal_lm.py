@@ -18,12 +18,13 @@ from typing import Any, Optional, Union
 import jax
 import jax.numpy as jnp
 
-from axlearn.common.base_layer import BaseLayer, ParameterSpec, flatten_with_paths, is_parameter_spec
+from axlearn.common.base_layer import BaseLayer, ParameterSpec, is_parameter_spec
 from axlearn.common.config import InstantiableConfig, config_class
 from axlearn.common.decoder import Decoder
 from axlearn.common.module import Module, Tensor, functional
 from axlearn.common.sharding import maybe_shard
 from axlearn.common.summary import WeightedScalar
+from axlearn.common.utils import flatten_with_paths
 
 AxisNames = Optional[Union[str, Sequence[str]]]
 
@@ -34,8 +35,8 @@ def _cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
 
     Dead (negative) labels pick any column; the caller masks them. The backward pass is
     one expression in the logits' dtype: autodiff would write a float32 copy of the
-    logits' gradient, scatter the target term into it and convert it (2.5 ms of a gpt_1b
-    step on an H100 for a [16384, 32768] batch; docs/benchmarks.md).
+    logits' gradient, scatter the target term into it and convert it: extra passes over
+    the largest tensor of the step.
     """
     return _cross_entropy_fwd(logits, labels)[0]
 

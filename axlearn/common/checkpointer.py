@@ -44,7 +44,6 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from axlearn.common.base_layer import flatten_with_paths
 from axlearn.common.config import (
     REQUIRED,
     ConfigError,
@@ -56,6 +55,7 @@ from axlearn.common.config import (
     maybe_instantiate,
 )
 from axlearn.common.module import Module
+from axlearn.common.utils import flatten_with_paths
 
 _log = logging.getLogger(__name__)
 
@@ -367,10 +367,10 @@ class TensorStoreStateStorage(Configurable):
         # Where `save()` copies the device shards before returning. A host memory kind of
         # the devices, None meaning 'pinned_host': into jax arrays in that memory, which
         # the writer thread reads as numpy. On a GPU that is page-locked memory the device
-        # fills by DMA: gpt_1b's saves after the first block ~0.3 s instead of ~6 s (H100,
-        # docs/benchmarks.md), and the runtime keeps the pool (about the state's size)
-        # between saves. 'numpy': into new numpy arrays, pageable memory freed after the
-        # write, for hosts short of memory.
+        # fills by DMA, so a save blocks training far less than a copy into pageable
+        # memory; the runtime keeps the pool (about the state's size) between saves.
+        # 'numpy': into new numpy arrays, pageable memory freed after the write, for hosts
+        # short of memory.
         host_memory_kind: Optional[str] = None
 
     def __init__(self, cfg: Config):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from axlearn.common.base_layer import ParameterSpec, cast_floats
+from axlearn.common.base_layer import ParameterSpec
 from axlearn.common.config import (
     REQUIRED,
     ConfigError,
@@ -30,12 +30,12 @@ from axlearn.common.config import (
     config_class,
     config_for_function,
 )
-from axlearn.common.learner import microbatch_count
 from axlearn.common.metrics import MetricAccumulator
 from axlearn.common.module import Module, Tensor, functional
-from axlearn.common.sharding import batch_shards, global_batch, named_sharding
+from axlearn.common.sharding import batch_shards, global_batch, microbatch_count, named_sharding
 from axlearn.common.summary import WeightedScalar
 from axlearn.common.summary_writer import SummaryWriter, flatten_summaries, host_value
+from axlearn.common.utils import cast_floats
 
 # Batch axes used when the config names none: the trainer's default batch_axis_names.
 _DEFAULT_BATCH_AXIS_NAMES = ("data", "expert", "fsdp", "seq")

@@ -2,11 +2,11 @@
 a background thread, `size` items ahead; errors in the thread surface at the consumer's
 next().
 
-Put batches on devices (`sharding.global_batch`) in the thread that dispatches the steps,
-never inside `prefetch_in_thread`: device memory taken from another thread can land just
-above a step's large temporary buffer while that buffer is held, and the next step's
-buffer then fits neither below nor above it (`SpmdTrainer.run`, docs/benchmarks.md). The
-transfer is asynchronous, so a batch put there still copies while the previous step runs.
+Put batches on devices (`sharding.global_batch`) in the thread that dispatches the steps
+(as `SpmdTrainer.run` does), never inside `prefetch_in_thread`: device memory taken from
+another thread can land just above a step's large temporary buffer while that buffer is
+held, and the next step's buffer then fits neither below nor above it. The transfer is
+asynchronous, so a batch put there still copies while the previous step runs.
 """
 
 import queue

@@ -11,20 +11,20 @@ from axlearn.common.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-# XLA flags per platform (docs/benchmarks.md, "Scaling with FSDP"). They are prepended to
-# XLA_FLAGS, so anything the user sets there wins; try a change with
+# XLA flags per platform. They are prepended to XLA_FLAGS, so anything the user sets
+# there wins; try a change with
 # `python -m axlearn.bench ... --compare_xla_flags= --compare_xla_flags=<flags>`.
 XLA_FLAG_PRESETS: dict[str, Sequence[str]] = {
     "gpu": (
-        # Overlap collectives with compute: +2.5% a GPU for gpt_1b with FSDP on 2x H100.
+        # Overlap collectives (FSDP's all-gathers and reduce-scatters) with compute.
         "--xla_gpu_enable_latency_hiding_scheduler=true",
-        # Combine small collectives (FSDP all-gathers / reduce-scatters of many layers):
-        # +1.3% a GPU for gpt_1b with FSDP on 4x H200; no measurable effect on two GPUs.
+        # Combine the small collectives of many layers into few large ones (128 MiB),
+        # which matters most with FSDP over several GPUs.
         "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
         "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
         "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
-        # Every matmul on cuBLAS, none as an autotuned Triton GEMM: +0.6% and +1.0% for
-        # gpt_1b and +0.4% for golf_baseline on one H100 (the seventeenth round).
+        # Every matmul on cuBLAS, none as an autotuned Triton GEMM: cuBLAS is faster for
+        # the models here.
         "--xla_gpu_enable_triton_gemm=false",
     ),
     "cpu": (),

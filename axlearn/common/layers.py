@@ -14,9 +14,14 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from axlearn.common import gpu_kernels
 from axlearn.common.base_layer import BaseLayer, MeshAxes, ParameterSpec, weight_einsum, weight_take
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
+from axlearn.common.kernels.dispatch import kernel_mode
+from axlearn.common.kernels.gated_product import (
+    gated_product_supported,
+    sharded_gated_product_backward,
+)
+from axlearn.common.kernels.rms_norm import rms_norm_supported, sharded_rms_norm_backward
 from axlearn.common.module import Tensor
 from axlearn.common.param_init import FanAxes, constant_initializer
 from axlearn.common.sharding import maybe_shard
@@ -68,10 +73,10 @@ def gated_product(
 
     Its backward pass is one expression for both cotangents; autodiff leaves two that
     each re-read the [tokens, hidden] inputs. On GPU, with activations the Triton kernel
-    can differentiate, it is `gpu_kernels.gated_product_backward`, one pass over a, b and
-    the cotangent (inside a train step XLA splits the expression into two kernels; both
-    measured on an H100 in docs/benchmarks.md). `partition_spec`, how a and b are split
-    over the mesh, lets the kernel run per device on a mesh of several.
+    can differentiate, it is `kernels.gated_product.gated_product_backward`, one pass over
+    a, b and the cotangent (inside a train step XLA would split the expression into two
+    kernels). `partition_spec`, how a and b are split over the mesh, lets the kernel run
+    per device on a mesh of several.
     """
     return act0(a) * act1(b)
 
@@ -85,9 +90,9 @@ def _gated_product_bwd(act0, act1, partition_spec, residuals, dh):
     a, b = residuals
     interpret = None
     if {act0, act1} <= _KERNEL_ACTIVATIONS and a.shape == b.shape == dh.shape:
-        interpret = gpu_kernels.kernel_mode(a, partition_spec, fits=gpu_kernels.supported)
+        interpret = kernel_mode(a, partition_spec, fits=gated_product_supported)
     if interpret is not None:
-        return gpu_kernels.sharded_gated_product_backward(
+        return sharded_gated_product_backward(
             functools.partial(gated_product_cotangents, act0, act1), a, b, dh,
             partition_spec=partition_spec, interpret=interpret,
         )
@@ -114,7 +119,7 @@ def residual_add(x: Tensor, branch: Tensor) -> Tensor:
     Left alone, XLA folds the add into the cuBLAS call that computes the branch (C = x,
     beta = 1) and writes the sum over x's buffer; x is still needed for the backward
     pass, so it first copies x: one extra read and write of the residual stream per
-    residual (measured on an H100 in docs/benchmarks.md).
+    residual.
     """
     return x + jax.lax.optimization_barrier(branch)
 
@@ -259,9 +264,9 @@ def rms_norm_with_residual(
     interpret: bool,
 ) -> tuple[Tensor, ...]:
     """(x, RMSNorm(x), ...) as `BaseNormalizationLayer.residual_and_norm`, whose backward
-    pass is `gpu_kernels.rms_norm_backward`: the cotangents of every output are summed in
-    the pass that computes the norm's gradient, which reads each of them and x once
-    (`interpret` as in `gpu_kernels`)."""
+    pass is `kernels.rms_norm.rms_norm_backward`: the cotangents of every output are summed
+    in the pass that computes the norm's gradient, which reads each of them and x once
+    (`interpret` as `kernels.dispatch.kernel_mode` returns it)."""
     del partition_spec, interpret
     return _residual_and_rms_norm(x, scale, eps, forward_dtype, consumers)
 
@@ -277,7 +282,7 @@ def _rms_norm_with_residual_bwd(
     del forward_dtype, consumers  # The kernel works in float32 whatever the forward's dtype.
     x, scale = residuals
     dresidual, *dys = (t.astype(x.dtype) for t in cotangents)
-    return gpu_kernels.sharded_rms_norm_backward(
+    return sharded_rms_norm_backward(
         x, scale, dys, dresidual, eps=eps, partition_spec=partition_spec, interpret=interpret
     )
 
@@ -303,9 +308,9 @@ class RMSNorm(BaseNormalizationLayer):
 
         def whole_rows(block: Sequence[int]) -> bool:
             # Each device must hold whole rows: the norm sums over the last axis.
-            return block[-1] == x.shape[-1] and gpu_kernels.rms_norm_supported(block)
+            return block[-1] == x.shape[-1] and rms_norm_supported(block)
 
-        interpret = gpu_kernels.kernel_mode(x, partition_spec, fits=whole_rows)
+        interpret = kernel_mode(x, partition_spec, fits=whole_rows)
         scale = self.parameters["scale"]
         if interpret is None:
             return _residual_and_rms_norm(x, scale, cfg.eps, cfg.forward_dtype, consumers)

@@ -23,7 +23,6 @@ from typing import Any, Optional, Union
 import jax
 import jax.numpy as jnp
 
-from axlearn.common.base_layer import flatten_with_paths
 from axlearn.common.config import (
     REQUIRED,
     ConfigBase,
@@ -45,6 +44,7 @@ from axlearn.common.optimizers import (
     with_param_specs,
 )
 from axlearn.common.summary import WeightedScalar
+from axlearn.common.utils import flatten_with_paths
 
 Nested = Any
 # loss_fn(params, inputs, prng_key) -> (loss, aux).
@@ -242,16 +242,6 @@ class Learner(Module):
                 for path, x in flatten_with_paths(tree):
                     summaries[f"{name}/{path}"] = global_norm(x)
         return new_params, dict(optimizer=new_opt_state, ema=new_ema), summaries
-
-
-def microbatch_count(rows_per_device: int, microbatch: int) -> Optional[int]:
-    """In how many microbatches of `microbatch` rows a device runs its `rows_per_device`:
-    1 when they fit at once; None when `microbatch` does not divide them."""
-    if rows_per_device <= microbatch:
-        return 1
-    if rows_per_device % microbatch:
-        return None
-    return rows_per_device // microbatch
 
 
 def split_microbatches(x: Tensor, *, k: int) -> Tensor:

@@ -18,12 +18,7 @@ from typing import Any, Optional
 
 import jax
 
-from axlearn.common.base_layer import (
-    BaseLayer,
-    ParameterSpec,
-    flatten_with_paths,
-    is_parameter_spec,
-)
+from axlearn.common.base_layer import BaseLayer, ParameterSpec, is_parameter_spec
 from axlearn.common.config import (
     REQUIRED,
     ConfigError,
@@ -40,6 +35,7 @@ from axlearn.common.module import (
     new_output_collection,
     set_current_context,
 )
+from axlearn.common.utils import flatten_with_paths
 
 
 def _drop_by_regex(rules: Sequence[str]) -> Callable[[str], bool]:

@@ -66,6 +66,16 @@ def batch_shards(mesh: Mesh, names: Optional[Union[str, Sequence[str]]]) -> int:
     return math.prod(mesh.shape[name] for name in batch_axes(mesh, names))
 
 
+def microbatch_count(rows_per_device: int, microbatch: int) -> Optional[int]:
+    """In how many microbatches of `microbatch` rows a device runs its `rows_per_device`:
+    1 when they fit at once; None when `microbatch` does not divide them."""
+    if rows_per_device <= microbatch:
+        return 1
+    if rows_per_device % microbatch:
+        return None
+    return rows_per_device // microbatch
+
+
 def global_batch(
     local_batch: Any, mesh: Mesh, names: Optional[Union[str, Sequence[str]]], *, path: str
 ) -> Any:

@@ -24,16 +24,14 @@ from axlearn.common import perf
 from axlearn.common.base_layer import (
     BaseLayer,
     ParameterSpec,
-    cast_floats,
     cast_floats_with_copies,
-    flatten_with_paths,
     is_parameter_spec,
 )
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.evaler import SpmdEvaler
 from axlearn.common.input_prefetch import prefetch_in_thread
-from axlearn.common.learner import Learner, microbatch_count
+from axlearn.common.learner import Learner
 from axlearn.common.module import Module, functional
 from axlearn.common.optimizers import global_norm
 from axlearn.common.sharding import (
@@ -41,11 +39,13 @@ from axlearn.common.sharding import (
     create_mesh,
     global_batch,
     indivisible_dim,
+    microbatch_count,
     named_sharding,
 )
 from axlearn.common.split_float import join_float32, split_float32
 from axlearn.common.summary import WeightedScalar, scalar_value
 from axlearn.common.summary_writer import SummaryWriter
+from axlearn.common.utils import cast_floats, flatten_with_paths
 
 log = logging.getLogger(__name__)
 

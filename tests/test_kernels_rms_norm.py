@@ -1,7 +1,6 @@
-"""The GPU kernels (the gated MLP's and RMSNorm's backward passes), interpreted on the CPU,
-against autodiff and NumPy."""
+"""Tests of axlearn.common.kernels.rms_norm: RMSNorm's backward kernel, interpreted on
+the CPU, against NumPy and autodiff, alone and inside transformer layers."""
 
-import functools
 import textwrap
 
 import jax
@@ -9,137 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axlearn.common import attention, gpu_kernels, layers
+from axlearn.common import attention, layers
+from axlearn.common.kernels import dispatch
+from axlearn.common.kernels.rms_norm import rms_norm_backward, rms_norm_supported
 from axlearn.common.module import functional as F
 from axlearn.common.param_init import default_initializer_config
 from tests.fresh_python import assert_prints_ok
 
 RNG = np.random.default_rng(0)
-
-
-@pytest.mark.parametrize("names", [("nn.silu", "linear"), ("nn.gelu", "nn.gelu"), ("squared_relu", "nn.sigmoid")])
-def test_kernel_matches_autodiff_of_the_product(names):
-    act0, act1 = (layers.get_activation_fn(n) for n in names)
-    a, b, dh = (jnp.asarray(RNG.normal(size=(16, 2048)), jnp.float32) for _ in range(3))
-    cotangents = functools.partial(layers.gated_product_cotangents, act0, act1)
-    da, db = gpu_kernels.gated_product_backward(cotangents, a, b, dh, interpret=True)
-    _, vjp = jax.vjp(lambda a_, b_: act0(a_) * act1(b_), a, b)
-    want_da, want_db = vjp(dh)
-    np.testing.assert_allclose(da, want_da, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(db, want_db, rtol=1e-5, atol=1e-5)
-
-
-def test_gated_product_takes_the_kernel_when_asked_and_keeps_its_gradients():
-    silu, linear = layers.get_activation_fn("nn.silu"), layers.get_activation_fn("linear")
-    a, b = (jnp.asarray(RNG.normal(size=(2, 8, 1024)), jnp.bfloat16) for _ in range(2))
-    w = jnp.asarray(RNG.normal(size=(2, 8, 1024)), jnp.float32)
-
-    def loss(a_, b_):
-        return jnp.sum(layers.gated_product(silu, linear, a_, b_).astype(jnp.float32) * w)
-
-    xla_grads = jax.grad(loss, (0, 1))(a, b)
-    with gpu_kernels.interpreted():
-        jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(a, b))
-        kernel_grads = jax.jit(jax.grad(loss, (0, 1)))(a, b)
-    assert "pallas_call" in jaxpr
-    for got, want in zip(kernel_grads, xla_grads):
-        assert got.dtype == jnp.bfloat16
-        # The kernel works in float32, XLA in bf16: equal to bf16 precision.
-        np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=2e-2, atol=4e-2)
-
-
-def test_kernel_is_skipped_where_it_does_not_apply():
-    assert not gpu_kernels.supported((3, 1000))  # No power-of-two block tiles 1000 units.
-    assert gpu_kernels.kernel_mode(jnp.zeros((3, 1000)), fits=gpu_kernels.supported) is None
-    # Outside `interpreted()` a supported shape takes the compiled kernel on a GPU and
-    # stays on XLA on the CPU (this suite runs on both).
-    assert gpu_kernels.supported((8, 1024))
-    on_gpu = jax.devices()[0].platform == "gpu"
-    mode = gpu_kernels.kernel_mode(jnp.zeros((8, 1024)), fits=gpu_kernels.supported)
-    assert mode is (False if on_gpu else None)
-    # exact_gelu needs erf, which the kernel does not lower: the layer keeps XLA.
-    gelu = layers.get_activation_fn("exact_gelu")
-    with gpu_kernels.interpreted():
-        jaxpr = jax.make_jaxpr(jax.grad(lambda a_: jnp.sum(layers.gated_product(gelu, gelu, a_, a_))))(
-            jnp.zeros((8, 1024))
-        )
-    assert "pallas_call" not in str(jaxpr)
-
-
-_NO_TRITON_SCRIPT = textwrap.dedent(
-    """
-    import sys
-    sys.modules["jax.experimental.pallas.triton"] = None  # Importing it now raises ImportError.
-    import jax, jax.numpy as jnp, numpy as np
-    from axlearn.common import gpu_kernels, layers
-
-    assert gpu_kernels.plgpu is None
-    # Even on a GPU the layers would keep plain XLA: nothing could compile the kernels.
-    jax.devices = lambda *_: [type("Gpu", (), {"platform": "gpu"})()]
-    assert not gpu_kernels.compiled_kernels_available()
-    assert gpu_kernels.kernel_mode(jnp.zeros((8, 1024)), fits=gpu_kernels.supported) is None
-    # Interpreted, both kernels still run, and match autodiff.
-    rng = np.random.default_rng(0)
-    x, dy, dres = (jnp.asarray(rng.normal(size=(16, 2048)), jnp.float32) for _ in range(3))
-    scale = jnp.asarray(rng.normal(size=(2048,)), jnp.float32)
-    dx, _ = gpu_kernels.rms_norm_backward(x, scale, [dy], dres, eps=1e-6, interpret=True)
-    _, vjp = jax.vjp(lambda x_: layers._rms_norm(x_, scale, 1e-6, jnp.float32), x)
-    np.testing.assert_allclose(dx, vjp(dy)[0] + dres, rtol=1e-4, atol=1e-4)
-    silu, linear = layers.get_activation_fn("nn.silu"), layers.get_activation_fn("linear")
-    cotangents = lambda a_, b_, dh_: layers.gated_product_cotangents(silu, linear, a_, b_, dh_)
-    da, db = gpu_kernels.gated_product_backward(cotangents, x, dy, dres, interpret=True)
-    _, vjp = jax.vjp(lambda a_, b_: silu(a_) * b_, x, dy)
-    for got, want in zip((da, db), vjp(dres)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    print("OK")
-    """
-)
-
-
-def test_without_pallas_triton_the_layers_keep_xla_and_the_kernels_run_interpreted():
-    # jax 0.11 deprecates Pallas's Triton backend; a jax without it must still import us.
-    assert_prints_ok(_NO_TRITON_SCRIPT)
-
-
-_SHARDED_SCRIPT = textwrap.dedent(
-    """
-    import jax, jax.numpy as jnp, numpy as np
-    from axlearn.common import gpu_kernels, layers
-    from axlearn.common.sharding import create_mesh, named_sharding
-
-    silu, linear = layers.get_activation_fn("nn.silu"), layers.get_activation_fn("linear")
-    spec = (("data", "expert", "fsdp"), "seq", "model")
-    rng = np.random.default_rng(0)
-    a, b, w = (jnp.asarray(rng.normal(size=(8, 16, 2048)), jnp.float32) for _ in range(3))
-
-    def loss(a_, b_):
-        return jnp.sum(layers.gated_product(silu, linear, a_, b_, spec) * w)
-
-    want = jax.grad(loss, (0, 1))(a, b)
-    mesh = create_mesh((1, 4, 1, 2), ("data", "fsdp", "seq", "model"))
-    with jax.set_mesh(mesh), gpu_kernels.interpreted():
-        shard = lambda t: jax.device_put(t, named_sharding(mesh, spec))
-        jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(a, b))
-        got = jax.jit(jax.grad(loss, (0, 1)))(shard(a), shard(b))
-        # Without a partition spec the kernel cannot run per device: XLA takes it.
-        no_spec = str(jax.make_jaxpr(jax.grad(
-            lambda a_, b_: jnp.sum(layers.gated_product(silu, linear, a_, b_) * w), (0, 1)))(a, b))
-    assert "shard_map" in jaxpr and "pallas_call" in jaxpr, jaxpr
-    assert "pallas_call" not in no_spec
-    for g, ref in zip(got, want):
-        assert g.sharding.spec == named_sharding(mesh, spec).spec, g.sharding
-        np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5)
-    print("OK")
-    """
-)
-
-
-def test_kernel_runs_per_device_on_a_sharded_mesh():
-    # A fresh process: the fake 8-device CPU platform must be set before jax starts.
-    assert_prints_ok(_SHARDED_SCRIPT, devices=8)
-
-
-# ----- RMSNorm's backward -----
 
 
 def _np_prenorm_grads(x, scale, dys, dresidual, eps):
@@ -159,7 +35,7 @@ def test_norm_kernel_matches_numpy(rows, hidden, consumers):
     x, dresidual, *dys = (RNG.normal(size=(rows, hidden)) for _ in range(2 + consumers))
     scale = 1 + 0.1 * RNG.normal(size=(hidden,))
     as32 = lambda t: jnp.asarray(t, jnp.float32)  # noqa: E731
-    dx, dscale = gpu_kernels.rms_norm_backward(
+    dx, dscale = rms_norm_backward(
         as32(x), as32(scale), [as32(t) for t in dys], as32(dresidual), eps=1e-5, interpret=True
     )
     want_dx, want_dscale = _np_prenorm_grads(x, scale, dys, dresidual, 1e-5)
@@ -195,7 +71,7 @@ def test_prenorm_layers_take_the_norm_kernel_and_keep_their_gradients(structure,
         return jnp.sum(y * w), y
 
     (_, xla_out), xla_grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(params, x)
-    with gpu_kernels.interpreted():
+    with dispatch.interpreted():
         jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1), has_aux=True))(params, x))
         (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(params, x)
     # Both blocks' norms, the feed-forward's with its two input projections' gradients,
@@ -211,10 +87,10 @@ def test_prenorm_layers_take_the_norm_kernel_and_keep_their_gradients(structure,
 
 
 def test_norm_kernel_is_skipped_where_it_does_not_apply():
-    assert gpu_kernels.rms_norm_supported((16, 2048))
-    assert not gpu_kernels.rms_norm_supported((16, 1000))  # Rows of a power of two only.
-    assert not gpu_kernels.rms_norm_supported((16, 16384))  # Wider than a program holds.
-    assert not gpu_kernels.rms_norm_supported((3, 256))  # Not whole blocks of rows.
+    assert rms_norm_supported((16, 2048))
+    assert not rms_norm_supported((16, 1000))  # Rows of a power of two only.
+    assert not rms_norm_supported((16, 16384))  # Wider than a program holds.
+    assert not rms_norm_supported((3, 256))  # Not whole blocks of rows.
     on_gpu = jax.devices()[0].platform == "gpu"
     norm = layers.RMSNorm.default_config().set(name="norm", input_dim=1000).instantiate(parent=None)
     scale = dict(scale=jnp.ones((1000,)))
@@ -230,7 +106,7 @@ def test_norm_kernel_is_skipped_where_it_does_not_apply():
     rms = layers.RMSNorm.default_config().set(name="norm", input_dim=256).instantiate(parent=None)
     rms_scale = dict(scale=jnp.ones((256,)))
     rows = jnp.ones((32, 256))  # Two blocks of the 16 rows of 256 a program holds at once.
-    with gpu_kernels.interpreted():
+    with dispatch.interpreted():
         assert "pallas_call" not in grads(norm, scale, jnp.ones((4, 1000)))
         assert "pallas_call" not in grads(rms, rms_scale, jnp.ones((4, 256)))  # Not a block.
         assert "pallas_call" in grads(rms, rms_scale, rows)
@@ -245,7 +121,8 @@ def test_norm_kernel_is_skipped_where_it_does_not_apply():
 _SHARDED_NORM_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
-    from axlearn.common import gpu_kernels, layers
+    from axlearn.common import layers
+    from axlearn.common.kernels import dispatch
     from axlearn.common.module import functional as F
     from axlearn.common.sharding import create_mesh, named_sharding
 
@@ -265,7 +142,7 @@ _SHARDED_NORM_SCRIPT = textwrap.dedent(
     want = jax.grad(loss, (0, 1))(state, x)
     for shape, kernel in (((1, 8, 1, 1), True), ((1, 4, 1, 2), False)):
         mesh = create_mesh(shape, ("data", "fsdp", "seq", "model"))
-        with jax.set_mesh(mesh), gpu_kernels.interpreted():
+        with jax.set_mesh(mesh), dispatch.interpreted():
             jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(state, x))
             x_sharded = jax.device_put(x, named_sharding(mesh, spec))
             got = jax.jit(jax.grad(loss, (0, 1)))(state, x_sharded)
@@ -287,7 +164,8 @@ def test_norm_kernel_runs_per_device_on_a_sharded_mesh():
 _SHARDED_LAYER_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
-    from axlearn.common import attention, gpu_kernels, layers
+    from axlearn.common import attention, layers
+    from axlearn.common.kernels import dispatch
     from axlearn.common.module import functional as F
     from axlearn.common.param_init import default_initializer_config
     from axlearn.common.sharding import create_mesh, named_sharding
@@ -311,7 +189,7 @@ _SHARDED_LAYER_SCRIPT = textwrap.dedent(
 
     want = jax.grad(loss, (0, 1))(params, x)
     mesh = create_mesh((1, 8, 1, 1), ("data", "fsdp", "seq", "model"))
-    with jax.set_mesh(mesh), gpu_kernels.interpreted():
+    with jax.set_mesh(mesh), dispatch.interpreted():
         jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(params, x))
         got = jax.jit(jax.grad(loss, (0, 1)))(params, jax.device_put(x, named_sharding(mesh, spec)))
     # The attention block's norm takes the stream's split from the layer, as the

@@ -1,0 +1,141 @@
+"""Tests of axlearn.common.utils: leaf paths against a hand-written walk of the tree and
+jax.tree_util's leaf order, floating-point casts against NumPy."""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axlearn.common.utils import cast_floats, flatten_with_paths, tree_paths, unflatten_paths
+
+RNG = np.random.default_rng(0)
+
+
+class _Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+def _walk(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """(path entries, leaf) by hand: dict keys in sorted order, named fields by name,
+    sequence items by index; None holds no leaf."""
+    if tree is None:
+        return []
+    if isinstance(tree, dict):
+        return [item for key in sorted(tree) for item in _walk(tree[key], prefix + (str(key),))]
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return [item for name in tree._fields for item in _walk(getattr(tree, name), prefix + (name,))]
+    if isinstance(tree, (list, tuple)):
+        return [item for i, x in enumerate(tree) for item in _walk(x, prefix + (str(i),))]
+    return [(prefix, tree)]
+
+
+def _random_tree(depth: int = 3) -> Any:
+    """A nested dict of arrays, lists, tuples, named tuples and Nones, drawn from RNG."""
+    kind = RNG.integers(0, 5) if depth > 0 else 0
+    if kind == 0:
+        return np.asarray(RNG.normal(size=RNG.integers(1, 4)), np.float32)
+    if kind == 1:
+        return {f"k{RNG.integers(0, 100)}_{i}": _random_tree(depth - 1) for i in range(3)}
+    if kind == 2:
+        return [_random_tree(depth - 1) for _ in range(RNG.integers(1, 4))]
+    if kind == 3:
+        return _Pair(_random_tree(depth - 1), None)
+    return (_random_tree(depth - 1), _random_tree(depth - 1))
+
+
+TREES = [{"root": _random_tree()} for _ in range(8)] + [
+    {"b": [1.0, (2.0, 3.0)], "a": {"y": 4.0, "x": None}, "c": _Pair(first=5.0, second=6.0)}
+]
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_flatten_with_paths_joins_keys_fields_and_indices_in_jax_leaf_order(tree):
+    got = flatten_with_paths(tree)
+    want = _walk(tree)
+    assert [path for path, _ in got] == ["/".join(entries) for entries, _ in want]
+    # The leaves are jax's own, in jax's order.
+    leaves = jax.tree_util.tree_leaves(tree)
+    assert len(got) == len(leaves)
+    for (_, got_leaf), leaf in zip(got, leaves):
+        assert got_leaf is leaf
+
+
+def test_flatten_with_paths_takes_a_separator_and_stops_at_is_leaf():
+    tree = {"a": {"b": (1, 2)}, "c": [3]}
+    assert flatten_with_paths(tree, separator=".") == [("a.b.0", 1), ("a.b.1", 2), ("c.0", 3)]
+    as_leaves = flatten_with_paths(tree, is_leaf=lambda x: isinstance(x, tuple))
+    assert as_leaves == [("a/b", (1, 2)), ("c/0", 3)]
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_tree_paths_puts_each_leaf_s_path_in_its_place(tree):
+    paths = tree_paths(tree)
+    assert jax.tree_util.tree_structure(paths) == jax.tree_util.tree_structure(tree)
+    assert jax.tree_util.tree_leaves(paths) == ["/".join(entries) for entries, _ in _walk(tree)]
+
+
+def test_unflatten_paths_rebuilds_the_nested_dict_that_flatten_with_paths_flattened():
+    for _ in range(8):
+        tree = {f"k{i}": _random_tree() for i in range(3)}
+        # Only nested dicts round-trip: sequences come back as dicts keyed by index.
+        dicts_only = _to_dicts(tree)
+        flat = dict(flatten_with_paths(dicts_only))
+        rebuilt = unflatten_paths(flat)
+        assert jax.tree_util.tree_structure(rebuilt) == jax.tree_util.tree_structure(
+            _without_empty(dicts_only)
+        )
+        assert dict(flatten_with_paths(rebuilt)) == flat
+
+
+def _to_dicts(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _to_dicts(v) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return {name: _to_dicts(getattr(tree, name)) for name in tree._fields}
+    if isinstance(tree, (list, tuple)):
+        return {str(i): _to_dicts(x) for i, x in enumerate(tree)}
+    return tree
+
+
+def _without_empty(tree: Any) -> Any:
+    """The nested dict with the subtrees that hold no leaf removed."""
+    if not isinstance(tree, dict):
+        return tree
+    return {k: _without_empty(v) for k, v in tree.items() if _walk(v)}
+
+
+def test_unflatten_paths_takes_a_separator():
+    assert unflatten_paths({"a.b": 1, "a.c": 2, "d": 3}, separator=".") == {
+        "a": {"b": 1, "c": 2},
+        "d": 3,
+    }
+
+
+@pytest.mark.parametrize("flat", [{"a": 1, "a/b": 2}, {"a/b": 2, "a": 1}])
+def test_unflatten_paths_refuses_a_path_that_is_both_a_leaf_and_a_prefix(flat):
+    with pytest.raises(ValueError, match="'a"):
+        unflatten_paths(flat)
+
+
+def test_cast_floats_casts_floating_leaves_and_keeps_the_others():
+    tree = {
+        "w": jnp.asarray(RNG.normal(size=(3, 4)), jnp.float32),
+        "h": jnp.asarray(RNG.normal(size=(2,)), jnp.float16),
+        "step": jnp.asarray(7, jnp.int32),
+        "key": jax.random.key(0),
+        "flag": True,
+    }
+    got = cast_floats(tree, jnp.bfloat16)
+    for name in ("w", "h"):
+        assert got[name].dtype == jnp.bfloat16
+        want = np.asarray(tree[name]).astype(jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(got[name]), want)
+    assert got["step"] is tree["step"] and got["key"] is tree["key"] and got["flag"] is True
+
+
+def test_cast_floats_to_none_returns_the_tree_itself():
+    tree = {"w": jnp.zeros((2,), jnp.float32)}
+    assert cast_floats(tree, None) is tree
