@@ -1,6 +1,6 @@
 r"""Checks the model's GPU kernels against XLA, for correctness and speed.
 
-The layers use two Pallas (Triton) kernels on GPU (`axlearn.common.gpu_kernels`): the
+The layers use two Pallas (Triton) kernels on GPU (`axlearn.common.kernels`): the
 gated MLP's backward (`gated_product_backward`, SwiGLU's two input cotangents in one
 pass) and RMSNorm's (`rms_norm_backward`, the residual's and the norm's input gradient
 and the scale's gradient, for one or two consumers of the normalized input). Run this on
@@ -33,7 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from axlearn.bench import gpu_time_ms, write_json
-from axlearn.common import gpu_kernels, layers
+from axlearn.common import layers
+from axlearn.common.kernels.gated_product import gated_product_backward
+from axlearn.common.kernels.rms_norm import rms_norm_backward
 
 _EPS = 1e-5  # RMSNorm's epsilon in the GPT configs.
 
@@ -88,14 +90,14 @@ def check_gated_product(tokens: int, hidden: int, *, sweep: bool) -> dict[str, A
     cases = {
         "gated_product xla": jax.jit(swiglu),
         "gated_product kernel": jax.jit(
-            lambda *t: gpu_kernels.gated_product_backward(swiglu, *t)
+            lambda *t: gated_product_backward(swiglu, *t)
         ),
     }
     if sweep:
         for block in ((2, 4096), (8, 1024), (32, 256)):
             for warps in (4, 8):
                 cases[f"gated_product kernel block={block} warps={warps}"] = jax.jit(
-                    lambda *t, bl=block, w=warps: gpu_kernels.gated_product_backward(
+                    lambda *t, bl=block, w=warps: gated_product_backward(
                         swiglu, *t, block=bl, num_warps=w
                     )
                 )
@@ -146,7 +148,7 @@ def check_rms_norm(tokens: int, hidden: int, *, sweep: bool) -> dict[str, Any]:
         cases = {
             f"rms_norm {consumers} dy: xla": _xla_rms_norm_backward(consumers),
             f"rms_norm {consumers} dy: kernel": jax.jit(
-                lambda *t: gpu_kernels.rms_norm_backward(*t, eps=_EPS)
+                lambda *t: rms_norm_backward(*t, eps=_EPS)
             ),
         }
         if sweep:
@@ -160,7 +162,7 @@ def check_rms_norm(tokens: int, hidden: int, *, sweep: bool) -> dict[str, Any]:
                             f"per_program={per_program} warps={warps}"
                         ] = jax.jit(
                             lambda *t, b=rows, p=per_program, w=warps: (
-                                gpu_kernels.rms_norm_backward(
+                                rms_norm_backward(
                                     *t, eps=_EPS, block_rows=b, rows_per_program=p, num_warps=w
                                 )
                             )
