@@ -23,9 +23,7 @@ from axlearn.common.split_float import (
     is_float24,
     round_to_float24,
 )
-from tests.fresh_python import assert_prints_ok
 from tests.test_split_float import _nearest_ties_away
-from tests.trainer_script import read_metrics, tiny_trainer_config
 
 RNG_SEED = 0
 
@@ -258,6 +256,8 @@ OPTAX_SHARDED_SCRIPT = textwrap.dedent(
 
 
 def test_optax_optimizer_sharded_on_8_devices_gives_the_one_device_result():
+    from tests.fresh_python import assert_prints_ok  # pylint: disable=import-outside-toplevel
+
     assert_prints_ok(OPTAX_SHARDED_SCRIPT, devices=8)
 
 
@@ -290,6 +290,12 @@ def test_a_learner_config_with_optax_adamw_dumps_parses_back_and_updates():
 
 
 def test_a_trainer_with_an_optax_learner_trains_and_reports_its_learning_rate(tmp_path):
+    # The trainer's modules load only for this test.
+    from tests.trainer_script import (  # pylint: disable=import-outside-toplevel
+        read_metrics,
+        tiny_trainer_config,
+    )
+
     cfg = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=3, learner=optax_adamw_learner())
     cfg.instantiate(parent=None).run()
     records = {r["step"]: r for r in read_metrics(str(tmp_path))}
