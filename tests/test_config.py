@@ -252,6 +252,29 @@ def test_to_dict_is_json_serializable():
     assert data["fn"]["fn"] == "tests.test_config.scaled_sum"
 
 
+def test_names_in_private_modules_render_as_the_public_name_of_the_same_object():
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
+    from concurrent.futures import _base  # pylint: disable=import-outside-toplevel
+
+    # Future lives in concurrent.futures._base and is concurrent.futures.Future.
+    assert _base.Future.__module__ == "concurrent.futures._base"
+    assert config_lib.qualified_name(concurrent.futures.Future) == "concurrent.futures.Future"
+    # A name the package does not expose keeps its private path, which still imports.
+    name = config_lib.qualified_name(_base._AcquireFutures)  # pylint: disable=protected-access
+    assert name == "concurrent.futures._base._AcquireFutures"
+    assert config_lib.import_name(name) is _base._AcquireFutures  # pylint: disable=protected-access
+    # A private name of a public module is left as it is.
+    assert config_lib.qualified_name(_private_helper) == "tests.test_config._private_helper"
+    # The public name round-trips through golden text.
+    text = config_for_class(concurrent.futures.Future).debug_string()
+    assert text == "klass: 'concurrent.futures.Future'"
+    assert parse_flat_text(text).klass is concurrent.futures.Future
+
+
+def _private_helper():
+    pass
+
+
 def test_importing_config_does_not_import_jax():
     code = "import sys, axlearn.common.config; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -3,6 +3,7 @@
 import functools
 import math
 import re
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,8 @@ import pytest
 from axlearn.common import optimizers as opt
 from axlearn.common import schedule
 from axlearn.common.base_layer import ParameterSpec
-from axlearn.common.config import ConfigError, config_for_function
+from axlearn.common.config import ConfigError, config_for_function, parse_flat_text
+from axlearn.common.learner import Learner
 from axlearn.common.param_init import FanAxes
 
 RNG_SEED = 0
@@ -90,6 +92,212 @@ def test_adamw_decoupled_decays_weights_independently_of_the_learning_rate():
         adam = (m / (1 - 0.9 ** (t + 1))) / (np.sqrt(v / (1 - 0.99 ** (t + 1))) + 1e-8)
         p = p - sched(t) * (1e-3 * adam + 0.05 * p)
     np.testing.assert_allclose(got["w"], p, atol=1e-6)
+
+
+# ----- optax transformations -----
+
+
+def warmup_cosine():
+    return config_for_function(schedule.cosine_with_linear_warmup).set(
+        peak_lr=0.01, max_step=20, warmup_steps=4, begin_value=0.001, alpha=0.1
+    )
+
+
+def clip_then_adam():
+    return [
+        config_for_function(optax.clip_by_global_norm).set(max_norm=1.0),
+        config_for_function(optax.adam).set(learning_rate=warmup_cosine()),
+    ]
+
+
+# Each case: optax_optimizer's transformation (configs), and the same transformation built
+# by optax directly from a learning-rate schedule, the reference.
+OPTAX_CASES = {
+    "adamw": (
+        lambda: config_for_function(optax.adamw).set(
+            learning_rate=warmup_cosine(), b1=0.8, b2=0.95, weight_decay=0.1
+        ),
+        lambda lr: optax.adamw(lr, b1=0.8, b2=0.95, weight_decay=0.1),
+    ),
+    "lion": (
+        lambda: config_for_function(optax.lion).set(
+            learning_rate=warmup_cosine(), weight_decay=0.1
+        ),
+        lambda lr: optax.lion(lr, weight_decay=0.1),
+    ),
+    "clip_then_adam": (
+        clip_then_adam,
+        lambda lr: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr)),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPTAX_CASES))
+def test_optax_optimizer_matches_optax_applied_directly_step_by_step(case):
+    transformation, reference_of = OPTAX_CASES[case]
+    rng = np.random.default_rng(RNG_SEED)
+    params = random_tree(rng, SHAPES)
+    grads_seq = [random_tree(rng, SHAPES) for _ in range(20)]
+    ours = config_for_function(opt.optax_optimizer).set(transformation=transformation())
+    ours = ours.instantiate()
+    reference = reference_of(schedule.as_schedule_fn(warmup_cosine()))
+    got, got_state, ours_update = params, ours.init(params), jax.jit(ours.update)
+    want, want_state, reference_update = params, reference.init(params), jax.jit(reference.update)
+    for grads in grads_seq:
+        updates, got_state = ours_update(grads, got_state, got)
+        got = jax.tree.map(jnp.add, got, updates)
+        updates, want_state = reference_update(grads, want_state, want)
+        want = optax.apply_updates(want, updates)
+        for name in SHAPES:
+            np.testing.assert_allclose(got[name], want[name], atol=1e-7, rtol=0)
+
+
+def test_optax_optimizer_reports_the_learning_rate_its_transformation_config_sets():
+    ours = opt.optax_optimizer(clip_then_adam())
+    sched = schedule.as_schedule_fn(warmup_cosine())
+    params = {"w": jnp.ones(3)}
+    state = ours.init(params)
+    for step in range(3):
+        assert float(ours.learning_rate_at(state)) == pytest.approx(float(sched(step)))
+        _, state = ours.update({"w": jnp.ones(3)}, state, params)
+    # A transformation built in Python has no config to read it from.
+    assert opt.optax_optimizer(optax.adam(0.1)).learning_rate_at is None
+
+
+def test_optax_optimizer_names_the_item_that_is_not_a_transformation():
+    with pytest.raises(ConfigError, match=r"transformation\[1\] gave function, expected an optax"):
+        opt.optax_optimizer([optax.adam(0.1), config_for_function(schedule.constant_schedule)
+                             .set(value=1.0)])
+
+
+def test_optax_state_is_sharded_like_the_parameters_and_counters_replicated():
+    specs = sharded_specs()
+    transformation = config_for_function(optax.adamw).set(learning_rate=warmup_cosine())
+    state_specs = opt.optax_optimizer(transformation).partition(specs)
+    adam, _, lr_state = state_specs.inner  # optax.adamw: scale_by_adam, decay, learning rate.
+    for name, spec in specs.items():
+        assert adam.mu[name].partition_spec == spec.partition_spec
+        assert adam.nu[name].partition_spec == spec.partition_spec
+    for counter in (state_specs.count, adam.count, lr_state.count):
+        assert counter.shape == [] and counter.partition_spec == jax.sharding.PartitionSpec()
+
+
+def test_optax_statistics_of_another_shape_than_their_parameter_are_replicated():
+    specs = sharded_specs()
+    state_specs = opt.optax_optimizer(optax.adafactor(0.1)).partition(specs)
+    factored = state_specs.inner[0]  # optax.adafactor's FactoredState comes first.
+    for name, spec in specs.items():
+        for stats in (factored.v_row, factored.v_col, factored.v):
+            if tuple(stats[name].shape) == tuple(spec.shape):
+                assert stats[name].partition_spec == spec.partition_spec
+            else:
+                assert set(stats[name].mesh_axes) <= {None}
+
+
+OPTAX_SHARDED_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from axlearn.common import optimizers as opt
+    from axlearn.common.base_layer import ParameterSpec
+    from axlearn.common.config import config_for_function
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "model"))
+    specs = {
+        "w": ParameterSpec(shape=[16, 8], dtype=jnp.float32, mesh_axes=("fsdp", "model")),
+        "norm": ParameterSpec(shape=[8], dtype=jnp.float32, mesh_axes=(None,)),
+    }
+    ours = opt.optax_optimizer([
+        config_for_function(optax.clip_by_global_norm).set(max_norm=1.0),
+        config_for_function(optax.adamw).set(learning_rate=0.01, weight_decay=0.1),
+    ])
+    is_spec = lambda x: isinstance(x, ParameterSpec)
+    to_sharding = lambda s: NamedSharding(mesh, s.partition_spec)
+    param_shardings = jax.tree.map(to_sharding, specs, is_leaf=is_spec)
+    state_shardings = jax.tree.map(to_sharding, ours.partition(specs), is_leaf=is_spec)
+    rng = np.random.default_rng(0)
+    draw = lambda: {k: jnp.asarray(rng.normal(size=s.shape), jnp.float32) for k, s in specs.items()}
+    params, grads_seq = draw(), [draw() for _ in range(3)]
+
+    def step(params, state, grads):
+        updates, state = ours.update(grads, state, params)
+        return jax.tree.map(jnp.add, params, updates), state
+
+    def run(sharded):
+        if sharded:
+            p = jax.device_put(params, param_shardings)
+            s = jax.jit(ours.init, out_shardings=state_shardings)(p)
+            f = jax.jit(step, out_shardings=(param_shardings, state_shardings))
+        else:
+            p = jax.device_put(params, jax.devices()[0])
+            s, f = jax.jit(ours.init)(p), jax.jit(step)
+        for g in grads_seq:
+            p, s = f(p, s, g)
+        return p, s
+
+    one, one_state = run(sharded=False)
+    many, many_state = run(sharded=True)
+    mu = many_state.inner[1][0].mu["w"]  # optax.adamw's first moment of "w".
+    assert mu.sharding.spec == PartitionSpec("fsdp", "model"), mu.sharding
+    assert mu.addressable_shards[0].data.shape == (4, 4)
+    assert len(one["w"].devices()) == 1
+    for k in specs:
+        np.testing.assert_allclose(np.asarray(many[k]), np.asarray(one[k]), rtol=1e-6, atol=1e-7)
+    print("OK")
+    """
+)
+
+
+def test_optax_optimizer_sharded_on_8_devices_gives_the_one_device_result():
+    from tests.fresh_python import assert_prints_ok  # pylint: disable=import-outside-toplevel
+
+    assert_prints_ok(OPTAX_SHARDED_SCRIPT, devices=8)
+
+
+def optax_adamw_learner() -> Learner.Config:
+    transformation = config_for_function(optax.adamw).set(
+        learning_rate=warmup_cosine(), weight_decay=0.1
+    )
+    return Learner.default_config().set(
+        name="learner",
+        optimizer=config_for_function(opt.optax_optimizer).set(transformation=transformation),
+    )
+
+
+def test_a_learner_config_with_optax_adamw_dumps_parses_back_and_updates():
+    text = optax_adamw_learner().debug_string()
+    assert "optimizer.transformation.fn: 'optax.adamw'" in text.splitlines()
+    parsed = parse_flat_text(text)
+    assert parsed.debug_string() == text
+    learner = parsed.instantiate(parent=None)
+    rng = np.random.default_rng(RNG_SEED)
+    params, grads = random_tree(rng, SHAPES), random_tree(rng, SHAPES)
+    new_params, _, summaries = learner.update(params, grads, learner.init(params))
+    sched = schedule.as_schedule_fn(warmup_cosine())
+    reference = optax.adamw(sched, weight_decay=0.1)
+    updates, _ = reference.update(grads, reference.init(params), params)
+    want = optax.apply_updates(params, updates)
+    for name in SHAPES:
+        np.testing.assert_allclose(new_params[name], want[name], atol=1e-7, rtol=0)
+    assert float(summaries["learning_rate"]) == pytest.approx(float(sched(0)))
+
+
+def test_a_trainer_with_an_optax_learner_trains_and_reports_its_learning_rate(tmp_path):
+    # The trainer's modules load only for this test.
+    from tests.trainer_script import (  # pylint: disable=import-outside-toplevel
+        read_metrics,
+        tiny_trainer_config,
+    )
+
+    cfg = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=3, learner=optax_adamw_learner())
+    cfg.instantiate(parent=None).run()
+    records = {r["step"]: r for r in read_metrics(str(tmp_path))}
+    sched = schedule.as_schedule_fn(warmup_cosine())
+    assert sorted(records) == [1, 2, 3]
+    for step, record in records.items():
+        assert math.isfinite(record["loss"])
+        assert record["learner/learning_rate"] == pytest.approx(float(sched(step - 1)))
+    assert records[3]["learner/parameter_norm"] != records[1]["learner/parameter_norm"]
 
 
 # ----- Adastar -----
@@ -674,6 +882,11 @@ ALL_OPTIMIZERS = {
         update_schedule=1.0, adam_update_transformation=mup_transformation(),
     ),
     "adafactor": lambda: opt.adafactor_optimizer(0.1, b1=0.9),
+    "optax_adamw": lambda: opt.optax_optimizer(
+        config_for_function(optax.adamw).set(learning_rate=warmup_cosine(), weight_decay=0.1)
+    ),
+    "optax_clip_then_adam": lambda: opt.optax_optimizer(clip_then_adam()),
+    "optax_adafactor": lambda: opt.optax_optimizer(optax.adafactor(0.1)),
     "lion": lambda: opt.lion_optimizer(0.1),
     "sgd": lambda: opt.sgd_optimizer(0.1, momentum=0.9),
     "muon": lambda: opt.muon_optimizer(0.1),

@@ -23,6 +23,7 @@ import importlib
 import inspect
 import json
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -270,12 +271,28 @@ def qualified_name(value: Any) -> Optional[str]:
         module = getattr(value, "__module__", None)
         name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
         if module and name:
-            return f"{module}.{name}"
+            return _public_name(value, module, name)
     if _is_dtype_instance(value):
         # np.dtype('float32') and jnp.dtype('bfloat16') alike name their jax.numpy type,
         # which imports for every dtype jax supports.
         return f"jax.numpy.{value.name}"
     return None
+
+
+def _public_name(value: Any, module: str, name: str) -> str:
+    """'module.name', or the shortest 'package.name' that reaches the same object where
+    `module` is private (has a part starting with '_'): `package` is one of its prefixes
+    before that part (optax._src.alias.adamw is optax.adamw)."""
+    parts = module.split(".")
+    private = [i for i, part in enumerate(parts) if part.startswith("_")]
+    for end in range(1, private[0] + 1 if private else 0):
+        package = ".".join(parts[:end])
+        obj = sys.modules.get(package)
+        for attr in name.split("."):
+            obj = getattr(obj, attr, None)
+        if obj is value:
+            return f"{package}.{name}"
+    return f"{module}.{name}"
 
 
 def _is_dtype_instance(value: Any) -> bool:

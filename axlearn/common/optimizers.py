@@ -15,6 +15,10 @@ its weight-decay scale, its Adafactor factorization and its fan axes (how Muon s
 `Learner` does it for you. A leaf may also be None: the parameter is not optimized
 (frozen by the learner's update rules) and gets no state.
 
+`optax_optimizer` turns any optax transformation (a config of one, e.g. of optax.adamw)
+into such an optimizer. AdamW, Lion and SGD compute their moments through optax's
+building blocks; Adastar, Adafactor and Muon, which optax does not express, are ours.
+
 Update conventions: `update` returns the change to add to the parameters (negative
 learning rate already applied). Schedules are evaluated at the number of updates applied
 so far, so the first update uses `schedule(0)`. Weight decay is
@@ -31,11 +35,19 @@ from typing import Any, NamedTuple, Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from axlearn.common.base_layer import ParameterSpec, flatten_with_paths
-from axlearn.common.config import ConfigError, ConfigOr, maybe_instantiate
+from axlearn.common.base_layer import ParameterSpec
+from axlearn.common.config import (
+    REQUIRED,
+    ConfigError,
+    ConfigOr,
+    InstantiableConfig,
+    maybe_instantiate,
+)
 from axlearn.common.param_init import FanAxes
 from axlearn.common.schedule import ScheduleLike, adafactor_decay_rate, as_schedule_fn
+from axlearn.common.utils import flatten_with_paths
 
 Tensor = jax.Array
 Nested = Any  # A nested dict (or other pytree) of leaves.
@@ -521,7 +533,7 @@ def per_param_scale_by_path(
     """A per-parameter scale chosen by the first regex of `scale_by_path` that fully
     matches the parameter's '/'-joined path; `default_scale` where none does.
 
-    `description` names the rule set in the log line that lists each parameter's scale.
+    `description` names the rule set in the log lines: a count per scale at INFO, each parameter's scale at DEBUG.
     """
     rules = []
     for i, (pattern, scale) in enumerate(scale_by_path):
@@ -540,7 +552,11 @@ def per_param_scale_by_path(
         _, treedef = _flatten_params(tree)
         paths = [info.path for info in _param_infos(tree)]
         scales = [scale_for(path) for path in paths]
-        logging.info("%s: %s", description, ", ".join(f"{p}={s}" for p, s in zip(paths, scales)))
+        counts = {scale: scales.count(scale) for scale in sorted(set(scales))}
+        logging.info(
+            "%s: %s", description, ", ".join(f"{n} parameters at {s}" for s, n in counts.items())
+        )
+        logging.debug("%s: %s", description, ", ".join(f"{p}={s}" for p, s in zip(paths, scales)))
         return treedef.unflatten(scales)
 
     return fn
@@ -603,17 +619,196 @@ def param_ema(decay: Optional[float] = None) -> PartitionedGradientTransformatio
     return PartitionedGradientTransformation(init, update, partition)
 
 
+# ----- optax transformations -----
+
+
+def _optax_state_specs(init: Callable[[Nested], Any], param_specs: Nested) -> Any:
+    """The specs of the state that an optax `init` builds for parameters of `param_specs`.
+
+    The state's shapes come from `jax.eval_shape(init, ...)`. A subtree with the structure
+    of the parameter tree mirrors the parameters (moments, traces): each of its tensors
+    with its parameter's shape gets that parameter's mesh axes. Every other tensor (step
+    counters, statistics of another shape) is replicated.
+    """
+    _, treedef = _flatten_params(param_specs)
+    infos = _param_infos(param_specs)
+    shapes = treedef.unflatten([jax.ShapeDtypeStruct(i.shape, i.dtype) for i in infos])
+    params_structure = jax.tree.structure(shapes)
+
+    def replicated(x: jax.ShapeDtypeStruct) -> ParameterSpec:
+        return ParameterSpec(shape=list(x.shape), dtype=x.dtype, mesh_axes=(None,) * x.ndim)
+
+    def mirrored(x: jax.ShapeDtypeStruct, info: _ParamInfo) -> ParameterSpec:
+        if tuple(x.shape) != info.shape:
+            return replicated(x)
+        return ParameterSpec(shape=list(x.shape), dtype=x.dtype, mesh_axes=info.mesh_axes)
+
+    def specs_of(node: Any) -> Any:
+        if not jax.tree.leaves(node):  # None, EmptyState(), {}: no tensors.
+            return node
+        if jax.tree.structure(node) == params_structure:
+            return params_structure.unflatten(
+                [mirrored(x, info) for x, info in zip(jax.tree.leaves(node), infos)]
+            )
+        if isinstance(node, jax.ShapeDtypeStruct):
+            return replicated(node)
+        children, structure = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+        return structure.unflatten([specs_of(child) for child in children])
+
+    return specs_of(jax.eval_shape(init, shapes))
+
+
+def _from_optax(transformation: optax.GradientTransformation) -> PartitionedGradientTransformation:
+    """An optax transformation as a PartitionedGradientTransformation. It sees plain arrays
+    (OptParams unwrapped), its state keeps the dtypes `init` gave it (optax would promote a
+    bfloat16 moment updated by float32 gradients; the specs promise init's dtypes), and
+    `partition` gives `_optax_state_specs`."""
+
+    def init(params):
+        return transformation.init(param_values(params))
+
+    def update(updates, state, params=None):
+        values = None if params is None else param_values(params)
+        updates, new_state = transformation.update(updates, state, values)
+        new_state = jax.tree.map(
+            lambda new, old: jnp.asarray(new, jnp.result_type(old)), new_state, state
+        )
+        return updates, new_state
+
+    def partition(param_specs):
+        return _optax_state_specs(transformation.init, param_specs)
+
+    return PartitionedGradientTransformation(init, update, partition)
+
+
+def _instantiate_nested(value: Any, path: str) -> Any:
+    """`value` with every config in it, at any depth, instantiated, innermost first (an
+    optax call's arguments are objects: a schedule, a mask, an inner transformation)."""
+    if isinstance(value, InstantiableConfig):
+        built = value.clone()
+        for name, field in value.items():
+            if name not in ("fn", "klass"):
+                setattr(built, name, _instantiate_nested(field, f"{path}.{name}"))
+        return built.instantiate(config_path=path)
+    if type(value) in (list, tuple):
+        return type(value)(_instantiate_nested(v, f"{path}[{i}]") for i, v in enumerate(value))
+    if type(value) is dict:
+        return {k: _instantiate_nested(v, f"{path}[{k!r}]") for k, v in value.items()}
+    return value
+
+
+def _is_chain(transformation: Any) -> bool:
+    """Whether `optax_optimizer`'s argument is a sequence of transformations to chain."""
+    return isinstance(transformation, (list, tuple)) and not isinstance(
+        transformation, optax.GradientTransformation
+    )
+
+
+def _build_optax(value: Any, path: str) -> optax.GradientTransformation:
+    """The optax transformation that `value` (a transformation, a config or a callable
+    returning one) describes."""
+    if isinstance(value, InstantiableConfig):
+        value = _instantiate_nested(value, path)
+    elif callable(value) and not isinstance(value, optax.GradientTransformation):
+        value = value()
+    if not isinstance(value, optax.GradientTransformation):
+        raise ConfigError(
+            f"optax_optimizer: {path} gave {type(value).__name__}, expected an "
+            "optax.GradientTransformation"
+        )
+    return value
+
+
+# An optax transformation, a config of a function returning one, or a callable returning one.
+OptaxLike = Union[
+    optax.GradientTransformation,
+    InstantiableConfig,
+    Callable[[], optax.GradientTransformation],
+]
+
+
+class OptaxState(NamedTuple):
+    count: Tensor  # Updates applied so far: the step of the reported learning rate.
+    inner: Any  # The optax transformation's state.
+
+
+def optax_optimizer(
+    transformation: Union[OptaxLike, Sequence[OptaxLike]],
+) -> PartitionedGradientTransformation:
+    """Any optax transformation as an optimizer of this library, e.g. in a learner config:
+
+        config_for_function(optax_optimizer).set(
+            transformation=config_for_function(optax.adamw).set(
+                learning_rate=config_for_function(cosine_with_linear_warmup).set(...),
+                weight_decay=0.1,
+            )
+        )
+
+    `transformation`: an optax.GradientTransformation, a config of a function returning
+    one (configs in its fields, such as a schedule config as `learning_rate`, are
+    instantiated first: optax takes a schedule as a callable of the update count, which
+    is what our schedule configs instantiate to), a callable returning one, or a sequence
+    of these, chained in order as optax.chain does (a config cannot hold optax.chain's
+    positional arguments).
+
+    The updates are optax's, learning rate and sign applied. The state is an OptaxState:
+    its tensors shaped like their parameters are sharded like them, the rest replicated.
+    `learning_rate_at` reports the `learning_rate` field of the first config that sets
+    one (none: no learning rate is reported).
+    """
+    chained = _is_chain(transformation)
+    parts = list(transformation) if chained else [transformation]
+    built = [
+        _build_optax(part, f"transformation[{i}]" if chained else "transformation")
+        for i, part in enumerate(parts)
+    ]
+    inner = _from_optax(optax.chain(*built) if chained else built[0])
+    learning_rates = [
+        part.learning_rate
+        for part in parts
+        if isinstance(part, InstantiableConfig)
+        and "learning_rate" in part
+        and part.learning_rate not in (None, REQUIRED)
+    ]
+    lr = as_schedule_fn(learning_rates[0]) if learning_rates else None
+
+    def init(params):
+        return OptaxState(count=_count_init(), inner=inner.init(params))
+
+    def update(updates, state, params=None):
+        updates, inner_state = inner.update(updates, state.inner, params)
+        return updates, OptaxState(count=state.count + 1, inner=inner_state)
+
+    def partition(param_specs):
+        return OptaxState(count=_scalar_spec(), inner=inner.partition(param_specs))
+
+    learning_rate_at = None if lr is None else (lambda state: lr(state.count))
+    return PartitionedGradientTransformation(init, update, partition, learning_rate_at)
+
+
+def _add_decayed_weights(
+    weight_decay: float,
+    weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]],
+    what: str,
+) -> PartitionedGradientTransformation:
+    """updates + weight_decay * scale * p. Ours, not optax.add_decayed_weights: that one
+    takes one rate for every parameter (a boolean mask at most), ours a scale for each."""
+
+    def add(updates, params):
+        leaves, treedef = jax.tree_util.tree_flatten(updates)
+        decay = _weight_decay_terms(
+            params,
+            updates,
+            weight_decay=weight_decay,
+            weight_decay_per_param_scale=weight_decay_per_param_scale,
+            what=what,
+        )
+        return treedef.unflatten([u if w is None else u + w for u, w in zip(leaves, decay)])
+
+    return _stateless(add)
+
+
 # ----- Adam family -----
-
-
-class AdamState(NamedTuple):
-    count: Tensor
-    mu: Nested  # First moment (EMA of gradients).
-    nu: Nested  # Second moment (EMA of squared gradients).
-
-
-def _debias(x: Tensor, decay: float, count: Tensor) -> Tensor:
-    return x / (1.0 - decay ** count.astype(jnp.float32))
 
 
 def _adam_transformation(
@@ -629,48 +824,39 @@ def _adam_transformation(
     adam_update_transformation: Optional[ConfigOr[PartitionedGradientTransformation]],
     what: str,
 ) -> PartitionedGradientTransformation:
-    """Adam directions d, optionally transformed, then
-    -(lr_fn(t) * d + weight_decay * wd_multiplier_fn(t) * scale * p)."""
+    """Adam directions d (optax.scale_by_adam), optionally transformed, then
+    -(lr_fn(t) * d + weight_decay * wd_multiplier_fn(t) * scale * p).
+
+    The state is (optax's ScaleByAdamState, adam_update_transformation's state). Weight
+    decay and learning rate are ours: the decay has a scale per parameter, and the
+    decoupled variant scales it by a schedule of its own (see _add_decayed_weights).
+    """
+    adam = _from_optax(optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype))
     extra = maybe_instantiate(adam_update_transformation)
 
     def init(params):
-        values = param_values(params)
-        state = AdamState(
-            count=_count_init(),
-            mu=jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), values),
-            nu=jax.tree.map(jnp.zeros_like, values),
-        )
-        return (state, extra.init(params)) if extra is not None else (state, EmptyState())
+        return adam.init(params), (extra.init(params) if extra is not None else EmptyState())
 
     def update(grads, state, params=None):
-        adam, extra_state = state
-        count = adam.count + 1
-        mu = jax.tree.map(lambda m, g: (b1 * m + (1 - b1) * g).astype(m.dtype), adam.mu, grads)
-        nu = jax.tree.map(lambda v, g: (b2 * v + (1 - b2) * g * g).astype(v.dtype), adam.nu, grads)
-        direction = jax.tree.map(
-            lambda m, v: _debias(m, b1, count) / (jnp.sqrt(_debias(v, b2, count)) + eps), mu, nu
-        )
+        adam_state, extra_state = state
+        direction, new_adam_state = adam.update(grads, adam_state, params)
         step, extra_state = _decayed_update(
             direction,
             grads,
             params,
             weight_decay=weight_decay,
             weight_decay_per_param_scale=weight_decay_per_param_scale,
-            lr=lr_fn(adam.count),
-            wd_multiplier=wd_multiplier_fn(adam.count),
+            lr=lr_fn(adam_state.count),
+            wd_multiplier=wd_multiplier_fn(adam_state.count),
             what=what,
             extra=extra,
             extra_state=extra_state,
         )
-        return step, (AdamState(count=count, mu=mu, nu=nu), extra_state)
+        return step, (new_adam_state, extra_state)
 
     def partition(param_specs):
-        state = AdamState(
-            count=_scalar_spec(),
-            mu=_like_params(param_specs, dtype=mu_dtype),
-            nu=_like_params(param_specs),
-        )
-        return state, (extra.partition(param_specs) if extra is not None else EmptyState())
+        extra_specs = extra.partition(param_specs) if extra is not None else EmptyState()
+        return adam.partition(param_specs), extra_specs
 
     return PartitionedGradientTransformation(
         init, update, partition, lambda state: lr_fn(state[0].count)
@@ -688,11 +874,11 @@ def adamw_optimizer(
     mu_dtype: Any = None,
     adam_update_transformation: Optional[ConfigOr[PartitionedGradientTransformation]] = None,
 ) -> PartitionedGradientTransformation:
-    """AdamW (Loshchilov & Hutter) as optax.adamw computes it:
-    p -= lr_t * (adam_direction + weight_decay * scale * p), i.e. weight decay scaled by the
-    learning rate. `adam_update_transformation` (e.g. scale_update_per_param) transforms the
-    Adam direction before weight decay is added. `mu_dtype`: first-moment dtype (None: the
-    parameter's)."""
+    """AdamW (Loshchilov & Hutter) as optax.adamw computes it, with a weight-decay scale
+    per parameter: p -= lr_t * (adam_direction + weight_decay * scale * p), i.e. weight
+    decay scaled by the learning rate. `adam_update_transformation` (e.g.
+    scale_update_per_param) transforms the Adam direction before weight decay is added.
+    `mu_dtype`: first-moment dtype (None: the parameter's)."""
     lr = as_schedule_fn(learning_rate)
     return _adam_transformation(
         b1=b1,
@@ -738,6 +924,10 @@ def adamw_decoupled_optimizer(
         adam_update_transformation=adam_update_transformation,
         what="adamw_decoupled_optimizer",
     )
+
+
+def _debias(x: Tensor, decay: float, count: Tensor) -> Tensor:
+    return x / (1.0 - decay ** count.astype(jnp.float32))
 
 
 class AdastarState(NamedTuple):
@@ -893,11 +1083,6 @@ def adastar_optimizer(
 # ----- other optimizers -----
 
 
-class MomentumState(NamedTuple):
-    count: Tensor
-    momentum: Nested  # None leaves when the optimizer keeps no momentum.
-
-
 def lion_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -907,25 +1092,19 @@ def lion_optimizer(
     weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]] = None,
     mu_dtype: Any = None,
 ) -> PartitionedGradientTransformation:
-    """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms"):
+    """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms") as
+    optax.lion computes it, with a weight-decay scale per parameter:
 
         p -= lr_t * (sign(b1 * m + (1 - b1) * g) + weight_decay * scale * p)
         m = b2 * m + (1 - b2) * g
+
+    The state is optax.scale_by_lion's (count and m).
     """
     lr = as_schedule_fn(learning_rate)
-
-    def init(params):
-        values = param_values(params)
-        momentum = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), values)
-        return MomentumState(count=_count_init(), momentum=momentum)
+    lion = _from_optax(optax.scale_by_lion(b1=b1, b2=b2, mu_dtype=mu_dtype))
 
     def update(grads, state, params=None):
-        direction = jax.tree.map(
-            lambda m, g: jnp.sign(b1 * m.astype(jnp.float32) + (1 - b1) * g), state.momentum, grads
-        )
-        momentum = jax.tree.map(
-            lambda m, g: (b2 * m + (1 - b2) * g).astype(m.dtype), state.momentum, grads
-        )
+        direction, new_state = lion.update(grads, state, params)
         lr_t = lr(state.count)
         step, _ = _decayed_update(
             direction,
@@ -937,13 +1116,10 @@ def lion_optimizer(
             wd_multiplier=lr_t,
             what="lion_optimizer",
         )
-        return step, MomentumState(count=state.count + 1, momentum=momentum)
-
-    def partition(param_specs):
-        return MomentumState(count=_scalar_spec(), momentum=_like_params(param_specs, mu_dtype))
+        return step, new_state
 
     return PartitionedGradientTransformation(
-        init, update, partition, lambda state: lr(state.count)
+        lion.init, update, lion.partition, lambda state: lr(state.count)
     )
 
 
@@ -960,44 +1136,18 @@ def sgd_optimizer(
         d = g + weight_decay * scale * p
         m = momentum * m + d;  d = d + momentum * m if nesterov else m   (if momentum > 0)
         p -= lr_t * d
+
+    That is optax.sgd (optax.trace, then optax.scale_by_learning_rate) after our
+    per-parameter L2 term; the state is a tuple of the three states (no trace without
+    momentum).
     """
     lr = as_schedule_fn(learning_rate)
-
-    def init(params):
-        values = param_values(params)
-        buf = jax.tree.map(jnp.zeros_like, values) if momentum else _nothing_like(values)
-        return MomentumState(count=_count_init(), momentum=buf)
-
-    def update(grads, state, params=None):
-        g_leaves, treedef = jax.tree_util.tree_flatten(grads)
-        decay = _weight_decay_terms(
-            params,
-            grads,
-            weight_decay=weight_decay,
-            weight_decay_per_param_scale=weight_decay_per_param_scale,
-            what="sgd_optimizer",
-        )
-        # L2 regularization: the decay term joins the gradient before momentum.
-        direction = treedef.unflatten(
-            [g.astype(jnp.float32) + (0.0 if w is None else w) for g, w in zip(g_leaves, decay)]
-        )
-        buf = state.momentum
-        if momentum:
-            buf = jax.tree.map(lambda m, d: (momentum * m + d).astype(m.dtype), buf, direction)
-            if nesterov:
-                direction = jax.tree.map(lambda d, m: d + momentum * m, direction, buf)
-            else:
-                direction = buf
-        step = jax.tree.map(lambda d, g: (-lr(state.count) * d).astype(g.dtype), direction, grads)
-        return step, MomentumState(count=state.count + 1, momentum=buf)
-
-    def partition(param_specs):
-        buf = _like_params(param_specs) if momentum else _nothing_like(param_specs)
-        return MomentumState(count=_scalar_spec(), momentum=buf)
-
-    return PartitionedGradientTransformation(
-        init, update, partition, lambda state: lr(state.count)
-    )
+    # The L2 term joins the gradient before the momentum.
+    parts = [_add_decayed_weights(weight_decay, weight_decay_per_param_scale, "sgd_optimizer")]
+    if momentum:
+        parts.append(_from_optax(optax.trace(decay=momentum, nesterov=nesterov)))
+    parts.append(_from_optax(optax.scale_by_learning_rate(lr)))
+    return chain(*parts)._replace(learning_rate_at=lambda state: lr(state[-1].count))
 
 
 class AdafactorState(NamedTuple):
@@ -1060,6 +1210,9 @@ def adafactor_optimizer(
     last two axes of a parameter whose last two dims are both >= min_dim_size_to_factor
     (leading axes, e.g. stacked layers, keep separate statistics). `factored=False`
     keeps full second moments everywhere.
+
+    Ours, not optax.adafactor: optax factors a parameter's two largest axes and takes b2
+    only as the exponent of its power-law decay.
     """
     lr = as_schedule_fn(learning_rate)
     decay = as_schedule_fn(b2) if b2 is not None else adafactor_decay_rate()
