@@ -352,7 +352,9 @@ def follow_max_step(cfg: ConfigBase, old_max_step: Any, *, pinned: Sequence[str]
                 new_max_step, path.rsplit(".", 1)[0], warmup, scaled,
             )
     if followers:
-        log.info("max_step %s -> %d; followed by %s", old_max_step, new_max_step, ", ".join(followers))
+        log.info(
+            "max_step %s -> %d; followed by %s", old_max_step, new_max_step, ", ".join(followers)
+        )
     return followers
 
 
@@ -458,14 +460,12 @@ def missing_input_packages(cfg: ConfigBase) -> tuple[Optional[str], list[str]]:
     found = []
 
     def visit(path: str, value: Any) -> None:
-        name = qualified_name(value) if path.endswith((".klass", ".fn")) else None
-        if name and name.startswith(f"{TF_DATA_MODULE}."):
-            found.append(path)
+        if path.startswith(("input.", "evalers[")) and path.endswith((".klass", ".fn")):
+            name = qualified_name(value)
+            if name and name.startswith(f"{TF_DATA_MODULE}."):
+                found.append(path)
 
-    inputs = {"input": cfg.input}
-    inputs.update({f"evalers[{k!r}].input": e.input for k, e in cfg.evalers.items()})
-    for prefix, input_cfg in inputs.items():
-        input_cfg.visit(lambda path, value, prefix=prefix: visit(f"{prefix}.{path}", value))
+    cfg.visit(visit)
     if not found:
         return None, []
     return found[0], [p for p in TF_DATA_PACKAGES if importlib.util.find_spec(p) is None]
@@ -607,7 +607,9 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         print(list_configs_text(flag_values.module))
         return None
     if not flag_values.config:
-        raise ConfigError("--config is required (e.g. --config=gpt_test; --list_configs lists them)")
+        raise ConfigError(
+            "--config is required (e.g. --config=gpt_test; --list_configs lists them)"
+        )
     # The name is checked before JAX starts looking for devices.
     lookup_named_config(flag_values.config, module=flag_values.module)
     cfg = build_trainer_config(
