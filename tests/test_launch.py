@@ -603,6 +603,9 @@ def test_config_changes_allow_the_length_and_cadences_of_a_run_only():
         "other.max_step": False,  # It did not hold the run's max_step before.
         "model.extra": False,
     }
+    # A warmup changed while its schedule kept its length is a recipe change.
+    warmup_only = config_changes(old, old.replace("warmup_steps: 30", "warmup_steps: 5"))
+    assert warmup_only == [("learner.schedule.warmup_steps", "30", "5", False)]
 
 
 @pytest.fixture(name="restarted_dir")

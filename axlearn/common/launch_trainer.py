@@ -540,9 +540,11 @@ RESTARTABLE_KEYS = re.compile(
 
 def _follows_max_step(key: str, old: dict[str, str], new: dict[str, str]) -> bool:
     """Whether `key` held the trainer's max_step in both configs, or is the warmup of a
-    schedule whose max_step did."""
+    schedule whose max_step did and changed (`follow_max_step` may shorten it)."""
     if key.endswith(".warmup_steps"):
-        key = key.removesuffix(".warmup_steps") + ".max_step"
+        schedule_key = key.removesuffix(".warmup_steps") + ".max_step"
+        changed = old.get(schedule_key) != new.get(schedule_key)
+        return changed and _follows_max_step(schedule_key, old, new)
     return key.endswith(".max_step") and all(
         d.get(key) is not None and d.get(key) == d.get("max_step") for d in (old, new)
     )
