@@ -98,6 +98,18 @@ def test_a_changed_golden_file_fails_with_a_unified_diff(tmp_path):
     assert "gpt/gpt_test.txt (checked in)" in problems[0]
 
 
+
+def test_check_of_an_unknown_config_name_fails_listing_close_names(capsys):
+    assert golden_config.main(["--config=gpt_tst"]) != 0
+    captured = capsys.readouterr()
+    assert "Unknown config 'gpt_tst'" in captured.err and "Did you mean: gpt_test" in captured.err
+    assert "Golden files match" not in captured.out
+
+
+def test_check_of_a_named_config_compares_its_files(capsys):
+    assert golden_config.main(["--config=gpt_test"]) == 0
+    assert capsys.readouterr().out.strip() == "Golden files match."
+
 # ----- parsing back -----
 
 

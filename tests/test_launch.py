@@ -5,21 +5,33 @@ subprocess (`python -m axlearn.common.launch_trainer_main ...`), including two p
 that train one model together through jax.distributed on localhost (gloo collectives).
 """
 
+import importlib.util
 import json
+import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from absl import flags
 
-from axlearn.common import launch, launch_trainer
+from axlearn.common import launch, launch_trainer, launch_trainer_main
 from axlearn.common.config import ConfigError
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.input_fake import FakeLmInput
-from axlearn.common.launch_trainer import build_trainer_config, get_named_trainer_config
+from axlearn.common.launch_trainer import (
+    build_trainer_config,
+    config_changes,
+    get_named_trainer_config,
+    mesh_selector_for_devices,
+    missing_input_packages,
+    selector_contradiction,
+)
 from axlearn.common.causal_lm import count_parameters
+from axlearn.common.trainer_config_modifier import apply_mesh_rule
 from axlearn.experiments.text.gpt import common
 from experiments import gpt
 from tests.fresh_python import REPO, fresh_env
@@ -38,6 +50,7 @@ def _flag_values(*argv: str) -> flags.FlagValues:
 def _main(*argv: str, devices: int = 1, timeout: int = 300, **popen_kwargs):
     """Starts the main job in a subprocess on `devices` fake CPU devices."""
     env = fresh_env(devices)
+    env.update(popen_kwargs.pop("env", {}))
     command = [sys.executable, "-m", MAIN, *argv]
     if popen_kwargs.pop("background", False):
         return subprocess.Popen(
@@ -105,6 +118,40 @@ def test_a_config_name_in_several_modules_needs_the_module_flag(tmp_path, monkey
     assert get_named_trainer_config("only_second").name == "gpt_test"
 
 
+def test_help_lists_the_launcher_flags():
+    result = _main("--help")  # absl's --help exits 1.
+    for flag in ("--config", "--list_configs", "--mesh_selector", "--allow_config_change",
+                 "--jax_backend", "--distributed_coordinator"):
+        assert f"  {flag}:" in result.stdout or f"  --[no]{flag[2:]}:" in result.stdout, flag
+
+
+def test_list_configs_prints_each_config_with_its_parameter_count():
+    result = _main("--list_configs")
+    assert result.returncode == 0, result.stderr
+    lines = {line.split()[0]: line for line in result.stdout.splitlines()}
+    assert set(lines) == set(launch_trainer.named_configs())
+    # gpt_test by hand: a tied 384x128 embedding, the final norm, and 2 layers of attention
+    # (q and o 128x128, k and v 128x64, two 32-wide QK-norm scales), a gated MLP
+    # (2 x 128x384 in, 384x128 out) and two norms.
+    layer = 2 * 128 * 128 + 2 * 128 * 64 + 2 * 32 + 3 * 128 * 384 + 2 * 128
+    expected = 384 * 128 + 128 + 2 * layer
+    assert f" {expected:,} parameters  A tiny byte-level GPT" in lines["gpt_test"]
+    assert "[gpt_trainer('1B')]" in lines["gpt_1b"]
+
+
+@pytest.mark.parametrize(
+    "tool", [["-m", MAIN, "--print_config"], ["-m", "axlearn.bench", "--steps=1"]],
+    ids=["launcher", "bench"],
+)
+def test_every_tool_refuses_an_unknown_config_name_listing_close_names(tool):
+    result = subprocess.run(
+        [sys.executable, *tool, "--config=gpt_tst"], env=fresh_env(1), cwd=REPO,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    assert "Unknown config 'gpt_tst'" in result.stderr and "Did you mean: gpt_test" in result.stderr
+
+
 # ----- --config_override -----
 
 
@@ -133,6 +180,46 @@ def test_config_overrides_are_repeatable_and_applied_in_order(capsys):
 def test_config_overrides_are_type_checked(override, message):
     with pytest.raises(ConfigError, match=message):
         build_trainer_config(config_name="gpt_test", config_overrides=[override])
+
+
+# ----- one step count: max_step -----
+
+
+def test_max_step_override_moves_every_field_that_held_the_step_count():
+    cfg = build_trainer_config(config_name="gpt_test", config_overrides=["max_step=20"])
+    schedule_cfg = cfg.learner.optimizer.inner.update_schedule
+    assert schedule_cfg.max_step == 20
+    assert cfg.checkpointer.save_policy.max_step == 20
+    assert cfg.evalers["validation"].eval_policy.max_step == 20
+    # The schedule decays to alpha * peak at step 20 (cosine, after the warmup).
+    schedule = schedule_cfg.instantiate()
+    warmup, end = schedule_cfg.warmup_steps, schedule_cfg.alpha * schedule_cfg.peak_lr
+    for step in (warmup, 12, 19, 20, 25):
+        fraction = min(1.0, (step - warmup) / (20 - warmup))
+        expected = end + (schedule_cfg.peak_lr - end) * 0.5 * (1 + np.cos(np.pi * fraction))
+        np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-6)
+    # The final step is evaluated and saved; it is no multiple of their cadences.
+    assert cfg.evalers["validation"].eval_policy.instantiate()(20)
+    assert cfg.checkpointer.save_policy.instantiate()(20)
+    assert not cfg.checkpointer.save_policy.instantiate()(19)
+
+
+def test_a_warmup_longer_than_the_run_is_shortened_in_proportion():
+    base = get_named_trainer_config("gpt_test").learner.optimizer.inner.update_schedule
+    assert (base.max_step, base.warmup_steps) == (200, 30)
+    cfg = build_trainer_config(config_name="gpt_test", config_overrides=["max_step=20"])
+    assert cfg.learner.optimizer.inner.update_schedule.warmup_steps == 3
+    longer = build_trainer_config(config_name="gpt_test", config_overrides=["max_step=400"])
+    assert longer.learner.optimizer.inner.update_schedule.warmup_steps == 30
+
+
+def test_a_max_step_field_overridden_by_hand_keeps_its_value():
+    path = "learner.optimizer.inner.update_schedule.max_step"
+    cfg = build_trainer_config(
+        config_name="gpt_test", config_overrides=[f"{path}=50", "max_step=20"]
+    )
+    assert cfg.learner.optimizer.inner.update_schedule.max_step == 50
+    assert cfg.checkpointer.save_policy.max_step == 20
 
 
 # ----- --mesh_selector -----
@@ -193,6 +280,75 @@ def test_unmatched_mesh_selector_fails_listing_the_rules():
         build_trainer_config(config_name="gpt_1b", mesh_selector="gpu-z100-3")
 
 
+@pytest.mark.parametrize(
+    "platform,device_kind,count,selector",
+    [
+        ("gpu", "NVIDIA H100 80GB HBM3", 1, "gpu-h100-1"),
+        ("gpu", "NVIDIA H100 PCIe", 2, "gpu-h100-2"),
+        ("gpu", "NVIDIA H200", 8, "gpu-h200-8"),
+        ("gpu", "NVIDIA A100-SXM4-80GB", 8, "gpu-a100-8"),
+        ("gpu", "NVIDIA GeForce RTX 4090", 1, "gpu-geforcertx4090-1"),
+        ("cpu", "cpu", 1, "cpu"),
+        ("cpu", "cpu", 8, "cpu"),
+        ("tpu", "TPU v4", 128, "tpu-v4-256"),  # v4 and v5p sizes count TensorCores.
+        ("tpu", "TPU v5", 512, "tpu-v5p-1024"),
+        ("tpu", "TPU v5 lite", 256, "tpu-v5litepod-256"),
+    ],
+)
+def test_mesh_selector_is_named_from_the_devices(platform, device_kind, count, selector):
+    assert mesh_selector_for_devices(platform, device_kind, count) == selector
+
+
+@pytest.mark.parametrize(
+    "devices,pattern",
+    [
+        (("gpu", "NVIDIA H100 80GB HBM3", 1), "gpu-(h100|h200)-(1|2|4|8)"),
+        (("gpu", "NVIDIA H200", 8), "gpu-(h100|h200)-(1|2|4|8)"),
+        (("cpu", "cpu", 2), "cpu(-[0-9]+)?"),
+        (("tpu", "TPU v5", 512), "tpu-v5p-(1024|2048)"),
+        (("tpu", "TPU v5 lite", 256), "tpu-v5litepod-256"),
+    ],
+)
+def test_named_devices_select_the_rule_written_for_them(devices, pattern):
+    rules = dict(get_named_trainer_config("gpt_1b").mesh_rules)
+    cfg = build_trainer_config(
+        config_name="gpt_1b", mesh_selector=mesh_selector_for_devices(*devices)
+    )
+    expected = build_trainer_config(config_name="gpt_1b", mesh_selector=None)
+    assert cfg.debug_string() == apply_mesh_rule(expected, rules[pattern]).debug_string()
+
+
+@pytest.mark.parametrize(
+    "selector,devices,reason",
+    [
+        ("gpu-h100-8", ("cpu", "cpu", 1), "it names gpu devices"),
+        ("gpu-h100-8", ("gpu", "NVIDIA H100 80GB HBM3", 1), "it names 8 devices"),
+        ("cpu-4", ("cpu", "cpu", 2), "it names 4 devices"),
+        ("tpu-v5p-1024", ("tpu", "TPU v5", 256), "it names 512 devices"),
+        ("gpu-h100-8", ("gpu", "NVIDIA H100 80GB HBM3", 8), None),
+        ("gpu-p5.48xlarge-64", ("gpu", "NVIDIA H100 80GB HBM3", 64), None),
+        ("tpu-v5p-1024", ("tpu", "TPU v5", 512), None),
+        ("cpu", ("cpu", "cpu", 2), None),
+        ("my-cluster-3", ("cpu", "cpu", 1), None),  # The user's own name: not checked.
+    ],
+)
+def test_a_selector_contradicting_the_devices_is_found(selector, devices, reason):
+    assert selector_contradiction(selector, *devices) == reason
+
+
+def test_main_job_refuses_a_mesh_selector_that_contradicts_its_devices():
+    result = _main("--config=gpt_1b", "--mesh_selector=gpu-h100-8", "--print_config")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert "--mesh_selector=gpu-h100-8 contradicts this run's devices" in message
+    assert "1 cpu device (cpu)" in message and "it names gpu devices" in message
+
+
+def test_mesh_selector_none_keeps_the_configs_own_mesh():
+    cfg = build_trainer_config(config_name="gpt_1b", mesh_selector="none")
+    assert cfg.debug_string() == get_named_trainer_config("gpt_1b").debug_string()
+
+
 # ----- --data_dir -----
 
 
@@ -228,6 +384,42 @@ def test_data_dir_is_set_on_every_input_source():
     assert cfg.evalers["openwebtext_2"].input.source.data_dir == "/data/tfds"
 
 
+def test_tf_data_inputs_name_the_packages_they_miss(monkeypatch):
+    cfg = get_named_trainer_config("gpt_1b")
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *a: None if name == "tensorflow_datasets" else found(name, *a),
+    )
+    path, missing = missing_input_packages(cfg)
+    assert path.startswith("input.") and path.endswith((".klass", ".fn"))
+    assert missing == ["tensorflow_datasets"]
+    assert missing_input_packages(build_trainer_config(config_name="gpt_1b", data_dir="FAKE")) == (
+        None, [],
+    )
+    assert missing_input_packages(get_named_trainer_config("gpt_test")) == (None, [])
+
+
+def test_main_job_without_tensorflow_datasets_stops_with_one_line_saying_what_to_pass(tmp_path):
+    # tensorflow_datasets made unimportable, as on a machine without it.
+    script = (
+        "import runpy, sys; sys.modules['tensorflow_datasets'] = None; "
+        f"sys.argv = ['{MAIN}', '--config=gpt_1b', '--trainer_dir={tmp_path}']; "
+        f"runpy.run_module('{MAIN}', run_name='__main__')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=fresh_env(1), cwd=REPO, capture_output=True,
+        text=True, timeout=300,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("launch_trainer_main: gpt_1b reads its data through tf.data")
+    for alternative in ("tensorflow_datasets", "--data_dir=FAKE", "--data_dir=BUILTIN"):
+        assert alternative in message
+    assert "pip install 'axlearn[tf]'" in message
+    assert not os.listdir(tmp_path)  # Stopped before building or recording anything.
+
+
 # ----- process set-up -----
 
 
@@ -243,6 +435,26 @@ def test_xla_flag_presets_never_override_flags_the_user_set(monkeypatch):
     assert "--xla_gpu_enable_latency_hiding_scheduler=false" in flags_set
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in flags_set
     assert "--xla_gpu_all_gather_combine_threshold_bytes=134217728" in flags_set
+
+
+def test_tpu_probe_record_is_dropped_and_other_records_pass():
+    probe_filter = launch_trainer_main._TpuProbeFilter()  # pylint: disable=protected-access
+
+    def record(message: str, *args) -> logging.LogRecord:
+        return logging.LogRecord("jax._src.xla_bridge", logging.INFO, "", 0, message, args, None)
+
+    assert not probe_filter.filter(record("Unable to initialize backend '%s': %s", "tpu", "no"))
+    assert probe_filter.filter(record("Unable to initialize backend '%s': %s", "cuda", "no"))
+    assert probe_filter.filter(record("An unrelated warning"))
+
+
+@pytest.mark.skipif(launch.tpu_present(), reason="This host has TPUs.")
+def test_main_job_logs_no_tpu_probe_on_a_host_without_tpus():
+    env = {"JAX_PLATFORMS": ""}  # JAX probes every platform it knows, the TPU included.
+    result = _main("--config=gpt_test", "--print_config", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "Mesh selector cpu, named from this run's devices" in result.stderr
+    assert "Unable to initialize backend 'tpu'" not in result.stderr
 
 
 # ----- the main job trains, resumes, and trains across two processes -----
@@ -269,11 +481,20 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+# The 6-step run's schedule (max_step=6 carries it to step 6 and shortens its warmup to 1
+# step), pinned, so that a run of 4 steps resumed to 6 follows the same one.
+SIX_STEP_SCHEDULE = (
+    "--config_override=learner.optimizer.inner.update_schedule.max_step=6",
+    "--config_override=learner.optimizer.inner.update_schedule.warmup_steps=1",
+)
+
+
 def _two_processes(trainer_dir, max_step: int) -> list[str]:
     port = _free_port()
     processes = [
         _main(
             *TINY_RUN,
+            *SIX_STEP_SCHEDULE,
             f"--trainer_dir={trainer_dir}",
             f"--config_override=max_step={max_step}",
             f"--distributed_coordinator=localhost:{port}",
@@ -303,6 +524,8 @@ def fixture_single_process_run(tmp_path_factory):
 def test_main_job_trains_and_writes_checkpoints_and_summaries(single_process_run):
     trainer_dir, output = single_process_run
     assert "step 6/6 | loss " in output
+    assert "Mesh selector cpu, named from this run's devices: 2 cpu devices" in output
+    assert "Mesh selector cpu: gpt_test's rule 'cpu(-[0-9]+)?'" in output
     assert sorted(_losses(trainer_dir)) == [1, 2, 3, 4, 5, 6]
     assert os.listdir(os.path.join(trainer_dir, "checkpoints")) == ["step_00000006"]
     assert any(
@@ -319,10 +542,104 @@ def test_two_processes_train_one_model_and_match_the_single_process_losses(
     first = _two_processes(tmp_path, max_step=4)
     assert all("fsdp': 2" in output for output in first)
     assert all("[Gloo] Rank" in output for output in first)
-    # Both processes restart from the checkpoint of step 4 and train on.
+    # Both processes restart from the checkpoint of step 4 and train on; the longer run
+    # is a change allowed between restarts, and listed.
     second = _two_processes(tmp_path, max_step=6)
     assert all("Restored step 4" in output for output in second)
+    assert all("checkpointer.save_policy.max_step: 4 -> 6" in output for output in second)
     reference, together = _losses(reference_dir), _losses(tmp_path)
     assert sorted(together) == [1, 2, 3, 4, 5, 6]
     for step, loss in reference.items():
         assert abs(together[step] - loss) <= 1e-5 * abs(loss), (step, together[step], loss)
+
+
+def test_max_step_override_brings_the_final_eval_and_checkpoint_to_it(single_process_run):
+    trainer_dir, output = single_process_run
+    assert "max_step 200 -> 6; followed by" in output
+    # gpt_test evaluates and saves every 100 steps, and at its max_step.
+    assert "eval validation step 6:" in output
+    assert os.listdir(os.path.join(trainer_dir, "checkpoints")) == ["step_00000006"]
+
+
+# ----- the run records its config -----
+
+
+def test_main_job_records_its_resolved_config_as_golden_text(single_process_run):
+    trainer_dir, _ = single_process_run
+    expected = build_trainer_config(
+        config_name="gpt_test",
+        mesh_selector="cpu",
+        data_dir="FAKE",
+        config_overrides=[f.split("=", 1)[1] for f in TINY_RUN if f.startswith("--config_o")]
+        + ["max_step=6"],
+        trainer_dir=str(trainer_dir),
+    )
+    with open(os.path.join(trainer_dir, "config.txt"), encoding="utf-8") as f:
+        assert f.read() == expected.debug_string()
+
+
+def test_config_changes_allow_the_length_and_cadences_of_a_run_only():
+    old = "\n".join([
+        "checkpointer.save_policy.max_step: 200", "checkpointer.save_policy.n: 100",
+        "learner.optimizer.max_norm: 1", "learner.schedule.max_step: 200",
+        "learner.schedule.warmup_steps: 30", "log_every_n_steps: 25", "max_step: 200",
+        "other.max_step: 999",
+    ])
+    new = "\n".join([
+        "checkpointer.save_policy.max_step: 20", "checkpointer.save_policy.n: 10",
+        "learner.optimizer.max_norm: 2.0", "learner.schedule.max_step: 20",
+        "learner.schedule.warmup_steps: 3", "log_every_n_steps: 1", "max_step: 20",
+        "other.max_step: 20", "model.extra: True",
+    ])
+    allowed = {key: ok for key, _, _, ok in config_changes(old, new)}
+    assert allowed == {
+        "checkpointer.save_policy.max_step": True,
+        "checkpointer.save_policy.n": True,
+        "learner.optimizer.max_norm": False,
+        "learner.schedule.max_step": True,
+        "learner.schedule.warmup_steps": True,
+        "log_every_n_steps": True,
+        "max_step": True,
+        "other.max_step": False,  # It did not hold the run's max_step before.
+        "model.extra": False,
+    }
+    # A warmup changed while its schedule kept its length is a recipe change.
+    warmup_only = config_changes(old, old.replace("warmup_steps: 30", "warmup_steps: 5"))
+    assert warmup_only == [("learner.schedule.warmup_steps", "30", "5", False)]
+
+
+@pytest.fixture(name="restarted_dir")
+def fixture_restarted_dir(single_process_run, tmp_path):
+    """A copy of the single-process run's directory, to restart in."""
+    trainer_dir = tmp_path / "run"
+    shutil.copytree(single_process_run[0], trainer_dir)
+    return trainer_dir
+
+
+def _restart(trainer_dir, *flags_):
+    # At max_step 6 the run restores its checkpoint and has nothing left to train.
+    return _main(
+        *TINY_RUN, f"--trainer_dir={trainer_dir}", "--config_override=max_step=6", *flags_,
+        devices=2,
+    )
+
+
+def test_restart_with_a_changed_recipe_stops_listing_the_keys(restarted_dir):
+    recorded = (restarted_dir / "config.txt").read_text()
+    result = _restart(restarted_dir, "--config_override=learner.optimizer.max_norm=2.0")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert "changed since the run's last start in 1 key(s)" in message
+    assert "learner.optimizer.max_norm: 1 -> 2.0" in message and "--allow_config_change" in message
+    assert "Restored step" not in result.stderr
+    assert (restarted_dir / "config.txt").read_text() == recorded
+
+
+def test_restart_with_allow_config_change_resumes_and_records_the_new_config(restarted_dir):
+    result = _restart(
+        restarted_dir, "--config_override=learner.optimizer.max_norm=2.0", "--allow_config_change"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "learner.optimizer.max_norm: 1 -> 2.0" in result.stderr
+    assert "Restored step 6" in result.stderr
+    assert "learner.optimizer.max_norm: 2.0" in (restarted_dir / "config.txt").read_text()

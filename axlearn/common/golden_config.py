@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
-from axlearn.common.config import ConfigBase
+from axlearn.common.config import ConfigBase, ConfigError
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN_DIR = os.path.join(_REPO_ROOT, "golden_configs")
@@ -146,7 +146,8 @@ def _kind_and_config(rel_path: str) -> tuple[str, str]:
     return "other", rel_path
 
 
-def _parse_lines(text: str) -> dict[str, str]:
+def flat_lines(text: str) -> dict[str, str]:
+    """Key -> value text of each `key: value` line of golden text."""
     out = {}
     for line in text.splitlines():
         key, sep, value = line.partition(": ")
@@ -194,8 +195,8 @@ def summarize_golden_diff(base: str = "HEAD", golden_dir: str = GOLDEN_DIR) -> s
             removed.append(rel)
             continue
         with open(new_path, encoding="utf-8") as f:
-            new = _parse_lines(f.read())
-        old = _parse_lines(old_text)
+            new = flat_lines(f.read())
+        old = flat_lines(old_text)
         for key in sorted(set(old) | set(new)):
             if old.get(key) != new.get(key):
                 change = (kind, key, old.get(key, "(absent)"), new.get(key, "(absent)"))
@@ -235,6 +236,15 @@ def main(argv: Sequence[str]) -> int:
         print(summarize_golden_diff(args.base))
         return 0
     update = args.update or os.environ.get(UPDATE_ENV) == "1"
+    if args.config:
+        from axlearn.common import launch_trainer  # pylint: disable=import-outside-toplevel
+
+        for name in args.config:  # A name that no config has is an error, not "all match".
+            try:
+                launch_trainer.lookup_named_config(name)
+            except ConfigError as e:
+                print(f"golden_config: {e}", file=sys.stderr)
+                return 2
     problems, expected = [], []
     for module, name, builder in all_named_configs():
         expected += [f"{module}/{filename}" for filename in golden_file_names(name)]

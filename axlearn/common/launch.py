@@ -137,6 +137,11 @@ def _guess_backend() -> Optional[str]:
         return platforms.split(",")[0]
     if os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl"):
         return "gpu"
-    if os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0"):
+    if tpu_present():
         return "tpu"
     return "cpu"
+
+
+def tpu_present() -> bool:
+    """Whether this host has TPU device files, checked without starting JAX."""
+    return os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0")

@@ -1,25 +1,42 @@
-"""Looks up a named trainer config, applies mesh rules and overrides, and trains.
+"""From a config name to a run: looks up a named trainer config, picks its mesh rule for
+the devices at hand, applies `--data_dir` and the overrides, records the resolved config
+in the trainer directory, and trains.
 
 Experiment modules live in the top-level `experiments` package; each exposes
 `named_trainer_configs() -> {name: () -> SpmdTrainer.Config}`.
 """
 
 import difflib
+import functools
 import importlib
+import importlib.util
+import inspect
 import logging
+import os
 import pkgutil
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from absl import flags
 
-from axlearn.common.config import ConfigBase, ConfigError, apply_overrides
+from axlearn.common.config import (
+    ConfigBase,
+    ConfigError,
+    apply_overrides,
+    get_recursively,
+    parse_path,
+    qualified_name,
+    set_recursively,
+)
+from axlearn.common.golden_config import config_text, flat_lines, read_text
 
 log = logging.getLogger(__name__)
 
 EXPERIMENTS_PACKAGE = "experiments"
 FAKE_DATA_DIR = "FAKE"
 BUILTIN_DATA_DIR = "BUILTIN"
+NO_MESH_RULE = "none"  # --mesh_selector=none: the config's own mesh_shape, no rule.
 
 
 # (define function, name, default, help): the flags of launch_trainer_main.
@@ -31,12 +48,21 @@ FLAGS_TABLE = (
         "Experiment module under experiments/ (optional when the config name is unique).",
     ),
     (flags.DEFINE_string, "config", None, "Name of the trainer config, e.g. gpt_test."),
+    (
+        flags.DEFINE_bool,
+        "list_configs",
+        False,
+        "Print every named config with its parameter count and a one-line description, "
+        "and exit.",
+    ),
     (flags.DEFINE_string, "trainer_dir", None, "Directory for checkpoints, summaries, traces."),
     (
         flags.DEFINE_string,
         "mesh_selector",
         None,
-        "Instance type matched against the config's mesh_rules, e.g. gpu-h100-8.",
+        "Instance type matched against the config's mesh_rules, e.g. gpu-h100-8. Unset: "
+        "named from the devices this run sees (gpu-h100-1, cpu, ...); none: no rule, the "
+        "config's own mesh_shape.",
     ),
     (
         flags.DEFINE_string,
@@ -49,15 +75,26 @@ FLAGS_TABLE = (
         flags.DEFINE_multi_string,
         "config_override",
         [],
-        "path=value (a Python literal), type-checked; repeatable, applied in order.",
+        "path=value (a Python literal), type-checked; repeatable, applied in order. "
+        "max_step=N also moves every field that held the config's step count.",
     ),
     (flags.DEFINE_bool, "print_config", False, "Print the flat config and exit (no training)."),
+    (
+        flags.DEFINE_bool,
+        "allow_config_change",
+        False,
+        "Resume in a --trainer_dir whose recorded config differs in more than max_step and "
+        "the log, summary, eval and checkpoint cadences.",
+    ),
 )
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     for define, name, default, help_text in FLAGS_TABLE:
         define(name, default, help_text, flag_values=flag_values)
+
+
+# ----- the registry of named configs -----
 
 
 def experiment_modules() -> list[str]:
@@ -67,10 +104,13 @@ def experiment_modules() -> list[str]:
     return sorted(name for name in names if not name.startswith("_"))
 
 
-def _config_sources(module: Optional[str]) -> dict[str, list[tuple[str, Callable[[], ConfigBase]]]]:
+Builder = Callable[[], ConfigBase]
+
+
+def _config_sources(module: Optional[str]) -> dict[str, list[tuple[str, Builder]]]:
     """Config name -> every (module name, builder) defining it, over one module or all."""
     modules = [module] if module else experiment_modules()
-    sources: dict[str, list[tuple[str, Callable[[], ConfigBase]]]] = {}
+    sources: dict[str, list[tuple[str, Builder]]] = {}
     for name in modules:
         try:
             mod = importlib.import_module(f"{EXPERIMENTS_PACKAGE}.{name}")
@@ -85,7 +125,7 @@ def _config_sources(module: Optional[str]) -> dict[str, list[tuple[str, Callable
     return sources
 
 
-def named_configs(module: Optional[str] = None) -> dict[str, tuple[str, Callable[[], ConfigBase]]]:
+def named_configs(module: Optional[str] = None) -> dict[str, tuple[str, Builder]]:
     """Config name -> (module name, builder), over one module or all of them.
 
     Names that several modules define are left out: they need `--module`.
@@ -93,8 +133,9 @@ def named_configs(module: Optional[str] = None) -> dict[str, tuple[str, Callable
     return {name: found[0] for name, found in _config_sources(module).items() if len(found) == 1}
 
 
-def get_named_trainer_config(config_name: str, *, module: Optional[str] = None) -> ConfigBase:
-    """The trainer config `config_name` from `module` (or from the only module defining it)."""
+def lookup_named_config(config_name: str, *, module: Optional[str] = None) -> tuple[str, Builder]:
+    """(module name, builder) of `config_name`: the one lookup behind every tool's
+    `--config`. An unknown name is an error listing the close names."""
     sources = _config_sources(module)
     found = sources.get(config_name, [])
     if len(found) > 1:
@@ -108,7 +149,216 @@ def get_named_trainer_config(config_name: str, *, module: Optional[str] = None) 
         hint = f" Did you mean: {', '.join(close)}?" if close else ""
         where = f"module '{module}'" if module else "the experiment modules"
         raise ConfigError(f"Unknown config '{config_name}' in {where}.{hint}")
-    return found[0][1]()
+    return found[0]
+
+
+def get_named_trainer_config(config_name: str, *, module: Optional[str] = None) -> ConfigBase:
+    """The trainer config `config_name` from `module` (or from the only module defining it)."""
+    return lookup_named_config(config_name, module=module)[1]()
+
+
+def _first_sentence(obj: Any) -> Optional[str]:
+    doc = inspect.getdoc(obj)
+    if not doc:
+        return None
+    paragraph = " ".join(doc.split("\n\n")[0].split())
+    return paragraph.split(". ")[0].rstrip(".") + "."
+
+
+def _short(value: Any) -> str:
+    """A bound argument as a description shows it: classes and dtypes by their last name."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_short(v)}" for k, v in value.items()) + "}"
+    name = qualified_name(value)
+    return name.rsplit(".", 1)[-1] if name else repr(value)
+
+
+def config_description(builder: Builder) -> str:
+    """A builder's first docstring sentence; for a functools.partial without a docstring of
+    its own, its function's, followed by the arguments the partial binds."""
+    if isinstance(builder, functools.partial) and "__doc__" not in vars(builder):
+        bound = [_short(a) for a in builder.args]
+        bound += [f"{k}={_short(v)}" for k, v in builder.keywords.items()]
+        call = f"{builder.func.__name__}({', '.join(bound)})"
+        return f"{_first_sentence(builder.func) or ''} [{call}]".lstrip()
+    return _first_sentence(builder) or "(no docstring)"
+
+
+def parameter_count(cfg: ConfigBase) -> int:
+    """The model's parameters, counted from its parameter specs (no weights are made)."""
+    from axlearn.common.causal_lm import count_parameters  # pylint: disable=import-outside-toplevel
+
+    return count_parameters(cfg.model.clone(name="model").instantiate(parent=None))
+
+
+def list_configs_text(module: Optional[str] = None) -> str:
+    """One line per named config: name, parameter count, description."""
+    rows = []
+    for name, found in sorted(_config_sources(module).items()):
+        for mod, builder in found:
+            shown = name if len(found) == 1 else f"{name} (--module={mod})"
+            rows.append((shown, f"{parameter_count(builder()):,}", config_description(builder)))
+    name_width = max(len(row[0]) for row in rows)
+    count_width = max(len(row[1]) for row in rows)
+    return "\n".join(
+        f"{name:<{name_width}}  {count:>{count_width}} parameters  {description}"
+        for name, count, description in rows
+    )
+
+
+# ----- the mesh rule for the devices at hand -----
+
+# A GPU's chip in its JAX device kind: 'H100' in 'NVIDIA H100 80GB HBM3', 'A100' in
+# 'NVIDIA A100-SXM4-80GB', 'MI300X' in 'AMD Instinct MI300X'.
+_GPU_CHIP = re.compile(r"[A-Za-z]{1,2}[0-9]{1,4}[A-Za-z]?")
+# TPU device kinds ('TPU v5 lite') -> their family in instance types ('tpu-v5litepod-256').
+_TPU_FAMILIES = {"v5 lite": "v5litepod", "v5": "v5p", "v6 lite": "v6e"}
+# TPU v4 and v5p instance sizes count TensorCores; their two cores per chip form one JAX
+# device (megacore). Other sizes count devices.
+_TENSORCORES_PER_DEVICE = {"v4": 2, "v5p": 2}
+
+
+def _gpu_chip(device_kind: str) -> str:
+    tokens = re.split(r"[\s_-]+", device_kind.strip())
+    for token in tokens:
+        if _GPU_CHIP.fullmatch(token):
+            return token.lower()
+    # No chip-like token (e.g. 'NVIDIA GeForce RTX 4090'): the kind without its vendor.
+    rest = [t.lower() for t in tokens if t.lower() not in ("nvidia", "amd", "")]
+    return "".join(rest) or "unknown"
+
+
+def _tpu_family(device_kind: str) -> str:
+    version = device_kind.lower().strip().removeprefix("tpu").strip()
+    return _TPU_FAMILIES.get(version, version.replace(" ", ""))
+
+
+def mesh_selector_for_devices(platform: str, device_kind: str, count: int) -> str:
+    """The instance type that names a run's devices, for matching mesh rules: (platform,
+    device kind of the first device, number of devices over all processes) ->
+    'gpu-h100-8', 'gpu-a100-8', 'tpu-v5p-1024' (TensorCores, as the fleets count them), or
+    'cpu' for CPUs of any count."""
+    platform = platform.lower()
+    if platform == "cpu":
+        return "cpu"
+    if platform == "tpu":
+        family = _tpu_family(device_kind)
+        return f"tpu-{family}-{count * _TENSORCORES_PER_DEVICE.get(family, 1)}"
+    if platform in ("gpu", "cuda", "rocm"):
+        return f"gpu-{_gpu_chip(device_kind)}-{count}"
+    return f"{platform}-{count}"
+
+
+def selector_contradiction(
+    selector: str, platform: str, device_kind: str, count: int
+) -> Optional[str]:
+    """Why `selector` cannot name these devices (another platform, another device count),
+    or None. Names that do not start with cpu, gpu or tpu are the user's own: not checked."""
+    detected = mesh_selector_for_devices(platform, device_kind, count)
+    parts = selector.split("-")
+    if parts[0] not in ("cpu", "gpu", "tpu"):
+        return None
+    if parts[0] != detected.split("-")[0]:
+        return f"it names {parts[0]} devices"
+    if len(parts) > 1 and parts[-1].isdigit():
+        family = "-".join(parts[1:-1])
+        devices = int(parts[-1])
+        if parts[0] == "tpu":
+            devices //= _TENSORCORES_PER_DEVICE.get(family, 1)
+        if devices != count:
+            return f"it names {devices} devices"
+    return None
+
+
+def mesh_selector_from_devices(flag_value: Optional[str]) -> Optional[str]:
+    """The selector a run uses: `flag_value` once checked against the devices JAX sees, or
+    (unset) the name of those devices; None for `none`."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    device, count = jax.devices()[0], jax.device_count()
+    detected = mesh_selector_for_devices(device.platform, device.device_kind, count)
+    devices = f"{count} {device.device_kind} device{'s' if count > 1 else ''} ({detected})"
+    if flag_value == NO_MESH_RULE:
+        log.info("--mesh_selector=none: no mesh rule; the config's own mesh_shape on %s", devices)
+        return None
+    if flag_value:
+        reason = selector_contradiction(flag_value, device.platform, device.device_kind, count)
+        if reason:
+            raise ConfigError(
+                f"--mesh_selector={flag_value} contradicts this run's devices, {devices}: "
+                f"{reason}; leave the flag out to use {detected}"
+            )
+        return flag_value
+    log.info("Mesh selector %s, named from this run's devices: %s", detected, devices)
+    return detected
+
+
+def _select_mesh_rule(cfg: ConfigBase, config_name: str, mesh_selector: str) -> tuple[str, Any]:
+    """(pattern, value) of the first rule whose regex matches all of `mesh_selector`."""
+    for pattern, value in cfg.mesh_rules or ():
+        if re.fullmatch(pattern, mesh_selector):
+            return pattern, value
+    patterns = [p for p, _ in cfg.mesh_rules or ()]
+    raise ConfigError(
+        f"--mesh_selector={mesh_selector} matches none of {config_name}'s mesh_rules: "
+        f"{patterns}; pass one they match, or --mesh_selector={NO_MESH_RULE} for the "
+        "config's own mesh_shape"
+    )
+
+
+# ----- one step count -----
+
+
+def follow_max_step(cfg: ConfigBase, old_max_step: Any, *, pinned: Sequence[str] = ()) -> list[str]:
+    """After `max_step` changed from `old_max_step`: sets every other `max_step` field that
+    held `old_max_step` (the learning-rate schedules', the save policy's, the eval
+    policies') to the new value; returns their paths. Paths in `pinned` (overridden by
+    hand) are left alone.
+
+    A schedule whose int `warmup_steps` no longer fits the shorter run gets the same
+    fraction of it (30 of 200 steps -> 3 of 20): the schedule could not be built otherwise.
+    """
+    new_max_step = cfg.max_step
+    if new_max_step == old_max_step or not isinstance(new_max_step, int):
+        return []
+    pinned_paths = {tuple(parse_path(path)) for path in pinned}
+    followers = []
+
+    def visit(path: str, value: Any) -> None:
+        if (
+            path.endswith(".max_step")
+            and type(value) is int  # pylint: disable=unidiomatic-typecheck  (not bool)
+            and value == old_max_step
+            and tuple(parse_path(path)) not in pinned_paths
+        ):
+            followers.append(path)
+
+    cfg.visit(visit)
+    for path in followers:
+        set_recursively(cfg, path, new_max_step)
+        parts = parse_path(path)
+        node = get_recursively(cfg, parts[:-1])
+        warmup = getattr(node, "warmup_steps", None) if isinstance(node, ConfigBase) else None
+        if (
+            type(warmup) is int  # pylint: disable=unidiomatic-typecheck
+            and warmup >= new_max_step
+            and (*parts[:-1], "warmup_steps") not in pinned_paths
+        ):
+            scaled = max(0, min(new_max_step - 1, round(warmup * new_max_step / old_max_step)))
+            node.warmup_steps = scaled
+            log.info(
+                "max_step=%d ends inside %s.warmup_steps=%d: shortened to %d, the same "
+                "fraction of the run",
+                new_max_step, path.rsplit(".", 1)[0], warmup, scaled,
+            )
+    if followers:
+        log.info(
+            "max_step %s -> %d; followed by %s", old_max_step, new_max_step, ", ".join(followers)
+        )
+    return followers
+
+
+# ----- inputs -----
 
 
 def _find_field(cfg: ConfigBase, field: str) -> Optional[Any]:
@@ -199,6 +449,43 @@ def set_data_dir(cfg: ConfigBase, data_dir: str) -> ConfigBase:
     return cfg
 
 
+# The tf.data input path imports these when it builds its datasets (the `tf` extra).
+TF_DATA_MODULE = "axlearn.common.input_tf_data"
+TF_DATA_PACKAGES = ("tensorflow", "tensorflow_datasets")
+
+
+def missing_input_packages(cfg: ConfigBase) -> tuple[Optional[str], list[str]]:
+    """(the first input config path on the tf.data path, the packages it needs that are not
+    installed); (None, []) when no input takes that path."""
+    found = []
+
+    def visit(path: str, value: Any) -> None:
+        if path.startswith(("input.", "evalers[")) and path.endswith((".klass", ".fn")):
+            name = qualified_name(value)
+            if name and name.startswith(f"{TF_DATA_MODULE}."):
+                found.append(path)
+
+    cfg.visit(visit)
+    if not found:
+        return None, []
+    return found[0], [p for p in TF_DATA_PACKAGES if importlib.util.find_spec(p) is None]
+
+
+def check_input_packages(cfg: ConfigBase, config_name: str) -> None:
+    """Stops with one line, before anything is built, if the inputs need missing packages."""
+    path, missing = missing_input_packages(cfg)
+    if missing:
+        raise ConfigError(
+            f"{config_name} reads its data through tf.data ({path}), which needs "
+            f"{' and '.join(missing)}, not installed here: pass --data_dir={FAKE_DATA_DIR} "
+            f"for synthetic batches or --data_dir={BUILTIN_DATA_DIR} for the built-in byte "
+            "corpus, or pip install 'axlearn[tf]'"
+        )
+
+
+# ----- the recipe -----
+
+
 def build_trainer_config(
     *,
     config_name: str,
@@ -208,22 +495,19 @@ def build_trainer_config(
     config_overrides: Sequence[str] = (),
     trainer_dir: Optional[str] = None,
 ) -> ConfigBase:
-    """The whole launch-time recipe: name -> mesh rule -> data dir -> overrides."""
-    from axlearn.common.trainer import select_mesh_rule  # pylint: disable=import-outside-toplevel
+    """The whole launch-time recipe: name -> mesh rule -> data dir -> overrides (max_step
+    carrying the fields that held the step count with it, `follow_max_step`)."""
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.trainer_config_modifier import apply_mesh_rule
 
     cfg = get_named_trainer_config(config_name, module=module)
-    if mesh_selector:
-        rule = select_mesh_rule(cfg.mesh_rules, mesh_selector)
-        if rule is None:
-            patterns = [p for p, _ in cfg.mesh_rules or ()]
-            raise ConfigError(
-                f"--mesh_selector={mesh_selector} matches none of {config_name}'s mesh_rules: "
-                f"{patterns}"
-            )
+    if mesh_selector and mesh_selector != NO_MESH_RULE:
+        pattern, rule = _select_mesh_rule(cfg, config_name, mesh_selector)
         what = type(rule).__qualname__.split(".")[0] if hasattr(rule, "klass") else f"mesh {rule}"
-        log.info("--mesh_selector=%s: applying %s (see --print_config)", mesh_selector, what)
+        log.info(
+            "Mesh selector %s: %s's rule %r, %s (see --print_config)",
+            mesh_selector, config_name, pattern, what,
+        )
         cfg = apply_mesh_rule(cfg, rule)
     if data_dir == FAKE_DATA_DIR:
         cfg = use_fake_data(cfg)
@@ -231,27 +515,126 @@ def build_trainer_config(
         cfg = use_builtin_text(cfg)
     elif data_dir:
         cfg = set_data_dir(cfg, data_dir)
+    old_max_step = cfg.max_step
     cfg = apply_overrides(cfg, config_overrides)
+    pinned = [override.split("=", 1)[0].strip() for override in config_overrides]
+    follow_max_step(cfg, old_max_step, pinned=pinned)
     if trainer_dir:
         cfg.dir = trainer_dir
     return cfg
 
 
+# ----- the run records its config -----
+
+CONFIG_RECORD = "config.txt"  # The resolved config in golden text, in the trainer directory.
+# Keys that may change between restarts of one run: its length, the cadences of logs,
+# summaries, evals, checkpoints and traces, and the directory itself (should it move).
+# Fields that follow max_step may change with it (`_follows_max_step`).
+RESTARTABLE_KEYS = re.compile(
+    r"max_step|dir|log_every_n_steps|start_trace_steps(\[\d+\])?|start_trace_num_steps"
+    r"|(.+\.)?write_every_n_steps"
+    r"|evalers\[.+\]\.eval_policy\.(n|min_step)"
+    r"|checkpointer\.save_policy\.(n|min_step)|checkpointer\.keep_(last_n|every_n_steps)"
+)
+
+
+def _follows_max_step(key: str, old: dict[str, str], new: dict[str, str]) -> bool:
+    """Whether `key` held the trainer's max_step in both configs, or is the warmup of a
+    schedule whose max_step did and changed (`follow_max_step` may shorten it)."""
+    if key.endswith(".warmup_steps"):
+        schedule_key = key.removesuffix(".warmup_steps") + ".max_step"
+        changed = old.get(schedule_key) != new.get(schedule_key)
+        return changed and _follows_max_step(schedule_key, old, new)
+    return key.endswith(".max_step") and all(
+        d.get(key) is not None and d.get(key) == d.get("max_step") for d in (old, new)
+    )
+
+
+def config_changes(old_text: str, new_text: str) -> list[tuple[str, str, str, bool]]:
+    """(key, old value, new value, whether it may change between restarts) for each key
+    that differs between two golden texts; '(absent)' for a key only one has."""
+    old, new = flat_lines(old_text), flat_lines(new_text)
+    return [
+        (
+            key,
+            old.get(key, "(absent)"),
+            new.get(key, "(absent)"),
+            bool(RESTARTABLE_KEYS.fullmatch(key)) or _follows_max_step(key, old, new),
+        )
+        for key in sorted(set(old) | set(new))
+        if old.get(key) != new.get(key)
+    ]
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Another process reads either the old file or the whole new one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def record_config(trainer_dir: str, text: str, *, allow_change: bool, write: bool) -> None:
+    """Compares `text` with the config recorded by the run's last start, if any, and
+    records it (`write`: process 0 only).
+
+    Changed keys are logged; a change outside RESTARTABLE_KEYS and the fields that follow
+    max_step is an error listing those keys, unless `allow_change`.
+    """
+    path = os.path.join(trainer_dir, CONFIG_RECORD)
+    if os.path.exists(path):
+        changes = config_changes(read_text(path), text)
+        if changes:
+            log.info(
+                "%s: %d key(s) changed since the run's last start: %s",
+                path, len(changes), "; ".join(f"{k}: {a} -> {b}" for k, a, b, _ in changes),
+            )
+        refused = [f"{k}: {a} -> {b}" for k, a, b, allowed in changes if not allowed]
+        if refused and not allow_change:
+            raise ConfigError(
+                f"{path}: the config changed since the run's last start in {len(refused)} "
+                f"key(s) that may not change between restarts: {'; '.join(refused)}. Resume "
+                "anyway with --allow_config_change, or start a new run in another --trainer_dir"
+            )
+    if write:
+        os.makedirs(trainer_dir, exist_ok=True)
+        _write_atomically(path, text)
+
+
+# ----- the run -----
+
+
 def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict[str, Any]]:
+    if flag_values.list_configs:
+        print(list_configs_text(flag_values.module))
+        return None
     if not flag_values.config:
-        raise ConfigError("--config is required (e.g. --config=gpt_test)")
+        raise ConfigError(
+            "--config is required (e.g. --config=gpt_test; --list_configs lists them)"
+        )
+    # The name is checked before JAX starts looking for devices.
+    lookup_named_config(flag_values.config, module=flag_values.module)
     cfg = build_trainer_config(
         config_name=flag_values.config,
         module=flag_values.module,
-        mesh_selector=flag_values.mesh_selector,
+        mesh_selector=mesh_selector_from_devices(flag_values.mesh_selector),
         data_dir=flag_values.data_dir,
         config_overrides=flag_values.config_override,
         trainer_dir=flag_values.trainer_dir,
     )
     if flag_values.print_config:
-        print(cfg.debug_string())
+        print(config_text(cfg))
         return None
     if not flag_values.trainer_dir:
         raise ConfigError("--trainer_dir is required to train (or pass --print_config)")
+    check_input_packages(cfg, flag_values.config)
+    import jax  # pylint: disable=import-outside-toplevel
+
+    record_config(
+        flag_values.trainer_dir,
+        config_text(cfg),
+        allow_change=flag_values.allow_config_change,
+        write=jax.process_index() == 0,
+    )
     trainer = cfg.instantiate(parent=None)
     return trainer.run()

@@ -2,9 +2,12 @@
 
     python -m axlearn.common.launch_trainer_main --config=gpt_test --trainer_dir=/tmp/gpt_test
 
-`--print_config` prints the flat config instead of training; `--mesh_selector` applies a
-mesh rule; `--config_override=path=value` (repeatable) edits any field.
+`--list_configs` lists the named configs; `--print_config` prints the flat config instead
+of training; `--mesh_selector` picks a mesh rule (unset: named from the devices, e.g.
+gpu-h100-1); `--config_override=path=value` (repeatable) edits any field.
 """
+
+import logging
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -14,12 +17,32 @@ from axlearn.common.config import ConfigError
 
 launch.define_flags()
 launch_trainer.define_flags()
+# absl's --help lists the main module's key flags only; these modules define ours.
+flags.adopt_module_key_flags(launch)
+flags.adopt_module_key_flags(launch_trainer)
+
+# JAX probes for a TPU on every host and logs its failure where there is none.
+_TPU_PROBE_MESSAGE = "Unable to initialize backend 'tpu'"
+
+
+class _TpuProbeFilter(logging.Filter):
+    """Drops JAX's failed-TPU-probe record; passes every other record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_TPU_PROBE_MESSAGE)
+
+
+def quiet_tpu_probe() -> None:
+    """On a host without TPUs, JAX's record of its failed TPU probe is left out of the log."""
+    if not launch.tpu_present():
+        logging.getLogger("jax._src.xla_bridge").addFilter(_TpuProbeFilter())
 
 
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.INFO)
+    quiet_tpu_probe()
     try:
         launch.setup_from_flags(flags.FLAGS)
         launch_trainer.run_from_flags(flags.FLAGS)
