@@ -248,8 +248,8 @@ def test_mesh_selector_can_apply_a_config_modifier():
 
 @pytest.mark.parametrize("config_name,carried", [("gpt_1b", True), ("gpt_7b", False)])
 def test_single_host_gpu_rule_carries_weight_copies_only_without_remat(config_name, carried):
-    # Measured (docs/benchmarks.md): a gain on gpt_1b, which saves all activations; none on
-    # gpt_7b, whose layers are rematerialized, for more memory.
+    # Carried copies speed up gpt_1b, which saves all activations; gpt_7b's rematerialized
+    # layers would only pay their memory.
     cfg = build_trainer_config(config_name=config_name, mesh_selector="gpu-h100-8")
     assert (cfg.model.decoder.transformer.layer.remat_spec is None) is carried
     assert bool(cfg.carry_train_dtype_weights) is carried

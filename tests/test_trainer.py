@@ -776,8 +776,8 @@ def test_a_mesh_that_cannot_split_a_parameter_is_a_config_error_naming_it():
 def test_batches_are_read_in_a_thread_and_put_on_devices_in_the_dispatching_one(
     tmp_path, monkeypatch
 ):
-    # Device memory taken from the reading thread split golf_baseline's step buffer from
-    # the rest of the pool on GPUs (docs/benchmarks.md): placement must stay in run()'s thread.
+    # Device memory taken from a reading thread splits the GPU allocator's pool: placement
+    # must stay in run()'s thread.
     cfg = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=3)
     trainer = cfg.instantiate(parent=None)
     read_in, placed_in = set(), []
