@@ -336,12 +336,20 @@ def test_a_selector_contradicting_the_devices_is_found(selector, devices, reason
     assert selector_contradiction(selector, *devices) == reason
 
 
-def test_main_job_refuses_a_mesh_selector_that_contradicts_its_devices():
-    result = _main("--config=gpt_1b", "--mesh_selector=gpu-h100-8", "--print_config")
+def test_main_job_refuses_a_mesh_selector_that_contradicts_its_devices(tmp_path):
+    result = _main("--config=gpt_1b", "--mesh_selector=gpu-h100-8", f"--trainer_dir={tmp_path}")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     message = result.stderr.strip().splitlines()[-1]
     assert "--mesh_selector=gpu-h100-8 contradicts this run's devices" in message
     assert "1 cpu device (cpu)" in message and "it names gpu devices" in message
+
+
+def test_print_config_applies_another_hosts_selector_without_checking_the_devices(capsys):
+    # Reviewers print a GPU host's config on a machine without that GPU.
+    flag_values = _flag_values("--config=gpt_1b", "--mesh_selector=gpu-h100-1", "--print_config")
+    assert launch_trainer.run_from_flags(flag_values) is None
+    lines = capsys.readouterr().out.splitlines()
+    assert "per_device_microbatch_size: 4" in lines and "carry_train_dtype_weights: True" in lines
 
 
 def test_mesh_selector_none_keeps_the_configs_own_mesh():

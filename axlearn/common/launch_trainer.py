@@ -614,10 +614,15 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         )
     # The name is checked before JAX starts looking for devices.
     lookup_named_config(flag_values.config, module=flag_values.module)
+    selector = flag_values.mesh_selector
+    if not (flag_values.print_config and selector and selector != NO_MESH_RULE):
+        # A run checks the selector against its devices; printing a config for other
+        # hardware (e.g. a GPU host's, from a laptop, to review it) does not.
+        selector = mesh_selector_from_devices(selector)
     cfg = build_trainer_config(
         config_name=flag_values.config,
         module=flag_values.module,
-        mesh_selector=mesh_selector_from_devices(flag_values.mesh_selector),
+        mesh_selector=selector,
         data_dir=flag_values.data_dir,
         config_overrides=flag_values.config_override,
         trainer_dir=flag_values.trainer_dir,
