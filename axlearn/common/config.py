@@ -741,6 +741,16 @@ class _Node(dict):
     """An intermediate tree while parsing: child key -> _Node, or a leaf (value, lineno)."""
 
 
+def flat_lines(text: str) -> dict[str, str]:
+    """Key -> value text of each `key: value` line of golden text."""
+    out = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(": ")
+        if sep:
+            out[key] = value
+    return out
+
+
 def parse_flat_text(text: str, *, source: str = "<text>") -> ConfigBase:
     """Reads golden text back into a config tree.
 

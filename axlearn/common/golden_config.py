@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
-from axlearn.common.config import ConfigBase, ConfigError
+from axlearn.common.config import ConfigBase, ConfigError, flat_lines
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN_DIR = os.path.join(_REPO_ROOT, "golden_configs")
@@ -144,16 +144,6 @@ def _kind_and_config(rel_path: str) -> tuple[str, str]:
         if name.endswith(suffix):
             return kind, f"{os.path.basename(module)}/{name[: -len(suffix)]}"
     return "other", rel_path
-
-
-def flat_lines(text: str) -> dict[str, str]:
-    """Key -> value text of each `key: value` line of golden text."""
-    out = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(": ")
-        if sep:
-            out[key] = value
-    return out
 
 
 def _git(args: Sequence[str], cwd: str) -> str:

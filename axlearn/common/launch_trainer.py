@@ -24,12 +24,12 @@ from axlearn.common.config import (
     ConfigBase,
     ConfigError,
     apply_overrides,
+    flat_lines,
     get_recursively,
     parse_path,
     qualified_name,
     set_recursively,
 )
-from axlearn.common.golden_config import config_text, flat_lines, read_text
 
 log = logging.getLogger(__name__)
 
@@ -583,7 +583,8 @@ def record_config(trainer_dir: str, text: str, *, allow_change: bool, write: boo
     """
     path = os.path.join(trainer_dir, CONFIG_RECORD)
     if os.path.exists(path):
-        changes = config_changes(read_text(path), text)
+        with open(path, encoding="utf-8", newline="") as f:
+            changes = config_changes(f.read(), text)
         if changes:
             log.info(
                 "%s: %d key(s) changed since the run's last start: %s",
@@ -628,7 +629,7 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         trainer_dir=flag_values.trainer_dir,
     )
     if flag_values.print_config:
-        print(config_text(cfg))
+        print(cfg.debug_string())
         return None
     if not flag_values.trainer_dir:
         raise ConfigError("--trainer_dir is required to train (or pass --print_config)")
@@ -637,7 +638,7 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
 
     record_config(
         flag_values.trainer_dir,
-        config_text(cfg),
+        cfg.debug_string(),
         allow_change=flag_values.allow_config_change,
         write=jax.process_index() == 0,
     )
