@@ -65,7 +65,7 @@ _log = logging.getLogger(__name__)
 INDEX_FILE = "index.json"
 _FORMAT = "axlearn.checkpoint.v1"
 # The index field holding the sha256 of the rest of the index (`_index_digest`). Indexes
-# written before it existed have none: they restore with a warning (see `_check_index`).
+# written before it existed have none: they restore with a warning (see `_load_index`).
 INDEX_CHECKSUM = "index_sha256"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # Large arrays are cut into chunks of at most this many bytes, so that TensorStore writes

@@ -205,9 +205,10 @@ class SpmdTrainer(Module):
         seed: Optional[int] = None  # PRNG seed; None: 0.
         # Peak dense TFLOP/s per device for MFU; None: looked up from the device kind.
         peak_tflops_per_device: Optional[float] = None
-        # Bad steps in a row (the optimizer skipped the update: see BadStepCounts) that stop
-        # the run with ConsecutiveBadStepsError. No checkpoint is saved at a bad step or
-        # while bad steps continue. None: DEFAULT_MAX_CONSECUTIVE_BAD_STEPS (20).
+        # Bad steps in a row (updates the optimizer skipped, e.g. skip_and_clip_by_global_norm
+        # on a non-finite gradient) that stop the run with ConsecutiveBadStepsError; no
+        # checkpoint is saved at a bad step. Without such an optimizer a non-finite loss
+        # stops the run at once. None: DEFAULT_MAX_CONSECUTIVE_BAD_STEPS (20).
         max_consecutive_bad_steps: Optional[int] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module] = None, devices=None):
