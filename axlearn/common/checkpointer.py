@@ -10,11 +10,13 @@ The commit protocol makes the newest committed checkpoint whole at every instant
 2. the sizes and CRC32 checksums of the written files are collected (processes other
    than 0 leave theirs in `manifest_<process>.json`);
 3. process 0 writes `index.json` (tree paths, shapes, dtypes, chunking, file sizes and
-   checksums, the caller's `extra` metadata) to a temporary file, fsyncs it, renames it
-   into place and fsyncs the directory.
+   checksums, the caller's `extra` metadata and verdict `good`, and the sha256 of all
+   that) to a temporary file, fsyncs it, renames it into place and fsyncs the directory.
 A step directory without `index.json` is not a checkpoint: it is never restored, and
-garbage collection removes it. Restore re-checks the sizes and checksums of the files it
-reads, so a torn or altered file is detected; the previous committed step is then used.
+garbage collection removes it. Restore re-checks the index's own sha256 and the sizes and
+checksums of the files it reads, so an edited index or a torn or altered file is
+detected; the previous committed step is then used, and the step that failed is saved
+again when training reaches it (`save` replaces it instead of keeping it as committed).
 
 `save()` blocks only while device arrays are copied to host memory (by default into
 pinned host memory, see `TensorStoreStateStorage.Config.host_memory_kind`); the files are
@@ -27,6 +29,7 @@ import concurrent.futures
 import dataclasses
 import errno
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -61,6 +64,9 @@ _log = logging.getLogger(__name__)
 
 INDEX_FILE = "index.json"
 _FORMAT = "axlearn.checkpoint.v1"
+# The index field holding the sha256 of the rest of the index (`_index_digest`). Indexes
+# written before it existed have none: they restore with a warning (see `_load_index`).
+INDEX_CHECKSUM = "index_sha256"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # Large arrays are cut into chunks of at most this many bytes, so that TensorStore writes
 # and reads them in parallel and a restore on another mesh reads little it does not need.
@@ -160,6 +166,15 @@ def _read_json(path: str) -> Any:
         return json.load(f)
 
 
+def _uncommit(step_dir: str) -> None:
+    """Removes the step's index, if any: from then on the directory is not a checkpoint."""
+    try:
+        os.remove(os.path.join(step_dir, INDEX_FILE))
+    except FileNotFoundError:
+        return
+    _fsync_dir(step_dir)
+
+
 def _file_checksum(path: str) -> dict[str, int]:
     """{'size', 'crc32'} of one file."""
     crc = 0
@@ -176,6 +191,14 @@ def _checksums(root: str, relative_paths: Sequence[str]) -> dict[str, dict[str, 
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         sums = pool.map(lambda p: _file_checksum(os.path.join(root, p)), relative_paths)
         return dict(zip(relative_paths, sums))
+
+
+def _index_digest(index: dict[str, Any]) -> str:
+    """The sha256 (hex) of `index` as canonical JSON (sorted keys, no spaces), its own
+    checksum field left out: the same for the dict written and the dict read back."""
+    body = {key: value for key, value in index.items() if key != INDEX_CHECKSUM}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 # ----- leaves: names, chunking, dtypes -----
@@ -647,6 +670,9 @@ class Checkpointer(Module):
         )
         self._pending: Optional[concurrent.futures.Future] = None
         self._in_flight_step: Optional[int] = None
+        # Committed steps that failed their checks in `restore`, with the reason: not
+        # checkpoints for garbage collection, and replaced when saved again.
+        self._failed_steps: dict[int, str] = {}
         self._last_save_time = time.monotonic()
         self._gc_lock = threading.Lock()
         self._gc_stop = threading.Event()
@@ -684,13 +710,24 @@ class Checkpointer(Module):
 
     # --- save ---
 
-    def save(self, step: int, state: Any, *, extra: Optional[dict] = None) -> None:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        extra: Optional[dict] = None,
+        good: Optional[bool] = None,
+    ) -> None:
         """Starts saving `state` as `step`; returns once the arrays are copied to host.
 
         `extra` is small JSON-able metadata (e.g. the input iterator's position), committed
-        with the arrays. Raises the error of a previous save that failed. While
+        with the arrays. `good` is the caller's verdict on the state (the trainer's: the
+        step's loss was finite and not inside a run of bad steps), recorded in the index;
+        garbage collection always keeps the newest step committed with good=True. None:
+        no verdict. Raises the error of a previous save that failed. While
         `temporary_save_interval_seconds` is set, a step the save policy does not choose
-        is saved as a temporary checkpoint.
+        is saved as a temporary checkpoint. A step that is already committed is not saved
+        again, unless it fails its checks (`_commit_problem`): then it is replaced.
         """
         if self._stopped:
             raise RuntimeError(f"{self.path()}: save() after stop()")
@@ -704,20 +741,42 @@ class Checkpointer(Module):
             raise ValueError(f"Checkpoint extra for step {step} must be JSON-able: {e}") from e
         step_dir = os.path.join(self._dir, step_dir_name(step))
         if os.path.exists(os.path.join(step_dir, INDEX_FILE)):
-            _log.warning("Step %d is already committed in %s; not saving it again.", step, step_dir)
-            return
+            problem = self._commit_problem(step, step_dir)
+            if problem is None:
+                _log.warning(
+                    "Step %d is already committed in %s; not saving it again.", step, step_dir
+                )
+                return
+            _log.warning(
+                "Step %d in %s is committed but failed its checks (%s); saving it again.",
+                step, step_dir, problem,
+            )
         self._last_save_time = time.monotonic()
         snapshot = self._storage.snapshot(state)
         if jax.process_index() == 0 and os.path.exists(step_dir):
-            # Left by a save that never committed (a crash): start it afresh.
+            # Left by a save that never committed (a crash), or a commit that failed its
+            # checks: start it afresh, uncommitted first, so a crash now leaves no torn
+            # checkpoint.
+            _uncommit(step_dir)
             shutil.rmtree(step_dir, ignore_errors=True)
         nonce = self._agree_on_nonce()
         temporary = self._temporary_save_interval is not None and not self._policy(step)
         self._in_flight_step = step
         self._pending = self._executor.submit(
-            self._write_and_commit, step, step_dir, snapshot, extra_json, temporary, nonce
+            self._write_and_commit, step, step_dir, snapshot, extra_json, temporary, good, nonce
         )
         self._maybe_start_gc_thread()
+
+    def _commit_problem(self, step: int, step_dir: str) -> Optional[str]:
+        """Why committed `step` is no valid checkpoint, or None: it failed its checks in
+        `restore`, or its index fails them now (the index only: the files are not reread)."""
+        if step in self._failed_steps:
+            return self._failed_steps[step]
+        try:
+            self._load_index(step_dir)
+        except CheckpointCorruptError as e:
+            return str(e)
+        return None
 
     def _agree_on_nonce(self) -> int:
         """A number naming this save, the same on every process (also a barrier)."""
@@ -735,6 +794,7 @@ class Checkpointer(Module):
         snapshot: StateSnapshot,
         extra: Any,
         temporary: bool,
+        good: Optional[bool],
         nonce: int,
     ) -> None:
         try:
@@ -751,8 +811,10 @@ class Checkpointer(Module):
                     "arrays": {leaf.path: leaf.meta for leaf in snapshot.leaves},
                     "files": files,
                     "extra": extra,
+                    "good": good,
                 }
                 self._commit(step_dir, index)
+            self._failed_steps.pop(step, None)
         except BaseException as e:
             if jax.process_index() == 0:
                 shutil.rmtree(step_dir, ignore_errors=True)  # Frees space; never committed.
@@ -790,7 +852,9 @@ class Checkpointer(Module):
         return files
 
     def _commit(self, step_dir: str, index: dict) -> None:
-        """Writes the index: from this instant on, the step is a checkpoint."""
+        """Writes the index with its own checksum: from this instant on, the step is a
+        checkpoint."""
+        index = dict(index, **{INDEX_CHECKSUM: _index_digest(index)})
         _write_json_atomically(os.path.join(step_dir, INDEX_FILE), index)
 
     def wait_until_finished(self) -> None:
@@ -835,6 +899,14 @@ class Checkpointer(Module):
         steps = self.committed_steps()
         return steps[-1] if steps else None
 
+    def latest_good_step(self) -> Optional[int]:
+        """The newest committed step saved with good=True that has not failed its checks
+        in `restore`, or None."""
+        for step in reversed(self.committed_steps()):
+            if step not in self._failed_steps and self._index_flags(step)[1]:
+                return step
+        return None
+
     # --- restore ---
 
     def restore(self, *, step: Optional[int] = None, state: Any) -> tuple[Optional[int], Any, Any]:
@@ -843,7 +915,8 @@ class Checkpointer(Module):
 
         Returns (step, restored_state, extra), or (None, state, None) when nothing is
         committed. With step=None, a checkpoint failing its checks is skipped with a
-        warning and the previous committed one is used.
+        warning naming the file that failed, and the previous committed one is used; the
+        skipped step is then no checkpoint for garbage collection, and `save` replaces it.
         """
         self.wait_until_finished()
         if step is not None:
@@ -871,8 +944,12 @@ class Checkpointer(Module):
             if error is not None:
                 if step is not None:
                     raise error
-                _log.warning("Skipping checkpoint step %d: %s", candidate, error)
+                _log.warning(
+                    "Skipping checkpoint step %d: %s. It is saved again when training "
+                    "reaches that step.", candidate, error,
+                )
                 problems.append(str(error))
+                self._failed_steps[candidate] = str(error)
                 continue
             restored = read()
             self._last_save_time = time.monotonic()
@@ -891,6 +968,21 @@ class Checkpointer(Module):
             raise CheckpointCorruptError(f"Cannot read {path}: {e}") from e
         if not isinstance(index, dict) or index.get("format") != _FORMAT:
             raise CheckpointCorruptError(f"{path} is not a {_FORMAT} index")
+        recorded = index.get(INDEX_CHECKSUM)
+        if recorded is None:
+            # Written before indexes had checksums. Accepted, so that runs started before
+            # still resume and older versions still read new indexes (which only add the
+            # field); what the checksum guards against, a flipped byte or an edited
+            # value, does not remove a field.
+            _log.warning(
+                "%s has no %s (written before indexes had checksums); its contents are "
+                "used unchecked", path, INDEX_CHECKSUM,
+            )
+        elif recorded != _index_digest(index):
+            raise CheckpointCorruptError(
+                f"{path} fails its sha256 check ({INDEX_CHECKSUM}): the index was edited or "
+                "corrupted after its commit"
+            )
         return index
 
     @staticmethod
@@ -905,37 +997,47 @@ class Checkpointer(Module):
     # --- garbage collection ---
 
     def run_garbage_collection(self) -> list[int]:
-        """Deletes what the keep rules do not keep; returns the deleted steps."""
+        """Deletes what the keep rules do not keep; returns the deleted steps.
+
+        Kept: the newest committed step, the newest `keep_last_n` permanent ones, those
+        divisible by `keep_every_n_steps`, and the newest saved with good=True. Steps that
+        failed their checks in `restore` count as uncommitted: kept while not older than
+        the newest committed step (training saves them again), deleted after.
+        """
         cfg = self.config
         with self._gc_lock:
             dirs = _step_dirs(self._dir)
-            committed = set(self.committed_steps())
+            committed = set(self.committed_steps()) - set(self._failed_steps)
             if not committed:
                 return []
             newest = max(committed)
-            temporary = {s for s in committed if self._is_temporary(dirs[s])}
-            permanent = sorted(committed - temporary)
+            flags = {s: self._index_flags(s) for s in committed}
+            permanent = sorted(s for s in committed if not flags[s][0])
             keep = {newest} | set(permanent[-cfg.keep_last_n :])
             if cfg.keep_every_n_steps:
                 keep |= {s for s in committed if s % cfg.keep_every_n_steps == 0}
+            good = [s for s in committed if flags[s][1]]
+            if good:
+                keep.add(max(good))
             deleted = []
             for step, path in sorted(dirs.items()):
-                if step in committed and step not in keep:
-                    # Uncommit first: a crash mid-delete leaves a non-checkpoint, not a torn one.
-                    os.remove(os.path.join(path, INDEX_FILE))
-                    _fsync_dir(path)
-                elif step in committed or step >= newest or step == self._in_flight_step:
-                    continue  # Kept, or an uncommitted save that may still be running.
+                if step in keep:
+                    continue
+                if step not in committed and (step >= newest or step == self._in_flight_step):
+                    continue  # A save that may still be running, or one to be saved again.
+                # Uncommit first: a crash mid-delete leaves a non-checkpoint, not a torn one.
+                _uncommit(path)
                 shutil.rmtree(path, ignore_errors=True)
                 deleted.append(step)
             return deleted
 
-    @staticmethod
-    def _is_temporary(step_dir: str) -> bool:
+    def _index_flags(self, step: int) -> tuple[bool, bool]:
+        """(temporary, good) as the step's index records them."""
         try:
-            return bool(_read_json(os.path.join(step_dir, INDEX_FILE)).get("temporary"))
+            index = _read_json(os.path.join(self._dir, step_dir_name(step), INDEX_FILE))
+            return bool(index.get("temporary")), index.get("good") is True
         except (OSError, ValueError, AttributeError):
-            return False  # Unreadable: keep by the ordinary rules; restore will judge it.
+            return False, False  # Unreadable: keep by the ordinary rules; restore will judge it.
 
     def _gc_safely(self) -> None:
         try:

@@ -8,6 +8,7 @@ gpu-h100-1); `--config_override=path=value` (repeatable) edits any field.
 """
 
 import logging
+import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -49,6 +50,19 @@ def main(argv) -> None:
     except ConfigError as e:
         # A wrong flag or config: the message says what to change; a traceback adds nothing.
         raise SystemExit(f"launch_trainer_main: {e}") from e
+    except Exception as e:  # pylint: disable=broad-except
+        if _is_divergence(e):
+            # The run stopped on a bad loss: the message names the step and the last good
+            # checkpoint. Exit status 1, as SystemExit with a message gives.
+            raise SystemExit(f"launch_trainer_main: {e}") from e
+        raise
+
+
+def _is_divergence(error: Exception) -> bool:
+    """Whether `error` is the trainer's TrainingDivergedError. Looked up where training
+    loaded it, so that the launcher does not import the trainer (and jax) to start."""
+    trainer = sys.modules.get("axlearn.common.trainer")
+    return trainer is not None and isinstance(error, trainer.TrainingDivergedError)
 
 
 if __name__ == "__main__":

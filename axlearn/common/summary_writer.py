@@ -108,7 +108,8 @@ class _EventFile:
             os.getpid(),
             id(self),
         )
-        self._records = RecordWriter(open(os.path.join(logdir, name), "wb"))
+        self._file = open(os.path.join(logdir, name), "wb")
+        self._records = RecordWriter(self._file)
         # The first event names the file format, as TensorBoard expects.
         self._add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
         self.flush()
@@ -144,8 +145,10 @@ class _EventFile:
             plugin_data=self._summary_pb2.SummaryMetadata.PluginData(plugin_name="text")
         )
 
-    def flush(self) -> None:
+    def flush(self, *, durable: bool = False) -> None:
         self._records.flush()
+        if durable:
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         self.flush()
@@ -254,12 +257,15 @@ class SummaryWriter(Module):
         ):
             self.flush()
 
-    def flush(self) -> None:
-        """Writes every pending summary to disk."""
+    def flush(self, *, durable: bool = False) -> None:
+        """Writes every pending summary to the files; `durable` also fsyncs them, so they
+        survive a power loss as a checkpoint does (the trainer flushes so at every save)."""
         if self._event_file is not None:
-            self._event_file.flush()
+            self._event_file.flush(durable=durable)
         if self._jsonl is not None:
             self._jsonl.flush()
+            if durable:
+                os.fsync(self._jsonl.fileno())
         self._pending = 0
         self._last_flush = time.time()
 

@@ -33,7 +33,7 @@ from axlearn.common.evaler import SpmdEvaler
 from axlearn.common.input_prefetch import prefetch_in_thread
 from axlearn.common.learner import Learner
 from axlearn.common.module import Module, functional
-from axlearn.common.optimizers import global_norm
+from axlearn.common.optimizers import SkipClipState, find_states, global_norm
 from axlearn.common.sharding import (
     batch_shards,
     create_mesh,
@@ -52,8 +52,21 @@ log = logging.getLogger(__name__)
 MeshShape = Sequence[int]
 
 
-class NonFiniteLossError(RuntimeError):
+class TrainingDivergedError(RuntimeError):
+    """Training stopped because its state went bad; the one-line message names the step and
+    the last good checkpoint. The launcher exits with status 1 and this message."""
+
+
+class NonFiniteLossError(TrainingDivergedError):
     """The loss became NaN or infinite and the optimizer does not skip such steps."""
+
+
+class ConsecutiveBadStepsError(TrainingDivergedError):
+    """`SpmdTrainer.Config.max_consecutive_bad_steps` steps in a row were bad."""
+
+
+# SpmdTrainer.Config.max_consecutive_bad_steps when None.
+DEFAULT_MAX_CONSECUTIVE_BAD_STEPS = 20
 
 
 def infer_mesh_shape(mesh_shape: MeshShape, num_devices: int) -> tuple[int, ...]:
@@ -102,6 +115,34 @@ jax.tree_util.register_dataclass(
     data_fields=["prng_key", "model", "learner", "weight_copies", "weight_low_bits"],
     meta_fields=[],
 )
+
+
+@dataclasses.dataclass
+class BadStepCounts:
+    """The bad steps of this run: steps whose update the optimizer skipped
+    (skip_and_clip_by_global_norm: a non-finite or too large gradient norm)."""
+
+    skipped: int = 0  # Bad steps so far.
+    nonfinite_loss: int = 0  # Those of them whose loss was not finite.
+    consecutive: int = 0  # Bad steps in a row, up to the last checked step.
+    first: Optional[int] = None  # The first step of those in a row; None while there are none.
+
+    def record(self, step: int, *, bad: bool, loss_finite: bool) -> None:
+        if not bad:
+            self.consecutive, self.first = 0, None
+            return
+        self.skipped += 1
+        self.nonfinite_loss += not loss_finite
+        self.consecutive += 1
+        if self.first is None:
+            self.first = step
+
+    def summaries(self) -> dict[str, int]:
+        return {
+            "trainer/skipped_steps": self.skipped,
+            "trainer/nonfinite_loss_steps": self.nonfinite_loss,
+            "trainer/consecutive_bad_steps": self.consecutive,
+        }
 
 
 def _to_state_dict(state: TrainerState) -> dict[str, Any]:
@@ -164,6 +205,11 @@ class SpmdTrainer(Module):
         seed: Optional[int] = None  # PRNG seed; None: 0.
         # Peak dense TFLOP/s per device for MFU; None: looked up from the device kind.
         peak_tflops_per_device: Optional[float] = None
+        # Bad steps in a row (updates the optimizer skipped, e.g. skip_and_clip_by_global_norm
+        # on a non-finite gradient) that stop the run with ConsecutiveBadStepsError; no
+        # checkpoint is saved at a bad step. Without such an optimizer a non-finite loss
+        # stops the run at once. None: DEFAULT_MAX_CONSECUTIVE_BAD_STEPS (20).
+        max_consecutive_bad_steps: Optional[int] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module] = None, devices=None):
         super().__init__(cfg, parent=parent)
@@ -183,6 +229,12 @@ class SpmdTrainer(Module):
                 f"{self.path()}.split_carried_weights needs carry_train_dtype_weights and "
                 f"train_dtype bfloat16 (got {cfg.carry_train_dtype_weights!r} and "
                 f"{cfg.train_dtype!r})"
+            )
+        max_bad = cfg.max_consecutive_bad_steps
+        if max_bad is not None and (not isinstance(max_bad, int) or max_bad < 1):
+            raise ConfigError(
+                f"{self.path()}.max_consecutive_bad_steps must be None or an int >= 1, "
+                f"got {max_bad!r}"
             )
         microbatch = cfg.per_device_microbatch_size
         if microbatch is not None:
@@ -230,7 +282,9 @@ class SpmdTrainer(Module):
                 model_param_partition_specs=self._model_param_specs,
             )
         self._step = 0
-        self._skipped_steps = 0
+        self._skipped_steps = 0  # The optimizer's count of skipped steps, as last checked.
+        self._bad_steps = BadStepCounts()
+        self._checked_step: Optional[int] = None  # The last step `_check_finite` checked.
         self._input_state: Optional[dict[str, Any]] = None  # After the last consumed batch.
         self._state: Optional[TrainerState] = None
         self._jit_train_step = None
@@ -464,10 +518,16 @@ class SpmdTrainer(Module):
                 self._step = step
                 if cfg.save_input_iterator and extra and "input_iterator" in extra:
                     self.input.set_state(extra["input_iterator"])
+                self._skipped_steps = self._optimizer_skip_count()
                 log.info("Restored step %d from %s", step, self.checkpointer.config.dir)
                 return
         self._state = self.init_state(jax.random.PRNGKey(seed))
         self._step = 0
+
+    def _optimizer_skip_count(self) -> int:
+        """Steps skipped so far as the optimizer state counts them (SkipClipState), so that
+        only later skips count as new (read once, after a restore)."""
+        return sum(int(s.nonvalid_count) for s in find_states(self._state.learner, SkipClipState))
 
     # ----- the train step -----
 
@@ -676,8 +736,7 @@ class SpmdTrainer(Module):
                     # only at these steps and is dropped right after.
                     model_params = self.model_params()
                     self._run_evalers(step, due, model_params)
-                    if saving:
-                        self._save(step, model_params)
+                    if saving and self._save(step, model_params):
                         saved_step = step
                     del model_params
             if pending is not None:
@@ -726,8 +785,14 @@ class SpmdTrainer(Module):
         log.info("Stopped trace at step %d", self._step)
 
     def _check_finite(self, step: int, summaries: dict[str, Any]) -> None:
-        """Raises NonFiniteLossError if step `step` left a non-finite loss or parameters,
-        unless the optimizer skipped that step (then it warns)."""
+        """Checks step `step`'s loss and skip count (and the parameter norm where the loop
+        logs or saves), once per step, at the cadence of the loop's host reads.
+
+        A step whose update the optimizer skipped is bad: counted, warned about, and
+        ConsecutiveBadStepsError once max_consecutive_bad_steps come in a row. A
+        non-finite loss or parameter norm the optimizer did not skip raises
+        NonFiniteLossError.
+        """
         learner_summaries = summaries.get("learner", {})
         loss = float(summaries["loss"])
         skipped = learner_summaries.get("skipped_steps")
@@ -735,35 +800,66 @@ class SpmdTrainer(Module):
         newly_skipped = skipped is not None and skipped > self._skipped_steps
         if skipped is not None:
             self._skipped_steps = skipped
+        self._checked_step = step
         # The parameter norm after the update (on the steps the loop logs or saves) catches a
         # finite loss whose update overflowed.
         param_norm = learner_summaries.get("parameter_norm")
         param_norm = 0.0 if param_norm is None else float(param_norm)
-        if math.isfinite(loss) and math.isfinite(param_norm):
-            return
-        if newly_skipped and math.isfinite(param_norm):
-            log.warning(
-                "Step %d: loss is %s; the optimizer skipped the update (%d steps skipped so far)",
-                step, loss, skipped,
+        if not math.isfinite(param_norm) or not (math.isfinite(loss) or newly_skipped):
+            what = f"Loss became {loss}" if not math.isfinite(loss) else (
+                f"The parameter norm became {param_norm} (loss {loss})"
             )
+            raise NonFiniteLossError(
+                f"{what} at step {step}. Nothing was saved after it; "
+                f"{self._last_good_checkpoint()}. Lower the learning rate, enable "
+                "skip_and_clip_by_global_norm, or check the input."
+            )
+        bad = self._bad_steps
+        if not newly_skipped:
+            if bad.consecutive > 1:
+                log.warning(
+                    "Step %d updated the parameters again after %d skipped steps (steps %d-%d)",
+                    step, bad.consecutive, bad.first, step - 1,
+                )
+            bad.record(step, bad=False, loss_finite=True)
             return
-        last = None
-        if "checkpointer" in self.children:
-            self.checkpointer.wait_until_finished()
-            last = self.checkpointer.latest_committed_step()
-        what = f"Loss became {loss}" if not math.isfinite(loss) else (
-            f"The parameter norm became {param_norm} (loss {loss})"
-        )
-        if last is None:
-            good = "no checkpoint was committed before it"
-        else:
-            good = f"the last good checkpoint is step {last} in {self.checkpointer.directory}"
-        raise NonFiniteLossError(
-            f"{what} at step {step}. Nothing was saved after it; {good}. Lower the learning "
-            "rate, enable skip_and_clip_by_global_norm, or check the input."
+        bad.record(step, bad=True, loss_finite=math.isfinite(loss))
+        limit = self._config.max_consecutive_bad_steps or DEFAULT_MAX_CONSECUTIVE_BAD_STEPS
+        if bad.consecutive >= limit:
+            raise ConsecutiveBadStepsError(
+                f"{bad.consecutive} bad steps in a row (steps {bad.first}-{step}): the optimizer "
+                f"skipped every update (last loss {loss}). Nothing was saved from step "
+                f"{bad.first} on; {self._last_good_checkpoint()}. Lower the learning rate or "
+                f"check the input; {self.path()}.max_consecutive_bad_steps={limit} stops the run."
+            )
+        # The first step of a run of bad steps warns, then the 2nd, 4th, 8th...: a long run
+        # stays readable in the log.
+        if bad.consecutive & (bad.consecutive - 1) == 0:
+            log.warning(
+                "Step %d: loss is %s; the optimizer skipped the update (%d steps skipped so "
+                "far, %d in a row; %d in a row stop the run)",
+                step, loss, skipped, bad.consecutive, limit,
+            )
+
+    def _last_good_checkpoint(self) -> str:
+        """Names the newest checkpoint saved as good (after any save in flight)."""
+        if "checkpointer" not in self.children:
+            return "no checkpoint was committed before it"
+        checkpointer = self.checkpointer
+        checkpointer.wait_until_finished()
+        good = checkpointer.latest_good_step()
+        if good is not None:
+            return f"the last good checkpoint is step {good} in {checkpointer.directory}"
+        latest = checkpointer.latest_committed_step()
+        if latest is None:
+            return "no checkpoint was committed before it"
+        return (
+            f"the latest checkpoint is step {latest} in {checkpointer.directory}, saved "
+            "without a verdict on its loss"
         )
 
     def _host_summaries(self, summaries: dict[str, Any]) -> dict[str, Any]:
+        """The step's scalar summaries as host values, with the run's bad-step counts."""
         flat = {}
         for path, value in flatten_with_paths(
             summaries, is_leaf=lambda x: isinstance(x, WeightedScalar)
@@ -772,6 +868,7 @@ class SpmdTrainer(Module):
             array = np.asarray(value)
             if array.size == 1:
                 flat[path] = array.item()
+        flat.update(self._bad_steps.summaries())
         return flat
 
     def _due_evalers(self, step: int) -> dict[str, SpmdEvaler]:
@@ -790,14 +887,35 @@ class SpmdTrainer(Module):
                 headline = {k: v for k, v in results.items() if k in perf.EVAL_HEADLINE_METRICS}
                 log.info("eval %s step %d: %s", name, step, perf.format_metrics(headline))
 
-    def _save(self, step: int, model_params: Any) -> None:
-        """Saves the state at `step` with `model_params` (the float32 parameters)."""
+    def _save(self, step: int, model_params: Any) -> bool:
+        """Saves the state at `step` with `model_params` (the float32 parameters) as a good
+        checkpoint, unless `step` is bad or follows bad steps; returns whether it saved.
+
+        `step` must be checked first (`_check_finite`): no state is committed whose loss
+        was not seen to be finite. Summaries up to `step` are flushed to disk first, so that
+        a run resumed from this checkpoint finds every step before it in metrics.jsonl.
+        """
+        if self._checked_step != step:
+            raise RuntimeError(
+                f"Checkpoint step {step} would be saved unchecked (last checked: step "
+                f"{self._checked_step}); call _check_finite on its summaries first"
+            )
+        bad = self._bad_steps
+        if bad.consecutive:
+            log.warning(
+                "Not saving checkpoint step %d: it is bad step %d in a row (since step %d); %s",
+                step, bad.consecutive, bad.first, self._last_good_checkpoint(),
+            )
+            return False
         log.info("Saving checkpoint step %d in %s", step, self.checkpointer.directory)
+        if "summary_writer" in self.children:
+            self.summary_writer.flush(durable=True)
         extra = {}
         if self._config.save_input_iterator:
             extra["input_iterator"] = self._input_state
         state = dataclasses.replace(self._state, model=model_params)
-        self.checkpointer.save(step, _to_state_dict(state), extra=extra)
+        self.checkpointer.save(step, _to_state_dict(state), extra=extra, good=True)
+        return True
 
 
 def select_mesh_rule(mesh_rules: Optional[Sequence[tuple[str, Any]]], mesh_selector: str) -> Any:
