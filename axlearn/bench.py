@@ -3,34 +3,37 @@ r"""Benchmarks named trainer configs and compares git revisions side by side.
     # One config, synthetic data, 20 timed steps after 5 warm-up steps (4 sequences a
     # step, one microbatch, in place of gpt_1b's configured 1,024 that one GPU would run
     # as 256 microbatches):
-    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 --steps=20 \
+    python -m axlearn.bench --config=gpt_1b --steps=20 \
         --config_override=input.global_batch_size=4
 
     # The same on two revisions, in one invocation, with an HTML report:
-    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 \
+    python -m axlearn.bench --config=gpt_1b \
         --config_override=input.global_batch_size=4 --compare=main,HEAD --html=/tmp/bench.html
 
     # ... each side twice, in the order main HEAD HEAD main, the table showing the means:
-    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 \
+    python -m axlearn.bench --config=gpt_1b \
         --config_override=input.global_batch_size=4 --compare=main,HEAD --rounds=2
 
     # This tree under two XLA flag settings (added after the environment's XLA_FLAGS;
     # '' for none), e.g. to try a flag for a platform's preset:
-    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 \
+    python -m axlearn.bench --config=gpt_1b \
         --config_override=input.global_batch_size=4 --compare_xla_flags= \
         --compare_xla_flags=--xla_gpu_enable_triton_gemm=true --rounds=2
 
     # Two named configs of this tree, e.g. a recipe variant against its base:
     python -m axlearn.bench --compare_configs=gpt_1b,gpt_1b_narrow_state \
-        --mesh_selector=gpu-h100-1 --config_override=input.global_batch_size=4 --rounds=2
+        --config_override=input.global_batch_size=4 --rounds=2
 
     # One config with two sets of extra overrides (space-separated, quoted as in a shell;
     # '' for none), applied after the --config_override flags both sides share; here,
     # the cuDNN attention as configured against XLA's:
-    python -m axlearn.bench --config=gpt_1b --mesh_selector=gpu-h100-1 \
+    python -m axlearn.bench --config=gpt_1b \
         --config_override=input.global_batch_size=4 --compare_overrides= \
         --compare_overrides=model.decoder.transformer.layer.self_attention.attention.attention_implementation=xla \
         --rounds=2
+
+The mesh rule is the one for the devices at hand, as the launcher picks it (gpu-h100-1 on
+one H100); `--mesh_selector` names another.
 
 Every run prints the standard columns: Parameters, Final loss, TFLOP/s/device,
 Tokens/s/device, Avg s/step, Memory %, MFU, JAX version, device; on NVIDIA GPUs also the
@@ -51,6 +54,8 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional
+
+from axlearn.common.config import ConfigError
 
 COLUMNS = (
     ("Parameters", "num_params", "{:,.0f}", +1),
@@ -139,6 +144,11 @@ def run_benchmark(
 
     `modify`: applied to the trainer config after overrides (benchmark variants).
     """
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.launch_trainer import lookup_named_config, mesh_selector_from_devices
+
+    # A wrong name fails before JAX looks for devices.
+    lookup_named_config(config, module=module)
     if xla_dump_dir:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={xla_dump_dir}".strip()
     from axlearn.common import launch  # pylint: disable=import-outside-toplevel
@@ -148,6 +158,8 @@ def run_benchmark(
 
     from axlearn.common import perf  # pylint: disable=import-outside-toplevel
 
+    # As the launcher does: unset, the selector is named from the devices (gpu-h100-1, cpu).
+    mesh_selector = mesh_selector_from_devices(mesh_selector)
     cfg = build_benchmark_config(
         config, module=module, mesh_selector=mesh_selector, data_dir=data_dir, overrides=overrides
     )
@@ -495,10 +507,23 @@ def _run_in_tree(tree: str, argv: Sequence[str], *, xla_flags: str = "") -> dict
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except ConfigError as e:
+        # A wrong name or config: the message says what to change; a traceback adds nothing.
+        print(f"axlearn.bench: {e}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="The named config to run.")
     parser.add_argument("--module", default=None)
-    parser.add_argument("--mesh_selector", default=None)
+    parser.add_argument(
+        "--mesh_selector", default=None,
+        help="Instance type matched against the config's mesh_rules. Unset: named from the "
+        "devices (gpu-h100-1, cpu, ...); none: no rule, the config's own mesh_shape.",
+    )
     parser.add_argument(
         "--data_dir", default="FAKE",
         help="FAKE (synthetic), BUILTIN (the built-in byte corpus) or a data directory.",

@@ -275,3 +275,33 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
         "gpt_7b": functools.partial(gpt_trainer, "7B"),
         "gpt_70b": functools.partial(gpt_trainer, "70B"),
     }
+
+
+def _size_description(size_name: str) -> str:
+    """A size's shape and where it trains, from its row of SIZES."""
+    size = SIZES[size_name]
+    where = "a cluster"
+    if size.single_host is not None:
+        counts = [str(n) for n in size.single_host.gpu_counts]
+        hosts = counts[0] if len(counts) == 1 else f"{', '.join(counts[:-1])} or {counts[-1]}"
+        where = f"{hosts} GPUs of one host, or {where}"
+    return (
+        f"A GPT of {size.num_layers} layers of width {size.dim:,}, "
+        f"{size.max_sequence_length:,}-token sequences, {size.global_batch_size:,} a step; "
+        f"trains on {where}."
+    )
+
+
+# One line each for `--list_configs`, which prints it beside the parameter count.
+DESCRIPTIONS = {
+    "gpt_test": "A tiny byte-level GPT that trains on the Python standard library in about a "
+    "minute on one CPU core.",
+    "gpt_125m": _size_description("125M"),
+    "gpt_350m": _size_description("350M"),
+    "gpt_1b": _size_description("1B"),
+    "gpt_1b_narrow_state": "gpt_1b in 8 bytes of state a weight instead of 14: bf16 and fp16 "
+    "optimizer moments, each weight kept as its bf16 copy and low bits.",
+    "gpt_3b": f"The reference trainer of golden_configs/gpt/gpt_3b.txt. {_size_description('3B')}",
+    "gpt_7b": _size_description("7B"),
+    "gpt_70b": _size_description("70B"),
+}

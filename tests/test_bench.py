@@ -9,9 +9,12 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from axlearn import bench
+from axlearn.common import launch
+from axlearn.common.launch_trainer import mesh_selector_for_devices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -400,3 +403,48 @@ def test_write_json_writes_indented_json_and_nothing_without_a_path(tmp_path):
     assert path.read_text().startswith('{\n "a"')  # indent=1, as the scripts wrote it.
     bench.write_json(None, {"b": 1})
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+# ----- one-line errors and the mesh selector -----
+
+
+def test_an_unknown_config_name_is_one_line_on_stderr(capsys):
+    assert bench.main(["--config=gpt_tst", "--steps=1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("axlearn.bench: Unknown config 'gpt_tst'")
+    assert "Did you mean: gpt_test" in err
+    assert err.count("\n") == 1  # No traceback.
+
+
+class _Built(Exception):
+    """Stops a benchmark once its config is built."""
+
+
+def _mesh_selector_of_the_run(monkeypatch, *flags: str):
+    """The mesh selector `bench.main(["--config=gpt_test", *flags])` builds its config with."""
+    built = {}
+
+    def build(config, **kwargs):
+        built.update(kwargs)
+        raise _Built
+
+    monkeypatch.setattr(launch, "setup", lambda **kwargs: None)  # Leaves XLA_FLAGS alone.
+    monkeypatch.setattr(bench, "build_benchmark_config", build)
+    with pytest.raises(_Built):
+        bench.main(["--config=gpt_test", *flags])
+    return built["mesh_selector"]
+
+
+def test_without_a_mesh_selector_the_run_names_it_from_its_devices(monkeypatch):
+    device = jax.devices()[0]
+    expected = mesh_selector_for_devices(device.platform, device.device_kind, jax.device_count())
+    assert _mesh_selector_of_the_run(monkeypatch) == expected
+    assert _mesh_selector_of_the_run(monkeypatch, "--mesh_selector=none") is None
+
+
+def test_a_mesh_selector_that_contradicts_the_devices_is_one_line_on_stderr(monkeypatch, capsys):
+    monkeypatch.setattr(launch, "setup", lambda **kwargs: None)
+    assert bench.main(["--config=gpt_test", "--mesh_selector=tpu-v5p-8"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("axlearn.bench: --mesh_selector=tpu-v5p-8 contradicts this run's devices")
+    assert err.count("\n") == 1

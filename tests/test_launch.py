@@ -136,7 +136,10 @@ def test_list_configs_prints_each_config_with_its_parameter_count():
     layer = 2 * 128 * 128 + 2 * 128 * 64 + 2 * 32 + 3 * 128 * 384 + 2 * 128
     expected = 384 * 128 + 128 + 2 * layer
     assert f" {expected:,} parameters  A tiny byte-level GPT" in lines["gpt_test"]
-    assert "[gpt_trainer('1B')]" in lines["gpt_1b"]
+    # Every named config has its own line in its module's DESCRIPTIONS, and shows it.
+    for name, (module, _) in launch_trainer.named_configs().items():
+        description = launch_trainer.module_descriptions(module)[name]
+        assert lines[name].endswith(f" parameters  {description}"), name
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,7 @@ from axlearn.common.config import (
     maybe_instantiate,
 )
 from axlearn.common.module import Module
+from axlearn.common.progress import progress_bar
 from axlearn.common.utils import flatten_with_paths
 
 _log = logging.getLogger(__name__)
@@ -186,11 +187,18 @@ def _file_checksum(path: str) -> dict[str, int]:
     return {"size": size, "crc32": crc}
 
 
-def _checksums(root: str, relative_paths: Sequence[str]) -> dict[str, dict[str, int]]:
+def _checksums(
+    root: str, relative_paths: Sequence[str], *, on_each: Callable[[], Any] = lambda: None
+) -> dict[str, dict[str, int]]:
+    """{path: {size, crc32}} of the files; `on_each()` is called as each one is summed."""
     workers = min(32, (os.cpu_count() or 1) * 2)
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         sums = pool.map(lambda p: _file_checksum(os.path.join(root, p)), relative_paths)
-        return dict(zip(relative_paths, sums))
+        out = {}
+        for path, checksum in zip(relative_paths, sums):
+            out[path] = checksum
+            on_each()
+        return out
 
 
 def _index_digest(index: dict[str, Any]) -> str:
@@ -524,9 +532,12 @@ class TensorStoreStateStorage(Configurable):
                 unique[bounds] = array[tuple(slice(a, b) for a, b in bounds)].read()
             reads.append(unique)
         values = []
-        for (path, leaf, meta, _, regions), unique in zip(plans, reads):
-            host = {b: f.result(timeout=cfg.timeout_secs) for b, f in unique.items()}
-            values.append(_to_template_type(leaf, meta, regions, host))
+        step_name = os.path.basename(step_dir)
+        with progress_bar(total=len(plans), desc=f"Reading {step_name}", unit="array") as bar:
+            for (path, leaf, meta, _, regions), unique in zip(plans, reads):
+                host = {b: f.result(timeout=cfg.timeout_secs) for b, f in unique.items()}
+                values.append(_to_template_type(leaf, meta, regions, host))
+                bar.update()
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), values)
 
 
@@ -590,7 +601,10 @@ def _verify_files(step_dir: str, recorded: dict[str, dict], needed: Sequence[str
                 f"{recorded[name]['size']} (torn or truncated)"
             )
         present.append(name)
-    for name, actual in _checksums(step_dir, present).items():
+    step_name = os.path.basename(step_dir)
+    with progress_bar(total=len(present), desc=f"Checking {step_name}", unit="file") as bar:
+        checksums = _checksums(step_dir, present, on_each=bar.update)
+    for name, actual in checksums.items():
         if actual["crc32"] != recorded[name]["crc32"]:
             raise CheckpointCorruptError(
                 f"{os.path.join(step_dir, name)} fails its CRC32 check against {index_path} "

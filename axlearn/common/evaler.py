@@ -7,7 +7,8 @@ the evaler's own input through the model (`ModelSummaryAccumulator`: the model m
 under jit, its output-collection summaries accumulated by weight), writes the result to
 its summary writer (`<trainer_dir>/summaries/<evaler name>`) and returns it flat:
 'loss', 'perplexity' (exp of the token-weighted mean cross entropy), 'bits_per_byte'
-when the model reports it, and the model's other summaries.
+when the model reports it, and the model's other summaries. On a terminal, a progress
+bar counts the batches of the pass (`axlearn.common.progress`).
 """
 
 import logging
@@ -32,6 +33,7 @@ from axlearn.common.config import (
 )
 from axlearn.common.metrics import MetricAccumulator
 from axlearn.common.module import Module, Tensor, functional
+from axlearn.common.progress import progress_bar
 from axlearn.common.sharding import batch_shards, global_batch, microbatch_count, named_sharding
 from axlearn.common.summary import WeightedScalar
 from axlearn.common.summary_writer import SummaryWriter, flatten_summaries, host_value
@@ -284,16 +286,20 @@ class SpmdEvaler(Module):
         calculator = self.metric_calculator
         calculator.start()
         num_batches = 0
-        for batch in self.input.dataset():
-            for microbatch in self._microbatches(batch):
-                calculator.add_batch(
-                    model_params=params,
-                    prng_key=(
-                        None if prng_key is None else jax.random.fold_in(prng_key, num_batches)
-                    ),
-                    input_batch=self._global_batch(microbatch),
-                )
-                num_batches += 1
+        # Inputs that know the length of a pass (`num_eval_batches`) give the bar its end.
+        total = getattr(self.input, "num_eval_batches", None)
+        with progress_bar(total=total, desc=f"Evaluating {self.name}", unit="batch") as bar:
+            for batch in self.input.dataset():
+                for microbatch in self._microbatches(batch):
+                    calculator.add_batch(
+                        model_params=params,
+                        prng_key=(
+                            None if prng_key is None else jax.random.fold_in(prng_key, num_batches)
+                        ),
+                        input_batch=self._global_batch(microbatch),
+                    )
+                    num_batches += 1
+                bar.update()
         if num_batches == 0:
             raise ValueError(f"{self.path()}: the eval input yielded no batches")
         summaries = _with_derived_metrics(flatten_summaries(calculator.summaries()))

@@ -3,7 +3,8 @@ the devices at hand, applies `--data_dir` and the overrides, records the resolve
 in the trainer directory, and trains.
 
 Experiment modules live in the top-level `experiments` package; each exposes
-`named_trainer_configs() -> {name: () -> SpmdTrainer.Config}`.
+`named_trainer_configs() -> {name: () -> SpmdTrainer.Config}`, and may describe its configs
+in one line each for `--list_configs` in a module-level `DESCRIPTIONS = {name: "..."}`.
 """
 
 import difflib
@@ -173,9 +174,30 @@ def _short(value: Any) -> str:
     return name.rsplit(".", 1)[-1] if name else repr(value)
 
 
-def config_description(builder: Builder) -> str:
-    """A builder's first docstring sentence; for a functools.partial without a docstring of
-    its own, its function's, followed by the arguments the partial binds."""
+DESCRIPTIONS_ATTRIBUTE = "DESCRIPTIONS"  # An experiment module's {config name: one line}.
+
+
+def module_descriptions(module: str) -> dict[str, str]:
+    """The `DESCRIPTIONS` of experiment module `module` ({} where it has none). A name it
+    describes that the module does not define is an error (a rename left behind)."""
+    mod = importlib.import_module(f"{EXPERIMENTS_PACKAGE}.{module}")
+    descriptions = getattr(mod, DESCRIPTIONS_ATTRIBUTE, {})
+    unknown = sorted(set(descriptions) - set(mod.named_trainer_configs()))
+    if unknown:
+        raise ConfigError(
+            f"{mod.__name__}.{DESCRIPTIONS_ATTRIBUTE} describes {', '.join(unknown)}, which "
+            "its named_trainer_configs() does not define"
+        )
+    return descriptions
+
+
+def config_description(module: str, config_name: str, builder: Builder) -> str:
+    """`config_name`'s line in its module's `DESCRIPTIONS`; without one, the builder's first
+    docstring sentence, or for a functools.partial without a docstring of its own, its
+    function's, followed by the arguments the partial binds."""
+    described = module_descriptions(module).get(config_name)
+    if described:
+        return described
     if isinstance(builder, functools.partial) and "__doc__" not in vars(builder):
         bound = [_short(a) for a in builder.args]
         bound += [f"{k}={_short(v)}" for k, v in builder.keywords.items()]
@@ -197,7 +219,8 @@ def list_configs_text(module: Optional[str] = None) -> str:
     for name, found in sorted(_config_sources(module).items()):
         for mod, builder in found:
             shown = name if len(found) == 1 else f"{name} (--module={mod})"
-            rows.append((shown, f"{parameter_count(builder()):,}", config_description(builder)))
+            description = config_description(mod, name, builder)
+            rows.append((shown, f"{parameter_count(builder()):,}", description))
     name_width = max(len(row[0]) for row in rows)
     count_width = max(len(row[1]) for row in rows)
     return "\n".join(

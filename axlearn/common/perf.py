@@ -4,10 +4,18 @@ The model counts its own training FLOPs per token (`CountsModelFlops`; for the c
 the DESIGN.md formula, `causal_lm.Model.model_flops_per_token`). Here:
 TFLOP/s/device = FLOPs per step / step time / devices; MFU = that / peak. A model that
 does not count its FLOPs gets step time, tokens/s and memory, but no TFLOP/s or MFU.
+
+The step time is `StepTimer`'s: the mean over the steps since the last report, without the
+time the host spent compiling or the loop spent evaluating and saving. The console line
+(`progress_line`) adds the time left at that rate.
 """
 
+import contextlib
 import dataclasses
 import math
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import jax
@@ -129,6 +137,149 @@ def _host_peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+# ----- step time -----
+
+# jax.monitoring's duration events that make up compilation: tracing to a jaxpr, lowering
+# to MLIR, and XLA's compile (or its load from the persistent compilation cache).
+COMPILE_EVENTS = frozenset(
+    (
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+        "/jax/core/compile/backend_compile_duration",
+    )
+)
+_compile_seconds_by_thread: dict[int, float] = {}
+_compile_listener_lock = threading.Lock()
+_compile_listener_registered = False
+
+
+def _record_compile_time(event: str, duration_secs: float, **kwargs) -> None:
+    del kwargs
+    if event in COMPILE_EVENTS:
+        # jax reports an event in the thread that compiled; each thread keeps its own sum.
+        thread = threading.get_ident()
+        total = _compile_seconds_by_thread.get(thread, 0.0)
+        _compile_seconds_by_thread[thread] = total + duration_secs
+
+
+def compile_seconds() -> float:
+    """Seconds the calling thread has spent compiling jax functions (`COMPILE_EVENTS`)
+    since the first call of this function in the process."""
+    global _compile_listener_registered  # pylint: disable=global-statement
+    with _compile_listener_lock:
+        if not _compile_listener_registered:
+            jax.monitoring.register_event_duration_secs_listener(_record_compile_time)
+            _compile_listener_registered = True
+    return _compile_seconds_by_thread.get(threading.get_ident(), 0.0)
+
+
+class StepTimer:
+    """The mean time of the steps of a window (from one report to the next), leaving out
+    compilation and the time the window is paused (evaluation, saving).
+
+    Steps are dispatched asynchronously, so a window must end where the host has waited for
+    its last step (the loop reads the step's loss). A step whose dispatch compiles (the
+    first one, or one after a recompilation) is left out whole: its compilation, and its
+    run, which is the first of the new program and pays one-time costs (loading kernels,
+    allocating buffers). The timer then calls `wait` (which returns once the dispatched
+    steps have run) and the window goes on from there. Compilation outside the steps (a
+    function first called at a report) is left out too. The timer starts paused; the first
+    step starts it, so that start-up (reading the first batch) is not step time.
+    `clock` and `compile_clock` (seconds; see `compile_seconds`) are injectable for tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        wait: Callable[[], Any],
+        clock: Callable[[], float] = time.perf_counter,
+        compile_clock: Callable[[], float] = compile_seconds,
+    ):
+        self._wait = wait
+        self._clock = clock
+        self._compile_clock = compile_clock
+        self._steps = 0
+        self._counted_s = 0.0  # Time of the window before its running segment.
+        # (clock, compile_clock) where the running segment began; None: paused.
+        self._since: Optional[tuple[float, float]] = None
+
+    def _now(self) -> tuple[float, float]:
+        return self._clock(), self._compile_clock()
+
+    def _running_s(self) -> float:
+        """Time since the running segment began, less what was spent compiling."""
+        if self._since is None:
+            return 0.0
+        now, compiling = self._now()
+        return (now - self._since[0]) - (compiling - self._since[1])
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Wraps the dispatch of one step; the window runs from here if it was paused."""
+        if self._since is None:
+            self._since = self._now()
+        before = self._running_s()
+        compiled_before = self._compile_clock()
+        yield
+        if self._compile_clock() > compiled_before:
+            # The window stops before this step and goes on once it has run.
+            self._counted_s += before
+            self._wait()
+            self._since = self._now()
+        else:
+            self._steps += 1
+
+    def pause(self) -> None:
+        """Stops counting time until the next step, once the dispatched steps have run."""
+        if self._since is not None:
+            self._wait()
+            self._counted_s += self._running_s()
+            self._since = None
+
+    def restart(self) -> None:
+        """Begins a new window, running or paused as the timer is."""
+        if self._since is not None:
+            self._since = self._now()
+        self._steps = 0
+        self._counted_s = 0.0
+
+    @property
+    def steps(self) -> int:
+        """The steps the window counts so far."""
+        return self._steps
+
+    def mean_step_s(self) -> Optional[float]:
+        """The window's mean step time; None for a window without steps or time."""
+        total = self._counted_s + self._running_s()
+        if self._steps == 0 or total <= 0:
+            return None
+        return total / self._steps
+
+
+def eta_seconds(step: int, max_step: int, step_time_s: Optional[float]) -> Optional[float]:
+    """Seconds until `max_step` at `step_time_s` a step; None where the step time is unknown."""
+    if step_time_s is None:
+        return None
+    return max(max_step - step, 0) * step_time_s
+
+
+def format_duration(seconds: float) -> str:
+    """A duration in its two largest units, rounded to the smaller: '42s', '5m07s',
+    '1h02m', '3d04h'."""
+    s = max(math.floor(seconds + 0.5), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    minutes = math.floor(s / 60 + 0.5)
+    if minutes < 24 * 60:
+        return f"{minutes // 60}h{minutes % 60:02d}m"
+    hours = math.floor(minutes / 60 + 0.5)
+    return f"{hours // 24}d{hours % 24:02d}h"
+
+
+# ----- the console -----
+
 # The evaluation metrics the trainer's console line shows (the evaler writes them all).
 EVAL_HEADLINE_METRICS = ("loss", "perplexity", "bits_per_byte", "accuracy")
 
@@ -141,18 +292,22 @@ def format_metrics(metrics: dict[str, Any]) -> str:
 
 
 def progress_line(step: int, max_step: int, summaries: dict[str, Any]) -> str:
-    """One console line a person can follow."""
+    """One console line a person can follow. The time left ('eta') is the steps left at the
+    reported step time: training only, as the step time leaves evaluation and saving out."""
 
     def get(name, fmt, default="-"):
         value = summaries.get(name)
         return format(value, fmt) if isinstance(value, (int, float)) else default
 
+    step_time = summaries.get("perf/step_time_s")
+    eta = eta_seconds(step, max_step, step_time if isinstance(step_time, (int, float)) else None)
     parts = [
         f"step {step:>{len(str(max_step))}}/{max_step}",
         f"loss {get('loss', '.4f')}",
         f"lr {get('learner/learning_rate', '.3e')}",
         f"gnorm {get('learner/gradient_norm', '.3f')}",
         f"{get('perf/step_time_s', '.3f')} s/step",
+        f"eta {'-' if eta is None else format_duration(eta)}",
         f"{get('perf/tokens_per_s_per_device', ',.0f')} tok/s/dev",
         f"{get('perf/tflops_per_device', '.3g')} TFLOP/s/dev",
     ]

@@ -11,7 +11,6 @@ import functools
 import logging
 import math
 import os
-import time
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -694,15 +693,16 @@ class SpmdTrainer(Module):
         last: dict[str, Any] = {}
         pending: Optional[tuple[int, dict[str, Any]]] = None
         saved_step = None
-        window_start, window_steps = time.perf_counter(), 0
+        # The step time of each report's window; it waits for the steps by their state.
+        timer = perf.StepTimer(wait=lambda: jax.block_until_ready(self._state))
         tracing_until = None
         try:
             while self._step < cfg.max_step:
                 tracing_until = self._maybe_trace(tracing_until)
                 # The prefetcher reads ahead, so the position to save travels with the batch.
                 self._input_state, host_batch = next(batches)
-                summaries = self.train_step(self.global_batch(host_batch))
-                window_steps += 1
+                with timer.step():
+                    summaries = self.train_step(self.global_batch(host_batch))
                 # Check the previous step's loss now: that sync overlaps with this step.
                 if pending is not None:
                     self._check_finite(*pending)
@@ -721,9 +721,10 @@ class SpmdTrainer(Module):
                     pending = None
                 if must_log or writer_due:
                     host = self._host_summaries(summaries)
-                    elapsed = time.perf_counter() - window_start
-                    host.update(accounting.metrics(elapsed / max(window_steps, 1)))
-                    window_start, window_steps = time.perf_counter(), 0
+                    step_time = timer.mean_step_s()
+                    if step_time is not None:  # None: the window has no step with measured time.
+                        host.update(accounting.metrics(step_time))
+                    timer.restart()
                     if writer_due:
                         self.summary_writer(step, host)
                     if must_log:
@@ -731,6 +732,7 @@ class SpmdTrainer(Module):
                     last = host
                 due = self._due_evalers(step)
                 if due or saving:
+                    timer.pause()  # Evaluation and saving are not step time.
                     # One join serves the evalers and the checkpoint alike: with split
                     # weights it writes every weight as a new float32 array, so it happens
                     # only at these steps and is dropped right after.
