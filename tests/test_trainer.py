@@ -848,7 +848,7 @@ def test_progress_line_leaves_out_mfu_when_the_peak_is_unknown():
     }
     line = perf.progress_line(7, 100, summaries)
     assert line == (
-        "step   7/100 | loss 2.5000 | lr 1.000e-03 | gnorm 0.500 | 0.250 s/step | "
+        "step   7/100 | loss 2.5000 | lr 1.000e-03 | gnorm 0.500 | 0.250 s/step | eta 23s | "
         "1,024 tok/s/dev | 12.5 TFLOP/s/dev | mem 3.2 GiB"
     )
 
