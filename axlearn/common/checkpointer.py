@@ -16,11 +16,14 @@ A step directory without `index.json` is not a checkpoint: it is never restored,
 garbage collection removes it. Restore re-checks the sizes and checksums of the files it
 reads, so a torn or altered file is detected; the previous committed step is then used.
 
+`dir` is a local path or a storage URL (`gs://`, `s3://`, `memory://`, see
+`file_system`); TensorStore writes the arrays through the same key-value store. Locally
+the index is committed by POSIX rename (shared file systems for multi-host); on an object
+store by its single PUT, which is atomic.
+
 `save()` blocks only while device arrays are copied to host memory (by default into
 pinned host memory, see `TensorStoreStateStorage.Config.host_memory_kind`); the files are
 written by a background thread, and the next `save()` waits for the previous one.
-Only local (or mounted, shared for multi-host) file systems are supported: the commit
-relies on POSIX rename.
 """
 
 import concurrent.futures
@@ -32,7 +35,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import threading
 import time
 import urllib.parse
@@ -44,6 +46,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from axlearn.common import file_system
 from axlearn.common.config import (
     REQUIRED,
     ConfigError,
@@ -125,56 +128,53 @@ def _parse_step(name: str) -> Optional[int]:
 def _step_dirs(base_dir: str) -> dict[int, str]:
     """Step -> directory, for every step directory in `base_dir`, committed or not."""
     try:
-        names = os.listdir(base_dir)
+        names = file_system.listdir(base_dir)
     except FileNotFoundError:
         return {}
     steps = {}
     for name in names:
         step = _parse_step(name)
-        if step is not None and os.path.isdir(os.path.join(base_dir, name)):
-            steps[step] = os.path.join(base_dir, name)
+        if step is not None and file_system.isdir(file_system.join(base_dir, name)):
+            steps[step] = file_system.join(base_dir, name)
     return steps
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json_atomically(path: str, value: Any) -> None:
     """Readers see either no file or the whole file, even across a crash or power loss."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    file_system.write_text(path, json.dumps(value, indent=1, sort_keys=True))
 
 
 def _read_json(path: str) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return json.loads(file_system.read_text(path))
 
 
 def _file_checksum(path: str) -> dict[str, int]:
     """{'size', 'crc32'} of one file."""
+    if not file_system.is_local(path):
+        data = file_system.read_bytes(path)  # An object store has no partial reads to stream.
+        return {"size": len(data), "crc32": zlib.crc32(data)}
     crc = 0
     size = 0
-    with open(path, "rb") as f:
+    with open(file_system.local_path(path), "rb") as f:
         while block := f.read(_CHECKSUM_BLOCK_BYTES):
             crc = zlib.crc32(block, crc)  # Releases the GIL: files are summed in parallel.
             size += len(block)
     return {"size": size, "crc32": crc}
 
 
-def _checksums(root: str, relative_paths: Sequence[str]) -> dict[str, dict[str, int]]:
+def _file_checksum_if_present(path: str) -> Optional[dict[str, int]]:
+    try:
+        return _file_checksum(path)
+    except FileNotFoundError:
+        return None
+
+
+def _checksums(
+    root: str, relative_paths: Sequence[str], checksum: Callable[[str], Any] = _file_checksum
+) -> dict[str, Any]:
     workers = min(32, (os.cpu_count() or 1) * 2)
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        sums = pool.map(lambda p: _file_checksum(os.path.join(root, p)), relative_paths)
+        sums = pool.map(lambda p: checksum(file_system.join(root, p)), relative_paths)
         return dict(zip(relative_paths, sums))
 
 
@@ -376,7 +376,8 @@ class TensorStoreStateStorage(Configurable):
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         # Tensorstore fsyncs each file it writes, so data is durable before the index is.
-        self._context = ts.Context({"file_io_sync": True})
+        # A child of file_system's context: memory:// arrays and files share its stores.
+        self._context = ts.Context({"file_io_sync": True}, parent=file_system.context())
 
     # --- save ---
 
@@ -437,7 +438,7 @@ class TensorStoreStateStorage(Configurable):
     def _spec(step_dir: str, array_dir: str, meta: dict[str, Any]) -> dict[str, Any]:
         return {
             "driver": "zarr",
-            "kvstore": {"driver": "file", "path": os.path.join(step_dir, "arrays", array_dir)},
+            "kvstore": file_system.kvstore_spec(file_system.join(step_dir, "arrays", array_dir)),
             "metadata": {
                 "shape": meta["stored_shape"],
                 "chunks": meta["chunks"],
@@ -460,7 +461,7 @@ class TensorStoreStateStorage(Configurable):
         Raises ValueError for a template that does not match (the caller's mistake) and
         CheckpointCorruptError for files that disagree with the index.
         """
-        index_path = os.path.join(step_dir, INDEX_FILE)
+        index_path = file_system.join(step_dir, INDEX_FILE)
         entries = flatten_with_paths(template)
         arrays = index["arrays"]
         missing = [p for p, _ in entries if p not in arrays]
@@ -552,25 +553,25 @@ def _to_template_type(leaf: Any, meta: dict, regions: dict, host: dict) -> Any:
 
 
 def _verify_files(step_dir: str, recorded: dict[str, dict], needed: Sequence[str]) -> None:
-    index_path = os.path.join(step_dir, INDEX_FILE)
+    index_path = file_system.join(step_dir, INDEX_FILE)
     unrecorded = [f for f in needed if f not in recorded]
     if unrecorded:
         raise CheckpointCorruptError(f"{index_path} lists no checksum for {unrecorded[:5]}")
-    present = []
+    # Each file is read once (on an object store, its size is known only by reading it).
+    sums = _checksums(step_dir, needed, _file_checksum_if_present)
     for name in needed:
-        path = os.path.join(step_dir, name)
-        if not os.path.exists(path):
+        path = file_system.join(step_dir, name)
+        if sums[name] is None:
             raise CheckpointCorruptError(f"{path} is missing (listed in {index_path})")
-        if os.path.getsize(path) != recorded[name]["size"]:
+        if sums[name]["size"] != recorded[name]["size"]:
             raise CheckpointCorruptError(
-                f"{path} has {os.path.getsize(path)} bytes, {index_path} records "
+                f"{path} has {sums[name]['size']} bytes, {index_path} records "
                 f"{recorded[name]['size']} (torn or truncated)"
             )
-        present.append(name)
-    for name, actual in _checksums(step_dir, present).items():
-        if actual["crc32"] != recorded[name]["crc32"]:
+    for name in needed:
+        if sums[name]["crc32"] != recorded[name]["crc32"]:
             raise CheckpointCorruptError(
-                f"{os.path.join(step_dir, name)} fails its CRC32 check against {index_path} "
+                f"{file_system.join(step_dir, name)} fails its CRC32 check against {index_path} "
                 "(altered or corrupted)"
             )
 
@@ -617,10 +618,10 @@ class Checkpointer(Module):
         where = self.path()
         if not isinstance(cfg.dir, str) or not cfg.dir:
             raise ConfigError(f"{where}.dir must be a directory path, got {cfg.dir!r}")
-        if "://" in cfg.dir:
-            raise ConfigError(
-                f"{where}.dir={cfg.dir!r}: only local or mounted file systems are supported"
-            )
+        try:
+            file_system.kvstore_spec(cfg.dir)
+        except ValueError as e:
+            raise ConfigError(f"{where}.dir={cfg.dir!r}: {e}") from e
         if cfg.keep_last_n < 1:
             raise ConfigError(f"{where}.keep_last_n must be >= 1, got {cfg.keep_last_n}")
         if cfg.keep_every_n_steps is not None and cfg.keep_every_n_steps < 1:
@@ -702,15 +703,15 @@ class Checkpointer(Module):
             extra_json = json.loads(json.dumps(extra))
         except (TypeError, ValueError) as e:
             raise ValueError(f"Checkpoint extra for step {step} must be JSON-able: {e}") from e
-        step_dir = os.path.join(self._dir, step_dir_name(step))
-        if os.path.exists(os.path.join(step_dir, INDEX_FILE)):
+        step_dir = file_system.join(self._dir, step_dir_name(step))
+        if file_system.isfile(file_system.join(step_dir, INDEX_FILE)):
             _log.warning("Step %d is already committed in %s; not saving it again.", step, step_dir)
             return
         self._last_save_time = time.monotonic()
         snapshot = self._storage.snapshot(state)
-        if jax.process_index() == 0 and os.path.exists(step_dir):
+        if jax.process_index() == 0 and file_system.exists(step_dir):
             # Left by a save that never committed (a crash): start it afresh.
-            shutil.rmtree(step_dir, ignore_errors=True)
+            file_system.rmtree(step_dir, ignore_errors=True)
         nonce = self._agree_on_nonce()
         temporary = self._temporary_save_interval is not None and not self._policy(step)
         self._in_flight_step = step
@@ -738,7 +739,7 @@ class Checkpointer(Module):
         nonce: int,
     ) -> None:
         try:
-            os.makedirs(step_dir, exist_ok=True)
+            file_system.makedirs(step_dir)
             files = self._storage.write(snapshot, step_dir)
             files = self._gather_files(step_dir, files, nonce)
             if jax.process_index() == 0:
@@ -755,7 +756,8 @@ class Checkpointer(Module):
                 self._commit(step_dir, index)
         except BaseException as e:
             if jax.process_index() == 0:
-                shutil.rmtree(step_dir, ignore_errors=True)  # Frees space; never committed.
+                # Frees space; never committed.
+                file_system.rmtree(step_dir, ignore_errors=True)
             raise CheckpointSaveError(
                 f"Saving checkpoint step {step} to {step_dir} failed: {_describe(e)}. Earlier "
                 f"checkpoints in {self._dir} are intact."
@@ -771,15 +773,15 @@ class Checkpointer(Module):
         manifest = {"nonce": nonce, "files": own}
         if jax.process_index() != 0:
             _write_json_atomically(
-                os.path.join(step_dir, f"manifest_{jax.process_index():05d}.json"), manifest
+                file_system.join(step_dir, f"manifest_{jax.process_index():05d}.json"), manifest
             )
             return own
         files = dict(own)
         deadline = time.monotonic() + self._storage.config.timeout_secs
         for process in range(1, count):
-            path = os.path.join(step_dir, f"manifest_{process:05d}.json")
+            path = file_system.join(step_dir, f"manifest_{process:05d}.json")
             while True:
-                if os.path.exists(path):
+                if file_system.isfile(path):
                     other = _read_json(path)
                     if other.get("nonce") == nonce:
                         files.update(other["files"])
@@ -791,7 +793,7 @@ class Checkpointer(Module):
 
     def _commit(self, step_dir: str, index: dict) -> None:
         """Writes the index: from this instant on, the step is a checkpoint."""
-        _write_json_atomically(os.path.join(step_dir, INDEX_FILE), index)
+        _write_json_atomically(file_system.join(step_dir, INDEX_FILE), index)
 
     def wait_until_finished(self) -> None:
         """Blocks until the save in flight is committed; raises its error if it failed."""
@@ -828,7 +830,7 @@ class Checkpointer(Module):
         return sorted(
             step
             for step, path in _step_dirs(self._dir).items()
-            if os.path.exists(os.path.join(path, INDEX_FILE))
+            if file_system.isfile(file_system.join(path, INDEX_FILE))
         )
 
     def latest_committed_step(self) -> Optional[int]:
@@ -847,8 +849,8 @@ class Checkpointer(Module):
         """
         self.wait_until_finished()
         if step is not None:
-            step_dir = os.path.join(self._dir, step_dir_name(step))
-            if not os.path.exists(os.path.join(step_dir, INDEX_FILE)):
+            step_dir = file_system.join(self._dir, step_dir_name(step))
+            if not file_system.isfile(file_system.join(step_dir, INDEX_FILE)):
                 raise ValueError(
                     f"No committed checkpoint for step {step} in {self._dir} "
                     f"(committed: {self.committed_steps()})"
@@ -858,7 +860,7 @@ class Checkpointer(Module):
             candidates = list(reversed(self.committed_steps()))
         problems = []
         for candidate in candidates:
-            step_dir = os.path.join(self._dir, step_dir_name(candidate))
+            step_dir = file_system.join(self._dir, step_dir_name(candidate))
             error: Optional[CheckpointCorruptError] = None
             try:
                 index = self._load_index(step_dir)
@@ -884,7 +886,7 @@ class Checkpointer(Module):
         return None, state, None
 
     def _load_index(self, step_dir: str) -> dict:
-        path = os.path.join(step_dir, INDEX_FILE)
+        path = file_system.join(step_dir, INDEX_FILE)
         try:
             index = _read_json(path)
         except (OSError, ValueError) as e:
@@ -922,18 +924,17 @@ class Checkpointer(Module):
             for step, path in sorted(dirs.items()):
                 if step in committed and step not in keep:
                     # Uncommit first: a crash mid-delete leaves a non-checkpoint, not a torn one.
-                    os.remove(os.path.join(path, INDEX_FILE))
-                    _fsync_dir(path)
+                    file_system.remove(file_system.join(path, INDEX_FILE))
                 elif step in committed or step >= newest or step == self._in_flight_step:
                     continue  # Kept, or an uncommitted save that may still be running.
-                shutil.rmtree(path, ignore_errors=True)
+                file_system.rmtree(path, ignore_errors=True)
                 deleted.append(step)
             return deleted
 
     @staticmethod
     def _is_temporary(step_dir: str) -> bool:
         try:
-            return bool(_read_json(os.path.join(step_dir, INDEX_FILE)).get("temporary"))
+            return bool(_read_json(file_system.join(step_dir, INDEX_FILE)).get("temporary"))
         except (OSError, ValueError, AttributeError):
             return False  # Unreadable: keep by the ordinary rules; restore will judge it.
 
