@@ -156,6 +156,17 @@ def test_open_append_appends_like_a_file_opened_for_appending(root, tmp_path):
         assert file_system.read_bytes(path) == f.read()
 
 
+def test_fsync_after_flush_keeps_what_was_written(root):
+    file_system.makedirs(root)
+    path = file_system.join(root, "events")
+    f = file_system.open_append(path)
+    f.write(b"record")
+    f.flush()
+    file_system.fsync(f)
+    assert file_system.read_bytes(path) == b"record"
+    f.close()
+
+
 def test_kvstore_spec_opens_a_zarr_array_whose_files_are_listed(root):
     directory = file_system.join(root, "arrays", "w")
     file_system.makedirs(directory)

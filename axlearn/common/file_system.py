@@ -336,6 +336,13 @@ class _ObjectAppender:
             self.closed = True
 
 
+def fsync(file: Any) -> None:
+    """Makes what was flushed to a file of `open_append` durable: fsync for a local file;
+    nothing for an object, whose flush was a completed PUT."""
+    if not isinstance(file, _ObjectAppender):
+        os.fsync(file.fileno())
+
+
 def open_append(path: str) -> Any:
     """A binary file object (`write`, `flush`, `close`) appending to `path`. Local files
     are appended to; on a URL, each `flush` rewrites the object, so flush sparingly."""
