@@ -18,11 +18,14 @@ checksums of the files it reads, so an edited index or a torn or altered file is
 detected; the previous committed step is then used, and the step that failed is saved
 again when training reaches it (`save` replaces it instead of keeping it as committed).
 
+`dir` is a local path or a storage URL (`gs://`, `s3://`, `memory://`, see
+`file_system`); TensorStore writes the arrays through the same key-value store. Locally
+the index is committed by POSIX rename (shared file systems for multi-host); on an object
+store by its single PUT, which is atomic.
+
 `save()` blocks only while device arrays are copied to host memory (by default into
 pinned host memory, see `TensorStoreStateStorage.Config.host_memory_kind`); the files are
 written by a background thread, and the next `save()` waits for the previous one.
-Only local (or mounted, shared for multi-host) file systems are supported: the commit
-relies on POSIX rename.
 """
 
 import concurrent.futures
@@ -35,7 +38,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import threading
 import time
 import urllib.parse
@@ -47,6 +49,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from axlearn.common import file_system
 from axlearn.common.config import (
     REQUIRED,
     ConfigError,
@@ -132,71 +135,69 @@ def _parse_step(name: str) -> Optional[int]:
 def _step_dirs(base_dir: str) -> dict[int, str]:
     """Step -> directory, for every step directory in `base_dir`, committed or not."""
     try:
-        names = os.listdir(base_dir)
+        names = file_system.listdir(base_dir)
     except FileNotFoundError:
         return {}
     steps = {}
     for name in names:
         step = _parse_step(name)
-        if step is not None and os.path.isdir(os.path.join(base_dir, name)):
-            steps[step] = os.path.join(base_dir, name)
+        if step is not None and file_system.isdir(file_system.join(base_dir, name)):
+            steps[step] = file_system.join(base_dir, name)
     return steps
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json_atomically(path: str, value: Any) -> None:
     """Readers see either no file or the whole file, even across a crash or power loss."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    file_system.write_text(path, json.dumps(value, indent=1, sort_keys=True))
 
 
 def _read_json(path: str) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return json.loads(file_system.read_text(path))
 
 
 def _uncommit(step_dir: str) -> None:
     """Removes the step's index, if any: from then on the directory is not a checkpoint."""
     try:
-        os.remove(os.path.join(step_dir, INDEX_FILE))
+        file_system.remove(file_system.join(step_dir, INDEX_FILE))
     except FileNotFoundError:
-        return
-    _fsync_dir(step_dir)
+        pass
 
 
 def _file_checksum(path: str) -> dict[str, int]:
     """{'size', 'crc32'} of one file."""
+    if not file_system.is_local(path):
+        data = file_system.read_bytes(path)  # An object store has no partial reads to stream.
+        return {"size": len(data), "crc32": zlib.crc32(data)}
     crc = 0
     size = 0
-    with open(path, "rb") as f:
+    with open(file_system.local_path(path), "rb") as f:
         while block := f.read(_CHECKSUM_BLOCK_BYTES):
             crc = zlib.crc32(block, crc)  # Releases the GIL: files are summed in parallel.
             size += len(block)
     return {"size": size, "crc32": crc}
 
 
+def _file_checksum_if_present(path: str) -> Optional[dict[str, int]]:
+    try:
+        return _file_checksum(path)
+    except FileNotFoundError:
+        return None
+
+
 def _checksums(
-    root: str, relative_paths: Sequence[str], *, on_each: Callable[[], Any] = lambda: None
-) -> dict[str, dict[str, int]]:
-    """{path: {size, crc32}} of the files; `on_each()` is called as each one is summed."""
+    root: str,
+    relative_paths: Sequence[str],
+    checksum: Callable[[str], Any] = _file_checksum,
+    *,
+    on_each: Callable[[], Any] = lambda: None,
+) -> dict[str, Any]:
+    """{path: checksum(root/path)} of the files; `on_each()` is called as each one is summed."""
     workers = min(32, (os.cpu_count() or 1) * 2)
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        sums = pool.map(lambda p: _file_checksum(os.path.join(root, p)), relative_paths)
+        sums = pool.map(lambda p: checksum(file_system.join(root, p)), relative_paths)
         out = {}
-        for path, checksum in zip(relative_paths, sums):
-            out[path] = checksum
+        for path, value in zip(relative_paths, sums):
+            out[path] = value
             on_each()
         return out
 
@@ -407,7 +408,8 @@ class TensorStoreStateStorage(Configurable):
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         # Tensorstore fsyncs each file it writes, so data is durable before the index is.
-        self._context = ts.Context({"file_io_sync": True})
+        # A child of file_system's context: memory:// arrays and files share its stores.
+        self._context = ts.Context({"file_io_sync": True}, parent=file_system.context())
 
     # --- save ---
 
@@ -468,7 +470,7 @@ class TensorStoreStateStorage(Configurable):
     def _spec(step_dir: str, array_dir: str, meta: dict[str, Any]) -> dict[str, Any]:
         return {
             "driver": "zarr",
-            "kvstore": {"driver": "file", "path": os.path.join(step_dir, "arrays", array_dir)},
+            "kvstore": file_system.kvstore_spec(file_system.join(step_dir, "arrays", array_dir)),
             "metadata": {
                 "shape": meta["stored_shape"],
                 "chunks": meta["chunks"],
@@ -491,7 +493,7 @@ class TensorStoreStateStorage(Configurable):
         Raises ValueError for a template that does not match (the caller's mistake) and
         CheckpointCorruptError for files that disagree with the index.
         """
-        index_path = os.path.join(step_dir, INDEX_FILE)
+        index_path = file_system.join(step_dir, INDEX_FILE)
         entries = flatten_with_paths(template)
         arrays = index["arrays"]
         missing = [p for p, _ in entries if p not in arrays]
@@ -586,28 +588,27 @@ def _to_template_type(leaf: Any, meta: dict, regions: dict, host: dict) -> Any:
 
 
 def _verify_files(step_dir: str, recorded: dict[str, dict], needed: Sequence[str]) -> None:
-    index_path = os.path.join(step_dir, INDEX_FILE)
+    index_path = file_system.join(step_dir, INDEX_FILE)
     unrecorded = [f for f in needed if f not in recorded]
     if unrecorded:
         raise CheckpointCorruptError(f"{index_path} lists no checksum for {unrecorded[:5]}")
-    present = []
+    # Each file is read once (on an object store, its size is known only by reading it).
+    step_name = os.path.basename(step_dir.rstrip("/"))
+    with progress_bar(total=len(needed), desc=f"Checking {step_name}", unit="file") as bar:
+        sums = _checksums(step_dir, needed, _file_checksum_if_present, on_each=bar.update)
     for name in needed:
-        path = os.path.join(step_dir, name)
-        if not os.path.exists(path):
+        path = file_system.join(step_dir, name)
+        if sums[name] is None:
             raise CheckpointCorruptError(f"{path} is missing (listed in {index_path})")
-        if os.path.getsize(path) != recorded[name]["size"]:
+        if sums[name]["size"] != recorded[name]["size"]:
             raise CheckpointCorruptError(
-                f"{path} has {os.path.getsize(path)} bytes, {index_path} records "
+                f"{path} has {sums[name]['size']} bytes, {index_path} records "
                 f"{recorded[name]['size']} (torn or truncated)"
             )
-        present.append(name)
-    step_name = os.path.basename(step_dir)
-    with progress_bar(total=len(present), desc=f"Checking {step_name}", unit="file") as bar:
-        checksums = _checksums(step_dir, present, on_each=bar.update)
-    for name, actual in checksums.items():
-        if actual["crc32"] != recorded[name]["crc32"]:
+    for name in needed:
+        if sums[name]["crc32"] != recorded[name]["crc32"]:
             raise CheckpointCorruptError(
-                f"{os.path.join(step_dir, name)} fails its CRC32 check against {index_path} "
+                f"{file_system.join(step_dir, name)} fails its CRC32 check against {index_path} "
                 "(altered or corrupted)"
             )
 
@@ -654,10 +655,10 @@ class Checkpointer(Module):
         where = self.path()
         if not isinstance(cfg.dir, str) or not cfg.dir:
             raise ConfigError(f"{where}.dir must be a directory path, got {cfg.dir!r}")
-        if "://" in cfg.dir:
-            raise ConfigError(
-                f"{where}.dir={cfg.dir!r}: only local or mounted file systems are supported"
-            )
+        try:
+            file_system.kvstore_spec(cfg.dir)
+        except ValueError as e:
+            raise ConfigError(f"{where}.dir={cfg.dir!r}: {e}") from e
         if cfg.keep_last_n < 1:
             raise ConfigError(f"{where}.keep_last_n must be >= 1, got {cfg.keep_last_n}")
         if cfg.keep_every_n_steps is not None and cfg.keep_every_n_steps < 1:
@@ -753,8 +754,8 @@ class Checkpointer(Module):
             extra_json = json.loads(json.dumps(extra))
         except (TypeError, ValueError) as e:
             raise ValueError(f"Checkpoint extra for step {step} must be JSON-able: {e}") from e
-        step_dir = os.path.join(self._dir, step_dir_name(step))
-        if os.path.exists(os.path.join(step_dir, INDEX_FILE)):
+        step_dir = file_system.join(self._dir, step_dir_name(step))
+        if file_system.isfile(file_system.join(step_dir, INDEX_FILE)):
             problem = self._commit_problem(step, step_dir)
             if problem is None:
                 _log.warning(
@@ -767,12 +768,12 @@ class Checkpointer(Module):
             )
         self._last_save_time = time.monotonic()
         snapshot = self._storage.snapshot(state)
-        if jax.process_index() == 0 and os.path.exists(step_dir):
+        if jax.process_index() == 0 and file_system.exists(step_dir):
             # Left by a save that never committed (a crash), or a commit that failed its
             # checks: start it afresh, uncommitted first, so a crash now leaves no torn
             # checkpoint.
             _uncommit(step_dir)
-            shutil.rmtree(step_dir, ignore_errors=True)
+            file_system.rmtree(step_dir, ignore_errors=True)
         nonce = self._agree_on_nonce()
         temporary = self._temporary_save_interval is not None and not self._policy(step)
         self._in_flight_step = step
@@ -812,7 +813,7 @@ class Checkpointer(Module):
         nonce: int,
     ) -> None:
         try:
-            os.makedirs(step_dir, exist_ok=True)
+            file_system.makedirs(step_dir)
             files = self._storage.write(snapshot, step_dir)
             files = self._gather_files(step_dir, files, nonce)
             if jax.process_index() == 0:
@@ -831,7 +832,8 @@ class Checkpointer(Module):
             self._failed_steps.pop(step, None)
         except BaseException as e:
             if jax.process_index() == 0:
-                shutil.rmtree(step_dir, ignore_errors=True)  # Frees space; never committed.
+                # Frees space; never committed.
+                file_system.rmtree(step_dir, ignore_errors=True)
             raise CheckpointSaveError(
                 f"Saving checkpoint step {step} to {step_dir} failed: {_describe(e)}. Earlier "
                 f"checkpoints in {self._dir} are intact."
@@ -847,15 +849,15 @@ class Checkpointer(Module):
         manifest = {"nonce": nonce, "files": own}
         if jax.process_index() != 0:
             _write_json_atomically(
-                os.path.join(step_dir, f"manifest_{jax.process_index():05d}.json"), manifest
+                file_system.join(step_dir, f"manifest_{jax.process_index():05d}.json"), manifest
             )
             return own
         files = dict(own)
         deadline = time.monotonic() + self._storage.config.timeout_secs
         for process in range(1, count):
-            path = os.path.join(step_dir, f"manifest_{process:05d}.json")
+            path = file_system.join(step_dir, f"manifest_{process:05d}.json")
             while True:
-                if os.path.exists(path):
+                if file_system.isfile(path):
                     other = _read_json(path)
                     if other.get("nonce") == nonce:
                         files.update(other["files"])
@@ -869,7 +871,7 @@ class Checkpointer(Module):
         """Writes the index with its own checksum: from this instant on, the step is a
         checkpoint."""
         index = dict(index, **{INDEX_CHECKSUM: _index_digest(index)})
-        _write_json_atomically(os.path.join(step_dir, INDEX_FILE), index)
+        _write_json_atomically(file_system.join(step_dir, INDEX_FILE), index)
 
     def wait_until_finished(self) -> None:
         """Blocks until the save in flight is committed; raises its error if it failed."""
@@ -906,7 +908,7 @@ class Checkpointer(Module):
         return sorted(
             step
             for step, path in _step_dirs(self._dir).items()
-            if os.path.exists(os.path.join(path, INDEX_FILE))
+            if file_system.isfile(file_system.join(path, INDEX_FILE))
         )
 
     def latest_committed_step(self) -> Optional[int]:
@@ -934,8 +936,8 @@ class Checkpointer(Module):
         """
         self.wait_until_finished()
         if step is not None:
-            step_dir = os.path.join(self._dir, step_dir_name(step))
-            if not os.path.exists(os.path.join(step_dir, INDEX_FILE)):
+            step_dir = file_system.join(self._dir, step_dir_name(step))
+            if not file_system.isfile(file_system.join(step_dir, INDEX_FILE)):
                 raise ValueError(
                     f"No committed checkpoint for step {step} in {self._dir} "
                     f"(committed: {self.committed_steps()})"
@@ -945,7 +947,7 @@ class Checkpointer(Module):
             candidates = list(reversed(self.committed_steps()))
         problems = []
         for candidate in candidates:
-            step_dir = os.path.join(self._dir, step_dir_name(candidate))
+            step_dir = file_system.join(self._dir, step_dir_name(candidate))
             error: Optional[CheckpointCorruptError] = None
             try:
                 index = self._load_index(step_dir)
@@ -975,7 +977,7 @@ class Checkpointer(Module):
         return None, state, None
 
     def _load_index(self, step_dir: str) -> dict:
-        path = os.path.join(step_dir, INDEX_FILE)
+        path = file_system.join(step_dir, INDEX_FILE)
         try:
             index = _read_json(path)
         except (OSError, ValueError) as e:
@@ -1041,14 +1043,14 @@ class Checkpointer(Module):
                     continue  # A save that may still be running, or one to be saved again.
                 # Uncommit first: a crash mid-delete leaves a non-checkpoint, not a torn one.
                 _uncommit(path)
-                shutil.rmtree(path, ignore_errors=True)
+                file_system.rmtree(path, ignore_errors=True)
                 deleted.append(step)
             return deleted
 
     def _index_flags(self, step: int) -> tuple[bool, bool]:
         """(temporary, good) as the step's index records them."""
         try:
-            index = _read_json(os.path.join(self._dir, step_dir_name(step), INDEX_FILE))
+            index = _read_json(file_system.join(self._dir, step_dir_name(step), INDEX_FILE))
             return bool(index.get("temporary")), index.get("good") is True
         except (OSError, ValueError, AttributeError):
             return False, False  # Unreadable: keep by the ordinary rules; restore will judge it.

@@ -12,6 +12,10 @@ computed directly from its index (no sequential state), which makes it
   `prefetch_batches` ahead in a background thread; the trainer puts each on the devices
   as it dispatches the step.
 
+Shard paths may be storage URLs (`gs://`, `s3://`, ..., see `file_system`), globs
+included. Shards are memory-mapped, so a shard at a URL is first copied whole to a local
+temporary file (in $TMPDIR, removed once mapped: the mapping keeps its data).
+
 Commands:
     python -m axlearn.common.input_tokens build --vocab=bytes --output=DIR/train FILE...
         Tokenizes text files (one document each) or JSON lines (`.jsonl`, field "text"
@@ -31,6 +35,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from axlearn.common import file_system
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.input_base import BaseInput, Batch, InputError
 from axlearn.common.input_packing import byte_shares, chunk_features
@@ -145,7 +150,8 @@ class TokenShardInput(BaseInput):
 
         global_batch_size: Required[int] = REQUIRED  # Rows of a global batch, all processes.
         max_sequence_length: Required[int] = REQUIRED  # T: tokens per row.
-        paths: Required[Sequence[str]] = REQUIRED  # Shard files or glob patterns.
+        # Shard files or glob patterns: local paths or storage URLs.
+        paths: Required[Sequence[str]] = REQUIRED
         seed: int = 0  # Seeds the per-epoch document order.
         shuffle: bool = True  # Training only: a new document order every epoch.
         # The model's vocabulary: shards made with another name, or with more ids than the
@@ -174,13 +180,13 @@ class TokenShardInput(BaseInput):
         paths = self.config.paths
         if isinstance(paths, str):
             paths = [paths]
-        return expand_paths(paths)
+        return expand_shard_paths(paths)
 
     def _open_shards(self, paths: Sequence[str]) -> list[TokenShard]:
         cfg = self.config
         shards = []
         for path in paths:
-            shard = TokenShard(path, verify_checksum=cfg.verify_checksums)
+            shard = open_shard(path, verify_checksum=cfg.verify_checksums)
             shard.check_vocabulary(vocab_name=cfg.vocab_name, model_vocab_size=cfg.model_vocab_size)
             shards.append(shard)
         if not shards:
@@ -216,6 +222,49 @@ class TokenShardInput(BaseInput):
                 step += 1
 
         return prefetch_in_thread(generate(), cfg.prefetch_batches)
+
+
+# ----- shards at local paths and URLs -----
+
+
+def expand_shard_paths(patterns: Iterable[str]) -> list[str]:
+    """Shards named by `patterns` (globs allowed, local or URLs), each pattern's sorted;
+    raises for a pattern matching none."""
+    paths = []
+    for pattern in patterns:
+        if "://" not in pattern:
+            paths.extend(expand_paths([pattern]))
+            continue
+        is_glob = any(c in pattern for c in "*?[")
+        matches = file_system.glob(pattern) if is_glob else [pattern]
+        if not matches:
+            raise TokenShardError(f"{pattern}: no token shard files match this pattern")
+        for match in matches:
+            if not file_system.isfile(match):
+                raise TokenShardError(f"{match}: token shard file does not exist")
+        paths.extend(matches)
+    return paths
+
+
+def open_shard(path: str, *, verify_checksum: bool = True) -> TokenShard:
+    """The shard at a local path or URL; one at a URL is copied to a local temporary file
+    first (see the module docstring)."""
+    if file_system.is_local(path):
+        return TokenShard(file_system.local_path(path), verify_checksum=verify_checksum)
+    try:
+        data = file_system.read_bytes(path)
+    except FileNotFoundError as e:
+        raise TokenShardError(f"{path}: token shard file does not exist") from e
+    with tempfile.NamedTemporaryFile(prefix="axlearn-shard-", suffix=".tok") as f:
+        f.write(data)
+        f.flush()
+        del data
+        try:
+            shard = TokenShard(f.name, verify_checksum=verify_checksum)
+        except TokenShardError as e:
+            raise TokenShardError(str(e).replace(f.name, path)) from None
+    shard.path = path
+    return shard
 
 
 # ----- building shards -----

@@ -13,7 +13,6 @@ import importlib
 import importlib.util
 import inspect
 import logging
-import os
 import pkgutil
 import re
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from typing import Any, Optional
 
 from absl import flags
 
+from axlearn.common import file_system
 from axlearn.common.config import (
     ConfigBase,
     ConfigError,
@@ -56,7 +56,13 @@ FLAGS_TABLE = (
         "Print every named config with its parameter count and a one-line description, "
         "and exit.",
     ),
-    (flags.DEFINE_string, "trainer_dir", None, "Directory for checkpoints, summaries, traces."),
+    (
+        flags.DEFINE_string,
+        "trainer_dir",
+        None,
+        "Directory for checkpoints, summaries, traces: a local path or a storage URL "
+        "(gs://bucket/run, s3://bucket/run, ...; see axlearn.common.file_system).",
+    ),
     (
         flags.DEFINE_string,
         "mesh_selector",
@@ -589,12 +595,12 @@ def config_changes(old_text: str, new_text: str) -> list[tuple[str, str, str, bo
     ]
 
 
-def _write_atomically(path: str, text: str) -> None:
-    """Another process reads either the old file or the whole new one."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-    os.replace(tmp, path)
+def check_trainer_dir(trainer_dir: str) -> None:
+    """Raises ConfigError for a --trainer_dir URL that no storage driver accepts."""
+    try:
+        file_system.kvstore_spec(trainer_dir)
+    except ValueError as e:
+        raise ConfigError(f"--trainer_dir={trainer_dir}: {e}") from e
 
 
 def record_config(trainer_dir: str, text: str, *, allow_change: bool, write: bool) -> None:
@@ -604,10 +610,9 @@ def record_config(trainer_dir: str, text: str, *, allow_change: bool, write: boo
     Changed keys are logged; a change outside RESTARTABLE_KEYS and the fields that follow
     max_step is an error listing those keys, unless `allow_change`.
     """
-    path = os.path.join(trainer_dir, CONFIG_RECORD)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8", newline="") as f:
-            changes = config_changes(f.read(), text)
+    path = file_system.join(trainer_dir, CONFIG_RECORD)
+    if file_system.isfile(path):
+        changes = config_changes(file_system.read_text(path), text)
         if changes:
             log.info(
                 "%s: %d key(s) changed since the run's last start: %s",
@@ -621,8 +626,8 @@ def record_config(trainer_dir: str, text: str, *, allow_change: bool, write: boo
                 "anyway with --allow_config_change, or start a new run in another --trainer_dir"
             )
     if write:
-        os.makedirs(trainer_dir, exist_ok=True)
-        _write_atomically(path, text)
+        file_system.makedirs(trainer_dir)
+        file_system.write_text(path, text)  # Readers see the old record or the whole new one.
 
 
 # ----- the run -----
@@ -656,6 +661,7 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         return None
     if not flag_values.trainer_dir:
         raise ConfigError("--trainer_dir is required to train (or pass --print_config)")
+    check_trainer_dir(flag_values.trainer_dir)
     check_input_packages(cfg, flag_values.config)
     import jax  # pylint: disable=import-outside-toplevel
 

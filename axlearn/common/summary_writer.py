@@ -9,6 +9,10 @@ in `cfg.dir`:
 - `metrics.jsonl`: one JSON object per write, `{"step": step, name: value, ...}`, holding
   the scalars and strings of that write (histograms stay in the event file only).
 
+`cfg.dir` may be a local path or a storage URL (`gs://`, `s3://`, `memory://`, see
+`file_system`). Object stores have no append: there, both files are held in memory and
+each flush rewrites them whole, so a writer to a URL should flush less often (`max_queue`).
+
 Only process 0 writes; every process must still call the writer, because fetching a
 sharded value to the host is a collective.
 """
@@ -24,6 +28,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from axlearn.common import file_system
 from axlearn.common.config import ConfigError, config_class
 from axlearn.common.module import Module
 from axlearn.common.summary import WeightedScalar
@@ -108,7 +113,7 @@ class _EventFile:
             os.getpid(),
             id(self),
         )
-        self._file = open(os.path.join(logdir, name), "wb")
+        self._file = file_system.open_append(file_system.join(logdir, name))
         self._records = RecordWriter(self._file)
         # The first event names the file format, as TensorBoard expects.
         self._add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
@@ -148,7 +153,7 @@ class _EventFile:
     def flush(self, *, durable: bool = False) -> None:
         self._records.flush()
         if durable:
-            os.fsync(self._file.fileno())
+            file_system.fsync(self._file)
 
     def close(self) -> None:
         self.flush()
@@ -163,7 +168,8 @@ class SummaryWriter(Module):
         """Configures SummaryWriter."""
 
         write_every_n_steps: int = 1  # __call__ writes only at steps divisible by this.
-        # Events kept in memory before the event file is flushed; None: flush every write.
+        # Writes kept in memory before the files are flushed; None: flush every write. On a
+        # URL a flush rewrites the files whole: set it there.
         max_queue: Optional[int] = None
         dir: Optional[str] = None  # Output directory; set by the trainer or the evaler.
 
@@ -199,7 +205,7 @@ class SummaryWriter(Module):
             return
         if not cfg.dir:
             raise ConfigError(f"{self.path()}.dir is not set: set it to the summaries directory")
-        os.makedirs(cfg.dir, exist_ok=True)
+        file_system.makedirs(cfg.dir)
         try:
             self._event_file = _EventFile(cfg.dir)
         except ImportError as e:
@@ -210,7 +216,7 @@ class SummaryWriter(Module):
                 JSONL_FILE_NAME,
                 cfg.dir,
             )
-        self._jsonl = open(os.path.join(cfg.dir, JSONL_FILE_NAME), "a", encoding="utf-8")
+        self._jsonl = file_system.open_append(file_system.join(cfg.dir, JSONL_FILE_NAME))
 
     def _to_writable(self, name: str, value: Any) -> Any:
         """A str or a NumPy array of numbers for one summary value."""
@@ -247,7 +253,7 @@ class SummaryWriter(Module):
                 record[name] = value
             elif value.ndim == 0:
                 record[name] = _python_scalar(value)
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write((json.dumps(record) + "\n").encode("utf-8"))
         self._pending += 1
         max_queue = self._config.max_queue
         if (
@@ -258,14 +264,14 @@ class SummaryWriter(Module):
             self.flush()
 
     def flush(self, *, durable: bool = False) -> None:
-        """Writes every pending summary to the files; `durable` also fsyncs them, so they
-        survive a power loss as a checkpoint does (the trainer flushes so at every save)."""
+        """Writes every pending summary to storage; `durable` also fsyncs local files, so
+        they survive a power loss as a checkpoint does (the trainer flushes so at every save)."""
         if self._event_file is not None:
             self._event_file.flush(durable=durable)
         if self._jsonl is not None:
             self._jsonl.flush()
             if durable:
-                os.fsync(self._jsonl.fileno())
+                file_system.fsync(self._jsonl)
         self._pending = 0
         self._last_flush = time.time()
 
