@@ -171,14 +171,40 @@ def test_a_stale_lock_of_a_dead_process_of_this_host_is_taken_over_with_a_warnin
 
 
 def test_a_lock_naming_a_pid_that_a_later_process_reuses_is_stale(tmp_path):
-    # This process runs, but started after the lock's time: its pid was reused.
+    later = _python("import sys; sys.stdin.read()")  # Runs, and started after 2000.
+    try:
+        _write_lock(
+            tmp_path, host=socket.gethostname(), pid=later.pid,
+            start_time="2000-01-01T00:00:00+00:00",
+        )
+        lock = RunLock(str(tmp_path))
+        lock.acquire()
+        assert _read_lock(tmp_path)["pid"] == os.getpid()
+        lock.release()
+    finally:
+        _finish(later)
+
+
+def test_an_older_lock_naming_this_process_s_pid_is_a_previous_process_s(tmp_path):
+    # As a restarted container finds it: its pid is the one the previous process had.
     _write_lock(
-        tmp_path, host=socket.gethostname(), pid=os.getpid(), start_time="2000-01-01T00:00:00+00:00"
+        tmp_path, host=socket.gethostname(), pid=os.getpid(),
+        start_time="2000-01-01T00:00:00+00:00",
     )
     lock = RunLock(str(tmp_path))
     lock.acquire()
     assert _read_lock(tmp_path)["start_time"] != "2000-01-01T00:00:00+00:00"
     lock.release()
+
+
+def test_a_lock_this_process_took_is_not_taken_again(tmp_path):
+    first = RunLock(str(tmp_path))
+    first.acquire()
+    try:
+        with pytest.raises(RunLockError, match=f"names pid {os.getpid()} on host"):
+            RunLock(str(tmp_path)).acquire()
+    finally:
+        first.release()
 
 
 def test_a_lock_of_another_host_is_refused_saying_how_to_delete_it(tmp_path):

@@ -3,9 +3,10 @@
 While a run trains, `<trainer_dir>/LOCK` holds JSON naming its holder:
 `{"host": ..., "pid": ..., "start_time": ...}` (process 0 of a multi-process run holds
 it). A second trainer started on the directory fails at once with an error naming the
-holder. A lock left by a dead process of this host (its pid is not alive) is taken over,
-with a warning naming the old holder; a lock of another host cannot be checked, so it is
-refused, and the error says how to delete it. The holder deletes the file when its run
+holder. A lock left by a process of this host that no longer runs (no process has its
+pid, or the one that has started after the lock was taken) is taken over, with a warning
+naming the old holder; a lock of another host cannot be checked, so it is refused, and
+the error says how to delete it. The holder deletes the file when its run
 returns, by an error or a preemption too.
 
 Every file operation goes through `_LockFiles`, so that another storage can stand in
@@ -29,6 +30,8 @@ LOCK_FILE_NAME = "LOCK"
 # Created exclusively by the one process taking over a stale lock, for the few
 # instructions between checking the stale lock and replacing it.
 TAKEOVER_SUFFIX = ".takeover"
+_CLOCK_MARGIN_S = 5.0  # See `_holder_alive`.
+_IMPORTED_AT = datetime.datetime.now(datetime.timezone.utc).timestamp()
 
 
 class RunLockError(RuntimeError):
@@ -122,7 +125,11 @@ def _holder_alive(holder: dict[str, Any]) -> bool:
     or it started after the lock was taken (the pid was reused, as a restarted container
     reuses its pids).
     """
-    pid = holder["pid"]
+    pid, locked = holder["pid"], _timestamp(holder.get("start_time"))
+    if pid == os.getpid():
+        # This process took no lock before it imported this module: an older lock naming
+        # its pid is a previous process's (a restarted container's).
+        return locked is None or locked >= _IMPORTED_AT
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -134,9 +141,10 @@ def _holder_alive(holder: dict[str, Any]) -> bool:
         return True  # No /proc (not Linux): os.kill's answer stands.
     if fields[0] in ("Z", "X"):
         return False
-    started, locked = _process_start(fields), _timestamp(holder.get("start_time"))
-    # The lock is taken seconds after its process starts; /proc counts in 1/100 s.
-    return started is None or locked is None or started <= locked + 1.0
+    started = _process_start(fields)
+    # A process takes its lock after it starts; the margin covers /proc's whole-second
+    # boot time and small clock adjustments, erring toward "alive".
+    return started is None or locked is None or started <= locked + _CLOCK_MARGIN_S
 
 
 def _timestamp(iso_time: Any) -> Optional[float]:
