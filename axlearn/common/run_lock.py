@@ -6,8 +6,8 @@ it). A second trainer started on the directory fails at once with an error namin
 holder. A lock left by a process of this host that no longer runs (no process has its
 pid, or the one that has started after the lock was taken) is taken over, with a warning
 naming the old holder; a lock of another host cannot be checked, so it is refused, and
-the error says how to delete it. The holder deletes the file when its run
-returns, by an error or a preemption too.
+the error says how to delete it. The holder deletes the file when its run returns,
+by an error or a preemption too.
 
 Every file operation goes through `_LockFiles`, so that another storage can stand in
 for local files.
