@@ -665,11 +665,18 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
     check_input_packages(cfg, flag_values.config)
     import jax  # pylint: disable=import-outside-toplevel
 
-    record_config(
-        flag_values.trainer_dir,
-        cfg.debug_string(),
-        allow_change=flag_values.allow_config_change,
-        write=jax.process_index() == 0,
-    )
-    trainer = cfg.instantiate(parent=None)
-    return trainer.run()
+    from axlearn.common import run_lock  # pylint: disable=import-outside-toplevel
+
+    # Locked before the config is recorded: a second run on the directory fails before it
+    # writes anything there. The trainer holds the lock again while it trains (re-entrant).
+    with run_lock.hold_on_process_0(flag_values.trainer_dir):
+        record_config(
+            flag_values.trainer_dir,
+            cfg.debug_string(),
+            allow_change=flag_values.allow_config_change,
+            write=jax.process_index() == 0,
+        )
+        trainer = cfg.instantiate(parent=None)
+        # Raises preemption.Preempted on SIGTERM or SIGINT, once the step it reached is
+        # saved; launch_trainer_main turns that into preemption.PREEMPTED_EXIT_CODE.
+        return trainer.run()

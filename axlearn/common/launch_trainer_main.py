@@ -5,6 +5,11 @@
 `--list_configs` lists the named configs; `--print_config` prints the flat config instead
 of training; `--mesh_selector` picks a mesh rule (unset: named from the devices, e.g.
 gpu-h100-1); `--config_override=path=value` (repeatable) edits any field.
+
+Exit status: 0 when the run reached max_step; `preemption.PREEMPTED_EXIT_CODE` (75) when
+SIGTERM or SIGINT stopped it (the step it reached is saved unless the grace period ran
+out; restart with the same flags to resume); 130 on a second SIGINT during that stop;
+1 on a config error, a directory another trainer holds, or a failure.
 """
 
 import logging
@@ -15,6 +20,8 @@ from absl import logging as absl_logging
 
 from axlearn.common import launch, launch_trainer
 from axlearn.common.config import ConfigError
+from axlearn.common.preemption import PREEMPTED_EXIT_CODE, Preempted
+from axlearn.common.run_lock import RunLockError
 
 launch.define_flags()
 launch_trainer.define_flags()
@@ -47,9 +54,13 @@ def main(argv) -> None:
     try:
         launch.setup_from_flags(flags.FLAGS)
         launch_trainer.run_from_flags(flags.FLAGS)
-    except ConfigError as e:
-        # A wrong flag or config: the message says what to change; a traceback adds nothing.
+    except (ConfigError, RunLockError) as e:
+        # A wrong flag or config, or a directory in use: the message says what to change;
+        # a traceback adds nothing.
         raise SystemExit(f"launch_trainer_main: {e}") from e
+    except Preempted as e:
+        # The trainer logged where it saved; the status tells a scheduler to restart it.
+        raise SystemExit(PREEMPTED_EXIT_CODE) from e
     except Exception as e:  # pylint: disable=broad-except
         if _is_divergence(e):
             # The run stopped on a bad loss: the message names the step and the last good

@@ -6,6 +6,7 @@ checkpoint in its directory or initializes; then runs one jitted, sharded `train
 per batch until `max_step`, with summaries, evaluation and checkpoints by policy.
 """
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from axlearn.common import perf
+from axlearn.common import perf, preemption, run_lock
 from axlearn.common.base_layer import (
     BaseLayer,
     ParameterSpec,
@@ -209,6 +210,10 @@ class SpmdTrainer(Module):
         # checkpoint is saved at a bad step. Without such an optimizer a non-finite loss
         # stops the run at once. None: DEFAULT_MAX_CONSECUTIVE_BAD_STEPS (20).
         max_consecutive_bad_steps: Optional[int] = None
+        # Seconds from SIGTERM or SIGINT until the run exits with status
+        # preemption.PREEMPTED_EXIT_CODE, even if the step it reached is not saved by
+        # then (see `run`). None: preemption.DEFAULT_GRACE_PERIOD_S.
+        preemption_grace_period_s: Optional[float] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module] = None, devices=None):
         super().__init__(cfg, parent=parent)
@@ -242,6 +247,12 @@ class SpmdTrainer(Module):
                     f"{self.path()}.per_device_microbatch_size must be None or an int >= 1, "
                     f"got {microbatch!r}"
                 )
+        grace = cfg.preemption_grace_period_s
+        if grace is not None and not (isinstance(grace, (int, float)) and 0 < grace < math.inf):
+            raise ConfigError(
+                f"{self.path()}.preemption_grace_period_s must be None or a positive number "
+                f"of seconds, got {grace!r}"
+            )
         mesh_shape = infer_mesh_shape(cfg.mesh_shape, len(devices))
         self._mesh = create_mesh(mesh_shape, cfg.mesh_axis_names, devices)
         self._devices = devices
@@ -289,6 +300,7 @@ class SpmdTrainer(Module):
         self._jit_train_step = None
         self._jit_parameter_norm = None
         self._jit_model_params = None
+        self._stop: Optional[preemption.StopRequest] = None  # While run() runs.
 
     # ----- properties -----
 
@@ -299,6 +311,11 @@ class SpmdTrainer(Module):
     @property
     def step(self) -> int:
         return self._step
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether SIGTERM or SIGINT has asked the running run() to stop."""
+        return self._stop is not None and self._stop.requested
 
     @property
     def trainer_state(self) -> Optional[TrainerState]:
@@ -663,9 +680,31 @@ class SpmdTrainer(Module):
     # ----- the loop -----
 
     def run(self, prng_key: Optional[jax.Array] = None) -> dict[str, Any]:
-        """Trains until max_step; returns the last logged step's summaries (host values)."""
-        cfg = self._config
+        """Trains until max_step; returns the last logged step's summaries (host values).
+
+        Holds the directory's lock while it runs (`run_lock`: a second trainer there fails
+        at once). SIGTERM or SIGINT stops it early: it finishes the current step, saves
+        it, flushes the summaries and raises `preemption.Preempted` (the launcher exits
+        with `preemption.PREEMPTED_EXIT_CODE`) within `preemption_grace_period_s`; a
+        second SIGINT exits at once.
+        """
         del prng_key  # The key comes from cfg.seed, so that restarts are reproducible.
+        cfg = self._config
+        grace = cfg.preemption_grace_period_s or preemption.DEFAULT_GRACE_PERIOD_S
+        with contextlib.ExitStack() as stack:
+            if cfg.dir is not None:
+                stack.enter_context(run_lock.hold_on_process_0(cfg.dir))
+            self._stop = stack.enter_context(
+                preemption.StopRequest(grace_period_s=grace, on_forced_exit=run_lock.release_all)
+            )
+            try:
+                return self._train()
+            finally:
+                self._stop = None
+
+    def _train(self) -> dict[str, Any]:
+        """run()'s loop, with the lock held and the stop signals caught."""
+        cfg = self._config
         self._restore_or_init()
         accounting = perf.StepAccounting.for_trainer(self)
         has_writer = "summary_writer" in self.children
@@ -696,6 +735,8 @@ class SpmdTrainer(Module):
         # The step time of each report's window; it waits for the steps by their state.
         timer = perf.StepTimer(wait=lambda: jax.block_until_ready(self._state))
         tracing_until = None
+        vote_to_stop = preemption.StopVote.over_mesh(self._mesh)
+        stopping = False
         try:
             while self._step < cfg.max_step:
                 tracing_until = self._maybe_trace(tracing_until)
@@ -708,10 +749,12 @@ class SpmdTrainer(Module):
                     self._check_finite(*pending)
                 pending = (self._step, summaries)
                 step = self._step
-                must_log = step % log_every == 0 or step == cfg.max_step
+                # After a stop signal: this step is logged and saved, and the loop ends.
+                stopping = vote_to_stop(self.stop_requested)
+                must_log = step % log_every == 0 or step == cfg.max_step or stopping
                 writer_due = has_writer and self.summary_writer.should_write(step)
                 saving = has_checkpointer and (
-                    self.checkpointer.should_save(step) or step == cfg.max_step
+                    self.checkpointer.should_save(step) or step == cfg.max_step or stopping
                 )
                 if must_log or writer_due or saving:
                     # Never save or report a state whose loss or parameters are not finite.
@@ -741,6 +784,8 @@ class SpmdTrainer(Module):
                     if saving and self._save(step, model_params):
                         saved_step = step
                     del model_params
+                if stopping:
+                    break
             if pending is not None:
                 self._check_finite(*pending)
         finally:
@@ -751,11 +796,29 @@ class SpmdTrainer(Module):
                 self.checkpointer.wait_until_finished()
             if has_writer:
                 self.summary_writer.flush()
+        if stopping:
+            raise self._preempted(saved_step)
         if saved_step is not None:
             log.info("Finished at step %d; latest checkpoint: step %d", self._step, saved_step)
         if not last and self._step:
             last = {"step": self._step}
         return last
+
+    def _preempted(self, saved_step: Optional[int]) -> preemption.Preempted:
+        """The error ending a run stopped by a signal, once its last step is saved."""
+        signal_name = self._stop.signal_name or "a stop signal on another process"
+        if saved_step is not None:
+            saved = (
+                f"saved step {saved_step} in {self.checkpointer.directory}; a restart resumes "
+                "there"
+            )
+        else:
+            saved = "nothing saved (the trainer has no directory)"
+        message = f"Stopped at step {self._step} on {signal_name}: {saved}"
+        log.warning("%s", message)
+        return preemption.Preempted(
+            message, step=self._step, saved_step=saved_step, signal_name=signal_name
+        )
 
     def _host_batches(self):
         """Yields (input state after this batch, this process's rows of the batch)."""
