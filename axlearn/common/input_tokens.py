@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import gzip
 import hashlib
+import importlib
 import io
 import itertools
 import json
@@ -246,6 +247,16 @@ class TokenShardInput(BaseInput):
 # renames them into place and removes the split's older shards with the same prefix;
 # any failure, Ctrl-C included, removes the temporaries.
 
+def _require(module: str, *, path: str) -> Any:
+    """`module` imported, or an error naming the input that needs it and how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise InputError(
+            f"{path}: reading it needs the '{module}' package: pip install 'axlearn[data]'"
+        ) from None
+
+
 def _compression(path: str) -> str:
     """'gz', 'zst' or '' by the file name's last suffix."""
     for suffix in ("gz", "zst"):
@@ -275,8 +286,7 @@ def _open_input(path: str) -> tuple[BinaryIO, tuple[type, ...]]:
     if compression == "gz":
         return gzip.open(path, "rb"), errors
     if compression == "zst":
-        import zstandard  # pylint: disable=import-outside-toplevel
-
+        zstandard = _require("zstandard", path=path)
         raw = open(path, "rb")  # pylint: disable=consider-using-with
         reader = zstandard.ZstdDecompressor().stream_reader(
             raw, read_across_frames=True, closefd=True
@@ -341,9 +351,8 @@ def _whole_file(path: str) -> str:
 
 def _parquet_rows(path: str, *, text_field: str) -> Iterator[str]:
     """Column `text_field` of each row; errors name the file and row (counted from 0)."""
-    import pyarrow  # pylint: disable=import-outside-toplevel
-    import pyarrow.parquet  # pylint: disable=import-outside-toplevel
-
+    pyarrow = _require("pyarrow", path=path)
+    _require("pyarrow.parquet", path=path)
     try:
         parquet = pyarrow.parquet.ParquetFile(path)
     except (pyarrow.ArrowException, OSError) as e:
@@ -421,6 +430,7 @@ class _Staging:
         self._created_dirs: list[str] = []  # Directories this build made, deepest first.
 
     def temporary(self, final: str) -> str:
+        """Where to write the shard `final` for now (its directory is made if missing)."""
         directory = os.path.dirname(os.path.abspath(final))
         missing = []
         while not os.path.isdir(directory):
@@ -434,11 +444,13 @@ class _Staging:
         return temporary
 
     def commit(self) -> None:
+        """Renames every temporary to its final path."""
         for temporary, final in self._moves:
             os.replace(temporary, final)
         self._moves.clear()
 
     def discard(self) -> None:
+        """Removes every temporary, and the directories made for them if left empty."""
         for temporary, _ in self._moves:
             if os.path.exists(temporary):
                 os.remove(temporary)
@@ -451,11 +463,12 @@ class _Staging:
 class _SplitWriter:
     """Collects one split's documents into shards `<prefix>-00000.tok`, ..."""
 
-    def __init__(self, prefix: str, vocabulary: VocabularyRecord, tokens_per_shard: int, staging):
+    def __init__(
+        self, prefix: str, vocabulary: VocabularyRecord, tokens_per_shard: int, staging: _Staging
+    ):
         self.prefix = prefix
         self.paths: list[str] = []  # Final paths of the shards written so far.
         self.num_docs = 0
-        self.num_tokens = 0  # EOS included.
         self._vocabulary = vocabulary
         self._tokens_per_shard = tokens_per_shard
         self._staging = staging
@@ -468,7 +481,6 @@ class _SplitWriter:
         self._bytes.append(num_bytes)
         self._pending += ids.size + 1
         self.num_docs += 1
-        self.num_tokens += ids.size + 1
         if self._pending >= self._tokens_per_shard:
             self.flush()
 
@@ -545,7 +557,7 @@ def build_splits(
     num_workers: int = 1,
     sources: Sequence[str] = (),
     progress: bool = False,
-) -> "BuildSummary":
+) -> BuildSummary:
     """Tokenizes (text, split) pairs into the shards of each split.
 
     A split of None is decided by `validation_share(text) < validation_fraction`.

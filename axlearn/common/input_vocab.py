@@ -26,6 +26,7 @@ Models pad the vocabulary up for efficient matmuls: `padded_vocab_size(259) == 3
 """
 
 import hashlib
+import importlib
 import json
 import os
 from collections.abc import Sequence
@@ -52,6 +53,16 @@ class VocabularyError(ValueError):
 def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
     """The model's vocabulary size: `vocab_size` rounded up to a multiple of `multiple`."""
     return -(-vocab_size // multiple) * multiple
+
+
+def _require(module: str, *, purpose: str) -> Any:
+    """`module` imported, or an error saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise VocabularyError(
+            f"{purpose} needs the '{module}' package: pip install 'axlearn[data]'"
+        ) from None
 
 
 def file_sha256(path: str) -> str:
@@ -150,8 +161,7 @@ class SentencePieceVocabulary(Vocabulary):
     kind = "sentencepiece"
 
     def __init__(self, model_file: str, *, eos_token: Optional[str] = None):
-        import sentencepiece  # pylint: disable=import-outside-toplevel
-
+        sentencepiece = _require("sentencepiece", purpose=f"{model_file}: a SentencePiece model")
         self.model_file = model_file
         self.name = os.path.basename(model_file)
         self._eos_token = eos_token
@@ -212,8 +222,7 @@ class HuggingFaceVocabulary(Vocabulary):
         eos_token: Optional[str] = None,
         bos_token: Optional[str] = None,
     ):
-        import tokenizers  # pylint: disable=import-outside-toplevel
-
+        tokenizers = _require("tokenizers", purpose=f"{tokenizer_file}: a Hugging Face tokenizer")
         self.model_file = tokenizer_file
         self.name = os.path.basename(tokenizer_file)
         self._tokens = (eos_token, bos_token)
