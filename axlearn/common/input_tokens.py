@@ -844,8 +844,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         default=os.cpu_count() or 1,
         help="Tokenizing processes (default: one per core); the output does not depend on it.",
     )
-    build.add_argument("--tokens_per_shard", type=int, default=1 << 28)
-    build.add_argument("--replace_newlines_with", default=None)
+    build.add_argument(
+        "--tokens_per_shard", type=int, default=1 << 28, help="Tokens (EOS included) per shard."
+    )
+    build.add_argument(
+        "--replace_newlines_with",
+        default=None,
+        help="Replaces '\\n' before tokenizing, for vocabularies without a newline token.",
+    )
     bench = commands.add_parser("bench", help="Measure loader throughput on synthetic shards.")
     bench.add_argument("--global_batch_size", type=int, default=4)
     bench.add_argument("--max_sequence_length", type=int, default=4096)
