@@ -4,7 +4,7 @@ A shard is one file, little-endian:
 
     offset  size  field
     0       8     magic b"AXLTOKEN"
-    8       4     format version (1)
+    8       4     format version (2; version 1 files, without a manifest, are read too)
     12      4     bytes per token: 2 (uint16) or 4 (uint32)
     16      4     vocabulary size (every token id is below it)
     20      4     eos id (appended to every document)
@@ -12,19 +12,27 @@ A shard is one file, little-endian:
     32      8     document count
     40      4     CRC-32 of the payload (everything after the header)
     44      64    vocabulary name, UTF-8, zero-padded ('bytes' or a model file's name)
-    108     16    zero
+    108     4     manifest size in bytes (0 in version 1)
+    112     12    zero
     124     4     CRC-32 of bytes [0, 124)
     128           payload:
                   tokens       [token count]     uint16/uint32: each document then its EOS
                   (zero bytes up to a multiple of 8)
                   doc_ends     [document count]  int64: end of document i in tokens
                   doc_bytes    [document count]  int64: UTF-8 bytes of document i's text
+                  manifest     [manifest size]   UTF-8 JSON, sorted keys (below)
 
 Documents are stored with EOS appended, so document i's aligned block (see
 `input_packing`) is `tokens[doc_ends[i-1]:doc_ends[i]]` as targets.
+
+The manifest describes the vocabulary the shard was tokenized with, e.g.
+`{"vocabulary": {"bos_id": 1, "eos_id": 2, "kind": "sentencepiece", "name": "llama.model",
+"pad_id": -1, "sha256": "<hex of the model file>", "size": 32000}}` (`VocabularyRecord`;
+-1: no such token; kind '' and sha256 '' where unknown, as in version 1 files).
 """
 
 import dataclasses
+import json
 import mmap
 import os
 import struct
@@ -37,9 +45,10 @@ import numpy as np
 from axlearn.common.input_base import InputError
 
 MAGIC = b"AXLTOKEN"
-VERSION = 1
+VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 HEADER_SIZE = 128
-_FIELDS = struct.Struct("<8sIIIIQQI64s")  # Everything up to the reserved bytes.
+_FIELDS = struct.Struct("<8sIIIIQQI64sI")  # Everything up to the reserved bytes.
 _HEADER_CRC_OFFSET = 124
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
@@ -59,13 +68,39 @@ class ShardHeader:
     num_docs: int
     payload_crc32: int
     vocab_name: str
+    manifest_size: int = 0  # Bytes of the JSON manifest ending the payload (0: none).
 
     @property
     def dtype(self) -> np.dtype:
         return _DTYPES[self.itemsize]
 
     def payload_size(self) -> int:
-        return _align8(self.num_tokens * self.itemsize) + 16 * self.num_docs
+        return _align8(self.num_tokens * self.itemsize) + 16 * self.num_docs + self.manifest_size
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabularyRecord:
+    """The vocabulary a shard was tokenized with, as its manifest records it."""
+
+    name: str  # 'bytes' or the model file's base name.
+    size: int  # Every token id is below it.
+    eos_id: int  # Ends every document.
+    kind: str = ""  # 'bytes', 'sentencepiece', 'huggingface'; '' if unknown.
+    sha256: str = ""  # Hex SHA-256 of the model file; '' for bytes or if unknown.
+    bos_id: int = -1  # -1: none (documents are not prefixed with it).
+    pad_id: int = -1  # -1: none (batches pad with 0 regardless; see input_packing).
+
+    @classmethod
+    def from_header(cls, name: str, size: int, eos_id: int) -> "VocabularyRecord":
+        """What a name, size and eos id alone say: the byte vocabulary is known by name."""
+        if name == "bytes":
+            return cls(name=name, size=size, eos_id=eos_id, kind="bytes", pad_id=0)
+        return cls(name=name, size=size, eos_id=eos_id)
+
+    def describe(self) -> str:
+        """A short human description, e.g. "'llama.model' (sentencepiece, 32000 ids)"."""
+        kind = f"{self.kind}, " if self.kind else ""
+        return f"'{self.name}' ({kind}{self.size} ids)"
 
 
 def _align8(n: int) -> int:
@@ -91,6 +126,7 @@ def encode_header(header: ShardHeader) -> bytes:
         header.num_docs,
         header.payload_crc32,
         name,
+        header.manifest_size,
     )
     fields = fields.ljust(_HEADER_CRC_OFFSET, b"\0")
     return fields + struct.pack("<I", zlib.crc32(fields))
@@ -102,7 +138,7 @@ def decode_header(data: bytes, *, path: str) -> ShardHeader:
         raise TokenShardError(
             f"{path}: {len(data)} bytes is shorter than the {HEADER_SIZE}-byte token shard header"
         )
-    magic, version, itemsize, vocab_size, eos_id, num_tokens, num_docs, crc, name = (
+    magic, version, itemsize, vocab_size, eos_id, num_tokens, num_docs, crc, name, manifest = (
         _FIELDS.unpack_from(data)
     )
     if magic != MAGIC:
@@ -113,8 +149,10 @@ def decode_header(data: bytes, *, path: str) -> ShardHeader:
     (header_crc,) = struct.unpack_from("<I", data, _HEADER_CRC_OFFSET)
     if zlib.crc32(data[:_HEADER_CRC_OFFSET]) != header_crc:
         raise TokenShardError(f"{path}: corrupt token shard header (header checksum mismatch)")
-    if version != VERSION:
-        raise TokenShardError(f"{path}: token shard format version {version}, expected {VERSION}")
+    if version not in _READABLE_VERSIONS:
+        raise TokenShardError(
+            f"{path}: token shard format version {version}, expected one of {_READABLE_VERSIONS}"
+        )
     if itemsize not in _DTYPES:
         raise TokenShardError(f"{path}: {itemsize} bytes per token, expected 2 or 4")
     return ShardHeader(
@@ -125,6 +163,7 @@ def decode_header(data: bytes, *, path: str) -> ShardHeader:
         num_docs=num_docs,
         payload_crc32=crc,
         vocab_name=name.rstrip(b"\0").decode("utf-8", errors="replace"),
+        manifest_size=manifest if version >= 2 else 0,
     )
 
 
@@ -133,11 +172,24 @@ def write_shard(
     documents: Sequence[np.ndarray],
     num_bytes: Sequence[int],
     *,
-    vocab_name: str,
-    vocab_size: int,
-    eos_id: int,
+    vocabulary: Optional[VocabularyRecord] = None,
+    vocab_name: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+    eos_id: Optional[int] = None,
 ) -> ShardHeader:
-    """Writes tokenized documents (without EOS) to `path` atomically; skips empty ones."""
+    """Writes tokenized documents (without EOS) to `path` atomically; skips empty ones.
+
+    The vocabulary is `vocabulary`, or, given as `vocab_name`, `vocab_size` and `eos_id`,
+    `VocabularyRecord.from_header` of them.
+    """
+    names = (vocab_name, vocab_size, eos_id)
+    if (vocabulary is None) == all(v is None for v in names) or (
+        vocabulary is None and None in names
+    ):
+        raise TypeError("write_shard takes `vocabulary` or all of vocab_name, vocab_size, eos_id")
+    if vocabulary is None:
+        vocabulary = VocabularyRecord.from_header(vocab_name, vocab_size, eos_id)
+    vocab_size, eos_id = vocabulary.size, vocabulary.eos_id
     kept = [(np.asarray(d), int(b)) for d, b in zip(documents, num_bytes) if len(d)]
     itemsize = token_itemsize(vocab_size)
     dtype = _DTYPES[itemsize]
@@ -149,30 +201,39 @@ def write_shard(
             raise ValueError(f"{path}: token ids outside [0, {vocab_size})")
         tokens[end - length : end - 1] = doc
         tokens[end - 1] = eos_id
-    token_bytes = tokens.tobytes()
-    payload = b"".join(
-        [
-            token_bytes,
-            b"\0" * (_align8(len(token_bytes)) - len(token_bytes)),
-            ends.astype("<i8").tobytes(),
-            np.array([b for _, b in kept], dtype="<i8").tobytes(),
-        ]
-    )
+    manifest = json.dumps({"vocabulary": dataclasses.asdict(vocabulary)}, sort_keys=True)
+    parts = [
+        memoryview(tokens).cast("B"),
+        b"\0" * (_align8(tokens.nbytes) - tokens.nbytes),
+        ends.astype("<i8").tobytes(),
+        np.array([b for _, b in kept], dtype="<i8").tobytes(),
+        manifest.encode("utf-8"),
+    ]
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
     header = ShardHeader(
         itemsize=itemsize,
         vocab_size=vocab_size,
         eos_id=eos_id,
         num_tokens=tokens.size,
         num_docs=len(kept),
-        payload_crc32=zlib.crc32(payload),
-        vocab_name=vocab_name,
+        payload_crc32=crc,
+        vocab_name=vocabulary.name,
+        manifest_size=len(parts[-1]),
     )
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(encode_header(header))
-        f.write(payload)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(encode_header(header))
+            for part in parts:
+                f.write(part)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     return header
 
 
@@ -208,6 +269,10 @@ class TokenShard:
         last_end = self.doc_ends[-1] if header.num_docs else 0
         if last_end != header.num_tokens or np.any(lengths < 2):
             raise TokenShardError(f"{path}: document boundaries do not match the token count")
+        manifest_start = doc_start + 16 * header.num_docs
+        self.vocabulary = read_manifest(
+            self._map[manifest_start : manifest_start + header.manifest_size], header, path=path
+        )
 
     def check_vocabulary(
         self, *, vocab_name: Optional[str] = None, model_vocab_size: Optional[int] = None
@@ -222,8 +287,27 @@ class TokenShard:
         if model_vocab_size is not None and header.vocab_size > model_vocab_size:
             raise TokenShardError(
                 f"{self.path}: vocabulary '{header.vocab_name}' has {header.vocab_size} ids, more "
-                f"than the model's vocab_size {model_vocab_size}"
+                f"than the model's vocab_size {model_vocab_size} (shard vocabulary "
+                f"{self.vocabulary.describe()}; build the shards with the model's vocabulary or "
+                "raise the model's vocab_size)"
             )
+
+
+def read_manifest(data: bytes, header: ShardHeader, *, path: str) -> VocabularyRecord:
+    """The vocabulary record of a shard's manifest (from the header alone if it has none)."""
+    fallback = VocabularyRecord.from_header(header.vocab_name, header.vocab_size, header.eos_id)
+    if not data:
+        return fallback
+    try:
+        record = VocabularyRecord(**json.loads(bytes(data).decode("utf-8"))["vocabulary"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise TokenShardError(f"{path}: corrupt token shard manifest ({e})") from None
+    if (record.name, record.size, record.eos_id) != (fallback.name, fallback.size, fallback.eos_id):
+        raise TokenShardError(
+            f"{path}: manifest vocabulary {record.describe()} (eos {record.eos_id}) disagrees "
+            f"with the header {fallback.describe()} (eos {fallback.eos_id})"
+        )
+    return record
 
 
 def expand_paths(patterns: Iterable[str]) -> list[str]:

@@ -17,21 +17,39 @@ included. Shards are memory-mapped, so a shard at a URL is first copied whole to
 temporary file (in $TMPDIR, removed once mapped: the mapping keeps its data).
 
 Commands:
-    python -m axlearn.common.input_tokens build --vocab=bytes --output=DIR/train FILE...
-        Tokenizes text files (one document each) or JSON lines (`.jsonl`, field "text"
-        per line) into DIR/train-00000.tok, ...
+    python -m axlearn.common.input_tokens build --vocab=VOCAB --output=DIR/train FILE...
+        Tokenizes documents into DIR/train-00000.tok, ... (and DIR/validation-*.tok with
+        --validation_fraction=F or --validation_files=...). Inputs by name: `.jsonl`
+        (field `--text_field`, default "text", per line), `.parquet` (that column per row),
+        `.jsonl.gz` / `.jsonl.zst`, any other file one document. VOCAB: 'bytes', a
+        SentencePiece `.model` or a Hugging Face `tokenizer.json` (`input_vocab`). Every
+        document ends with the vocabulary's eos id (no bos is added; the shard manifest
+        records eos, bos, pad, size and the model file's SHA-256). Batches pad with id 0
+        whatever the vocabulary's pad id (the model masks targets equal to its
+        `pad_token_id`). Uses `--num_workers` processes, default one per core; the output
+        is the same for any number. A bad record is a one-line error naming its file and
+        line (or Parquet row); a failed or interrupted build leaves nothing behind.
     python -m axlearn.common.input_tokens bench --global_batch_size=4 --max_sequence_length=4096
         Measures batches/s of the loader on synthetic shards.
 """
 
 import argparse
+import contextlib
+import dataclasses
+import gzip
+import hashlib
+import importlib
+import io
+import itertools
 import json
 import os
+import re
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
@@ -40,13 +58,15 @@ from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.input_base import BaseInput, Batch, InputError
 from axlearn.common.input_packing import byte_shares, chunk_features
 from axlearn.common.input_prefetch import prefetch_in_thread
+from axlearn.common.input_tokenize import tokenize_documents
 from axlearn.common.input_token_format import (
     TokenShard,
     TokenShardError,
+    VocabularyRecord,
     expand_paths,
     write_shard,
 )
-from axlearn.common.input_vocab import ByteVocabulary, load_vocabulary, vocabulary_name
+from axlearn.common.input_vocab import VocabularyError, load_vocabulary, vocabulary_name
 from axlearn.common.module import Module
 
 
@@ -268,47 +288,398 @@ def open_shard(path: str, *, verify_checksum: bool = True) -> TokenShard:
 
 
 # ----- building shards -----
+#
+# `build` reads documents in the main process, tokenizes them on every core
+# (`input_tokenize`: results in input order, so any worker count writes the same bytes),
+# and writes each split's shards under temporary names beside their final paths
+# (`<final>.partial-<pid>`, which no `*.tok` glob matches). Only a build that succeeds
+# renames them into place and removes the split's older shards with the same prefix;
+# any failure, Ctrl-C included, removes the temporaries.
+
+def _require(module: str, *, path: str) -> Any:
+    """`module` imported, or an error naming the input that needs it and how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise InputError(
+            f"{path}: reading it needs the '{module}' package: pip install 'axlearn[data]'"
+        ) from None
+
+
+def _compression(path: str) -> str:
+    """'gz', 'zst' or '' by the file name's last suffix."""
+    for suffix in ("gz", "zst"):
+        if path.endswith("." + suffix):
+            return suffix
+    return ""
+
+
+def _file_format(path: str) -> str:
+    """'jsonl', 'parquet' or 'text' (one document per file), after any compression suffix."""
+    compression = _compression(path)
+    base = path[: -len(compression) - 1] if compression else path
+    if base.endswith(".jsonl"):
+        return "jsonl"
+    if base.endswith(".parquet"):
+        if compression:
+            raise InputError(f"{path}: Parquet files compress internally; give the .parquet file")
+        return "parquet"
+    return "text"
+
+
+def _open_input(path: str) -> tuple[BinaryIO, tuple[type, ...]]:
+    """`path` opened for binary reading, decompressed by suffix, and the errors a bad
+    stream raises while it is read."""
+    errors: tuple[type, ...] = (OSError, EOFError, zlib.error)
+    compression = _compression(path)
+    if compression == "gz":
+        return gzip.open(path, "rb"), errors
+    if compression == "zst":
+        zstandard = _require("zstandard", path=path)
+        raw = open(path, "rb")  # pylint: disable=consider-using-with
+        reader = zstandard.ZstdDecompressor().stream_reader(
+            raw, read_across_frames=True, closefd=True
+        )
+        return io.BufferedReader(reader), errors + (zstandard.ZstdError,)
+    return open(path, "rb"), errors  # pylint: disable=consider-using-with
+
+
+def _utf8(data: bytes, *, path: str, first_line: int = 1) -> str:
+    """`data` decoded; a non-UTF-8 byte is named by file, line and column."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + data.count(b"\n", 0, e.start)
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise InputError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column})"
+        ) from None
+
+
+def _json_lines(path: str, *, text_field: str) -> Iterator[str]:
+    """The `text_field` of each non-blank line; errors name the file and line."""
+    stream, errors = _open_input(path)
+    with stream:
+        lines = iter(stream)
+        lineno = 0
+        while True:
+            try:
+                raw = next(lines)
+            except StopIteration:
+                return
+            except errors as e:
+                raise InputError(f"{path}:{lineno + 1}: cannot read ({e})") from None
+            lineno += 1
+            line = _utf8(raw, path=path, first_line=lineno)
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")  # A byte-order mark is not JSON.
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{lineno}: not a JSON line: {e}") from None
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                found = f"fields {sorted(record)}" if isinstance(record, dict) else "no object"
+                raise InputError(
+                    f"{path}:{lineno}: expected an object with a string field '{text_field}' "
+                    f"(found {found}); choose the field with --text_field"
+                )
+            yield record[text_field]
+
+
+def _whole_file(path: str) -> str:
+    stream, errors = _open_input(path)
+    with stream:
+        try:
+            data = stream.read()
+        except errors as e:
+            raise InputError(f"{path}: cannot read ({e})") from None
+    return _utf8(data, path=path)
+
+
+def _parquet_rows(path: str, *, text_field: str) -> Iterator[str]:
+    """Column `text_field` of each row; errors name the file and row (counted from 0)."""
+    pyarrow = _require("pyarrow", path=path)
+    _require("pyarrow.parquet", path=path)
+    try:
+        parquet = pyarrow.parquet.ParquetFile(path)
+    except (pyarrow.ArrowException, OSError) as e:
+        raise InputError(f"{path}: not a Parquet file ({_one_line(e)})") from None
+    schema = parquet.schema_arrow
+    if text_field not in schema.names:
+        raise InputError(
+            f"{path}: no column '{text_field}' (columns: {schema.names}); choose one with "
+            "--text_field"
+        )
+    column_type = schema.field(text_field).type
+    types = pyarrow.types
+    if not any(
+        test(column_type)
+        for test in (types.is_string, types.is_large_string, types.is_binary, types.is_large_binary)
+    ):
+        raise InputError(f"{path}: column '{text_field}' holds {column_type}, not text")
+    row = 0
+    with parquet:
+        batches = parquet.iter_batches(columns=[text_field], batch_size=1024)
+        while True:
+            try:
+                values = next(batches).column(0).to_pylist()
+            except StopIteration:
+                return
+            except (pyarrow.ArrowException, OSError, UnicodeDecodeError) as e:
+                raise InputError(
+                    f"{path}: row {row} or after: cannot read ({_one_line(e)})"
+                ) from None
+            for value in values:
+                if value is None:
+                    raise InputError(f"{path}: row {row}: column '{text_field}' is null")
+                if isinstance(value, bytes):
+                    try:
+                        value = value.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise InputError(
+                            f"{path}: row {row}: not UTF-8 text (byte 0x{value[e.start]:02x} at "
+                            f"offset {e.start})"
+                        ) from None
+                yield value
+                row += 1
+
+
+def read_documents(path: str, *, text_field: str = "text") -> Iterator[str]:
+    """The documents of one input file, by its name (see `build --help`)."""
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: input text file does not exist")
+    kind = _file_format(path)
+    if kind == "jsonl":
+        yield from _json_lines(path, text_field=text_field)
+    elif kind == "parquet":
+        yield from _parquet_rows(path, text_field=text_field)
+    else:
+        yield _whole_file(path)
 
 
 def iter_documents(paths: Iterable[str], *, text_field: str = "text") -> Iterator[str]:
-    """Texts of `paths`: `.jsonl` files give one per line (field `text_field`), others one each."""
+    """The documents of `paths`, file after file."""
     for path in paths:
-        if not os.path.isfile(path):
-            raise InputError(f"{path}: input text file does not exist")
-        if path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise InputError(f"{path}:{lineno}: not a JSON line: {e}") from e
-                    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                        raise InputError(
-                            f"{path}:{lineno}: expected an object with a string field "
-                            f"'{text_field}'"
-                        )
-                    yield record[text_field]
-        else:
-            with open(path, "rb") as f:
-                data = f.read()
-            try:
-                yield data.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise InputError(f"{path}: not UTF-8 text ({e})") from e
+        yield from read_documents(path, text_field=text_field)
 
 
-def tokenize(
-    vocab: Any, text: str, *, replace_newlines_with: Optional[str] = None
-) -> tuple[np.ndarray, int]:
-    """(token ids, UTF-8 bytes of the original text); newlines are replaced before encoding."""
-    num_bytes = len(text.encode("utf-8"))
-    if replace_newlines_with is not None:
-        text = text.replace("\n", replace_newlines_with)
-    if isinstance(vocab, ByteVocabulary):
-        return vocab.encode_bytes(text.encode("utf-8")), num_bytes
-    return np.asarray(vocab.encode(text), dtype=np.int64), num_bytes
+def validation_share(text: str) -> float:
+    """A stable number in [0, 1) from the text's SHA-256: below F puts it in validation."""
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+class _Staging:
+    """Shards written under temporary names, renamed into place together or all removed."""
+
+    def __init__(self):
+        self._moves: list[tuple[str, str]] = []  # (temporary, final) paths.
+        self._created_dirs: list[str] = []  # Directories this build made, deepest first.
+
+    def temporary(self, final: str) -> str:
+        """Where to write the shard `final` for now (its directory is made if missing)."""
+        directory = os.path.dirname(os.path.abspath(final))
+        missing = []
+        while not os.path.isdir(directory):
+            missing.append(directory)
+            directory = os.path.dirname(directory)
+        for directory in reversed(missing):
+            os.mkdir(directory)
+        self._created_dirs = missing + self._created_dirs
+        temporary = f"{final}.partial-{os.getpid()}"
+        self._moves.append((temporary, final))
+        return temporary
+
+    def commit(self) -> None:
+        """Renames every temporary to its final path."""
+        for temporary, final in self._moves:
+            os.replace(temporary, final)
+        self._moves.clear()
+
+    def discard(self) -> None:
+        """Removes every temporary, and the directories made for them if left empty."""
+        for temporary, _ in self._moves:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+        self._moves.clear()
+        for directory in self._created_dirs:
+            if os.path.isdir(directory) and not os.listdir(directory):
+                os.rmdir(directory)
+
+
+class _SplitWriter:
+    """Collects one split's documents into shards `<prefix>-00000.tok`, ..."""
+
+    def __init__(
+        self, prefix: str, vocabulary: VocabularyRecord, tokens_per_shard: int, staging: _Staging
+    ):
+        self.prefix = prefix
+        self.paths: list[str] = []  # Final paths of the shards written so far.
+        self.num_docs = 0
+        self._vocabulary = vocabulary
+        self._tokens_per_shard = tokens_per_shard
+        self._staging = staging
+        self._documents: list[np.ndarray] = []
+        self._bytes: list[int] = []
+        self._pending = 0
+
+    def add(self, ids: np.ndarray, num_bytes: int) -> None:
+        self._documents.append(ids)
+        self._bytes.append(num_bytes)
+        self._pending += ids.size + 1
+        self.num_docs += 1
+        if self._pending >= self._tokens_per_shard:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._documents:
+            return
+        final = f"{self.prefix}-{len(self.paths):05d}.tok"
+        write_shard(
+            self._staging.temporary(final),
+            self._documents,
+            self._bytes,
+            vocabulary=self._vocabulary,
+        )
+        self.paths.append(final)
+        self._documents, self._bytes, self._pending = [], [], 0
+
+
+def _stale_shards(prefix: str, keep: Sequence[str]) -> list[str]:
+    """Shards `<prefix>-NNNNN.tok` of an earlier build that this one did not write."""
+    directory = os.path.dirname(os.path.abspath(prefix))
+    pattern = re.compile(re.escape(os.path.basename(prefix)) + r"-\d{5}\.tok")
+    kept = {os.path.abspath(p) for p in keep}
+    return sorted(
+        path
+        for path in (os.path.join(directory, name) for name in os.listdir(directory))
+        if pattern.fullmatch(os.path.basename(path)) and path not in kept
+    )
+
+
+def vocabulary_record(vocab: Any) -> VocabularyRecord:
+    """What a shard's manifest records of `vocab` (see `input_token_format`)."""
+    return VocabularyRecord(
+        name=vocabulary_name(vocab),
+        size=int(vocab.vocab_size),
+        eos_id=int(vocab.eos_id),
+        kind=getattr(vocab, "kind", ""),
+        sha256=getattr(vocab, "file_sha256", ""),
+        bos_id=int(getattr(vocab, "bos_id", -1)),
+        pad_id=int(getattr(vocab, "pad_id", -1)),
+    )
+
+
+@contextlib.contextmanager
+def _build_progress(show: bool):
+    """A bar of tokens, tokens/s and documents (None: no bar)."""
+    if not show:
+        yield None
+        return
+    from axlearn.common.progress import progress_bar  # pylint: disable=import-outside-toplevel
+
+    with progress_bar(total=None, desc="tokenizing", unit="tok") as bar:
+        bar.unit_scale = True
+        yield bar
+
+
+@dataclasses.dataclass
+class BuildSummary:
+    """What `build_splits` wrote."""
+
+    paths: dict[str, list[str]]  # Split -> its shard paths.
+    documents_read: int
+    documents_skipped: int  # Read, but without any token (e.g. empty texts).
+    removed_stale: list[str]  # Shards of an earlier build with the same prefix, now removed.
+
+
+def build_splits(
+    documents: Iterable[tuple[str, Optional[str]]],
+    *,
+    vocab: Any,
+    prefixes: dict[str, str],
+    validation_fraction: float = 0.0,
+    tokens_per_shard: int = 1 << 28,
+    replace_newlines_with: Optional[str] = None,
+    num_workers: int = 1,
+    sources: Sequence[str] = (),
+    progress: bool = False,
+) -> BuildSummary:
+    """Tokenizes (text, split) pairs into the shards of each split.
+
+    A split of None is decided by `validation_share(text) < validation_fraction`.
+    `prefixes` maps every split that receives documents to its shard path prefix. A split
+    that ends with no tokens is refused, naming `sources`. Documents without tokens are
+    skipped. The result is the same for any `num_workers`.
+    """
+    if validation_fraction and "validation" not in prefixes:
+        raise ValueError("validation_fraction needs a 'validation' prefix")
+    record = vocabulary_record(vocab)
+    staging = _Staging()
+    writers = {
+        split: _SplitWriter(prefix, record, tokens_per_shard, staging)
+        for split, prefix in prefixes.items()
+    }
+
+    def with_splits() -> Iterator[tuple[str, str]]:
+        for text, split in documents:
+            if split is None:
+                is_validation = validation_share(text) < validation_fraction
+                split = "validation" if is_validation else "train"
+            yield text, split
+
+    num_read = 0
+    try:
+        chunks = tokenize_documents(
+            with_splits(),
+            vocab=vocab,
+            replace_newlines_with=replace_newlines_with,
+            num_workers=num_workers,
+        )
+        with contextlib.closing(chunks), _build_progress(progress) as bar:
+            for ids, counts, splits in chunks:
+                ends = np.cumsum(counts[:, 0])
+                for end, (length, num_bytes), split in zip(ends, counts, splits):
+                    if length:
+                        writers[split].add(ids[end - length : end], int(num_bytes))
+                num_read += len(splits)
+                if bar is not None:
+                    bar.set_postfix(documents=num_read, refresh=False)
+                    bar.update(int(ends[-1]) + len(splits))  # Tokens, each document's EOS too.
+        for split, writer in writers.items():
+            writer.flush()
+            if not writer.num_docs:
+                message = _empty_split_message(split, num_read, validation_fraction, sources)
+                raise InputError(message)
+        staging.commit()
+    except BaseException:
+        staging.discard()
+        raise
+    removed = []
+    for writer in writers.values():
+        for path in _stale_shards(writer.prefix, writer.paths):
+            os.remove(path)
+            removed.append(path)
+    return BuildSummary(
+        paths={split: writer.paths for split, writer in writers.items()},
+        documents_read=num_read,
+        documents_skipped=num_read - sum(writer.num_docs for writer in writers.values()),
+        removed_stale=removed,
+    )
+
+
+def _empty_split_message(
+    split: str, num_read: int, validation_fraction: float, sources: Sequence[str]
+) -> str:
+    inputs = ", ".join(sources) if sources else "the given texts"
+    if not num_read:
+        return f"No documents in {inputs}: nothing to tokenize"
+    message = f"No document of {inputs} ({num_read} read) gives the {split} split any token"
+    if validation_fraction:
+        message += f" (validation_fraction={validation_fraction})"
+    return message
 
 
 def build_token_shards(
@@ -318,54 +689,105 @@ def build_token_shards(
     output_prefix: str,
     tokens_per_shard: int = 1 << 28,
     replace_newlines_with: Optional[str] = None,
+    num_workers: int = 1,
 ) -> list[str]:
     """Tokenizes `texts` into shards `{output_prefix}-00000.tok`, ...; returns their paths."""
-    name, size, eos = vocabulary_name(vocab), vocab.vocab_size, vocab.eos_id
-    paths: list[str] = []
-    documents: list[np.ndarray] = []
-    num_bytes: list[int] = []
-    pending = 0
+    return build_splits(
+        ((text, "train") for text in texts),
+        vocab=vocab,
+        prefixes={"train": output_prefix},
+        tokens_per_shard=tokens_per_shard,
+        replace_newlines_with=replace_newlines_with,
+        num_workers=num_workers,
+    ).paths["train"]
 
-    def flush():
-        path = f"{output_prefix}-{len(paths):05d}.tok"
-        write_shard(path, documents, num_bytes, vocab_name=name, vocab_size=size, eos_id=eos)
-        paths.append(path)
-        documents.clear()
-        num_bytes.clear()
 
-    for text in texts:
-        ids, count = tokenize(vocab, text, replace_newlines_with=replace_newlines_with)
-        if ids.size == 0:
-            continue
-        documents.append(ids)
-        num_bytes.append(count)
-        pending += ids.size + 1
-        if pending >= tokens_per_shard:
-            flush()
-            pending = 0
-    if documents or not paths:
-        flush()
-    return paths
+def output_prefixes(output: str, *, with_validation: bool) -> dict[str, str]:
+    """Shard prefixes by split for `--output`.
+
+    A directory (an existing one, or a name ending in '/') gets `train-*.tok` and
+    `validation-*.tok`; any other name is the train split's prefix, and validation shards
+    go beside it as `validation-*.tok` (so `--output=data/golf/train` writes
+    `data/golf/train-*.tok` and `data/golf/validation-*.tok`).
+    """
+    if output.endswith(("/", os.sep)) or os.path.isdir(output):
+        train = os.path.join(output, "train")
+    else:
+        train = output
+    prefixes = {"train": train}
+    if with_validation:
+        validation = os.path.join(os.path.dirname(train), "validation")
+        if os.path.abspath(validation) == os.path.abspath(train):
+            raise InputError(
+                f"--output={output}: the train shards would take the validation split's name; "
+                "give another prefix, e.g. DIR/train"
+            )
+        prefixes["validation"] = validation
+    return prefixes
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 # ----- commands -----
 
 
 def _build_command(args: argparse.Namespace) -> None:
-    vocab = load_vocabulary(args.vocab)
-    paths = build_token_shards(
-        iter_documents(args.files, text_field=args.text_field),
+    validation_files = args.validation_files or []
+    if not 0 <= args.validation_fraction < 1:
+        raise InputError(f"--validation_fraction={args.validation_fraction}: expected 0 <= F < 1")
+    if validation_files and args.validation_fraction:
+        raise InputError("Give --validation_fraction or --validation_files, not both")
+    both = sorted(set(args.files) & set(validation_files))
+    if both:
+        raise InputError(f"{both[0]}: given both as a training file and in --validation_files")
+    if args.num_workers < 1 or args.tokens_per_shard < 1:
+        raise InputError("--num_workers and --tokens_per_shard must be positive")
+    sources = [*args.files, *validation_files]
+    for path in sources:
+        if not os.path.isfile(path):
+            raise InputError(f"{path}: input text file does not exist")
+        _file_format(path)  # Refuses unsupported names before any work.
+    vocab = load_vocabulary(
+        args.vocab, any_special_ids=True, eos_token=args.eos_token, bos_token=args.bos_token
+    )
+    prefixes = output_prefixes(
+        args.output, with_validation=bool(validation_files or args.validation_fraction)
+    )
+    train_split = None if args.validation_fraction else "train"  # None: by document hash.
+    field = args.text_field
+    documents = itertools.chain(
+        ((text, train_split) for text in iter_documents(args.files, text_field=field)),
+        ((text, "validation") for text in iter_documents(validation_files, text_field=field)),
+    )
+    summary = build_splits(
+        documents,
         vocab=vocab,
-        output_prefix=args.output,
+        prefixes=prefixes,
+        validation_fraction=args.validation_fraction,
         tokens_per_shard=args.tokens_per_shard,
         replace_newlines_with=args.replace_newlines_with,
+        num_workers=args.num_workers,
+        sources=sources,
+        progress=True,
     )
-    for path in paths:
-        header = TokenShard(path).header
-        print(
-            f"{path}: {header.num_docs} documents, {header.num_tokens} tokens "
-            f"({header.vocab_name})"
-        )
+    record = vocabulary_record(vocab)
+    for paths in summary.paths.values():
+        for path in paths:
+            header = TokenShard(path, verify_checksum=False).header
+            print(
+                f"{path}: {header.num_docs} documents, {header.num_tokens} tokens "
+                f"({header.vocab_name})"
+            )
+    print(
+        f"vocabulary {record.describe()}: eos {record.eos_id}, bos {record.bos_id}, "
+        f"pad {record.pad_id} (-1: none); {summary.documents_read} documents read, "
+        f"{summary.documents_skipped} without tokens skipped"
+    )
+    for path in summary.removed_stale:
+        print(f"{path}: removed (a shard of an earlier build with this prefix)")
 
 
 def _synthetic_shard(
@@ -423,15 +845,62 @@ def _bench_command(args: argparse.Namespace) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m axlearn.common.input_tokens")
     commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser("build", help="Tokenize text / JSON-lines files into shards.")
-    build.add_argument("files", nargs="+", help="Text files (one document each) or .jsonl files.")
-    build.add_argument(
-        "--vocab", default="bytes", help="'bytes' or a SentencePiece model name or path."
+    build = commands.add_parser(
+        "build",
+        help="Tokenize text, JSON-lines or Parquet files into shards.",
+        description="Tokenizes documents into token shards. Inputs by name: *.jsonl (one "
+        "JSON object per line), *.parquet (one row each), *.jsonl.gz / *.jsonl.zst "
+        "(compressed JSON lines), any other file is one document (.gz/.zst decompressed).",
     )
-    build.add_argument("--output", required=True, help="Shard path prefix, e.g. /data/owt/train.")
-    build.add_argument("--text_field", default="text", help="JSON field holding the text.")
-    build.add_argument("--tokens_per_shard", type=int, default=1 << 28)
-    build.add_argument("--replace_newlines_with", default=None)
+    build.add_argument("files", nargs="+", help="Input files (put them before --validation_files).")
+    build.add_argument(
+        "--vocab",
+        default="bytes",
+        help="'bytes', a SentencePiece .model, or a Hugging Face tokenizer.json (or the "
+        "directory holding it); a name, or a path (relative names not found are looked up "
+        "in $AXLEARN_VOCAB_DIR).",
+    )
+    build.add_argument(
+        "--eos_token",
+        default=None,
+        help="The token that ends every document, if not the tokenizer's own eos.",
+    )
+    build.add_argument(
+        "--bos_token", default=None, help="Hugging Face tokenizers: the bos token (recorded only)."
+    )
+    build.add_argument(
+        "--output",
+        required=True,
+        help="Shard path prefix, e.g. data/golf/train (writes data/golf/train-00000.tok, ...; "
+        "a validation split goes beside it as validation-*.tok), or a directory (ending in "
+        "'/') for DIR/train-*.tok and DIR/validation-*.tok.",
+    )
+    build.add_argument(
+        "--text_field", default="text", help="JSON field or Parquet column holding the text."
+    )
+    build.add_argument(
+        "--validation_fraction",
+        type=float,
+        default=0.0,
+        help="Share of documents held out for validation, chosen by a hash of each text.",
+    )
+    build.add_argument(
+        "--validation_files", nargs="+", default=None, help="Input files of the validation split."
+    )
+    build.add_argument(
+        "--num_workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="Tokenizing processes (default: one per core); the output does not depend on it.",
+    )
+    build.add_argument(
+        "--tokens_per_shard", type=int, default=1 << 28, help="Tokens (EOS included) per shard."
+    )
+    build.add_argument(
+        "--replace_newlines_with",
+        default=None,
+        help="Replaces '\\n' before tokenizing, for vocabularies without a newline token.",
+    )
     bench = commands.add_parser("bench", help="Measure loader throughput on synthetic shards.")
     bench.add_argument("--global_batch_size", type=int, default=4)
     bench.add_argument("--max_sequence_length", type=int, default=4096)
@@ -448,5 +917,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         _bench_command(args)
 
 
+def _cli(argv: Sequence[str]) -> int:
+    """`main` as a command: bad input is a one-line error and exit status 1."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    jax.config.update("jax_platforms", "cpu")  # Host-only commands: never claim an accelerator.
+    try:
+        main(argv)
+    except (InputError, VocabularyError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: nothing written", file=sys.stderr)
+        return 130
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(_cli(sys.argv[1:]))
