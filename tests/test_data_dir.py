@@ -5,6 +5,8 @@ holds none is an error naming it, except as the TFDS directory of tf.data inputs
 import json
 import math
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -20,6 +22,7 @@ from axlearn.common.launch_trainer import (
     get_named_trainer_config,
     missing_input_packages,
 )
+from tests.fresh_python import REPO, fresh_env
 
 
 def _texts(count: int, seed: int) -> list[str]:
@@ -87,6 +90,21 @@ def test_a_nonexistent_path_is_an_error_naming_it(tmp_path):
     missing = tmp_path / "nowhere"
     with pytest.raises(ConfigError, match=f"--data_dir={missing}: {missing} does not exist"):
         build_trainer_config(config_name="gpt_test", data_dir=str(missing))
+
+
+def test_main_job_stops_on_a_nonexistent_data_dir_with_one_line_naming_it(tmp_path):
+    missing = tmp_path / "nowhere"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "axlearn.common.launch_trainer_main", "--config=gpt_test",
+            f"--data_dir={missing}", f"--trainer_dir={tmp_path / 'run'}",
+        ],
+        env=fresh_env(1), cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"launch_trainer_main: --data_dir={missing}: {missing} does not exist")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_directory_without_shards_is_an_error_naming_it_and_the_layout(tmp_path):
@@ -170,6 +188,7 @@ def test_a_storage_url_directory_is_read_through_file_system(data_dir):
             np.testing.assert_array_equal(value, want[key], err_msg=key)
 
 
+@pytest.mark.slow
 def test_gpt_test_trains_and_evaluates_on_shards(data_dir, tmp_path):
     small = [
         "input.global_batch_size=4",

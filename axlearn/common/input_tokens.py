@@ -14,18 +14,20 @@ computed directly from its index (no sequential state), which makes it
 Streams and processes. Training cuts the corpus (shards in path order, each one's
 documents in order) into `num_streams` = G contiguous ranges of whole documents holding
 about equal tokens; stream g packs range g, in its own order each epoch, into rows
-[g*B/G, (g+1)*B/G) of every global batch of B rows. Each process reads the rows it owns
+[g*B/G, (g+1)*B/G) of every global batch of B rows. A process computes the rows it owns
 (`host_rows`) and opens only the shards of their streams: with G a multiple of the
-process count, processes read disjoint shares of the documents, each opening about 1/P
-of the shards (a shard where two ranges meet is opened by both). The batches depend on G, never on
-the process count: one process produces what several produce together, and a run
-resumes on another number of hosts with the same data. With G = 1 the corpus is one
-stream and every process opens every shard. Evaluation reads one stream in order (each
-process opens every shard, for its rows of each batch), so its results depend on
-neither G nor the process count.
+process count P, processes read disjoint shares of the documents, each opening about
+1/P of the shards (a shard where two ranges meet is opened by both). Batches depend on
+G, never on P: one process produces what several produce together, and a run resumes
+on another number of hosts with the same data. G = 1 is a single stream, which every
+process reads whole; it is the default for a single shard, and for corpora too small to
+give each stream `min_stream_tokens`. Evaluation reads one stream in order (every
+process opens every shard for its rows of each batch), so its results depend on neither
+G nor P.
 
 Building the input reads every shard's header (vocabulary and size checks, stream
-ranges); a shard's payload is mapped and checksummed when a stream first needs it.
+ranges); a shard's payload is mapped and checksummed when a stream first needs it, so a
+truncated or corrupt shard is reported at the first batch that reads it.
 
 Shard paths may be storage URLs (`gs://`, `s3://`, ..., see `file_system`), globs
 included. Shards are memory-mapped, so a shard at a URL is first copied whole to a local
@@ -200,7 +202,7 @@ class TokenShardInput(BaseInput):
         self._paths = self._shard_paths()
         if not self._paths:
             raise InputError(f"{self.path()}: no token shards configured")
-        self._headers = [read_shard_header(path) for path in self._paths]
+        self._headers = read_shard_headers(self._paths)
         for path, header in zip(self._paths, self._headers):
             check_vocabulary(
                 path, header, vocab_name=cfg.vocab_name, model_vocab_size=cfg.model_vocab_size
@@ -379,24 +381,37 @@ def expand_shard_paths(patterns: Iterable[str]) -> list[str]:
     return paths
 
 
-def read_shard_header(path: str) -> ShardHeader:
-    """The header of the shard at a local path or URL, from its first bytes only."""
-    if file_system.is_local(path):
-        local = file_system.local_path(path)
-        if not os.path.isfile(local):
-            raise TokenShardError(f"{path}: token shard file does not exist")
-        with open(local, "rb") as f:
-            return decode_header(f.read(HEADER_SIZE), path=path)
+def read_shard_headers(paths: Sequence[str]) -> list[ShardHeader]:
+    """The headers of the shards at `paths` (local paths or URLs), from their first bytes
+    only; the reads of URLs are issued together."""
+    headers: list[Optional[ShardHeader]] = [None] * len(paths)
+    reads = {}
+    for i, path in enumerate(paths):
+        if file_system.is_local(path):
+            local = file_system.local_path(path)
+            if not os.path.isfile(local):
+                raise TokenShardError(f"{path}: token shard file does not exist")
+            with open(local, "rb") as f:
+                headers[i] = decode_header(f.read(HEADER_SIZE), path=path)
+        else:
+            reads[i] = _url_store(path).read(b"", byte_range=slice(0, HEADER_SIZE))
+    for i, future in reads.items():
+        try:
+            result = future.result()
+        except ValueError:  # Shorter than a header: read it all, for the error naming its size.
+            result = _url_store(paths[i]).read(b"").result()
+        if result.state != "value":
+            raise TokenShardError(f"{paths[i]}: token shard file does not exist")
+        headers[i] = decode_header(bytes(result.value), path=paths[i])
+    return headers
+
+
+def _url_store(path: str) -> Any:
+    """A TensorStore key-value store whose key b'' is the object at URL `path`."""
     import tensorstore as ts  # pylint: disable=import-outside-toplevel
 
-    store = ts.KvStore.open(file_system.kvstore_spec(path), context=file_system.context()).result()
-    try:
-        result = store.read(b"", byte_range=slice(0, HEADER_SIZE)).result()
-    except ValueError:  # Shorter than a header: read it all, for the error naming its size.
-        result = store.read(b"").result()
-    if result.state != "value":
-        raise TokenShardError(f"{path}: token shard file does not exist")
-    return decode_header(bytes(result.value), path=path)
+    spec = file_system.kvstore_spec(path)
+    return ts.KvStore.open(spec, context=file_system.context()).result()
 
 
 def check_vocabulary(

@@ -721,9 +721,10 @@ def check_input_packages(cfg: ConfigBase, config_name: str) -> None:
     if missing:
         raise ConfigError(
             f"{config_name} reads its data through tf.data ({path}), which needs "
-            f"{' and '.join(missing)}, not installed here: pass --data_dir={FAKE_DATA_DIR} "
-            f"for synthetic batches or --data_dir={BUILTIN_DATA_DIR} for the built-in byte "
-            "corpus, or pip install 'axlearn[tf]'"
+            f"{' and '.join(missing)}, not installed here: pass --data_dir=DIR for token "
+            f"shards in DIR, --data_dir={FAKE_DATA_DIR} for synthetic batches or "
+            f"--data_dir={BUILTIN_DATA_DIR} for the built-in byte corpus, or pip install "
+            "'axlearn[tf]'"
         )
 
 
