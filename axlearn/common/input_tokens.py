@@ -6,11 +6,28 @@ computed directly from its index (no sequential state), which makes it
 
 - deterministic: training visits documents in a new order each epoch, a permutation
   drawn from (seed, epoch);
-- per process: each process reads only the rows of the global batch it owns;
 - resumable: restoring `{'batches_consumed': n}` continues with batch n exactly;
 - fast: a batch is a few vectorized NumPy gathers from the memory map, produced
   `prefetch_batches` ahead in a background thread; the trainer puts each on the devices
   as it dispatches the step.
+
+Streams and processes. Training cuts the corpus (shards in path order, each one's
+documents in order) into `num_streams` = G contiguous ranges of whole documents holding
+about equal tokens; stream g packs range g, in its own order each epoch, into rows
+[g*B/G, (g+1)*B/G) of every global batch of B rows. A process computes the rows it owns
+(`host_rows`) and opens only the shards of their streams: with G a multiple of the
+process count P, processes read disjoint shares of the documents, each opening about
+1/P of the shards (a shard where two ranges meet is opened by both). Batches depend on
+G, never on P: one process produces what several produce together, and a run resumes
+on another number of hosts with the same data. G = 1 is a single stream, which every
+process reads whole; it is the default for a single shard, and for corpora too small to
+give each stream `min_stream_tokens`. Evaluation reads one stream in order (every
+process opens every shard for its rows of each batch), so its results depend on neither
+G nor P.
+
+Building the input reads every shard's header (vocabulary and size checks, stream
+ranges); a shard's payload is mapped and checksummed when a stream first needs it, so a
+truncated or corrupt shard is reported at the first batch that reads it.
 
 Shard paths may be storage URLs (`gs://`, `s3://`, ..., see `file_system`), globs
 included. Shards are memory-mapped, so a shard at a URL is first copied whole to a local
@@ -46,6 +63,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
@@ -60,9 +78,12 @@ from axlearn.common.input_packing import byte_shares, chunk_features
 from axlearn.common.input_prefetch import prefetch_in_thread
 from axlearn.common.input_tokenize import tokenize_documents
 from axlearn.common.input_token_format import (
+    HEADER_SIZE,
+    ShardHeader,
     TokenShard,
     TokenShardError,
     VocabularyRecord,
+    decode_header,
     expand_paths,
     write_shard,
 )
@@ -71,27 +92,26 @@ from axlearn.common.module import Module
 
 
 class TokenCorpus:
-    """Shards seen as one corpus of documents, and the packed stream over it."""
+    """Documents of consecutive shards, seen as one corpus, and the packed stream over it.
 
-    def __init__(self, shards: Sequence[TokenShard], *, seed: int, shuffle: bool):
+    `start_range` = (lo, hi) keeps only the documents that start at token positions
+    [lo, hi) of the shards' concatenation (a stream's share); None keeps them all.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[TokenShard],
+        *,
+        seed: Sequence[int],
+        shuffle: bool,
+        start_range: Optional[tuple[int, int]] = None,
+    ):
         if not shards:
             raise TokenShardError("No token shards given")
-        first = shards[0].header
-        for shard in shards[1:]:
-            header = shard.header
-            if (header.vocab_name, header.vocab_size, header.eos_id) != (
-                first.vocab_name,
-                first.vocab_size,
-                first.eos_id,
-            ):
-                raise TokenShardError(
-                    f"{shard.path}: vocabulary '{header.vocab_name}' (size {header.vocab_size}) "
-                    f"differs from '{first.vocab_name}' (size {first.vocab_size}) of "
-                    f"{shards[0].path}"
-                )
+        check_same_vocabulary([(shard.path, shard.header) for shard in shards])
         self.paths = [shard.path for shard in shards]
-        self.eos_id = first.eos_id
-        self._seed = seed
+        self.eos_id = shards[0].header.eos_id
+        self._seed = list(seed)
         self._shuffle = shuffle
         self._tokens = [shard.tokens for shard in shards]
         sizes = np.array([shard.header.num_tokens for shard in shards], dtype=np.int64)
@@ -102,10 +122,16 @@ class TokenCorpus:
                 for shard, start in zip(shards, self._shard_starts)
             ]
         )
-        self.doc_lengths = np.diff(ends, prepend=0)
-        self.doc_starts = ends - self.doc_lengths
-        self.doc_bytes = np.concatenate([shard.doc_bytes.astype(np.int64) for shard in shards])
-        self.num_tokens = int(self._shard_starts[-1])  # Aligned positions per epoch.
+        lengths = np.diff(ends, prepend=0)
+        starts = ends - lengths
+        doc_bytes = np.concatenate([shard.doc_bytes.astype(np.int64) for shard in shards])
+        if start_range is not None:
+            keep = (starts >= start_range[0]) & (starts < start_range[1])
+            lengths, starts, doc_bytes = lengths[keep], starts[keep], doc_bytes[keep]
+        self.doc_lengths = lengths
+        self.doc_starts = starts
+        self.doc_bytes = doc_bytes
+        self.num_tokens = int(lengths.sum())  # Aligned positions per epoch.
         self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,7 +139,7 @@ class TokenCorpus:
         if epoch not in self._orders:
             num_docs = self.doc_lengths.size
             if self._shuffle:
-                order = np.random.default_rng([self._seed, epoch]).permutation(num_docs)
+                order = np.random.default_rng([*self._seed, epoch]).permutation(num_docs)
             else:
                 order = np.arange(num_docs)
             if len(self._orders) >= 4:
@@ -178,6 +204,11 @@ class TokenShardInput(BaseInput):
         # model's vocab_size, are rejected. None: not checked.
         vocab_name: Optional[str] = None
         model_vocab_size: Optional[int] = None
+        # Training: streams the corpus is cut into, each feeding its own block of rows (see
+        # the module docstring); must divide global_batch_size. None: 1 for a single shard,
+        # else the most streams that leave each at least min_stream_tokens tokens.
+        num_streams: Optional[int] = None
+        min_stream_tokens: int = 1 << 22  # Smallest stream num_streams=None makes.
         prefetch_batches: int = 2  # Batches computed ahead in a background thread (0: none).
         verify_checksums: bool = True  # CRC-check each shard's payload when opening it.
 
@@ -188,13 +219,24 @@ class TokenShardInput(BaseInput):
             raise ConfigError(
                 f"{self.path()}: global_batch_size and max_sequence_length must be positive"
             )
-        self._corpus = TokenCorpus(
-            self._open_shards(self._shard_paths()),
-            seed=cfg.seed,
-            shuffle=cfg.shuffle and cfg.is_training,
-        )
-        if self._corpus.num_tokens == 0:
-            raise InputError(f"{self.path()}: the shards {self._corpus.paths} hold no documents")
+        self._paths = self._shard_paths()
+        if not self._paths:
+            raise InputError(f"{self.path()}: no token shards configured")
+        self._headers = read_shard_headers(self._paths)
+        for path, header in zip(self._paths, self._headers):
+            check_vocabulary(
+                path, header, vocab_name=cfg.vocab_name, model_vocab_size=cfg.model_vocab_size
+            )
+        check_same_vocabulary(list(zip(self._paths, self._headers)))
+        sizes = [header.num_tokens for header in self._headers]
+        self._shard_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self._num_tokens = int(self._shard_starts[-1])
+        if self._num_tokens == 0:
+            raise InputError(f"{self.path()}: the shards {self._paths} hold no documents")
+        self._num_streams = self._resolve_num_streams() if cfg.is_training else 1
+        self._shards: dict[str, TokenShard] = {}  # Opened on first use.
+        self._streams: dict[int, TokenCorpus] = {}
+        self._lock = threading.Lock()
 
     def _shard_paths(self) -> list[str]:
         paths = self.config.paths
@@ -202,35 +244,121 @@ class TokenShardInput(BaseInput):
             paths = [paths]
         return expand_shard_paths(paths)
 
-    def _open_shards(self, paths: Sequence[str]) -> list[TokenShard]:
+    def _resolve_num_streams(self) -> int:
         cfg = self.config
-        shards = []
-        for path in paths:
-            shard = open_shard(path, verify_checksum=cfg.verify_checksums)
-            shard.check_vocabulary(vocab_name=cfg.vocab_name, model_vocab_size=cfg.model_vocab_size)
-            shards.append(shard)
-        if not shards:
-            raise InputError(f"{self.path()}: no token shards configured")
-        return shards
+        batch = cfg.global_batch_size
+        if cfg.num_streams is None:
+            if len(self._paths) == 1:
+                return 1
+            fitting = [
+                n
+                for n in range(1, batch + 1)
+                if batch % n == 0 and self._num_tokens // n >= cfg.min_stream_tokens
+            ]
+            return max(fitting, default=1)
+        if cfg.num_streams <= 0 or batch % cfg.num_streams:
+            raise ConfigError(
+                f"{self.path()}.num_streams: {cfg.num_streams} does not divide "
+                f"global_batch_size {batch}"
+            )
+        return cfg.num_streams
+
+    # ----- the corpus and its streams -----
+
+    @property
+    def num_streams(self) -> int:
+        """Streams of the global batch (1 for evaluation)."""
+        return self._num_streams
+
+    @property
+    def vocabulary(self) -> tuple[str, int, int]:
+        """(vocabulary name, vocabulary size, eos id) of the shards."""
+        header = self._headers[0]
+        return header.vocab_name, header.vocab_size, header.eos_id
+
+    @property
+    def opened_paths(self) -> list[str]:
+        """The shards this process has opened so far (its streams' shares)."""
+        with self._lock:
+            return sorted(self._shards)
+
+    def stream_of_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The stream feeding each row of a global batch."""
+        return rows // (self.global_batch_size // self._num_streams)
+
+    def stream_share(self, stream: int) -> tuple[list[int], tuple[int, int]]:
+        """(indices of the shards holding `stream`'s documents, the corpus token positions
+        [lo, hi) where its documents start)."""
+        lo = stream * self._num_tokens // self._num_streams
+        hi = (stream + 1) * self._num_tokens // self._num_streams
+        starts, ends = self._shard_starts[:-1], self._shard_starts[1:]
+        return np.flatnonzero((starts < hi) & (ends > lo)).tolist(), (lo, hi)
+
+    def _shard(self, path: str, header: ShardHeader) -> TokenShard:
+        if path not in self._shards:
+            shard = open_shard(path, verify_checksum=self.config.verify_checksums)
+            if shard.header != header:
+                raise TokenShardError(f"{path}: token shard changed since the input was built")
+            self._shards[path] = shard
+        return self._shards[path]
+
+    def _stream(self, stream: int) -> TokenCorpus:
+        """Stream `stream`'s corpus, opened on first use."""
+        with self._lock:
+            if stream not in self._streams:
+                self._streams[stream] = self._open_stream(stream)
+            return self._streams[stream]
+
+    def _open_stream(self, stream: int) -> TokenCorpus:
+        cfg = self.config
+        shards, (lo, hi) = self.stream_share(stream)
+        corpus = None
+        if shards:
+            offset = int(self._shard_starts[shards[0]])
+            corpus = TokenCorpus(
+                [self._shard(self._paths[i], self._headers[i]) for i in shards],
+                seed=[cfg.seed] if self._num_streams == 1 else [cfg.seed, stream],
+                shuffle=cfg.shuffle and cfg.is_training,
+                start_range=(lo - offset, hi - offset),
+            )
+        if corpus is None or corpus.num_tokens == 0:
+            raise InputError(
+                f"{self.path()}: stream {stream} of {self._num_streams} holds no document "
+                f"(none starts at its tokens [{lo}, {hi})); use fewer num_streams"
+            )
+        return corpus
+
+    def stream_features(self, stream: int, chunks: np.ndarray) -> Batch:
+        """Features of chunks `chunks` of stream `stream`, a row each."""
+        cfg = self.config
+        corpus = self._stream(stream)
+        length = cfg.max_sequence_length
+        positions = np.asarray(chunks, dtype=np.int64)[:, None] * length + np.arange(length)
+        if cfg.is_training:
+            valid = np.ones(positions.shape, dtype=bool)
+        else:
+            valid = positions < corpus.num_tokens
+        return corpus.features(positions, valid)
+
+    # ----- batches -----
 
     @property
     def num_eval_batches(self) -> int:
         """Global batches of one evaluation pass (the last one padded)."""
-        num_chunks = -(-self._corpus.num_tokens // self.max_sequence_length)
+        num_chunks = -(-self._num_tokens // self.max_sequence_length)
         return -(-num_chunks // self.global_batch_size)
 
     def host_batch(self, step: int) -> Batch:
-        """This process's rows of global batch `step`."""
-        cfg = self.config
+        """This process's rows of global batch `step`: in each stream, batch `step` takes
+        the stream's next chunk for each of its rows."""
         host_rows = self.host_rows()
         rows = np.arange(host_rows.start, host_rows.stop, dtype=np.int64)
-        chunks = step * cfg.global_batch_size + rows
-        positions = chunks[:, None] * cfg.max_sequence_length + np.arange(cfg.max_sequence_length)
-        if cfg.is_training:
-            valid = np.ones(positions.shape, dtype=bool)
-        else:
-            valid = positions < self._corpus.num_tokens
-        return self._corpus.features(positions, valid)
+        rows_per_stream = self.global_batch_size // self._num_streams
+        streams = self.stream_of_rows(rows)
+        chunks = step * rows_per_stream + rows - streams * rows_per_stream
+        # Rows are in stream order: the streams' parts concatenate to the rows in order.
+        parts = [self.stream_features(s, chunks[streams == s]) for s in np.unique(streams)]
+        return concatenate_rows(parts)
 
     def _host_batches(self, start: int) -> Iterator[Batch]:
         cfg = self.config
@@ -242,6 +370,13 @@ class TokenShardInput(BaseInput):
                 step += 1
 
         return prefetch_in_thread(generate(), cfg.prefetch_batches)
+
+
+def concatenate_rows(parts: Sequence[Batch]) -> Batch:
+    """Batches of consecutive rows, as one."""
+    if len(parts) == 1:
+        return parts[0]
+    return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
 
 
 # ----- shards at local paths and URLs -----
@@ -264,6 +399,75 @@ def expand_shard_paths(patterns: Iterable[str]) -> list[str]:
                 raise TokenShardError(f"{match}: token shard file does not exist")
         paths.extend(matches)
     return paths
+
+
+def read_shard_headers(paths: Sequence[str]) -> list[ShardHeader]:
+    """The headers of the shards at `paths` (local paths or URLs), from their first bytes
+    only; the reads of URLs are issued together."""
+    headers: list[Optional[ShardHeader]] = [None] * len(paths)
+    reads = {}
+    for i, path in enumerate(paths):
+        if file_system.is_local(path):
+            local = file_system.local_path(path)
+            if not os.path.isfile(local):
+                raise TokenShardError(f"{path}: token shard file does not exist")
+            with open(local, "rb") as f:
+                headers[i] = decode_header(f.read(HEADER_SIZE), path=path)
+        else:
+            reads[i] = _url_store(path).read(b"", byte_range=slice(0, HEADER_SIZE))
+    for i, future in reads.items():
+        try:
+            result = future.result()
+        except ValueError:  # Shorter than a header: read it all, for the error naming its size.
+            result = _url_store(paths[i]).read(b"").result()
+        if result.state != "value":
+            raise TokenShardError(f"{paths[i]}: token shard file does not exist")
+        headers[i] = decode_header(bytes(result.value), path=paths[i])
+    return headers
+
+
+def _url_store(path: str) -> Any:
+    """A TensorStore key-value store whose key b'' is the object at URL `path`."""
+    import tensorstore as ts  # pylint: disable=import-outside-toplevel
+
+    spec = file_system.kvstore_spec(path)
+    return ts.KvStore.open(spec, context=file_system.context()).result()
+
+
+def check_vocabulary(
+    path: str,
+    header: ShardHeader,
+    *,
+    vocab_name: Optional[str] = None,
+    model_vocab_size: Optional[int] = None,
+) -> None:
+    """Raises if the shard was tokenized with another vocabulary than the model's."""
+    if vocab_name is not None and header.vocab_name != vocab_name:
+        raise TokenShardError(
+            f"{path}: tokenized with vocabulary '{header.vocab_name}', but the model "
+            f"expects '{vocab_name}'"
+        )
+    if model_vocab_size is not None and header.vocab_size > model_vocab_size:
+        raise TokenShardError(
+            f"{path}: vocabulary '{header.vocab_name}' has {header.vocab_size} ids, more "
+            f"than the model's vocab_size {model_vocab_size}"
+        )
+
+
+def check_same_vocabulary(shards: Sequence[tuple[str, ShardHeader]]) -> None:
+    """Raises naming the first of (path, header) `shards` made with another vocabulary
+    (name, size or EOS id) than the first."""
+    first_path, first = shards[0]
+    for path, header in shards[1:]:
+        if (header.vocab_name, header.vocab_size, header.eos_id) != (
+            first.vocab_name,
+            first.vocab_size,
+            first.eos_id,
+        ):
+            raise TokenShardError(
+                f"{path}: vocabulary '{header.vocab_name}' (size {header.vocab_size}) "
+                f"differs from '{first.vocab_name}' (size {first.vocab_size}) of {first_path}"
+            )
 
 
 def open_shard(path: str, *, verify_checksum: bool = True) -> TokenShard:

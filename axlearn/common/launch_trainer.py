@@ -7,12 +7,14 @@ Experiment modules live in the top-level `experiments` package; each exposes
 in one line each for `--list_configs` in a module-level `DESCRIPTIONS = {name: "..."}`.
 """
 
+import dataclasses
 import difflib
 import functools
 import importlib
 import importlib.util
 import inspect
 import logging
+import math
 import pkgutil
 import re
 from collections.abc import Callable, Sequence
@@ -22,6 +24,7 @@ from absl import flags
 
 from axlearn.common import file_system
 from axlearn.common.config import (
+    REQUIRED,
     ConfigBase,
     ConfigError,
     apply_overrides,
@@ -75,8 +78,12 @@ FLAGS_TABLE = (
         flags.DEFINE_string,
         "data_dir",
         None,
-        "Data directory of the inputs; FAKE: synthetic batches; BUILTIN: the built-in byte "
-        "corpus.",
+        "Token shards for every input, at the config's batch shapes: a directory (local or "
+        "a storage URL) whose train-*.tok or train/*.tok train and validation-*.tok or "
+        "validation/*.tok evaluate (without a split, every *.tok trains), or a glob of "
+        "shards; PATH:WEIGHT,PATH:WEIGHT,... trains on a mixture by weight. A path holding "
+        "no shards is the TFDS data directory of tf.data inputs (an error for other "
+        "configs). FAKE: synthetic batches; BUILTIN: the built-in byte corpus.",
     ),
     (
         flags.DEFINE_multi_string,
@@ -394,7 +401,7 @@ def _find_field(cfg: ConfigBase, field: str) -> Optional[Any]:
     found = []
 
     def visit(path: str, value: Any) -> None:
-        if path.split(".")[-1] == field and value is not None:
+        if path.split(".")[-1] == field and value is not None and value is not REQUIRED:
             found.append(value)
 
     cfg.visit(visit)
@@ -461,21 +468,229 @@ def use_builtin_text(cfg: ConfigBase) -> ConfigBase:
     return _replace_inputs(cfg, builtin_like)
 
 
+def _data_dir_inputs(cfg: ConfigBase) -> list[ConfigBase]:
+    """The configs of the inputs (training and evaluation) that have a `data_dir` field."""
+    found = []
+
+    def enter(path: str, value: Any) -> bool:
+        if isinstance(value, ConfigBase) and "data_dir" in value.keys():
+            found.append(value)
+        return True
+
+    for input_cfg in [cfg.input, *(evaler.input for evaler in cfg.evalers.values())]:
+        input_cfg.visit(lambda path, value: None, enter)
+    return found
+
+
 def set_data_dir(cfg: ConfigBase, data_dir: str) -> ConfigBase:
-    """Sets every `data_dir` field of the inputs."""
-
-    def set_in(sub: ConfigBase) -> None:
-        def enter(path: str, value: Any) -> bool:
-            if isinstance(value, ConfigBase) and "data_dir" in value.keys():
-                value.data_dir = data_dir
-            return True
-
-        sub.visit(lambda path, value: None, enter)
-
-    set_in(cfg.input)
-    for evaler in cfg.evalers.values():
-        set_in(evaler.input)
+    """Sets every `data_dir` field of the inputs (the TFDS data directory of tf.data)."""
+    for input_cfg in _data_dir_inputs(cfg):
+        input_cfg.data_dir = data_dir
     return cfg
+
+
+# ----- --data_dir: token shards -----
+
+# Under a --data_dir directory, the first pattern of each that matches a file.
+TRAIN_SHARDS = ("train-*.tok", "train/*.tok")
+VALIDATION_SHARDS = ("validation-*.tok", "validation/*.tok")
+UNSPLIT_SHARDS = "*.tok"  # Without train shards: every shard trains.
+SHARD_SUFFIX = ".tok"
+_GLOB_CHARS = "*?["
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """The token shards of one --data_dir source, as TokenShardInput `paths` (globs)."""
+
+    source: str  # The directory, glob or file given.
+    train: list[str]
+    validation: list[str]  # Empty: no validation shards.
+
+
+def _under(directory: str, pattern: str) -> str:
+    """`directory/pattern`, for local paths and URLs alike (no percent-encoding: a glob)."""
+    return f"{directory.rstrip('/')}/{pattern}"
+
+
+def _is_glob(path: str) -> bool:
+    return any(c in path for c in _GLOB_CHARS)
+
+
+def find_token_shards(path: str) -> Optional[ShardLayout]:
+    """The token shards at `path` (a local path or storage URL), or None where there are
+    none (see `use_data_dir` for the layout)."""
+    if _is_glob(path):
+        matches = [match for match in file_system.glob(path) if file_system.isfile(match)]
+        return ShardLayout(path, [path], []) if matches else None
+    if file_system.isfile(path):
+        return ShardLayout(path, [path], []) if path.endswith(SHARD_SUFFIX) else None
+    if not file_system.isdir(path):
+        return None
+
+    def first_match(patterns: Sequence[str]) -> list[str]:
+        for pattern in patterns:
+            if file_system.glob(_under(path, pattern)):
+                return [_under(path, pattern)]
+        return []
+
+    train, validation = first_match(TRAIN_SHARDS), first_match(VALIDATION_SHARDS)
+    if validation and not train:
+        expected = " or ".join(_under(path, p) for p in TRAIN_SHARDS)
+        raise ConfigError(
+            f"--data_dir: {path} holds validation shards ({validation[0]}) but no training "
+            f"shards: expected {expected}"
+        )
+    train = train or first_match([UNSPLIT_SHARDS])
+    return ShardLayout(path, train, validation) if train else None
+
+
+def parse_data_dir(data_dir: str) -> list[tuple[str, Optional[float]]]:
+    """(path, weight) of each source: `PATH` -> [(PATH, None)];
+    `PATH:WEIGHT,PATH:WEIGHT,...` -> a mixture. A suffix ':X' is a weight where X is a
+    number, so URLs (gs://...) pass whole."""
+    sources = []
+    for part in data_dir.split(","):
+        path, sep, suffix = part.strip().rpartition(":")
+        try:
+            weight = float(suffix) if sep and path else None
+        except ValueError:
+            weight = None
+        sources.append((part.strip(), None) if weight is None else (path, weight))
+    if len(sources) > 1 and any(weight is None for _, weight in sources):
+        raise ConfigError(
+            f"--data_dir={data_dir}: a mixture gives every source a weight, "
+            "PATH:WEIGHT,PATH:WEIGHT,..."
+        )
+    for path, weight in sources:
+        if weight is not None and not (math.isfinite(weight) and weight > 0):
+            raise ConfigError(f"--data_dir={data_dir}: the weight of {path} must be > 0")
+    return sources
+
+
+def _no_shards_error(data_dir: str, path: str) -> ConfigError:
+    if _is_glob(path):
+        return ConfigError(f"--data_dir={data_dir}: {path} matches no token shard files")
+    if not file_system.exists(path):
+        return ConfigError(
+            f"--data_dir={data_dir}: {path} does not exist; pass a directory of token shards, "
+            f"a glob of shards, {FAKE_DATA_DIR} or {BUILTIN_DATA_DIR}"
+        )
+    expected = " or ".join(_under(path, p) for p in (*TRAIN_SHARDS, UNSPLIT_SHARDS))
+    return ConfigError(
+        f"--data_dir={data_dir}: {path} holds no token shards: expected {expected}; build "
+        f"them with `python -m axlearn.common.input_tokens build --output={_under(path, 'train')} "
+        "FILES...`"
+    )
+
+
+def use_token_shards(
+    cfg: ConfigBase, data_dir: str, sources: Sequence[tuple[ShardLayout, Optional[float]]]
+) -> ConfigBase:
+    """Replaces the training input with a TokenShardInput of the sources' training shards
+    (a TokenShardMixtureInput of them, by weight, for several), and every evaler's input
+    with a TokenShardInput of all their validation shards, in the inputs' batch shapes,
+    checked against the model's vocab_size. A TokenShardInput the config had keeps its
+    other fields (seed, shuffle, ...). Without validation shards, evaler inputs are left
+    without paths: `check_evaler_shards` names them once the overrides are applied."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.input_mixture import token_shard_mixture
+
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.input_tokens import TokenShardInput
+
+    vocab_size = cfg.model.decoder.vocab_size
+    validation = [pattern for layout, _ in sources for pattern in layout.validation]
+
+    def shards_like(input_cfg: ConfigBase, paths: Sequence[str]) -> ConfigBase:
+        batch, seq_len = _batch_shape(cfg, input_cfg, data_dir)
+        is_token_input = getattr(input_cfg, "klass", None) is TokenShardInput
+        shards = input_cfg.clone() if is_token_input else TokenShardInput.default_config()
+        return shards.set(
+            is_training=input_cfg.is_training,
+            paths=list(paths) if paths else REQUIRED,
+            global_batch_size=batch,
+            max_sequence_length=seq_len,
+            model_vocab_size=vocab_size,
+        )
+
+    if len(sources) == 1:
+        cfg.input = shards_like(cfg.input, sources[0][0].train)
+    else:
+        batch, seq_len = _batch_shape(cfg, cfg.input, data_dir)
+        source = TokenShardInput.default_config().set(model_vocab_size=vocab_size)
+        cfg.input = token_shard_mixture(
+            [(source.clone(paths=layout.train), weight) for layout, weight in sources],
+            global_batch_size=batch,
+            max_sequence_length=seq_len,
+        )
+    for evaler in cfg.evalers.values():
+        evaler.input = shards_like(evaler.input, validation)
+    log.info(
+        "--data_dir=%s: training on %s; evaluating on %s",
+        data_dir,
+        ", ".join(p for layout, _ in sources for p in layout.train),
+        ", ".join(validation) or "(no validation shards)",
+    )
+    return cfg
+
+
+def check_evaler_shards(
+    cfg: ConfigBase, config_name: str, data_dir: str, layouts: Sequence[ShardLayout]
+) -> None:
+    """Raises naming the evalers `use_token_shards` found no validation shards for, unless
+    the overrides pointed them at shards or removed them."""
+    missing = [
+        name
+        for name, evaler in cfg.evalers.items()
+        if "paths" in evaler.input.keys() and evaler.input.paths is REQUIRED
+    ]
+    if not missing:
+        return
+    expected = "; ".join(
+        f"expected {' or '.join(_under(layout.source, p) for p in VALIDATION_SHARDS)}"
+        if file_system.isdir(layout.source)
+        else f"{layout.source} names training shards only"
+        for layout in layouts
+    )
+    raise ConfigError(
+        f"--data_dir={data_dir} holds no validation shards for {config_name}'s evalers "
+        f"{missing} ({expected}); build them, point the evalers at shards with "
+        f"--config_override=evalers['{missing[0]}'].input.paths=\"['...']\", or train "
+        "without evaluation: --config_override=evalers={}"
+    )
+
+
+def use_data_dir(
+    cfg: ConfigBase, data_dir: str
+) -> tuple[ConfigBase, Optional[list[ShardLayout]]]:
+    """Points the inputs at `data_dir` and returns (cfg, the shard layouts read, or None
+    for a TFDS data directory).
+
+    Token shards, for every config: `data_dir` is a directory (local path or storage URL),
+    a glob of shard files, or one `.tok` file. In a directory, training reads
+    DIR/train-*.tok (the `build --output=DIR/train` names), else DIR/train/*.tok, else,
+    without a split, every DIR/*.tok; the evalers read DIR/validation-*.tok, else
+    DIR/validation/*.tok. Evalers without validation shards are an error (evaluating on
+    training data would report a fit, not generalization), unless the overrides point
+    them elsewhere or remove them (`check_evaler_shards`). `PATH:WEIGHT,PATH:WEIGHT,...`
+    trains on a mixture of the paths' training shards, by weight, and evaluates on all
+    their validation shards.
+
+    A path that holds no shards is the TFDS data directory of the config's tf.data
+    inputs (their `data_dir` fields); for a config without such inputs it is an error
+    naming the path (missing, or holding no shards).
+    """
+    sources = parse_data_dir(data_dir)
+    layouts = [find_token_shards(path) for path, _ in sources]
+    if all(layouts):
+        weighted = [(layout, weight) for layout, (_, weight) in zip(layouts, sources)]
+        return use_token_shards(cfg, data_dir, weighted), layouts
+    empty = next(path for (path, _), layout in zip(sources, layouts) if layout is None)
+    if len(sources) == 1 and not _is_glob(data_dir) and _data_dir_inputs(cfg):
+        log.info("--data_dir=%s holds no token shards: the TFDS data directory", data_dir)
+        return set_data_dir(cfg, data_dir), None
+    raise _no_shards_error(data_dir, empty)
 
 
 # The tf.data input path imports these when it builds its datasets (the `tf` extra).
@@ -506,9 +721,10 @@ def check_input_packages(cfg: ConfigBase, config_name: str) -> None:
     if missing:
         raise ConfigError(
             f"{config_name} reads its data through tf.data ({path}), which needs "
-            f"{' and '.join(missing)}, not installed here: pass --data_dir={FAKE_DATA_DIR} "
-            f"for synthetic batches or --data_dir={BUILTIN_DATA_DIR} for the built-in byte "
-            "corpus, or pip install 'axlearn[tf]'"
+            f"{' and '.join(missing)}, not installed here: pass --data_dir=DIR for token "
+            f"shards in DIR, --data_dir={FAKE_DATA_DIR} for synthetic batches or "
+            f"--data_dir={BUILTIN_DATA_DIR} for the built-in byte corpus, or pip install "
+            "'axlearn[tf]'"
         )
 
 
@@ -538,16 +754,19 @@ def build_trainer_config(
             mesh_selector, config_name, pattern, what,
         )
         cfg = apply_mesh_rule(cfg, rule)
+    layouts = None
     if data_dir == FAKE_DATA_DIR:
         cfg = use_fake_data(cfg)
     elif data_dir == BUILTIN_DATA_DIR:
         cfg = use_builtin_text(cfg)
     elif data_dir:
-        cfg = set_data_dir(cfg, data_dir)
+        cfg, layouts = use_data_dir(cfg, data_dir)
     old_max_step = cfg.max_step
     cfg = apply_overrides(cfg, config_overrides)
     pinned = [override.split("=", 1)[0].strip() for override in config_overrides]
     follow_max_step(cfg, old_max_step, pinned=pinned)
+    if layouts:
+        check_evaler_shards(cfg, config_name, data_dir, layouts)
     if trainer_dir:
         cfg.dir = trainer_dir
     return cfg
