@@ -13,7 +13,9 @@ import jax
 import pytest
 
 from axlearn import bench
-from axlearn.common import launch
+from axlearn.common import file_system, launch
+from axlearn.common.input_tokens import build_token_shards
+from axlearn.common.input_vocab import ByteVocabulary
 from axlearn.common.launch_trainer import mesh_selector_for_devices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -254,7 +256,10 @@ def test_comparisons_reject_what_they_cannot_do(flags, message, capsys):
 
 
 def test_comparison_runs_get_a_local_data_dir_as_an_absolute_path(tmp_path, monkeypatch):
-    (tmp_path / "data").mkdir()
+    for split in ("train", "validation"):
+        build_token_shards(
+            ["some text"], vocab=ByteVocabulary(), output_prefix=str(tmp_path / "data" / split)
+        )
     monkeypatch.chdir(tmp_path)
     calls = []
 
@@ -268,9 +273,12 @@ def test_comparison_runs_get_a_local_data_dir_as_an_absolute_path(tmp_path, monk
     assert all(f"--data_dir={tmp_path / 'data'}" in argv for _, argv, _ in calls)
     assert all(tree == str(REPO) for tree, _, _ in calls)
     calls.clear()
-    bench.main(["--config=gpt_test", "--data_dir=gs://bucket/tfds", "--compare_dirs=a,b"])
+    url = "memory://bench-data-dir/data"  # A storage URL passes as it is.
+    for path in (tmp_path / "data").iterdir():
+        file_system.write_bytes(f"{url}/{path.name}", path.read_bytes())
+    bench.main(["--config=gpt_test", f"--data_dir={url}", "--compare_dirs=a,b"])
     assert [c[0] for c in calls] == ["a", "b"]
-    assert all("--data_dir=gs://bucket/tfds" in argv for _, argv, _ in calls)
+    assert all(f"--data_dir={url}" in argv for _, argv, _ in calls)
 
 
 def test_compare_configs_runs_each_named_config_of_this_tree_in_rounds(tmp_path, monkeypatch):
