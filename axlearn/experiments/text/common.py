@@ -35,7 +35,9 @@ def vocab(sentencepiece_model_name: str, num_extra_ids: Optional[int] = None) ->
     except ImportError:
         if num_extra_ids:
             raise ValueError(f"{path}: num_extra_ids needs seqio, which is not installed") from None
-        return SentencePieceVocabulary(path)
+        result = SentencePieceVocabulary(path)
+        check_id_convention(result, where=path)  # The tf.data path assumes pad 0, eos 1.
+        return result
     result = seqio.SentencePieceVocabulary(path, extra_ids=num_extra_ids or 0)
     check_id_convention(result, where=path)
     return result
