@@ -62,11 +62,22 @@ def main(argv) -> None:
         # The trainer logged where it saved; the status tells a scheduler to restart it.
         raise SystemExit(PREEMPTED_EXIT_CODE) from e
     except Exception as e:  # pylint: disable=broad-except
+        if _is_input_error(e):
+            # Data that cannot be read: the message names the input; no traceback.
+            raise SystemExit(
+                f"launch_trainer_main: {e} (--data_dir=DIR for token shards, FAKE or BUILTIN)"
+            ) from e
         if _is_divergence(e):
             # The run stopped on a bad loss: the message names the step and the last good
             # checkpoint. Exit status 1, as SystemExit with a message gives.
             raise SystemExit(f"launch_trainer_main: {e}") from e
         raise
+
+
+def _is_input_error(error: Exception) -> bool:
+    """Whether `error` is an input_base.InputError (looked up as _is_divergence does)."""
+    input_base = sys.modules.get("axlearn.common.input_base")
+    return input_base is not None and isinstance(error, input_base.InputError)
 
 
 def _is_divergence(error: Exception) -> bool:
