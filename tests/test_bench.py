@@ -18,11 +18,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def _run_bench_cli(tmp_path, *flags: str, xla_flags: str = "") -> str:
     """Runs `python -m axlearn.bench --config=gpt_test --warmup_steps=1 FLAGS` on the CPU
-    in `tmp_path`, with XLA_FLAGS=`xla_flags`; returns its stdout."""
+    in `tmp_path`, with `xla_flags` after the suite's XLA_FLAGS; returns its stdout."""
     cmd = [sys.executable, "-m", "axlearn.bench", "--config=gpt_test", "--warmup_steps=1", *flags]
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     if xla_flags:
-        env["XLA_FLAGS"] = xla_flags
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
     if any("xla_dump" in arg for arg in (*flags, xla_flags)):
         # A program loaded from the suite's compilation cache is never compiled, so dumped.
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
