@@ -1,19 +1,19 @@
-"""Settings for the whole suite: it means the same on a GPU as on the CPU, and compiles as
-little as it can.
+"""Settings for the whole suite: it means the same on a GPU as on the CPU, and compiles
+as little as it can.
 
 The tests compare float32 results with NumPy and a resumed or rewritten run's losses with
 the original's, bit for bit. On the CPU both hold as written. On a GPU, XLA would by
 default multiply float32 matrices in TF32 (about 3 decimal digits) and sum some gradients
-with atomic adds in whatever order the threads arrive; the first two settings below turn
-that off for the tests.
+with atomic adds in whatever order the threads arrive: deterministic ops and the highest
+matmul precision turn that off for the tests.
 
 Compiling, not running, takes most of the suite's time on a CPU: the models are tiny, and
-a trainer's step and initialization each take seconds to compile. So where jax can only
-run on the CPU, LLVM compiles without optimizations (the same XLA program, faster to
-build and slower to run, which tiny models do not notice). And a persistent compilation
-cache in a temporary directory, made for this pytest run and removed after it, lets
-every test after the first that builds the same program load it instead. A cache hit
-skips XLA, so a test of what XLA writes (an HLO dump) turns the cache off for itself.
+a trainer's step and initialization each take seconds to compile. So where jax runs on
+the CPU alone, LLVM compiles without optimizations (the same XLA program, built two to
+four times faster and slower to run, which tiny models do not notice). And a persistent
+compilation cache in a temporary directory, made for this pytest run and removed after
+it, lets every test after the first that builds the same program load it instead. A
+cache hit skips XLA, so a test of what XLA writes (an HLO dump) turns the cache off.
 
 The pytest-xdist workers and the scripts that the tests start in fresh processes
 (`fresh_python`, on the CPU) inherit these settings through the environment.
