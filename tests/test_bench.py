@@ -16,10 +16,22 @@ from axlearn import bench
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+# gpt_test with a batch of 4 sequences of 64 tokens: each CPU step takes milliseconds.
+SMALL_BATCH = (
+    "--config_override=input.global_batch_size=4",
+    "--config_override=input.max_sequence_length=64",
+)
+SMALL_BATCH_TOKENS = 4 * 64
+
+
 def _run_bench_cli(tmp_path, *flags: str, xla_flags: str = "") -> str:
-    """Runs `python -m axlearn.bench --config=gpt_test --warmup_steps=1 FLAGS` on the CPU
-    in `tmp_path`, with `xla_flags` after the suite's XLA_FLAGS; returns its stdout."""
-    cmd = [sys.executable, "-m", "axlearn.bench", "--config=gpt_test", "--warmup_steps=1", *flags]
+    """Runs `python -m axlearn.bench --config=gpt_test --warmup_steps=1 SMALL_BATCH FLAGS`
+    on the CPU in `tmp_path`, with `xla_flags` after the suite's XLA_FLAGS; returns its
+    stdout."""
+    cmd = [
+        sys.executable, "-m", "axlearn.bench", "--config=gpt_test", "--warmup_steps=1",
+        *SMALL_BATCH, *flags,
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     if xla_flags:
         env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
@@ -210,7 +222,8 @@ def test_compare_dirs_runs_both_trees_and_writes_the_page(tmp_path):
     assert set(results) == {"base", "head"}
     for result in results.values():
         assert result["tokens_per_s_per_device"] > 0 and len(result["losses"]) == 3
-        assert result["tokens_per_step"] == 16 * 256 and result["microbatches_per_step"] == 1
+        assert result["tokens_per_step"] == SMALL_BATCH_TOKENS
+        assert result["microbatches_per_step"] == 1
     text = page.read_text()
     assert "<svg" in text and "Loss per step" in text and "Diff (head - base)" in text
 
@@ -377,11 +390,11 @@ def test_profile_and_xla_dump_switches_save_a_trace_and_the_hlo(tmp_path):
 
 @pytest.mark.slow
 def test_the_table_shows_the_microbatches_a_step_runs(tmp_path):
-    # gpt_test's 16 sequences on one CPU device, 4 at a time.
-    stdout = _run_bench_cli(tmp_path, "--steps=1", "--config_override=per_device_microbatch_size=4")
+    # The 4 sequences on one CPU device, one at a time.
+    stdout = _run_bench_cli(tmp_path, "--steps=1", "--config_override=per_device_microbatch_size=1")
     lines = {line.split("|")[0].strip(): line for line in stdout.splitlines() if "|" in line}
     assert lines["Microbatches/step"].split("|")[1].strip() == "4"
-    assert lines["Tokens/step"].split("|")[1].strip() == "4,096"
+    assert lines["Tokens/step"].split("|")[1].strip() == f"{SMALL_BATCH_TOKENS:,}"
 
 
 @pytest.mark.slow
