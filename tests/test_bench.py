@@ -380,18 +380,29 @@ def test_compare_configs_rejects_what_it_cannot_do(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_profile_and_xla_dump_switches_save_a_trace_and_the_hlo(tmp_path):
-    profile, dump = tmp_path / "prof", tmp_path / "dump"
-    _run_bench_cli(tmp_path, "--steps=1", f"--profile_dir={profile}", f"--xla_dump_dir={dump}")
-    assert list(profile.rglob("*.xplane.pb")), "no trace of the timed steps"
-    assert [p for p in dump.glob("*train_step*after_optimizations.txt")], "no optimized HLO"
+@pytest.fixture(name="single_run", scope="module")
+def fixture_single_run(tmp_path_factory):
+    """One benchmark run with a trace, an HLO dump, and the 4 sequences on one CPU device
+    one at a time: (its directory, its stdout)."""
+    tmp_path = tmp_path_factory.mktemp("single_run")
+    stdout = _run_bench_cli(
+        tmp_path, "--steps=1", f"--profile_dir={tmp_path / 'prof'}",
+        f"--xla_dump_dir={tmp_path / 'dump'}", "--config_override=per_device_microbatch_size=1",
+    )
+    return tmp_path, stdout
 
 
 @pytest.mark.slow
-def test_the_table_shows_the_microbatches_a_step_runs(tmp_path):
-    # The 4 sequences on one CPU device, one at a time.
-    stdout = _run_bench_cli(tmp_path, "--steps=1", "--config_override=per_device_microbatch_size=1")
+def test_profile_and_xla_dump_switches_save_a_trace_and_the_hlo(single_run):
+    tmp_path, _ = single_run
+    assert list((tmp_path / "prof").rglob("*.xplane.pb")), "no trace of the timed steps"
+    dumped = (tmp_path / "dump").glob("*train_step*after_optimizations.txt")
+    assert list(dumped), "no optimized HLO"
+
+
+@pytest.mark.slow
+def test_the_table_shows_the_microbatches_a_step_runs(single_run):
+    _, stdout = single_run
     lines = {line.split("|")[0].strip(): line for line in stdout.splitlines() if "|" in line}
     assert lines["Microbatches/step"].split("|")[1].strip() == "4"
     assert lines["Tokens/step"].split("|")[1].strip() == f"{SMALL_BATCH_TOKENS:,}"
