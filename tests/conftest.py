@@ -77,3 +77,4 @@ def pytest_unconfigure(config):
     del config
     if _OWNED_CACHE_DIR is not None:
         shutil.rmtree(_OWNED_CACHE_DIR, ignore_errors=True)
+
