@@ -18,7 +18,9 @@ def fresh_env(devices: Optional[int] = None) -> dict[str, str]:
     CPU, with `devices` fake devices (None: as XLA_FLAGS already says)."""
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        # After the suite's own flags (conftest.py), which the script keeps.
+        flags = os.environ.get("XLA_FLAGS", "")
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     return env
 
 

@@ -21,13 +21,25 @@ from axlearn.common.launch_trainer import mesh_selector_for_devices
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+# gpt_test with a batch of 4 sequences of 64 tokens: each CPU step takes milliseconds.
+SMALL_BATCH = (
+    "--config_override=input.global_batch_size=4",
+    "--config_override=input.max_sequence_length=64",
+)
+SMALL_BATCH_TOKENS = 4 * 64
+
+
 def _run_bench_cli(tmp_path, *flags: str, xla_flags: str = "") -> str:
-    """Runs `python -m axlearn.bench --config=gpt_test --warmup_steps=1 FLAGS` on the CPU
-    in `tmp_path`, with XLA_FLAGS=`xla_flags`; returns its stdout."""
-    cmd = [sys.executable, "-m", "axlearn.bench", "--config=gpt_test", "--warmup_steps=1", *flags]
+    """Runs `python -m axlearn.bench --config=gpt_test --warmup_steps=1 SMALL_BATCH FLAGS`
+    on the CPU in `tmp_path`, with `xla_flags` after the suite's XLA_FLAGS; returns its
+    stdout."""
+    cmd = [
+        sys.executable, "-m", "axlearn.bench", "--config=gpt_test", "--warmup_steps=1",
+        *SMALL_BATCH, *flags,
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     if xla_flags:
-        env["XLA_FLAGS"] = xla_flags
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
     if any("xla_dump" in arg for arg in (*flags, xla_flags)):
         # A program loaded from the suite's compilation cache is never compiled, so dumped.
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -215,7 +227,8 @@ def test_compare_dirs_runs_both_trees_and_writes_the_page(tmp_path):
     assert set(results) == {"base", "head"}
     for result in results.values():
         assert result["tokens_per_s_per_device"] > 0 and len(result["losses"]) == 3
-        assert result["tokens_per_step"] == 16 * 256 and result["microbatches_per_step"] == 1
+        assert result["tokens_per_step"] == SMALL_BATCH_TOKENS
+        assert result["microbatches_per_step"] == 1
     text = page.read_text()
     assert "<svg" in text and "Loss per step" in text and "Diff (head - base)" in text
 
@@ -378,21 +391,32 @@ def test_compare_configs_rejects_what_it_cannot_do(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_profile_and_xla_dump_switches_save_a_trace_and_the_hlo(tmp_path):
-    profile, dump = tmp_path / "prof", tmp_path / "dump"
-    _run_bench_cli(tmp_path, "--steps=1", f"--profile_dir={profile}", f"--xla_dump_dir={dump}")
-    assert list(profile.rglob("*.xplane.pb")), "no trace of the timed steps"
-    assert [p for p in dump.glob("*train_step*after_optimizations.txt")], "no optimized HLO"
+@pytest.fixture(name="single_run", scope="module")
+def fixture_single_run(tmp_path_factory):
+    """One benchmark run with a trace, an HLO dump, and the 4 sequences on one CPU device
+    one at a time: (its directory, its stdout)."""
+    tmp_path = tmp_path_factory.mktemp("single_run")
+    stdout = _run_bench_cli(
+        tmp_path, "--steps=1", f"--profile_dir={tmp_path / 'prof'}",
+        f"--xla_dump_dir={tmp_path / 'dump'}", "--config_override=per_device_microbatch_size=1",
+    )
+    return tmp_path, stdout
 
 
 @pytest.mark.slow
-def test_the_table_shows_the_microbatches_a_step_runs(tmp_path):
-    # gpt_test's 16 sequences on one CPU device, 4 at a time.
-    stdout = _run_bench_cli(tmp_path, "--steps=1", "--config_override=per_device_microbatch_size=4")
+def test_profile_and_xla_dump_switches_save_a_trace_and_the_hlo(single_run):
+    tmp_path, _ = single_run
+    assert list((tmp_path / "prof").rglob("*.xplane.pb")), "no trace of the timed steps"
+    dumped = (tmp_path / "dump").glob("*train_step*after_optimizations.txt")
+    assert list(dumped), "no optimized HLO"
+
+
+@pytest.mark.slow
+def test_the_table_shows_the_microbatches_a_step_runs(single_run):
+    _, stdout = single_run
     lines = {line.split("|")[0].strip(): line for line in stdout.splitlines() if "|" in line}
     assert lines["Microbatches/step"].split("|")[1].strip() == "4"
-    assert lines["Tokens/step"].split("|")[1].strip() == "4,096"
+    assert lines["Tokens/step"].split("|")[1].strip() == f"{SMALL_BATCH_TOKENS:,}"
 
 
 @pytest.mark.slow

@@ -474,7 +474,10 @@ TINY_RUN = (
     "--config=gpt_test",
     "--data_dir=FAKE",
     "--jax_backend=cpu",
+    "--config_override=input.global_batch_size=4",
     "--config_override=input.max_sequence_length=64",
+    "--config_override=evalers['validation'].input.global_batch_size=4",
+    "--config_override=evalers['validation'].input.max_sequence_length=64",
     "--config_override=summary_writer.write_every_n_steps=1",
     "--config_override=log_every_n_steps=1",
 )

@@ -416,14 +416,17 @@ def test_bf16_microbatches_give_weights_float32_gradients_that_match_the_whole_b
     assert isinstance(by_path["decoder/emb/token_emb/weight"], WeightWithCopy)
     assert all(x.dtype == jnp.bfloat16 for p, x in by_path.items() if p.endswith("scale"))
 
-    def gradients(k):
+    @functools.partial(jax.jit, static_argnums=0)  # As in a train step; eager is slower.
+    def gradients(k, model, weight_copies, batch):
         loss_fn = functools.partial(
-            trainer._loss_fn, weight_copies=state.weight_copies, float32_weight_grads=k > 1
+            trainer._loss_fn, weight_copies=weight_copies, float32_weight_grads=k > 1
         )
         key = jax.random.PRNGKey(1)
-        return trainer.learner.compute_gradients(loss_fn, state.model, batch, key, num_microbatches=k)
+        return trainer.learner.compute_gradients(loss_fn, model, batch, key, num_microbatches=k)
 
-    (loss_1, _, grads_1), (loss_4, _, grads_4) = gradients(1), gradients(4)
+    (loss_1, _, grads_1), (loss_4, _, grads_4) = (
+        gradients(k, state.model, state.weight_copies, batch) for k in (1, 4)
+    )
     np.testing.assert_allclose(loss_4, loss_1, rtol=1e-2)
     grads_1 = dict(flatten_with_paths(grads_1))
     for path, g4 in flatten_with_paths(grads_4):
@@ -500,19 +503,19 @@ def test_a_step_on_split_weights_is_the_step_on_carried_copies_bit_for_bit():
     carried._restore_or_init()
     state = carried.trainer_state
     params = jax.tree.map(_nudge_ties, state.model)
-    model, copies, low_bits = carried._carried_model(params)
-    assert low_bits is None
-    carried_state = dataclasses.replace(state, model=model, weight_copies=copies)
-    model, copies, low_bits = split._carried_model(params)
-    split_state = dataclasses.replace(
-        state, model=model, weight_copies=copies, weight_low_bits=low_bits
-    )
+    # Each trainer makes its carried state from the same float32 parameters and steps it
+    # with the program its runs compile. That step donates its state, so the split one
+    # gets its own copy of the learner's.
+    carried_state = carried._carried(dataclasses.replace(state, model=params))
+    assert carried_state.weight_low_bits is None
+    split_state = split._carried(dataclasses.replace(jax.tree.map(jnp.copy, state), model=params))
+    assert split_state.weight_low_bits is not None
     batch = carried.global_batch(next(iter(carried.input)))
     with jax.set_mesh(carried.mesh):
-        want, want_summaries = jax.jit(carried._train_step)(carried_state, batch)
-        got, got_summaries = jax.jit(split._train_step)(split_state, batch)
+        want, want_summaries = carried._compile_train_step()(carried_state, batch)
+        got, got_summaries = split._compile_train_step()(split_state, batch)
+        got_params = dict(flatten_with_paths(jax.jit(split._joined_params)(got)))
     assert float(got_summaries["loss"]) == float(want_summaries["loss"])
-    got_params = dict(flatten_with_paths(split._joined_params(got)))
     for path, x in flatten_with_paths(want.model):
         np.testing.assert_array_equal(np.asarray(got_params[path]), np.asarray(x))
     # The new copies equal the new weights' casts except at the new weights' ties.
