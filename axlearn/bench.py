@@ -32,6 +32,13 @@ r"""Benchmarks named trainer configs and compares git revisions side by side.
         --compare_overrides=model.decoder.transformer.layer.self_attention.attention.attention_implementation=xla \
         --rounds=2
 
+    # The same config on two data directories (FAKE, BUILTIN or token shards), e.g. real
+    # shards against synthetic batches:
+    python -m axlearn.bench --config=golf_baseline --compare_data_dirs=FAKE,/data/shards --rounds=2
+
+    # The config's training input alone, on the CPU: tokens/s this process reads:
+    python -m axlearn.bench --config=golf_baseline --data_dir=/data/shards --input_only
+
 The mesh rule is the one for the devices at hand, as the launcher picks it (gpu-h100-1 on
 one H100); `--mesh_selector` names another.
 
@@ -71,6 +78,16 @@ COLUMNS = (
     ("Microbatches/step", "microbatches_per_step", "{:,.0f}", 0),
     ("JAX version", "jax_version", "{}", 0),
     ("Device", "device", "{}", 0),
+)
+
+
+# The columns of an --input_only run.
+INPUT_COLUMNS = (
+    ("Input tokens/s/process", "input_tokens_per_s_per_process", "{:,.0f}", +1),
+    ("Batches/s", "batches_per_s", "{:,.1f}", +1),
+    ("Avg ms/batch", "avg_batch_ms", "{:.2f}", -1),
+    ("Tokens/batch/process", "tokens_per_batch", "{:,.0f}", 0),
+    ("Data", "data_dir", "{}", 0),
 )
 
 
@@ -224,6 +241,44 @@ def run_benchmark(
     }
 
 
+def run_input_benchmark(
+    *,
+    config: str,
+    module: Optional[str],
+    data_dir: str,
+    overrides: Sequence[str],
+    steps: int,
+    warmup_steps: int,
+) -> dict[str, Any]:
+    """Reads `warmup_steps + steps` batches of the config's training input on the CPU, as
+    the trainer's input thread does (this process's rows, host arrays); returns the rate of
+    the timed ones. The rate to compare with is the trainer's tokens/s divided by the
+    number of processes: below it, the input sets the pace."""
+    os.environ["JAX_PLATFORMS"] = "cpu"  # The input runs on the host; leave accelerators be.
+    cfg = build_benchmark_config(config, module=module, mesh_selector="none", data_dir=data_dir, overrides=overrides)
+    source = cfg.input.clone(is_training=True).set(name="input").instantiate(parent=None)
+    batches = iter(source.dataset())
+    tokens = 0
+    for _ in range(warmup_steps):  # First reads: page cache, the first epoch's order.
+        next(batches)
+    start = time.perf_counter()
+    for _ in range(steps):
+        tokens += next(batches)["input_ids"].size
+    elapsed = time.perf_counter() - start
+    close = getattr(batches, "close", None)
+    if close is not None:
+        close()
+    return {
+        "config": config,
+        "input_only": True,
+        "data_dir": data_dir,
+        "input_tokens_per_s_per_process": tokens / elapsed,
+        "batches_per_s": steps / elapsed,
+        "avg_batch_ms": 1000 * elapsed / steps,
+        "tokens_per_batch": tokens / steps,
+    }
+
+
 def parse_gpu_samples(text: str) -> list[tuple[float, float]]:
     """(SM clock in MHz, board power in W) for each line of `nvidia-smi
     --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits`; lines it cannot read
@@ -366,11 +421,12 @@ def summarize_trace(profile_dir: str, *, steps: int, top: int = 25) -> str:
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """Columns as rows, one column per run; with two runs, a Diff column (second - first)."""
     names = list(results)
+    columns = INPUT_COLUMNS if all(r.get("input_only") for r in results.values()) else COLUMNS
     rows = [["Metric", *names]]
     with_diff = len(names) == 2
     if with_diff:
         rows[0].append(f"Diff ({names[1]} - {names[0]})")
-    for title, key, fmt, better in COLUMNS:
+    for title, key, fmt, better in columns:
         values = [results[n].get(key) for n in names]
         row = [title, *[_fmt(fmt, v) for v in values]]
         if with_diff:
@@ -468,7 +524,7 @@ def run_in_rounds(
     results = {}
     for name in names:
         result = dict(runs[name][0])
-        for _, key, _, _ in COLUMNS:
+        for _, key, _, _ in COLUMNS + INPUT_COLUMNS:
             values = [r.get(key) for r in runs[name]]
             if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
                 result[key] = sum(values) / len(values)
@@ -551,6 +607,14 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         "space-separated (shell quoting) and applied after the shared --config_override "
         "flags ('' for none); the sides are named by their overrides.",
     )
+    parser.add_argument(
+        "--compare_data_dirs", default=None, metavar="DATA_A,DATA_B",
+        help="Benchmark --config on two data directories (in place of --data_dir).",
+    )
+    parser.add_argument(
+        "--input_only", action="store_true",
+        help="Measure the config's training input alone, on the CPU, in tokens/s per process.",
+    )
     parser.add_argument("--html", default=None, help="Write the comparison as an HTML page.")
     parser.add_argument(
         "--rounds", type=int, default=1,
@@ -567,16 +631,19 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             args.compare_xla_flags,
             args.compare_configs,
             args.compare_overrides,
+            args.compare_data_dirs,
         )
         if x is not None
     ]
     if len(comparing) > 1:
         parser.error(
             "give at most one of --compare, --compare_dirs, --compare_xla_flags, "
-            "--compare_configs and --compare_overrides"
+            "--compare_configs, --compare_overrides and --compare_data_dirs"
         )
     if (args.config is None) == (args.compare_configs is None):
         parser.error("give --config, or --compare_configs in its place")
+    if args.input_only and (args.profile_dir or args.xla_dump_dir or args.compare_xla_flags):
+        parser.error("--input_only runs no device step: no --profile_dir, --xla_dump_dir or --compare_xla_flags")
     if comparing and (args.profile_dir or args.xla_dump_dir):
         parser.error(
             "--profile_dir and --xla_dump_dir trace or dump one run: give them without "
@@ -593,6 +660,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     ):
         if sides is not None and (len(sides) != 2 or len(set(sides)) != 2):
             parser.error(f"{flag} must be given twice, with two different settings; got {sides}")
+    data_sides = args.compare_data_dirs.split(",") if args.compare_data_dirs else []
+    if args.compare_data_dirs is not None and (
+        len(data_sides) != 2 or len(set(data_sides)) != 2 or not all(data_sides)
+    ):
+        parser.error(f"--compare_data_dirs takes two different data directories, got {args.compare_data_dirs!r}")
     override_sides = {}
     for text in args.compare_overrides or []:
         try:
@@ -605,9 +677,13 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
     # The runs of a comparison start in their source tree: a local data directory given
     # relative to here is passed on as an absolute path.
-    data_dir = os.path.abspath(args.data_dir) if os.path.isdir(args.data_dir) else args.data_dir
-    # Everything but the config, which each side of --compare_configs names for itself.
-    run_args = [f"--data_dir={data_dir}", f"--steps={args.steps}", f"--warmup_steps={args.warmup_steps}"]
+    absolute = lambda d: os.path.abspath(d) if os.path.isdir(d) else d  # noqa: E731
+    data_dir = absolute(args.data_dir)
+    data_sides = [absolute(d) for d in data_sides]
+    # Everything but the config and the data, which the sides of --compare_configs and
+    # --compare_data_dirs name for themselves.
+    run_args = [f"--steps={args.steps}", f"--warmup_steps={args.warmup_steps}"]
+    run_args += ["--input_only"] if args.input_only else []
     run_args += [f"--module={args.module}"] if args.module else []
     run_args += [f"--mesh_selector={args.mesh_selector}"] if args.mesh_selector else []
     run_args += [f"--config_override={o}" for o in args.config_override]
@@ -621,19 +697,22 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         sides_to_build = {name: (args.config, o) for name, o in override_sides.items()}
     elif args.compare_xla_flags:  # Both sides run the same config.
         sides_to_build = {args.config: (args.config, [])}
+    elif data_sides:
+        sides_to_build = {d: (args.config, []) for d in data_sides}
     else:  # One run builds its config at once; other trees' configs are theirs to build.
         sides_to_build = {}
     for side, (config, side_overrides) in sides_to_build.items():
         try:
             build_benchmark_config(
                 config, module=args.module, mesh_selector=args.mesh_selector,
-                data_dir=data_dir, overrides=[*args.config_override, *side_overrides],
+                data_dir=side if data_sides else data_dir,
+                overrides=[*args.config_override, *side_overrides],
             )
         except ValueError as e:  # ConfigError and the overrides' parse errors.
             parser.error(f"side {side!r}: {e}")
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with_config = lambda name: [f"--config={name}", *run_args]  # noqa: E731
+    with_config = lambda name, data=data_dir: [f"--config={name}", f"--data_dir={data}", *run_args]  # noqa: E731
     # Every comparison is named sides, run in rounds.
     sides: dict[str, _Side] = {}
     tmp = tempfile.mkdtemp(prefix="axlearn-bench-") if args.compare else None
@@ -651,6 +730,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             flags or "default": _Side(repo, with_config(args.config), flags)
             for flags in args.compare_xla_flags
         }
+    elif data_sides:
+        sides = {d: _Side(repo, with_config(args.config, d)) for d in data_sides}
     elif args.compare_dirs:
         sides = {
             os.path.basename(d.rstrip("/")) or d: _Side(d, with_config(args.config))
@@ -671,6 +752,13 @@ def _main(argv: Optional[Sequence[str]]) -> int:
                 lambda side: _run_in_tree(side.tree, side.argv, xla_flags=side.xla_flags),
                 rounds=args.rounds,
             )
+        elif args.input_only:
+            results = {
+                args.config: run_input_benchmark(
+                    config=args.config, module=args.module, data_dir=args.data_dir,
+                    overrides=args.config_override, steps=args.steps, warmup_steps=args.warmup_steps,
+                )
+            }
         else:
             results = {
                 args.config: run_benchmark(

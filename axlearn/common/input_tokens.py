@@ -46,8 +46,8 @@ Commands:
         `pad_token_id`). Uses `--num_workers` processes, default one per core; the output
         is the same for any number. A bad record is a one-line error naming its file and
         line (or Parquet row); a failed or interrupted build leaves nothing behind.
-    python -m axlearn.common.input_tokens bench --global_batch_size=4 --max_sequence_length=4096
-        Measures batches/s of the loader on synthetic shards.
+
+The loader's throughput for a named config: `python -m axlearn.bench --input_only`.
 """
 
 import argparse
@@ -64,7 +64,6 @@ import re
 import sys
 import tempfile
 import threading
-import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, BinaryIO, Optional
@@ -994,58 +993,6 @@ def _build_command(args: argparse.Namespace) -> None:
         print(f"{path}: removed (a shard of an earlier build with this prefix)")
 
 
-def _synthetic_shard(
-    path: str, *, num_tokens: int, mean_doc_tokens: int, vocab_size: int, seed: int
-) -> None:
-    rng = np.random.default_rng(seed)
-    docs, sizes, total = [], [], 0
-    while total < num_tokens:
-        length = max(1, int(rng.exponential(mean_doc_tokens)))
-        docs.append(rng.integers(3, vocab_size, size=length, dtype=np.int64))
-        sizes.append(4 * length)  # About 4 bytes of text per BPE token.
-        total += length + 1
-    write_shard(path, docs, sizes, vocab_name="synthetic", vocab_size=vocab_size, eos_id=1)
-
-
-def _bench_command(args: argparse.Namespace) -> None:
-    if args.cpu is not None:
-        os.sched_setaffinity(0, {args.cpu})
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "bench-00000.tok")
-        _synthetic_shard(
-            path,
-            num_tokens=args.num_tokens,
-            mean_doc_tokens=args.mean_doc_tokens,
-            vocab_size=args.vocab_size,
-            seed=0,
-        )
-        for prefetch in (0, 2):
-            cfg = TokenShardInput.default_config().set(
-                name="bench",
-                is_training=True,
-                global_batch_size=args.global_batch_size,
-                max_sequence_length=args.max_sequence_length,
-                paths=[path],
-                prefetch_batches=prefetch,
-            )
-            batches = cfg.instantiate(parent=None).dataset()
-            for _ in range(3):  # Warm up: first epoch order, page cache.
-                next(batches)
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                next(batches)
-            elapsed = time.perf_counter() - start
-            batches.close()
-            rate = args.steps / elapsed
-            print(
-                f"prefetch_batches={prefetch}: {rate:.1f} batches/s, "
-                f"{rate * args.global_batch_size:.1f} examples/s, "
-                f"{rate * args.global_batch_size * args.max_sequence_length / 1e6:.2f} M tokens/s "
-                f"(global batch {args.global_batch_size} x {args.max_sequence_length}, "
-                f"cpu {'any' if args.cpu is None else args.cpu})"
-            )
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m axlearn.common.input_tokens")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -1105,20 +1052,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         default=None,
         help="Replaces '\\n' before tokenizing, for vocabularies without a newline token.",
     )
-    bench = commands.add_parser("bench", help="Measure loader throughput on synthetic shards.")
-    bench.add_argument("--global_batch_size", type=int, default=4)
-    bench.add_argument("--max_sequence_length", type=int, default=4096)
-    bench.add_argument("--steps", type=int, default=200)
-    bench.add_argument("--num_tokens", type=int, default=50_000_000)
-    bench.add_argument("--mean_doc_tokens", type=int, default=1000)
-    bench.add_argument("--vocab_size", type=int, default=50_000)
-    bench.add_argument("--cpu", type=int, default=0, help="Pin to this CPU core (-1: no pinning).")
     args = parser.parse_args(argv)
-    if args.command == "build":
-        _build_command(args)
-    else:
-        args.cpu = None if args.cpu < 0 else args.cpu
-        _bench_command(args)
+    _build_command(args)
 
 
 def _cli(argv: Sequence[str]) -> int:
