@@ -73,7 +73,7 @@ import numpy as np
 from axlearn.common import file_system
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.input_base import BaseInput, Batch, InputError
-from axlearn.common.input_packing import byte_shares, chunk_features
+from axlearn.common.input_packing import FEATURE_KEYS
 from axlearn.common.input_prefetch import prefetch_in_thread
 from axlearn.common.input_tokenize import tokenize_documents
 from axlearn.common.input_token_format import (
@@ -157,33 +157,68 @@ class TokenCorpus:
                 out[mask] = tokens[index[mask] - self._shard_starts[i]]
         return out
 
-    def features(self, positions: np.ndarray, valid: np.ndarray) -> Batch:
-        """Batch features of aligned stream positions [rows, T] (see input_packing)."""
-        flat = np.where(valid, positions, 0).ravel()
-        epoch = flat // self.num_tokens
-        offset = flat - epoch * self.num_tokens
-        doc = np.empty_like(flat)
-        block_start = np.empty_like(flat)
-        first, last = int(epoch.min()), int(epoch.max())
-        for e in range(first, last + 1):
-            mask = slice(None) if first == last else epoch == e
-            order, ends = self._order(e)
-            block = np.searchsorted(ends, offset[mask], side="right")
-            doc[mask] = order[block]
-            block_start[mask] = ends[block] - self.doc_lengths[order[block]]
-        j = offset - block_start  # Offset of the position within its document's block.
-        index = self.doc_starts[doc] + j
-        targets = self._gather(index)
-        inputs = np.where(j == 0, self.eos_id, self._gather(np.maximum(index - 1, 0)))
-        shares = byte_shares(self.doc_bytes[doc], j, self.doc_lengths[doc])
-        shape = positions.shape
-        return chunk_features(
-            inputs.reshape(shape),
-            targets.reshape(shape),
-            (j == 0).reshape(shape),
-            shares.reshape(shape),
-            valid,
-        )
+    def _blocks(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(documents, stream position of each one's block) of the blocks overlapping
+        stream positions [start, end), in stream order, epochs repeating the corpus."""
+        docs, block_starts = [], []
+        while start < end:
+            epoch = start // self.num_tokens
+            base = epoch * self.num_tokens
+            stop = min(end, base + self.num_tokens)
+            order, ends = self._order(epoch)
+            first = np.searchsorted(ends, start - base, side="right")
+            last = np.searchsorted(ends, stop - 1 - base, side="right")
+            docs.append(order[first : last + 1])
+            block_starts.append(base + ends[first : last + 1] - self.doc_lengths[docs[-1]])
+            start = stop
+        return np.concatenate(docs), np.concatenate(block_starts)
+
+    def chunks(self, first: int, count: int, length: int, *, repeat: bool) -> Batch:
+        """Features of `count` consecutive chunks of `length` positions from chunk `first`
+        (see input_packing): the stream repeats epoch after epoch if `repeat`, else it
+        ends after one and later positions are padding.
+
+        The chunks are cut into pieces, each one document's part within one row; features
+        follow per piece (a piece's tokens are consecutive in its shard), so the work per
+        position is a few array passes and one gather, whatever the documents' lengths.
+        """
+        start = first * length
+        live = count * length if repeat else max(0, min(count * length, self.num_tokens - start))
+        batch = {key: np.zeros((count, length), np.int32) for key in FEATURE_KEYS[:-1]}
+        num_bytes = np.zeros(count, np.int64)
+        if live:
+            docs, block_starts = self._blocks(start, start + live)
+            doc_piece_starts = np.maximum(block_starts, start)
+            row_starts = start + np.arange(-(-live // length), dtype=np.int64) * length
+            piece_starts = np.union1d(doc_piece_starts, row_starts)  # Sorted, unique.
+            which = np.searchsorted(doc_piece_starts, piece_starts, side="right") - 1
+            doc = docs[which]
+            offset = piece_starts - block_starts[which]  # j of the piece's first position.
+            sizes = np.diff(piece_starts, append=start + live)
+            rel = piece_starts - start
+            position = np.arange(live, dtype=np.int64)
+            index = position + np.repeat(self.doc_starts[doc] + offset - rel, sizes)
+            targets = self._gather(index)
+            inputs = np.empty_like(targets)
+            inputs[1:] = targets[:-1]  # Within a piece, the input is the previous target.
+            before = self._gather(np.maximum(self.doc_starts[doc] + offset - 1, 0))
+            inputs[rel] = np.where(offset == 0, self.eos_id, before)
+            row = rel // length
+            rank = np.arange(row.size) - np.searchsorted(row, row, side="left")
+            flat = {
+                "input_ids": inputs,
+                "target_labels": targets,
+                # Each piece of a row is its next segment; positions restart at its start.
+                "input_segment_ids": np.repeat(rank + 1, sizes),
+                "input_positions": position - np.repeat(rel, sizes),
+            }
+            for key, values in flat.items():
+                batch[key].reshape(-1)[:live] = values
+            lengths, doc_bytes = self.doc_lengths[doc], self.doc_bytes[doc]
+            piece_bytes = doc_bytes * (offset + sizes) // lengths - doc_bytes * offset // lengths
+            np.add.at(num_bytes, row, piece_bytes)
+        batch["target_num_bytes"] = num_bytes.astype(np.int32)
+        return batch
 
 
 class TokenShardInput(BaseInput):
@@ -331,13 +366,14 @@ class TokenShardInput(BaseInput):
         """Features of chunks `chunks` of stream `stream`, a row each."""
         cfg = self.config
         corpus = self._stream(stream)
-        length = cfg.max_sequence_length
-        positions = np.asarray(chunks, dtype=np.int64)[:, None] * length + np.arange(length)
-        if cfg.is_training:
-            valid = np.ones(positions.shape, dtype=bool)
-        else:
-            valid = positions < corpus.num_tokens
-        return corpus.features(positions, valid)
+        chunks = np.asarray(chunks, dtype=np.int64)
+        # Runs of consecutive chunks (a batch takes one run from each stream).
+        runs = np.split(chunks, np.flatnonzero(np.diff(chunks) != 1) + 1) if chunks.size else []
+        parts = [
+            corpus.chunks(int(run[0]), run.size, cfg.max_sequence_length, repeat=cfg.is_training)
+            for run in runs
+        ]
+        return concatenate_rows(parts)
 
     # ----- batches -----
 
