@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from axlearn.common.attention import build_remat_spec
 from axlearn.common.input_tokens import TokenShardInput
+from axlearn.common.layers import OneHotGradEmbedding
 from axlearn.common.trainer import SpmdTrainer
 from axlearn.experiments.text.gpt import common
 
@@ -104,6 +105,8 @@ def golf_baseline() -> SpmdTrainer.Config:
         # in every step for a diagnostic.
         extra_ffn_summaries=False,
     )
+    # Real text's frequent tokens serialize the table gradient's scatter-add on a GPU.
+    model.decoder.emb.token_emb.set(klass=OneHotGradEmbedding)
     return common.trainer_config(
         model=model,
         learner=common.muon_learner_config(max_step=MAX_STEP),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from axlearn.common import layers
+from axlearn.common.base_layer import WeightWithCopy
 from axlearn.common.config import ConfigError
 from axlearn.common.module import F
 from axlearn.common.param_init import default_initializer_config
@@ -100,6 +101,35 @@ def test_embedding_lookup_and_attend():
     np.testing.assert_allclose(
         _call(layer, params, jnp.asarray(x), method="attend"), x @ table.T, rtol=1e-5, atol=1e-5
     )
+
+
+def test_one_hot_grad_embedding_sums_the_gradient_of_each_row_as_a_scatter_add():
+    layer, params = _build(layers.OneHotGradEmbedding.default_config().set(num_embeddings=7, dim=4))
+    table = np.asarray(params["weight"])
+    ids = np.array([[0, 6, 3, 3], [2, 3, 3, 1]])  # A frequent token, and rows never read.
+    dy = RNG.normal(size=(2, 4, 4)).astype(np.float32)
+
+    def loss(weight):
+        return jnp.sum(_call(layer, {"weight": weight}, jnp.asarray(ids)) * dy)
+
+    expected = np.zeros_like(table)
+    np.add.at(expected, ids.reshape(-1), dy.reshape(-1, 4))
+    np.testing.assert_array_equal(_call(layer, params, jnp.asarray(ids)), table[ids])
+    np.testing.assert_allclose(jax.grad(loss)(params["weight"]), expected, rtol=1e-6, atol=1e-6)
+    # Through a bf16 copy, the float32 weight gets the float32 sum of the copy's rows' cotangents.
+    copied = WeightWithCopy(params["weight"], params["weight"].astype(jnp.bfloat16))
+
+    def copied_loss(weight):
+        out = _call(layer, {"weight": copied._replace(weight=weight)}, jnp.asarray(ids))
+        return jnp.sum(out.astype(jnp.float32) * dy)
+
+    grad = jax.grad(copied_loss)(params["weight"])
+    assert grad.dtype == jnp.float32
+    # The bf16 output's cotangent is dy in bf16; its sums are not rounded again.
+    dy_bf16 = np.asarray(jnp.asarray(dy).astype(jnp.bfloat16).astype(jnp.float32))
+    expected = np.zeros_like(table)
+    np.add.at(expected, ids.reshape(-1), dy_bf16.reshape(-1, 4))
+    np.testing.assert_allclose(grad, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_dropout_is_identity_when_not_training_or_rate_is_none():

@@ -14,7 +14,14 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from axlearn.common.base_layer import BaseLayer, MeshAxes, ParameterSpec, weight_einsum, weight_take
+from axlearn.common.base_layer import (
+    BaseLayer,
+    MeshAxes,
+    ParameterSpec,
+    WeightWithCopy,
+    weight_einsum,
+    weight_take,
+)
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.kernels.dispatch import kernel_mode
 from axlearn.common.kernels.gated_product import (
@@ -201,6 +208,44 @@ class Embedding(BaseLayer):
             "...d,vd->...v", x, self.parameters["weight"],
             partition_spec=self.config.param_partition_spec,
         )
+
+
+class OneHotGradEmbedding(Embedding):
+    """An Embedding whose table gradient is a matmul, one_hot(ids)^T @ dy, in place of a
+    scatter-add. On a GPU the scatter's atomic adds serialize on frequent tokens, which
+    real text has and random tokens lack; with a small vocabulary the matmul costs little
+    (2 * vocab * dim flops a token). The forward pass is the same row lookup."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        weight = self.parameters["weight"]
+        if isinstance(weight, WeightWithCopy):
+            return _take_with_one_hot_grad(ids, weight.weight, weight.copy)
+        return _take_with_one_hot_grad(ids, weight, weight)
+
+
+@jax.custom_vjp
+def _take_with_one_hot_grad(ids: Tensor, weight: Tensor, table: Tensor) -> Tensor:
+    """Rows `ids` of `table`; the gradient goes to `weight` (the table's master copy, or
+    the table itself), summed in its dtype."""
+    del weight
+    return jnp.take(table, ids, axis=0)
+
+
+def _take_with_one_hot_grad_fwd(ids, weight, table):
+    # The weight's dtype as a zero-size array: the residuals hold no second table.
+    return jnp.take(table, ids, axis=0), (ids, table.shape, jnp.zeros((0,), weight.dtype))
+
+
+def _take_with_one_hot_grad_bwd(residuals, dy):
+    ids, shape, weight_dtype = residuals
+    rows = dy.reshape(-1, shape[1])
+    # Ids outside the table have an all-zero row: no gradient, as jnp.take's transpose.
+    one_hot = jax.nn.one_hot(ids.reshape(-1), shape[0], dtype=rows.dtype)
+    dw = jnp.einsum("nv,nd->vd", one_hot, rows, preferred_element_type=weight_dtype.dtype)
+    return None, dw, None
+
+
+_take_with_one_hot_grad.defvjp(_take_with_one_hot_grad_fwd, _take_with_one_hot_grad_bwd)
 
 
 # ----- normalization -----
