@@ -5,6 +5,7 @@ holds none is an error naming it, except as the TFDS directory of tf.data inputs
 import json
 import math
 import re
+import socket
 import subprocess
 import sys
 
@@ -209,3 +210,64 @@ def test_gpt_test_trains_and_evaluates_on_shards(data_dir, tmp_path):
     lines = (tmp_path / "run" / "summaries" / "validation" / "metrics.jsonl").read_text()
     metrics = json.loads(lines.splitlines()[-1])
     assert metrics["step"] == 2 and math.isfinite(metrics["bits_per_byte"])
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+def _train_on_shards(data_dir, trainer_dir, *flags: str, devices: int, background=False):
+    """gpt_test for 3 steps on `data_dir`, 2 streams of 2 rows each, no evaluation."""
+    command = [
+        sys.executable, "-m", "axlearn.common.launch_trainer_main", "--config=gpt_test",
+        f"--data_dir={data_dir}", f"--trainer_dir={trainer_dir}", "--jax_backend=cpu",
+        "--config_override=input.global_batch_size=4",
+        "--config_override=input.max_sequence_length=32",
+        "--config_override=input.num_streams=2",
+        "--config_override=evalers={}",
+        "--config_override=max_step=3",
+        "--config_override=log_every_n_steps=1",
+        "--config_override=summary_writer.write_every_n_steps=1",
+        *flags,
+    ]
+    env = fresh_env(devices)
+    if background:
+        return subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _train_losses(trainer_dir) -> dict[int, float]:
+    path = trainer_dir / "summaries" / "train" / "metrics.jsonl"
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.mark.slow
+def test_two_processes_read_disjoint_shards_and_train_as_one_process_does(tmp_path):
+    _build(tmp_path / "data" / "train", _texts(80, seed=0))  # Shards of ~400 tokens.
+    alone = _train_on_shards(tmp_path / "data", tmp_path / "alone", devices=2)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    port = _free_port()
+    processes = [
+        _train_on_shards(
+            tmp_path / "data", tmp_path / "together", f"--distributed_coordinator=localhost:{port}",
+            "--num_processes=2", f"--process_id={i}", devices=1, background=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-3000:]
+    opened = [set(re.findall(r"stream \d of 2 reads (.*)", output)[0].split()) for output in outputs]
+    shards = {p.name for p in (tmp_path / "data").glob("train-*.tok")}
+    # Each process opens its own stream's shards only (and both the one shard that holds
+    # the boundary between the streams' documents); together they cover the corpus.
+    assert len(shards) >= 4 and opened[0] | opened[1] == shards
+    assert len(opened[0] & opened[1]) <= 1
+    reference, together = _train_losses(tmp_path / "alone"), _train_losses(tmp_path / "together")
+    assert sorted(together) == [1, 2, 3]
+    for step, loss in reference.items():
+        assert abs(together[step] - loss) <= 1e-5 * abs(loss), (step, together[step], loss)

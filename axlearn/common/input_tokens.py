@@ -59,6 +59,7 @@ import importlib
 import io
 import itertools
 import json
+import logging
 import os
 import re
 import sys
@@ -88,6 +89,8 @@ from axlearn.common.input_token_format import (
 )
 from axlearn.common.input_vocab import VocabularyError, load_vocabulary, vocabulary_name
 from axlearn.common.module import Module
+
+log = logging.getLogger(__name__)
 
 
 class TokenCorpus:
@@ -360,6 +363,10 @@ class TokenShardInput(BaseInput):
                 f"{self.path()}: stream {stream} of {self._num_streams} holds no document "
                 f"(none starts at its tokens [{lo}, {hi})); use fewer num_streams"
             )
+        log.info(
+            "%s: stream %d of %d reads %s", self.path(), stream, self._num_streams,
+            " ".join(os.path.basename(self._paths[i]) for i in shards),
+        )
         return corpus
 
     def stream_features(self, stream: int, chunks: np.ndarray) -> Batch:
