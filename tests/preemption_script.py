@@ -13,6 +13,7 @@ one process of a multi-process run (jax.distributed, CPU collectives through glo
 
 import argparse
 import os
+import signal
 import sys
 import time
 from typing import Optional
@@ -77,4 +78,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # SIGINT as an interactive shell leaves it: started by a suite in the background (whose
+    # shell ignores SIGINT, which the run would then keep ignoring), the script tests the same.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     main()

@@ -62,6 +62,14 @@ def _start_script(trainer_dir, *args: str, devices: int = 1) -> subprocess.Popen
     )
 
 
+@pytest.fixture(autouse=True)
+def _python_s_own_sigint_handler():
+    """This process's SIGINT handler as Python installs it, for the tests and back after."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("localhost", 0))
