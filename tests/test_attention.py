@@ -181,6 +181,7 @@ def np_transformer_layer(x, p, *, positions, mask, theta=500000.0, **kw):
 # ----- numerics -----
 
 
+@pytest.mark.slow
 def test_transformer_layer_matches_numpy():
     layer, params = _build(_layer_config().set(input_dim=16))
     params = _randomize(params)
@@ -264,6 +265,7 @@ def test_cross_attention_reads_keys_from_source():
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_rope_matches_transformers_llama_rotation():
     torch = pytest.importorskip("torch")
     llama = pytest.importorskip("transformers.models.llama.modeling_llama")
@@ -372,6 +374,7 @@ def test_cudnn_call_masks_segments_and_matches_numpy(monkeypatch):
     np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.slow
 def test_auto_implementation_picks_cudnn_on_gpu_for_bf16_only(monkeypatch):
     calls = []
     monkeypatch.setattr(jax.nn, "dot_product_attention", _cudnn_on_xla(calls))
@@ -604,6 +607,7 @@ def _stack_config(kind, num_layers=3, **layer_kwargs):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["layer", "stacked", "repeated"])
 def test_extend_step_matches_forward(kind):
     cfg = _layer_config().set(input_dim=16) if kind == "layer" else _stack_config(kind)
@@ -627,6 +631,7 @@ def test_extend_step_matches_forward(kind):
     np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_extend_step_handles_different_time_steps_per_example():
     layer, params = _build(_layer_config().set(input_dim=16))
     params = _randomize(params, scale=0.3)
@@ -669,6 +674,7 @@ def _stacked_params_from_repeated(repeated_params, num_layers):
     }
 
 
+@pytest.mark.slow
 def test_stacked_and_repeated_give_same_outputs_and_gradients():
     repeated, rep_params = _build(_stack_config("repeated"))
     rep_params = _randomize(rep_params, scale=0.3)
@@ -729,6 +735,7 @@ def _grads(cfg, params, x):
     return jax.jit(jax.grad(loss))(params)
 
 
+@pytest.mark.slow
 def test_spec_remat_policies_give_identical_gradients():
     layer, params = _build(_small_spec_transformer())
     params = _randomize(params, scale=0.2)
@@ -837,6 +844,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_repeated_transformer_sharded_over_8_devices_matches_single_device():
     reference_spec.path()  # The script builds the spec's transformer.
     assert_prints_ok(_SHARDED_SCRIPT.format(repo=REPO), marker="SHARDED_OK", devices=8)

@@ -120,6 +120,7 @@ def _loss_and_grads(model, params, batch):
     return jax.jit(jax.value_and_grad(loss_fn))(params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [3, 4])
 def test_chunked_loss_equals_unchunked_loss_and_gradients(chunk):
     cfg = _model_config(z_loss_scale=1e-3)
@@ -185,6 +186,7 @@ def test_spec_model_config_dumps_back_to_the_spec_lines():
     assert sorted(cfg.debug_string().splitlines()) == sorted(lines)
 
 
+@pytest.mark.slow
 def test_spec_model_with_small_dims_runs_forward_and_backward():
     model = _small_spec_model_config().instantiate(parent=None)
     params = _random_params(model)
@@ -272,6 +274,7 @@ def test_model_flops_per_token_is_the_design_formula_of_the_config(make):
     assert model.model_flops_per_token(seq_len) == _design_flops_per_token(model_cfg, seq_len)
 
 
+@pytest.mark.slow
 def test_generation_wrappers_delegate_to_the_decoder():
     model = _model_config().instantiate(parent=None)
     params = _random_params(model)
@@ -328,11 +331,13 @@ _SHARDED_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sharded_forward_matches_single_device_and_shards_logits():
     reference_spec.path()  # The script builds the spec's model.
     assert_prints_ok(_SHARDED_SCRIPT, str(_REPO), devices=8)
 
 
+@pytest.mark.slow
 def test_attend_across_documents_ignores_segments_and_positions():
     """With attend_across_documents, the loss is that of an unpacked batch of one document."""
     import numpy as np  # pylint: disable=import-outside-toplevel

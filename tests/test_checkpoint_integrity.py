@@ -184,6 +184,7 @@ def test_garbage_collection_never_keeps_a_failed_step_in_place_of_intact_ones(tm
     checkpointer.stop()
 
 
+@pytest.mark.slow
 def test_a_corrupted_latest_step_is_rewritten_when_the_restarted_run_reaches_it(tmp_path):
     trainer_dir = str(tmp_path)
     cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=4, save_every_n_steps=2)

@@ -556,6 +556,7 @@ def _train(directory, steps, losses, *extra_args, wait=True):
     return None
 
 
+@pytest.mark.slow
 def test_kill_during_save_resumes_from_previous_commit_with_identical_losses(tmp_path):
     steps, kill_step = 8, 5
     _train(tmp_path / "reference", steps, tmp_path / "reference.txt")
@@ -611,6 +612,7 @@ def fixture_fsdp8_checkpoint(tmp_path_factory):
     return root / "ckpt", reference
 
 
+@pytest.mark.slow
 def test_fsdp8_checkpoint_through_numpy_copies_writes_the_same_files(fsdp8_checkpoint, tmp_path):
     directory, reference = fsdp8_checkpoint
     np.savez(tmp_path / "reference.npz", **reference)
@@ -697,6 +699,7 @@ def test_benchmark_saves_each_new_state_and_restores_the_last(
         np.testing.assert_array_equal(np.asarray(saved[name]), np.asarray(array) + 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host_memory_kind", [[], ["numpy"]], ids=["pinned_host", "numpy"])
 def test_two_processes_each_write_their_own_shards_and_restore_resharded(
     tmp_path, host_memory_kind

@@ -141,6 +141,7 @@ def test_packed_documents_match_separate_documents():
     np.testing.assert_allclose(out["logits"][:, 5:], alone_b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("repeated", [True, False])
 def test_extend_step_prefill_then_single_steps_equal_forward(repeated):
     decoder, params = _build(_decoder_config(repeated=repeated))
@@ -174,6 +175,7 @@ def _greedy_by_recomputation(decoder, params, prompt, max_len, eos_token_id):
     return seq
 
 
+@pytest.mark.slow
 def test_greedy_decode_equals_recomputation_for_prompts_of_different_lengths():
     cfg = _decoder_config(eos_token_id=VOCAB + 1)  # Never produced: run to max_len.
     decoder, params = _build(cfg)
@@ -206,6 +208,7 @@ def test_greedy_decode_stops_at_eos_and_pads_after_it():
     assert int(out["lengths"][0]) == first + 1
 
 
+@pytest.mark.slow
 def test_sampling_with_top_k_1_equals_greedy():
     decoder, params = _build(_decoder_config(eos_token_id=VOCAB + 1))
     prompt = _ids(2, 3, seed=7)

@@ -92,6 +92,7 @@ def fixture_diverged_run(tmp_path_factory):
     return trainer_dir, error, warnings
 
 
+@pytest.mark.slow
 def test_consecutive_bad_steps_stop_the_run_naming_the_last_good_checkpoint(diverged_run):
     trainer_dir, error, _ = diverged_run
     assert error is not None, "the run did not stop"
@@ -101,6 +102,7 @@ def test_consecutive_bad_steps_stop_the_run_naming_the_last_good_checkpoint(dive
     assert "max_consecutive_bad_steps=5" in message and "\n" not in message
 
 
+@pytest.mark.slow
 def test_no_checkpoint_is_written_once_the_loss_went_bad(diverged_run):
     trainer_dir, _, warnings = diverged_run
     assert _committed_steps(trainer_dir) == [2]
@@ -109,6 +111,7 @@ def test_no_checkpoint_is_written_once_the_loss_went_bad(diverged_run):
     assert sum("Not saving checkpoint step" in m for m in warnings) == 2  # 8 stopped first.
 
 
+@pytest.mark.slow
 def test_a_trainer_checkpoint_is_recorded_good_in_its_index(diverged_run):
     trainer_dir, _, _ = diverged_run
     path = os.path.join(trainer_dir, "checkpoints", step_dir_name(2), INDEX_FILE)
@@ -116,6 +119,7 @@ def test_a_trainer_checkpoint_is_recorded_good_in_its_index(diverged_run):
         assert json.load(f)["good"] is True
 
 
+@pytest.mark.slow
 def test_bad_step_counts_are_written_as_summaries(diverged_run):
     trainer_dir, _, _ = diverged_run
     records = {r["step"]: r for r in read_metrics(trainer_dir)}
@@ -128,6 +132,7 @@ def test_bad_step_counts_are_written_as_summaries(diverged_run):
     assert [records[s]["learner/skipped_steps"] for s in range(1, 8)] == consecutive
 
 
+@pytest.mark.slow
 def test_bad_steps_warn_at_the_first_second_fourth_of_a_row(diverged_run):
     _, _, warnings = diverged_run
     skipped = [m for m in warnings if "the optimizer skipped the update" in m]
@@ -150,6 +155,7 @@ def fixture_recovered_runs(tmp_path_factory):
     return trainer_dir, warnings, second_error
 
 
+@pytest.mark.slow
 def test_bad_steps_that_end_reset_the_count_and_saving_resumes(recovered_runs):
     trainer_dir, warnings, _ = recovered_runs
     records = {r["step"]: r for r in read_metrics(trainer_dir)}
@@ -159,6 +165,7 @@ def test_bad_steps_that_end_reset_the_count_and_saving_resumes(recovered_runs):
     assert _committed_steps(trainer_dir)[:2] == [2, 6]  # Not 4: it was bad.
 
 
+@pytest.mark.slow
 def test_a_resumed_run_counts_only_the_steps_it_skips(recovered_runs):
     trainer_dir, _, second_error = recovered_runs
     # The restored optimizer state has counted 2 skipped steps; the resumed run skips none,

@@ -7,6 +7,7 @@ import random
 
 import jax
 import numpy as np
+import pytest
 
 from axlearn.common.causal_lm import count_parameters
 from axlearn.common.input_tokens import build_token_shards
@@ -53,6 +54,7 @@ def _texts(count: int, seed: int) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_golf_trains_on_token_shards_and_reports_bits_per_byte(tmp_path):
     vocab = ByteVocabulary()  # 259 ids: fits the model's 1024.
     build_token_shards(_texts(120, seed=0), vocab=vocab, output_prefix=str(tmp_path / "train"))

@@ -109,6 +109,7 @@ def test_converted_config_matches_the_hf_config():
     assert (decoder.eos_token_id, decoder.pad_token_id) == (2, 0)
 
 
+@pytest.mark.slow
 def test_greedy_decoding_matches_hf_generate():
     hf = _hf_model()
     cfg = hf_llama.llama_config_from_hf(hf.config)

@@ -2,6 +2,8 @@
 
 import textwrap
 
+import pytest
+
 from axlearn.common import input_tf_data
 from axlearn.common.config import config_for_function, parse_flat_text
 from axlearn.experiments.text.common import vocab
@@ -93,6 +95,7 @@ def test_spec_text_parses_back_to_the_same_configs():
     assert parse_flat_text(EVAL_INPUT_SPEC).debug_string() == EVAL_INPUT_SPEC
 
 
+@pytest.mark.slow
 def test_inputs_build_and_run_without_tensorflow(tmp_path):
     script = textwrap.dedent(
         f"""

@@ -4,6 +4,8 @@ interpreted."""
 
 import textwrap
 
+import pytest
+
 from tests.fresh_python import assert_prints_ok
 
 _NO_TRITON_SCRIPT = textwrap.dedent(
@@ -38,6 +40,7 @@ _NO_TRITON_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_without_pallas_triton_the_layers_keep_xla_and_the_kernels_run_interpreted():
     # jax 0.11 deprecates Pallas's Triton backend; a jax without it must still import us.
     assert_prints_ok(_NO_TRITON_SCRIPT)
@@ -58,6 +61,7 @@ _NO_TRITON_COMPILE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_without_pallas_triton_compiling_a_kernel_says_to_interpret_it():
     assert_prints_ok(_NO_TRITON_COMPILE_SCRIPT)
 

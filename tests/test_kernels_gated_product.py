@@ -100,6 +100,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_kernel_runs_per_device_on_a_sharded_mesh():
     # A fresh process: the fake 8-device CPU platform must be set before jax starts.
     assert_prints_ok(_SHARDED_SCRIPT, devices=8)

@@ -60,6 +60,7 @@ def _transformer_layer(structure: str, hidden: int = 256, remat: bool = False):
     return layer, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("structure,remat", [("prenorm", False), ("hybridnorm", False), ("prenorm", True)])
 def test_prenorm_layers_take_the_norm_kernel_and_keep_their_gradients(structure, remat):
     layer, params = _transformer_layer(structure, remat=remat)
@@ -157,6 +158,7 @@ _SHARDED_NORM_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_norm_kernel_runs_per_device_on_a_sharded_mesh():
     assert_prints_ok(_SHARDED_NORM_SCRIPT, devices=8)
 
@@ -204,5 +206,6 @@ _SHARDED_LAYER_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_both_norms_of_a_layer_run_per_device_on_a_sharded_mesh():
     assert_prints_ok(_SHARDED_LAYER_SCRIPT, devices=8)

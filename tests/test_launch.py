@@ -125,6 +125,7 @@ def test_help_lists_the_launcher_flags():
         assert f"  {flag}:" in result.stdout or f"  --[no]{flag[2:]}:" in result.stdout, flag
 
 
+@pytest.mark.slow
 def test_list_configs_prints_each_config_with_its_parameter_count():
     result = _main("--list_configs")
     assert result.returncode == 0, result.stderr
@@ -146,6 +147,7 @@ def test_list_configs_prints_each_config_with_its_parameter_count():
     "tool", [["-m", MAIN, "--print_config"], ["-m", "axlearn.bench", "--steps=1"]],
     ids=["launcher", "bench"],
 )
+@pytest.mark.slow
 def test_every_tool_refuses_an_unknown_config_name_listing_close_names(tool):
     result = subprocess.run(
         [sys.executable, *tool, "--config=gpt_tst"], env=fresh_env(1), cwd=REPO,
@@ -339,6 +341,7 @@ def test_a_selector_contradicting_the_devices_is_found(selector, devices, reason
     assert selector_contradiction(selector, *devices) == reason
 
 
+@pytest.mark.slow
 def test_main_job_refuses_a_mesh_selector_that_contradicts_its_devices(tmp_path):
     result = _main("--config=gpt_1b", "--mesh_selector=gpu-h100-8", f"--trainer_dir={tmp_path}")
     assert result.returncode == 1 and "Traceback" not in result.stderr
@@ -459,6 +462,7 @@ def test_tpu_probe_record_is_dropped_and_other_records_pass():
     assert probe_filter.filter(record("An unrelated warning"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(launch.tpu_present(), reason="This host has TPUs.")
 def test_main_job_logs_no_tpu_probe_on_a_host_without_tpus():
     env = {"JAX_PLATFORMS": ""}  # JAX probes every platform it knows, the TPU included.
@@ -535,6 +539,7 @@ def fixture_single_process_run(tmp_path_factory):
     return trainer_dir, result.stderr
 
 
+@pytest.mark.slow
 def test_main_job_trains_and_writes_checkpoints_and_summaries(single_process_run):
     trainer_dir, output = single_process_run
     assert "step 6/6 | loss " in output
@@ -548,6 +553,7 @@ def test_main_job_trains_and_writes_checkpoints_and_summaries(single_process_run
     )
 
 
+@pytest.mark.slow
 def test_two_processes_train_one_model_and_match_the_single_process_losses(
     single_process_run, tmp_path
 ):
@@ -567,6 +573,7 @@ def test_two_processes_train_one_model_and_match_the_single_process_losses(
         assert abs(together[step] - loss) <= 1e-5 * abs(loss), (step, together[step], loss)
 
 
+@pytest.mark.slow
 def test_max_step_override_brings_the_final_eval_and_checkpoint_to_it(single_process_run):
     trainer_dir, output = single_process_run
     assert "max_step 200 -> 6; followed by" in output
@@ -578,6 +585,7 @@ def test_max_step_override_brings_the_final_eval_and_checkpoint_to_it(single_pro
 # ----- the run records its config -----
 
 
+@pytest.mark.slow
 def test_main_job_records_its_resolved_config_as_golden_text(single_process_run):
     trainer_dir, _ = single_process_run
     expected = build_trainer_config(

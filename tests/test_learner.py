@@ -91,6 +91,7 @@ def spec_learner_config():
     )
 
 
+@pytest.mark.slow
 def test_the_spec_learner_subtree_dumps_byte_for_byte_and_parses_back():
     expected = reference_spec.lines_with_prefix("learner.")
     cfg = spec_learner_config()
@@ -123,6 +124,7 @@ def regression_loss(params, inputs, prng_key):
     return jnp.mean(per_example), aux
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_full_batch_step():
     rng = np.random.default_rng(RNG_SEED)
     params = {"w": jnp.asarray(rng.normal(size=(4, 6)), jnp.float32),
@@ -411,5 +413,6 @@ SHARDED_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_learner_state_is_sharded_like_the_parameters_on_a_mesh():
     assert_prints_ok(SHARDED_SCRIPT, devices=8)

@@ -250,6 +250,7 @@ OPTAX_SHARDED_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_optax_optimizer_sharded_on_8_devices_gives_the_one_device_result():
     from tests.fresh_python import assert_prints_ok  # pylint: disable=import-outside-toplevel
 
@@ -284,6 +285,7 @@ def test_a_learner_config_with_optax_adamw_dumps_parses_back_and_updates():
     assert float(summaries["learning_rate"]) == pytest.approx(float(sched(0)))
 
 
+@pytest.mark.slow
 def test_a_trainer_with_an_optax_learner_trains_and_reports_its_learning_rate(tmp_path):
     # The trainer's modules load only for this test.
     from tests.trainer_script import (  # pylint: disable=import-outside-toplevel
@@ -573,6 +575,7 @@ def test_lion_matches_numpy():
         np.testing.assert_allclose(got[name], ref[name], atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_sgd_matches_torch(nesterov):
     torch = pytest.importorskip("torch")

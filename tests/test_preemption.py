@@ -109,24 +109,28 @@ def fixture_stopped_run(request, tmp_path_factory) -> tuple[str, int, str]:
 # ----- a signal stops a training process -----
 
 
+@pytest.mark.slow
 def test_a_stop_signal_exits_with_the_preempted_status(stopped_run):
     _, status, output = stopped_run
     assert status == PREEMPTED_EXIT_CODE, output[-3000:]
     assert f"Stopped at step {PAUSE_STEP} on SIG" in output
 
 
+@pytest.mark.slow
 def test_a_stop_signal_commits_the_step_reached_and_flushes_its_summaries(stopped_run):
     trainer_dir, _, _ = stopped_run
     assert _committed_steps(trainer_dir) == [PAUSE_STEP]  # The policy saves only at step 6.
     assert [r["step"] for r in read_metrics(trainer_dir)] == list(range(1, PAUSE_STEP + 1))
 
 
+@pytest.mark.slow
 def test_a_stopped_run_releases_its_directory(stopped_run):
     trainer_dir, _, _ = stopped_run
     assert not os.path.exists(os.path.join(trainer_dir, run_lock.LOCK_FILE_NAME))
 
 
 # One restart is enough: what it resumes from does not depend on the signal.
+@pytest.mark.slow
 @pytest.mark.parametrize("stopped_run", ["SIGTERM"], indirect=True)
 def test_a_restart_resumes_at_the_saved_step_with_the_uninterrupted_losses(
     stopped_run, reference_losses, tmp_path

@@ -139,6 +139,7 @@ def test_compile_seconds_count_this_thread_s_compilation_only():
     assert perf.compile_seconds() == after
 
 
+@pytest.mark.slow
 def test_the_trainer_reports_windows_without_the_compiling_step(monkeypatch):
     windows = []
 

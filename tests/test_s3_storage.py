@@ -185,6 +185,7 @@ def test_checkpointer_dir_url_no_driver_accepts_is_a_config_error():
 # ----- s3:// on the test server -----
 
 
+@pytest.mark.slow
 def test_files_are_objects_that_boto3_reads_and_writes(s3_server, bucket):
     root = f"s3://{bucket}/run"
     file_system.write_bytes(file_system.join(root, "a", "x.bin"), b"\x00\x01")

@@ -103,6 +103,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_weights_are_gathered_and_kv_heads_kept_whole_only_on_meshes_xla_partitions_wrong():
     assert_prints_ok(_GATHER_SCRIPT, devices=8)
 

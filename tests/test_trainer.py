@@ -70,6 +70,7 @@ def _builtin_input(split: str, is_training: bool) -> BuiltinTextInput.Config:
 # ----- training, checkpoints, summaries, resumption -----
 
 
+@pytest.mark.slow
 def test_small_trainer_loss_falls_and_writes_checkpoints_and_summaries(tmp_path):
     cfg = tiny_trainer_config(
         trainer_dir=str(tmp_path),
@@ -164,6 +165,7 @@ def fixture_resumed_run(tmp_path_factory):
     return trainer_dir, trainers
 
 
+@pytest.mark.slow
 def test_rerun_in_the_same_directory_resumes_instead_of_reinitializing(resumed_run):
     trainer_dir, (first, second) = resumed_run
     assert first.step == 3 and second.step == 6
@@ -172,11 +174,13 @@ def test_rerun_in_the_same_directory_resumes_instead_of_reinitializing(resumed_r
     assert _committed_steps(trainer_dir) == [3, 6]
 
 
+@pytest.mark.slow
 def test_resumed_run_reproduces_the_uninterrupted_losses(reference_run, resumed_run):
     reference, resumed = losses_by_step(reference_run[0]), losses_by_step(resumed_run[0])
     assert resumed == reference  # Bit for bit, steps 1-6.
 
 
+@pytest.mark.slow
 def test_without_the_saved_input_position_a_resumed_run_replays_old_batches(
     reference_run, tmp_path
 ):
@@ -220,6 +224,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_
         assert np.all(np.isfinite(np.asarray(leaf)))
 
 
+@pytest.mark.slow
 def test_learning_rate_override_that_overflows_parameters_stops_before_saving(tmp_path):
     cfg = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=4, save_every_n_steps=1)
     # Updates of about 1e30 per weight: the squared parameter norm overflows float32.
@@ -392,6 +397,7 @@ def fixture_bf16_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 def test_carried_weight_copies_train_bit_for_bit_like_casting_every_step(bf16_runs):
     (cast_dir, cast_trainer), (carry_dir, carry_trainer) = bf16_runs[None], bf16_runs[True]
     assert losses_by_step(carry_dir) == losses_by_step(cast_dir)
@@ -403,6 +409,7 @@ def test_carried_weight_copies_train_bit_for_bit_like_casting_every_step(bf16_ru
     assert cast_trainer.trainer_state.weight_copies is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("carry", [None, True])
 def test_bf16_microbatches_give_weights_float32_gradients_that_match_the_whole_batch(carry):
     # pylint: disable=protected-access
@@ -463,6 +470,7 @@ def _assert_copies_are_the_weights_cast(state) -> dict:
     return copies
 
 
+@pytest.mark.slow
 def test_carried_copies_are_the_weights_cast_and_norm_scales_have_none(bf16_runs):
     state = bf16_runs[True][1].trainer_state
     copies = _assert_copies_are_the_weights_cast(state)
@@ -473,6 +481,7 @@ def test_carried_copies_are_the_weights_cast_and_norm_scales_have_none(bf16_runs
     assert {p for p in params if not p.endswith("scale")} == set(copies)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_rebuilds_the_copies_it_does_not_checkpoint(bf16_runs, tmp_path):
     # pylint: disable=protected-access
     trainer_dir = str(tmp_path)
@@ -496,6 +505,7 @@ def _nudge_ties(x: jax.Array) -> jax.Array:
     return jnp.asarray(np.where(bits & 0xFFFF == 0x8000, bits + 1, bits).view(np.float32))
 
 
+@pytest.mark.slow
 def test_a_step_on_split_weights_is_the_step_on_carried_copies_bit_for_bit():
     # pylint: disable=protected-access
     carried = _bf16_trainer_config(None, max_step=1, carry=True).instantiate(parent=None)
@@ -527,6 +537,7 @@ def test_a_step_on_split_weights_is_the_step_on_carried_copies_bit_for_bit():
         )
 
 
+@pytest.mark.slow
 def test_split_state_holds_each_weight_as_its_copy_and_low_bits(bf16_runs):
     trainer = bf16_runs["split"][1]
     state = trainer.trainer_state
@@ -546,6 +557,7 @@ def test_split_state_holds_each_weight_as_its_copy_and_low_bits(bf16_runs):
         )
 
 
+@pytest.mark.slow
 def test_a_split_checkpoint_holds_float32_weights_any_trainer_restores(bf16_runs, tmp_path):
     # pylint: disable=protected-access
     trainer_dir = str(tmp_path)
@@ -570,6 +582,7 @@ def test_a_split_checkpoint_holds_float32_weights_any_trainer_restores(bf16_runs
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_split_weights_join_once_only_at_steps_that_evaluate_or_save(tmp_path, monkeypatch):
     # The loop asks for the evalers every step; joining the weights there would write every
     # weight as float32 each step.
@@ -593,6 +606,7 @@ def test_split_weights_join_once_only_at_steps_that_evaluate_or_save(tmp_path, m
     assert _committed_steps(tmp_path) == [6]
 
 
+@pytest.mark.slow
 def test_parameter_norm_of_a_split_state_is_that_of_its_float32_weights(bf16_runs):
     trainer = bf16_runs["split"][1]
     leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(trainer.model_params())]
@@ -674,6 +688,7 @@ def test_per_device_microbatch_size_sets_the_microbatch_count(microbatch, expect
     assert trainer.num_microbatches(BATCH) == expected
 
 
+@pytest.mark.slow
 def test_the_microbatch_count_is_logged_once_when_the_step_is_traced(caplog):
     cfg = tiny_trainer_config(trainer_dir=None, max_step=3).set(per_device_microbatch_size=2)
     trainer = cfg.instantiate(parent=None, devices=jax.devices()[:1])
@@ -717,6 +732,7 @@ def test_per_device_microbatch_size_must_be_a_positive_int(microbatch):
         cfg.instantiate(parent=None)
 
 
+@pytest.mark.slow
 def test_meshes_of_eight_and_four_devices_match_one_device(tmp_path):
     script = os.path.join(TESTS_DIR, "trainer_script.py")
     subprocess.run(
@@ -805,6 +821,7 @@ def test_batches_are_read_in_a_thread_and_put_on_devices_in_the_dispatching_one(
 # ----- profiling and the progress line -----
 
 
+@pytest.mark.slow
 def test_profiler_writes_a_trace_for_the_configured_steps(tmp_path, caplog):
     cfg = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=4)
     cfg.start_trace_steps = [1]
@@ -826,6 +843,7 @@ def test_no_trace_starts_on_processes_not_listed(tmp_path):
     assert not (tmp_path / "traces").exists()
 
 
+@pytest.mark.slow
 def test_progress_line_shows_every_column_and_mfu_when_the_peak_is_known(reference_run):
     _, messages, result = reference_run
     lines = [m for m in messages if m.startswith("step 6/6")]

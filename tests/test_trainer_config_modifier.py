@@ -106,6 +106,7 @@ def test_remat_spec_modifier_names_a_path_without_remat_spec():
         _apply(modifier, _config())
 
 
+@pytest.mark.slow
 def test_a_microbatch_size_set_by_a_modifier_trains_the_same_model_as_the_full_batch():
     plain = _config()
     microbatched = _apply(
