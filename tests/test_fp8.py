@@ -5,6 +5,7 @@ value cast to e4m3 (3 mantissa bits) is off by at most 2**-4 of itself, or half 
 smallest subnormal times the scale; e5m2 (2 mantissa bits) by 2**-3.
 """
 
+import json
 import math
 
 import jax
@@ -26,6 +27,7 @@ from axlearn.common.trainer import select_mesh_rule
 from axlearn.common.trainer_config_modifier import FP8ConfigModifier, apply_mesh_rule
 from axlearn.common.utils import flatten_with_paths
 from experiments import gpt
+from tests.fresh_python import assert_prints_ok
 from tests.trainer_script import (
     adamw_learner_config,
     losses_by_step,
@@ -343,6 +345,14 @@ def test_fp8_config_modifier_refuses_a_model_without_transformer_layers():
         modifier.instantiate()(cfg)
 
 
+def test_fp8_config_modifier_with_delayed_scaling_needs_a_plain_learner_to_replace():
+    cfg = tiny_trainer_config(trainer_dir=None)
+    cfg.learner.klass = type("OtherLearner", (Learner,), {})
+    modifier = FP8ConfigModifier.default_config().set(fp8_amax_history_length=4)
+    with pytest.raises(ConfigError, match="learner.klass is OtherLearner"):
+        modifier.instantiate()(cfg)
+
+
 @pytest.mark.parametrize(
     "selector, fp8_on",
     [("gpu-h100-1", True), ("gpu-h200-8", True), ("gpu-p5.48xlarge-64", True),
@@ -480,3 +490,51 @@ def test_fp8_trains_in_bf16_microbatches_with_carried_weight_copies(tmp_path):
     trainer.run()
     losses = losses_by_step(str(tmp_path))
     assert losses[3] < losses[1] - 0.5, losses
+
+
+# Trains the FP8 tiny trainer on one device and on data=2 x fsdp=4 of 8 devices with the
+# layers rematerialized (gpt_7b_fp8's setting on a host), then prints both runs' losses and
+# scaling state.
+_SHARDED_SCRIPT = """
+import json, sys
+import jax
+import numpy as np
+from axlearn.common.attention import build_remat_spec
+from axlearn.common.trainer_config_modifier import FP8ConfigModifier
+from axlearn.common.utils import flatten_with_paths
+from tests.trainer_script import losses_by_step, tiny_model_config, tiny_trainer_config
+
+results = {}
+for name, mesh, devices, remat in (
+    ("single", {}, jax.devices()[:1], None),
+    ("sharded", dict(data=2, fsdp=4), None, build_remat_spec()),
+):
+    trainer_dir = f"{sys.argv[1]}/{name}"
+    cfg = tiny_trainer_config(
+        trainer_dir=trainer_dir, max_step=4, mesh=mesh, model=tiny_model_config(remat_spec=remat)
+    )
+    cfg = FP8ConfigModifier.default_config().set(fp8_amax_history_length=4).instantiate()(cfg)
+    trainer = cfg.instantiate(parent=None, devices=devices)
+    trainer.run()
+    losses = losses_by_step(trainer_dir)
+    state = {
+        path: np.asarray(value).tolist()
+        for path, value in flatten_with_paths(trainer.model_params())
+        if path.endswith("amax_history")
+    }
+    results[name] = dict(losses=[losses[s] for s in sorted(losses)], state=state)
+print(json.dumps(results))
+print("OK")
+"""
+
+
+@pytest.mark.slow
+def test_fp8_on_a_sharded_mesh_with_remat_trains_as_on_one_device(tmp_path):
+    output = assert_prints_ok(_SHARDED_SCRIPT, str(tmp_path), devices=8)
+    results = json.loads(output.splitlines()[-2])
+    single, sharded = results["single"], results["sharded"]
+    np.testing.assert_allclose(sharded["losses"], single["losses"], rtol=1e-5)
+    # Each tensor's amax is taken over the whole tensor, not over a device's shard.
+    assert sharded["state"].keys() == single["state"].keys()
+    for path, history in single["state"].items():
+        np.testing.assert_allclose(sharded["state"][path], history, rtol=1e-5, err_msg=path)

@@ -24,17 +24,20 @@ cast to FP8 rounds. Where a scale comes from:
   step's small gradients mostly round to zero in e5m2.
 - current scaling (`amax_history_length` == 0): from the tensor itself, reduced right
   before its cast. No state; each cast waits for its reduction.
+
+An amax is that of the whole tensor, over every device of the mesh (XLA reduces the
+shards' maxima), so a sharded run casts as a run on one device does.
 """
 
 import functools
-from typing import Any, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
 from axlearn.common.base_layer import BaseLayer, MeshAxes, ParameterSpec, WeightWithCopy
 from axlearn.common.config import ConfigError, config_class
-from axlearn.common.module import Tensor
+from axlearn.common.module import Module, Tensor
 from axlearn.common.param_init import constant_initializer
 from axlearn.common.sharding import gathered_for_matmul
 
@@ -234,7 +237,7 @@ class Fp8Matmul(BaseLayer):
         # 0: current scaling, each scale from the tensor itself (no state).
         amax_history_length: int = DEFAULT_AMAX_HISTORY_LENGTH
 
-    def __init__(self, cfg: Config, *, parent):
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
         length = cfg.amax_history_length
         if not isinstance(length, int) or isinstance(length, bool) or length < 0:

@@ -190,6 +190,7 @@ class FP8ConfigModifier(ConfigModifier):
         from axlearn.common.attention import TransformerLayer
         from axlearn.common.fp8 import Fp8Matmul
         from axlearn.common.fp8_learner import Fp8Learner
+        from axlearn.common.learner import Learner
 
         length = self.config.fp8_amax_history_length
         if not isinstance(length, int) or isinstance(length, bool) or length < 0:
@@ -220,6 +221,11 @@ class FP8ConfigModifier(ConfigModifier):
                 "switch to FP8"
             )
         if length > 0 and not isinstance(cfg.learner, Fp8Learner.Config):
+            if cfg.learner.klass is not Learner:
+                raise ConfigError(
+                    "FP8ConfigModifier: delayed scaling replaces learner (a Learner) with an "
+                    f"Fp8Learner, but learner.klass is {cfg.learner.klass.__qualname__}"
+                )
             learner = Fp8Learner.default_config()
             for name in cfg.learner.keys():
                 if name != "klass":
