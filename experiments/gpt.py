@@ -15,6 +15,11 @@ import jax.numpy as jnp
 from axlearn.common.attention import build_remat_spec
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.trainer import SpmdTrainer
+from axlearn.common.trainer_config_modifier import (
+    ChainConfigModifier,
+    FP8ConfigModifier,
+    MeshShapeModifier,
+)
 from axlearn.experiments.text.gpt import common
 
 # The corpus names of the reference configs (TFDS datasets prepared by the user).
@@ -105,34 +110,72 @@ FLEET_MESHES = (
 )
 
 
-def mesh_rules(size: Size, *, split_carried_weights: bool = False) -> list[tuple[str, Any]]:
+# The GPU cluster fleet split by FP8 support: H100 hosts, and p4de.24xlarge's A100s.
+FP8_CLUSTER_HOSTS = common.Fleet("gpu-(p5.48xlarge|a3-highgpu-8g)", common.GPU_H100_CLUSTER.sizes)
+NON_FP8_CLUSTER_HOSTS = common.Fleet("gpu-p4de.24xlarge", common.GPU_H100_CLUSTER.sizes)
+
+# Delayed scaling over this many steps where a config trains in FP8 (FP8ConfigModifier).
+FP8_AMAX_HISTORY_LENGTH = 128
+
+
+def fp8_modifier() -> FP8ConfigModifier.Config:
+    """FP8 matmuls in the transformer layers, with delayed scaling: each cast depends on
+    no reduction of its own step, so XLA fuses it into the op producing its input."""
+    return FP8ConfigModifier.default_config().set(fp8_amax_history_length=FP8_AMAX_HISTORY_LENGTH)
+
+
+def _with_fp8(rule: Optional[tuple[str, Any]]) -> Optional[tuple[str, Any]]:
+    """A mesh rule that also switches to FP8: its modifier chain (or mesh shape) and then
+    `fp8_modifier()`."""
+    if rule is None:
+        return None
+    selector, value = rule
+    if isinstance(value, ChainConfigModifier.Config):
+        modifiers = [*value.config_modifiers, fp8_modifier()]
+    else:
+        mesh = MeshShapeModifier.default_config().set(mesh_shape=tuple(value))
+        modifiers = [mesh, fp8_modifier()]
+    return selector, ChainConfigModifier.default_config().set(config_modifiers=modifiers)
+
+
+def mesh_rules(
+    size: Size, *, split_carried_weights: bool = False, fp8: bool = False
+) -> list[tuple[str, Any]]:
     """The cloud fleets (only the sizes that split the global batch evenly), single-host
     H100/H200 machines that hold the size (SingleHost), and CPU.
 
     `split_carried_weights`: the single-host rule, where it carries the weights' bf16 copies,
-    carries each weight as its copy and low bits (`common.single_host_gpu_rule`)."""
-    rules = [
-        common.fleet_mesh_rule(fleet, shape, global_batch_size=size.global_batch_size)
-        for fleet, shape in FLEET_MESHES
-    ]
+    carries each weight as its copy and low bits (`common.single_host_gpu_rule`).
+
+    `fp8`: the rules of H100 and H200 hosts also switch the transformer's matmuls to FP8
+    (`fp8_modifier`); other hosts (A100, TPU, CPU) train as without it."""
+    rules = []
+    for fleet, shape in FLEET_MESHES:
+        if fp8 and fleet == common.GPU_H100_CLUSTER:
+            # The same mesh on both halves of the fleet, FP8 where the GPUs have it.
+            fp8_hosts = common.fleet_mesh_rule(
+                FP8_CLUSTER_HOSTS, shape, global_batch_size=size.global_batch_size
+            )
+            rules.append(_with_fp8(fp8_hosts))
+            fleet = NON_FP8_CLUSTER_HOSTS
+        rules.append(common.fleet_mesh_rule(fleet, shape, global_batch_size=size.global_batch_size))
     single_host = size.single_host
     if single_host is not None:
         unrolled = size.num_layers <= 32
         # Carried bf16 weights speed up a step that saves all activations; under remat they
         # only add memory.
         carried = unrolled and single_host.remat is None
-        rules.append(
-            (
-                common.GPU_SINGLE_HOST.selector(single_host.gpu_counts),
-                common.single_host_gpu_rule(
-                    single_host.remat,
-                    unrolled_layers=unrolled,
-                    carry_train_dtype_weights=carried,
-                    split_carried_weights=carried and split_carried_weights,
-                    per_device_microbatch_size=single_host.microbatch,
-                ),
-            )
+        rule = (
+            common.GPU_SINGLE_HOST.selector(single_host.gpu_counts),
+            common.single_host_gpu_rule(
+                single_host.remat,
+                unrolled_layers=unrolled,
+                carry_train_dtype_weights=carried,
+                split_carried_weights=carried and split_carried_weights,
+                per_device_microbatch_size=single_host.microbatch,
+            ),
         )
+        rules.append(_with_fp8(rule) if fp8 else rule)
     rules.append((common.CPU, common.mesh_shape_from_axes(fsdp=-1)))
     return [rule for rule in rules if rule is not None]
 
@@ -142,6 +185,7 @@ def gpt_trainer(
     *,
     optimizer_state_dtype: Optional[Any] = None,
     split_carried_weights: bool = False,
+    fp8: bool = False,
 ) -> SpmdTrainer.Config:
     """The trainer of one model size on the reference corpora.
 
@@ -150,6 +194,8 @@ def gpt_trainer(
 
     `split_carried_weights`: where the GPU rule carries bf16 weight copies, carry each
     weight as its copy and low bits (`mesh_rules`): the same weights, 2 bytes a weight fewer.
+
+    `fp8`: on H100 and H200 hosts the transformer's matmuls run in FP8 (`mesh_rules`).
     """
     size = SIZES[size_name]
     reference = size_name == "3B"
@@ -197,7 +243,7 @@ def gpt_trainer(
         mesh_rules=(
             REFERENCE_MESH_RULES
             if size_name == "3B"
-            else mesh_rules(size, split_carried_weights=split_carried_weights)
+            else mesh_rules(size, split_carried_weights=split_carried_weights, fp8=fp8)
         ),
         checkpointer=common.checkpointer_config(
             every_n_steps=5000, max_step=size.max_step, keep_last_n=3, keep_every_n_steps=5000
@@ -274,6 +320,9 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
         "gpt_3b": functools.partial(gpt_trainer, "3B"),
         "gpt_7b": functools.partial(gpt_trainer, "7B"),
         "gpt_70b": functools.partial(gpt_trainer, "70B"),
+        # gpt_1b and gpt_7b with their transformer matmuls in FP8 on H100 and H200 hosts.
+        "gpt_1b_fp8": functools.partial(gpt_trainer, "1B", fp8=True),
+        "gpt_7b_fp8": functools.partial(gpt_trainer, "7B", fp8=True),
     }
 
 
@@ -304,4 +353,8 @@ DESCRIPTIONS = {
     "gpt_3b": f"The reference trainer of golden_configs/gpt/gpt_3b.txt. {_size_description('3B')}",
     "gpt_7b": _size_description("7B"),
     "gpt_70b": _size_description("70B"),
+    "gpt_1b_fp8": "gpt_1b with the transformer's matmuls in FP8 on H100 and H200 hosts (e4m3 "
+    "operands, e5m2 gradients, delayed scaling).",
+    "gpt_7b_fp8": "gpt_7b with the transformer's matmuls in FP8 on H100 and H200 hosts (e4m3 "
+    "operands, e5m2 gradients, delayed scaling).",
 }

@@ -43,6 +43,7 @@ from axlearn.common.config import (
     config_for_function,
     maybe_instantiate,
 )
+from axlearn.common.fp8 import Fp8Matmul
 from axlearn.common.layers import (
     Dropout,
     LayerNorm,
@@ -77,17 +78,25 @@ class _MultiheadLinear(BaseLayer):
         num_heads: Required[int] = REQUIRED
         per_head_dim: Required[int] = REQUIRED
         bias: bool = True
+        # The product in FP8 (child `fp8`, with its scaling state); None: in the input's dtype.
+        fp8: Optional[Fp8Matmul.Config] = None
 
     # Set by subclasses: which weight axes are the fan-in and fan-out, and the einsum of
     # the input with the weight.
     _FAN_AXES: FanAxes
     _EINSUM: str
 
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        if cfg.fp8 is not None:
+            self._add_child("fp8", cfg.fp8)
+
     def _bias_shape_and_axes(self, spec) -> tuple[list[int], Optional[tuple]]:
         raise NotImplementedError(type(self))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = base_layer.weight_einsum(
+        matmul = self.fp8.einsum if self.config.fp8 is not None else base_layer.weight_einsum
+        y = matmul(
             self._EINSUM, x, self.parameters["weight"],
             partition_spec=self.config.param_partition_spec,
         )

@@ -1,4 +1,9 @@
-"""Process set-up before JAX starts: backend, XLA flag presets and multi-host init."""
+"""Process set-up before JAX starts: backend, XLA flag presets and multi-process init.
+
+A multi-process run (one process per GPU, or per host) joins through jax.distributed with
+the placement `cluster_env.process_placement` finds: from the flags, or from SLURM's or a
+Kubernetes indexed Job's environment (docs/cluster.md).
+"""
 
 import logging
 import os
@@ -7,7 +12,7 @@ from typing import Optional
 
 from absl import flags
 
-from axlearn.common.config import ConfigError
+from axlearn.common import cluster_env
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,10 @@ XLA_FLAG_PRESETS: dict[str, Sequence[str]] = {
     "cpu": (),
     "tpu": (),
 }
+
+
+def _define_cluster_env(name: str, default: str, help_text: str, flag_values) -> None:
+    flags.DEFINE_enum(name, default, cluster_env.CLUSTER_ENVS, help_text, flag_values=flag_values)
 
 
 # (define function, name, default, help): the flags every launcher shares.
@@ -55,6 +64,21 @@ FLAGS_TABLE = (
         False,
         "Call jax.distributed.initialize() with no arguments (cluster auto-detection: SLURM, "
         "TPU, ...).",
+    ),
+    (
+        flags.DEFINE_string,
+        "local_device_ids",
+        None,
+        "With --num_processes: the local GPUs this process uses, e.g. 2 or 0,1 (one process "
+        "per GPU on one host); unset: all it sees.",
+    ),
+    (
+        _define_cluster_env,
+        "cluster_env",
+        "auto",
+        "Where a process without --num_processes finds its place in a multi-process run: "
+        "auto (SLURM, then a Kubernetes indexed Job), slurm, kubernetes or none "
+        "(docs/cluster.md).",
     ),
 )
 
@@ -85,38 +109,51 @@ def setup(
     num_processes: Optional[int] = None,
     process_id: Optional[int] = None,
     distributed_auto: bool = False,
+    local_device_ids: Optional[Sequence[int]] = None,
+    cluster_env_name: str = "auto",
 ) -> None:
-    """Chooses the backend, applies XLA flags and joins a multi-process run if asked."""
+    """Chooses the backend, applies XLA flags and joins a multi-process run if the flags
+    or the cluster's environment say so (`cluster_env.process_placement`)."""
+    if distributed_auto:
+        placement = None
+    else:
+        placement = cluster_env.process_placement(
+            coordinator_address=distributed_coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            local_device_ids=local_device_ids,
+            cluster_env=cluster_env_name,
+        )
     backend = jax_backend or _guess_backend()
     apply_xla_flag_preset(backend, xla_flags_preset)
     import jax  # pylint: disable=import-outside-toplevel
 
     if jax_backend:
         jax.config.update("jax_platforms", jax_backend)
-    if distributed_coordinator or num_processes or distributed_auto:
-        if jax_backend == "cpu" or backend == "cpu":
-            # Cross-process collectives on CPU go through gloo.
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        if distributed_auto:
-            jax.distributed.initialize()
-        else:
-            missing = [
-                name
-                for name, value in (
-                    ("--distributed_coordinator", distributed_coordinator),
-                    ("--num_processes", num_processes),
-                    ("--process_id", process_id),
-                )
-                if value is None
-            ]
-            if missing:
-                raise ConfigError(f"A multi-process run needs {', '.join(missing)} too")
-            jax.distributed.initialize(
-                coordinator_address=distributed_coordinator,
-                num_processes=num_processes,
-                process_id=process_id,
-            )
-        log.info("Process %d of %d joined", jax.process_index(), jax.process_count())
+    if placement is None and not distributed_auto:
+        return
+    if jax_backend == "cpu" or backend == "cpu":
+        # Cross-process collectives on CPU go through gloo.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if distributed_auto:
+        jax.distributed.initialize()
+        source = "jax.distributed's detection"
+    else:
+        device_ids = placement.local_device_ids
+        jax.distributed.initialize(
+            coordinator_address=placement.coordinator_address,
+            num_processes=placement.num_processes,
+            process_id=placement.process_id,
+            local_device_ids=None if device_ids is None else list(device_ids),
+        )
+        source = f"{placement.source}, coordinator {placement.coordinator_address}"
+    log.info(
+        "Process %d of %d joined (%s), %d local devices",
+        jax.process_index(),
+        jax.process_count(),
+        source,
+        jax.local_device_count(),
+    )
 
 
 def setup_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -127,6 +164,8 @@ def setup_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         num_processes=flag_values.num_processes,
         process_id=flag_values.process_id,
         distributed_auto=flag_values.distributed_auto,
+        local_device_ids=cluster_env.parse_device_ids(flag_values.local_device_ids),
+        cluster_env_name=flag_values.cluster_env,
     )
 
 

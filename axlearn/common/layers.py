@@ -23,6 +23,7 @@ from axlearn.common.base_layer import (
     weight_take,
 )
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
+from axlearn.common.fp8 import Fp8Matmul
 from axlearn.common.kernels.dispatch import kernel_mode
 from axlearn.common.kernels.gated_product import (
     gated_product_supported,
@@ -147,6 +148,13 @@ class Linear(BaseLayer):
         # Sharding constraint on the output (one entry per output dim), e.g.
         # (('data', 'fsdp'), 'seq', 'model'); None: leave it to the partitioner.
         output_partition_spec: Optional[MeshAxes] = None
+        # The product in FP8 (child `fp8`, with its scaling state); None: in the input's dtype.
+        fp8: Optional[Fp8Matmul.Config] = None
+
+    def __init__(self, cfg: Config, *, parent):
+        super().__init__(cfg, parent=parent)
+        if cfg.fp8 is not None:
+            self._add_child("fp8", cfg.fp8)
 
     def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
         cfg = self.config
@@ -168,7 +176,8 @@ class Linear(BaseLayer):
 
     def forward(self, x: Tensor) -> Tensor:
         cfg = self.config
-        y = weight_einsum(
+        matmul = self.fp8.einsum if cfg.fp8 is not None else weight_einsum
+        y = matmul(
             "...i,io->...o", x, self.parameters["weight"], partition_spec=cfg.param_partition_spec
         )
         if cfg.bias:

@@ -163,3 +163,72 @@ def apply_mesh_rule(cfg: ConfigBase, rule_value: Optional[Any]) -> ConfigBase:
     raise ConfigError(
         f"A mesh rule's value must be a mesh shape or a ConfigModifier config, got {rule_value!r}"
     )
+
+
+class FP8ConfigModifier(ConfigModifier):
+    """Switches the matmuls of the model's transformer layers to FP8 (`axlearn.common.fp8`).
+
+    Every layer with an `fp8` field inside a `TransformerLayer` (the attention's input and
+    output projections and the feed-forward linears) gets an `Fp8Matmul`: e4m3 operands
+    forward, e5m2 gradients backward. The token embedding, the logits (tied or an
+    untied `lm_head`) and attention's own products stay in the train dtype, and so do
+    the float32 weights and the optimizer. With delayed scaling the learner becomes an
+    `Fp8Learner`, which writes the scaling state.
+    """
+
+    @config_class
+    class Config(ConfigModifier.Config):
+        """Configures FP8ConfigModifier."""
+
+        # > 0: delayed scaling over this many steps' amaxes (Fp8Matmul.amax_history_length);
+        # 0: current scaling, each scale from the tensor being cast.
+        fp8_amax_history_length: Required[int] = REQUIRED
+
+    def __call__(self, cfg):
+        # Imported here: the model and learner modules import jax, configs do not need it.
+        # pylint: disable=import-outside-toplevel
+        from axlearn.common.attention import TransformerLayer
+        from axlearn.common.fp8 import Fp8Matmul
+        from axlearn.common.fp8_learner import Fp8Learner
+        from axlearn.common.learner import Learner
+
+        length = self.config.fp8_amax_history_length
+        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            raise ConfigError(
+                "FP8ConfigModifier.fp8_amax_history_length must be an int >= 0 (0: current "
+                f"scaling), got {length!r}"
+            )
+        fp8 = Fp8Matmul.default_config().set(amax_history_length=length)
+        switched = []
+
+        def enter_layer(path: str, value: Any) -> bool:
+            if isinstance(value, ConfigBase) and "fp8" in value.keys():
+                value.fp8 = fp8.clone()
+                switched.append(path)
+                return False
+            return True
+
+        def enter(path: str, value: Any) -> bool:
+            if isinstance(value, TransformerLayer.Config):
+                value.visit(lambda *_: None, lambda p, v: enter_layer(f"{path}.{p}", v))
+                return False
+            return True
+
+        cfg.model.visit(lambda *_: None, enter)
+        if not switched:
+            raise ConfigError(
+                "FP8ConfigModifier: the model has no TransformerLayer with linear layers to "
+                "switch to FP8"
+            )
+        if length > 0 and not isinstance(cfg.learner, Fp8Learner.Config):
+            if cfg.learner.klass is not Learner:
+                raise ConfigError(
+                    "FP8ConfigModifier: delayed scaling replaces learner (a Learner) with an "
+                    f"Fp8Learner, but learner.klass is {cfg.learner.klass.__qualname__}"
+                )
+            learner = Fp8Learner.default_config()
+            for name in cfg.learner.keys():
+                if name != "klass":
+                    setattr(learner, name, getattr(cfg.learner, name))
+            cfg.learner = learner
+        return cfg
