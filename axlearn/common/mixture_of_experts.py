@@ -386,17 +386,20 @@ class BaseTransformerFeedForwardMoE(BaseLayer):
         return None
 
     def residual_partition_spec(self) -> Optional[MeshAxes]:
-        """How the residual stream is split (TransformerLayer asks its feed-forward child):
-        left to the partitioner."""
+        """How the residual stream [B, T, M] is split (TransformerLayer asks its
+        feed-forward child); None: not known (norm kernels then stay off on a mesh)."""
         return None
 
     def forward(self, inputs: Tensor) -> Tensor:
         """[B, T, input_dim] -> [B, T, input_dim]."""
         cfg = self.config
+        # The residual comes out of the norm too, whose backward (a kernel on GPU) then
+        # sums the residual's gradient with its own.
+        residual_spec = self.residual_partition_spec()
         if cfg.structure == "prenorm":
-            x = self.norm(inputs)
+            inputs, x = self.norm.residual_and_norm(inputs, partition_spec=residual_spec)
         elif cfg.structure == "hybridnorm":
-            x = self.prenorm(inputs)
+            inputs, x = self.prenorm.residual_and_norm(inputs, partition_spec=residual_spec)
         else:
             x = inputs
         y = self._dispatch_and_combine(x)
@@ -513,6 +516,33 @@ class TransformerFeedForwardMoE(BaseTransformerFeedForwardMoE):
 # ----- drop-free routing -----
 
 
+@jax.custom_vjp
+def _take_rows(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+    """x[index] for an `index` that takes each row of x at most once (an index of len(x)
+    or more gives a zero row); `inverse[j]` is where row j went (len(index) or more:
+    nowhere). The backward pass is then a gather too, `dy[inverse]`, where autodiff would
+    scatter-add (atomics on a GPU)."""
+    del inverse
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(x, index, inverse):
+    return _take_rows(x, index, inverse), inverse
+
+
+def _take_rows_bwd(inverse, dy):
+    return jnp.take(dy, inverse, axis=0, mode="fill", fill_value=0), None, None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def _inverse_permutation(permutation: Tensor) -> Tensor:
+    return jnp.zeros_like(permutation).at[permutation].set(
+        jnp.arange(permutation.shape[0], dtype=permutation.dtype)
+    )
+
+
 def _grouped_ffn(
     rows: Tensor,
     group_sizes: Tensor,
@@ -553,31 +583,29 @@ def _expert_parallel_ffn(
     destination = experts // local_experts  # Nondecreasing: rows are sorted by expert.
     send_counts = jnp.bincount(destination, length=num_shards)
     starts = jnp.cumsum(send_counts) - send_counts
+    num_slots = num_shards * buffer_rows
+    # Buffer block p holds the rows for shard p, rows starts[p] ... starts[p] + count - 1:
+    # row i goes to slot destination * buffer_rows + (i - starts[destination]), if it fits.
+    position = jnp.arange(num_rows) - starts[destination]
+    kept = position < buffer_rows
+    slot_of_row = jnp.where(kept, destination * buffer_rows + position, num_slots)
     slot = jnp.arange(buffer_rows)
-    # Buffer block p holds the rows for shard p: rows starts[p] ... starts[p] + count - 1.
-    source = starts[:, None] + slot[None, :]  # [shards, buffer_rows]
-    valid = slot[None, :] < jnp.minimum(send_counts, buffer_rows)[:, None]
-    source = jnp.where(valid, source, 0).reshape(-1)
-    valid = valid.reshape(-1)
-    send = jnp.where(valid[:, None], rows[source], 0)
-    send_experts = jnp.where(valid, experts[source] % local_experts, local_experts)
+    row_of_slot = jnp.where(
+        slot[None, :] < send_counts[:, None], starts[:, None] + slot[None, :], num_rows
+    ).reshape(-1)
+    send = _take_rows(rows, row_of_slot, slot_of_row)
+    send_experts = jnp.take(experts % local_experts, row_of_slot, mode="fill", fill_value=local_experts)
 
     def exchange(x: Tensor) -> Tensor:
         return jax.lax.all_to_all(x, expert_axes, 0, 0, tiled=True)
 
     received, received_experts = exchange(send), exchange(send_experts)
     order = jnp.argsort(received_experts, stable=True)  # Empty slots (local_experts) last.
+    inverse = _inverse_permutation(order)
     group_sizes = jnp.bincount(received_experts, length=local_experts)
-    out = _grouped_ffn(received[order], group_sizes, wi, wo, hidden)
-    out = out[jnp.argsort(order)]
-    returned = exchange(out)
-    # Row i went to slot (destination, i - starts[destination]) of the buffer.
-    position = jnp.arange(num_rows) - starts[destination]
-    kept = position < buffer_rows
-    back = returned.reshape(num_shards, buffer_rows, dim)[
-        destination, jnp.minimum(position, buffer_rows - 1)
-    ]
-    return jnp.where(kept[:, None], back, 0), jnp.sum(~kept)
+    out = _grouped_ffn(_take_rows(received, order, inverse), group_sizes, wi, wo, hidden)
+    returned = exchange(_take_rows(out, inverse, order))
+    return _take_rows(returned, slot_of_row, row_of_slot), jnp.sum(~kept)
 
 
 def _route_tokens(
@@ -598,10 +626,11 @@ def _route_tokens(
     weights [B, S, K]. Returns (outputs [B, S, M], rows dropped, shaped [1])."""
     batch_shape, dim = x.shape[:-1], x.shape[-1]
     k = assignment.shape[-1]
-    tokens = x.reshape(-1, dim)
     experts = assignment.reshape(-1)
     order = jnp.argsort(experts, stable=True)
-    rows = tokens[order // k]
+    inverse = _inverse_permutation(order)
+    # Each token's k copies, sorted by expert.
+    rows = _take_rows(jnp.repeat(x.reshape(-1, dim), k, axis=0), order, inverse)
     if num_shards == 1:
         out = _grouped_ffn(rows, jnp.bincount(experts, length=num_experts), wi, wo, hidden)
         dropped = jnp.zeros([], jnp.int32)
@@ -623,7 +652,7 @@ def _route_tokens(
         )
     if model_axes:  # The hidden dim is split: each device holds a partial sum.
         out = jax.lax.psum(out, model_axes)
-    out = out[jnp.argsort(order)].reshape(-1, k, dim)
+    out = _take_rows(out, inverse, order).reshape(-1, k, dim)
     y = jnp.einsum("tkm,tk->tm", out.astype(jnp.float32), weights.reshape(-1, k))
     return y.astype(x.dtype).reshape(*batch_shape, dim), dropped.reshape(1)
 
@@ -674,6 +703,10 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
                 f"{self.path()}.dim_to_mesh_axis_map['bsm']={bsm}: expected (batch, seq, None); "
                 "the model dim of the tokens cannot be split"
             )
+
+    def residual_partition_spec(self) -> Optional[MeshAxes]:
+        """Like the tokens the layer routes: dim_to_mesh_axis_map['bsm']."""
+        return self.config.dim_to_mesh_axis_map["bsm"]
 
     def _dispatch_and_combine(self, x: Tensor) -> Tensor:
         cfg = self.config
