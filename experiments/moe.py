@@ -52,10 +52,13 @@ MOE_DIM_TO_MESH_AXIS_MAP = {
 EXPERT_PARALLEL_CAPACITY = 2.0
 
 
-def moe_layer(*, num_experts: int, num_experts_per_token: int) -> TransformerFeedForwardDropFreeMoE.Config:
+def moe_layer(
+    *, num_experts: int, num_experts_per_token: int, grouped_matmul: str
+) -> TransformerFeedForwardDropFreeMoE.Config:
     """The MoE layer that replaces each dense feed-forward layer (other fields kept)."""
     return TransformerFeedForwardDropFreeMoE.default_config().set(
         num_experts=num_experts,
+        grouped_matmul=grouped_matmul,
         gating=TopKDropFreeGating.default_config().set(num_experts_per_token=num_experts_per_token),
         load_balance_loss_weight=0.01,
         router_z_loss_weight=0.001,
@@ -64,14 +67,20 @@ def moe_layer(*, num_experts: int, num_experts_per_token: int) -> TransformerFee
 
 
 def with_moe_layers(
-    cfg: SpmdTrainer.Config, *, num_experts: int, num_experts_per_token: int
+    cfg: SpmdTrainer.Config,
+    *,
+    num_experts: int,
+    num_experts_per_token: int,
+    grouped_matmul: str = "ragged_dot",
 ) -> SpmdTrainer.Config:
     """`cfg` (a GPT trainer) with MoE feed-forward layers and their auxiliary losses in the
-    loss."""
+    loss. `grouped_matmul`: see TransformerFeedForwardDropFreeMoE.Config."""
     cfg = ReplaceLayerConfigModifier.default_config().set(
         target_cls=TransformerFeedForwardLayer,
         source_config=moe_layer(
-            num_experts=num_experts, num_experts_per_token=num_experts_per_token
+            num_experts=num_experts,
+            num_experts_per_token=num_experts_per_token,
+            grouped_matmul=grouped_matmul,
         ),
         exclude_keys=["dim_to_mesh_axis_map"],
     ).instantiate()(cfg)
@@ -124,7 +133,11 @@ def single_host_rule(
 def moe_8x1b_trainer(layout: str) -> SpmdTrainer.Config:
     """gpt_1b with 8 experts, 2 per token, on the reference corpora; `layout` names where
     the experts live on a single GPU host ('expert' or 'fsdp')."""
-    cfg = with_moe_layers(gpt.gpt_trainer("1B"), num_experts=8, num_experts_per_token=2)
+    # On Hopper GPUs the experts multiply with grouped-GEMM kernels (XLA's ragged dot would
+    # multiply by all 8 experts).
+    cfg = with_moe_layers(
+        gpt.gpt_trainer("1B"), num_experts=8, num_experts_per_token=2, grouped_matmul="mosaic_gpu"
+    )
     cfg.name = "moe_trainer"
     # 107 GB of float32 weights and Adam moments: a host of 4 or 8 80 GB GPUs holds them.
     # Two sequences a GPU at a time keep every activation (no recomputation) in memory.

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from axlearn.common import hf_mixtral
+from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.config import ConfigError
 from axlearn.common.hf_llama import llama_model_config
 from axlearn.common.module import functional as F
@@ -16,14 +17,17 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 61
 
 
-def _hf_model(seed=0):
-    torch.manual_seed(seed)
-    config = transformers.MixtralConfig(
+def _hf_config():
+    return transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
         num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6, eos_token_id=2, pad_token_id=0,
     )
-    model = transformers.MixtralForCausalLM(config).eval()
+
+
+def _hf_model(seed=0):
+    torch.manual_seed(seed)
+    model = transformers.MixtralForCausalLM(_hf_config()).eval()
     with torch.no_grad():  # HF starts norms at one and the router near zero: spread them.
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -58,6 +62,7 @@ def _assert_close(actual, expected):
     assert rel < 1e-4, rel
 
 
+@pytest.mark.slow  # Compiles a model and runs torch's: several seconds.
 def test_converted_hf_weights_give_hf_logits():
     hf_model = _hf_model()
     cfg = hf_mixtral.mixtral_config_from_hf(hf_model.config)
@@ -66,6 +71,7 @@ def test_converted_hf_weights_give_hf_logits():
     _assert_close(_our_logits(cfg, params, ids), _hf_logits(hf_model, ids))
 
 
+@pytest.mark.slow  # Compiles a model and runs torch's: several seconds.
 def test_our_weights_converted_to_hf_give_our_logits():
     cfg = hf_mixtral.mixtral_model_config(
         vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=24,
@@ -80,9 +86,11 @@ def test_our_weights_converted_to_hf_give_our_logits():
 
 
 def test_per_expert_state_dicts_of_transformers_4_read_like_fused_ones():
-    cfg = hf_mixtral.mixtral_config_from_hf(_hf_model().config)
-    params = cfg.clone(name="model").instantiate(parent=None).initialize_parameters_recursively(
-        jax.random.PRNGKey(5)
+    cfg = hf_mixtral.mixtral_config_from_hf(_hf_config())
+    specs = cfg.clone(name="model").instantiate(parent=None).create_parameter_specs_recursively()
+    rng = np.random.RandomState(5)
+    params = jax.tree.map(
+        lambda spec: rng.randn(*spec.shape).astype(np.float32), specs, is_leaf=is_parameter_spec
     )
     per_expert = hf_mixtral.params_to_hf(params, cfg, framework="np", fused=False)
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in per_expert
@@ -92,7 +100,7 @@ def test_per_expert_state_dicts_of_transformers_4_read_like_fused_ones():
 
 
 def test_converted_config_matches_the_hf_config():
-    hf_config = _hf_model().config
+    hf_config = _hf_config()
     back = hf_mixtral.hf_config_from_mixtral_config(hf_mixtral.mixtral_config_from_hf(hf_config))
     for field in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -112,7 +120,7 @@ def test_dense_llama_configs_are_rejected_naming_the_feed_forward_layer():
 
 
 def test_sliding_window_attention_is_rejected():
-    hf_config = _hf_model().config
+    hf_config = _hf_config()
     hf_config.sliding_window = 4
     with pytest.raises(ConfigError, match="sliding_window"):
         hf_mixtral.mixtral_config_from_hf(hf_config)

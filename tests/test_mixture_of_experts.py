@@ -140,7 +140,8 @@ def test_capacity_dispatch_drops_what_a_hand_computed_case_drops():
     choices = [(0, 1), (0, 2), (0, 1), (1, 0)]
     expected_combine = np.zeros((4, 3, 2))
     for token, expert, slot in zip(*np.nonzero(expected)):
-        expected_combine[token, expert, slot] = probs[token, expert] / probs[token, list(choices[token])].sum()
+        chosen = probs[token, list(choices[token])]
+        expected_combine[token, expert, slot] = probs[token, expert] / chosen.sum()
     np.testing.assert_allclose(combine[0, 0], expected_combine, rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(y)[0, 2], 0.0)
     assert np.all(np.abs(np.asarray(y)[0, [0, 1, 3]]) > 0)
@@ -235,7 +236,10 @@ _EXPERT_PARALLEL_SCRIPT = textwrap.dedent(
 
     drop_free = _drop_free_config().set(num_experts=8)
     check(drop_free, (1, 8, 1, 1))  # One expert a device.
-    check(drop_free, (1, 2, 2, 2))  # Experts over 2, FSDP over 2, hidden over 2 (model).
+    check(drop_free, (2, 2, 2, 1))  # Data parallel x experts over 2 x FSDP over 2.
+    # Experts over 2, FSDP over 2, hidden over 2 (model); as the GPU kernels run it
+    # (shard_map without its replication check), the CPU multiplying with ragged_dot.
+    check(drop_free.clone(grouped_matmul="mosaic_gpu"), (1, 2, 2, 2))
     capacity = TransformerFeedForwardMoE.default_config().set(
         name="moe", input_dim=8, hidden_dim=12, num_experts=8, num_groups=8,
         activation=("nn.silu", "linear"), param_init=drop_free.param_init)
@@ -290,13 +294,16 @@ def test_moe_test_trains_and_resumes(tmp_path):
 def test_row_gathers_take_their_gradient_by_gathering_back():
     """_take_rows's custom backward (a gather by the inverse index) equals autodiff's
     scatter-add, for an index that takes some rows once, drops others, and pads."""
-    from axlearn.common.mixture_of_experts import _take_rows  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.mixture_of_experts import _take_rows
 
     x = jnp.arange(12.0).reshape(4, 3)
     index = jnp.array([2, 4, 0, 4, 3])  # Row 1 is dropped; 4 (= len(x)) pads with zeros.
     inverse = jnp.array([2, 5, 0, 4])  # Where each row went; 5 (= len(index)): nowhere.
     dy = jnp.arange(15.0).reshape(5, 3) + 1
-    expected_y, expected_vjp = jax.vjp(lambda x: jnp.take(x, index, axis=0, mode="fill", fill_value=0), x)
+    expected_y, expected_vjp = jax.vjp(
+        lambda x: jnp.take(x, index, axis=0, mode="fill", fill_value=0), x
+    )
     y, vjp = jax.vjp(lambda x: _take_rows(x, index, inverse), x)
     np.testing.assert_array_equal(y, expected_y)
     np.testing.assert_array_equal(vjp(dy)[0], expected_vjp(dy)[0])

@@ -168,7 +168,8 @@ class CrossEntropyLossMetrics(BaseLossMetrics):
             bits_per_byte = total_nats / math.log(2.0) / jnp.maximum(num_bytes, 1.0)
             self.add_summary("bits_per_byte", WeightedScalar(bits_per_byte, num_bytes))
         per_token_loss = (stats["cross_entropy"] + z_per_token) * live
-        return WeightedScalar(loss, num_live), dict(per_token_loss=per_token_loss, live_targets=live)
+        metrics = dict(per_token_loss=per_token_loss, live_targets=live)
+        return WeightedScalar(loss, num_live), metrics
 
 
 class AuxLossMetrics(BaseLossMetrics):
@@ -219,7 +220,8 @@ class CompositeLossMetrics(BaseLossMetrics):
     class Config(BaseLossMetrics.Config):
         """Configures CompositeLossMetrics."""
 
-        metrics: Required[dict[str, InstantiableConfig]] = REQUIRED  # Name -> BaseLossMetrics config.
+        # Child name -> a BaseLossMetrics config.
+        metrics: Required[dict[str, InstantiableConfig]] = REQUIRED
         loss_weights: Optional[dict[str, float]] = None  # Name -> weight of its loss; None: all 1.
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
@@ -256,7 +258,9 @@ class CompositeLossMetrics(BaseLossMetrics):
             weight = loss.weight if weight is None else weight
             for key, value in metrics.items():
                 if key in merged and merged[key] is not value:
-                    raise ValueError(f"{self.path()}: metric '{key}' of {name} clashes with another")
+                    raise ValueError(
+                        f"{self.path()}: metric '{key}' of {name} clashes with another"
+                    )
                 merged[key] = value
         return WeightedScalar(total, weight), merged
 

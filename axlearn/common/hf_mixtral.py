@@ -103,7 +103,9 @@ def mixtral_config_from_hf(hf_config: Any) -> Model.Config:
     for field, expected in (("sliding_window", None), ("router_jitter_noise", 0.0)):
         value = getattr(hf_config, field, expected)
         if value != expected:
-            raise ConfigError(f"MixtralConfig.{field}={value!r} is not supported (need {expected!r})")
+            raise ConfigError(
+                f"MixtralConfig.{field}={value!r} is not supported (need {expected!r})"
+            )
     return _with_experts(
         llama_config_from_hf(hf_config),
         num_experts=hf_config.num_local_experts,
@@ -131,7 +133,9 @@ def mixtral_dims(cfg: Model.Config) -> tuple[LlamaDims, int, int]:
     path = "decoder.transformer.layer.feed_forward"
     moe = cfg.decoder.transformer.layer.feed_forward
     if moe.klass is not TransformerFeedForwardDropFreeMoE:
-        raise ConfigError(f"{path}: Mixtral needs TransformerFeedForwardDropFreeMoE, got {moe.klass}")
+        raise ConfigError(
+            f"{path}: Mixtral needs TransformerFeedForwardDropFreeMoE, got {moe.klass}"
+        )
     checks = {
         "gating.klass": (moe.gating.klass, TopKDropFreeGating),
         "gating.gating_logit_cap": (moe.gating.gating_logit_cap, 0.0),
@@ -274,7 +278,11 @@ def installed_layout_is_fused() -> bool:
 
 
 def params_to_hf(
-    params: dict[str, Any], cfg: Model.Config, *, framework: str = "pt", fused: Optional[bool] = None
+    params: dict[str, Any],
+    cfg: Model.Config,
+    *,
+    framework: str = "pt",
+    fused: Optional[bool] = None,
 ) -> dict:
     """An HF MixtralForCausalLM state dict from our parameters.
 

@@ -14,7 +14,8 @@ norm, residual and activation fields):
   axes onto the 'expert' axis, where XLA's partitioner inserts the all-to-all.
 - `TransformerFeedForwardDropFreeMoE`: top-k routing without capacity
   (`TopKDropFreeGating`). Each token's k copies are sorted by expert and every expert's
-  rows go through a grouped matmul (`jax.lax.ragged_dot`). On a mesh the layer runs under
+  rows go through a grouped matmul (`jax.lax.ragged_dot`, or on Hopper GPUs jax's Mosaic
+  GPU grouped-GEMM kernels: `kernels.grouped_matmul`). On a mesh the layer runs under
   `shard_map`: each device routes its own tokens; with the experts split over the
   'expert' axis, rows travel to the device that holds their expert and back with two
   all-to-alls (expert parallelism); with the experts' weights split over FSDP axes instead,
@@ -32,7 +33,7 @@ of a group (or of a sequence), B batch, E experts, C capacity, M model dim, H hi
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,7 @@ from axlearn.common.config import (
     config_class,
     maybe_instantiate,
 )
+from axlearn.common.kernels.grouped_matmul import grouped_matmul
 from axlearn.common.layers import (
     Dropout,
     LayerNorm,
@@ -309,9 +311,13 @@ class BaseTransformerFeedForwardMoE(BaseLayer):
         super().__init__(cfg, parent=parent)
         cfg = self.config
         if cfg.structure not in _STRUCTURES:
-            raise ConfigError(f"{self.path()}.structure: '{cfg.structure}' is not one of {_STRUCTURES}")
+            raise ConfigError(
+                f"{self.path()}.structure: '{cfg.structure}' is not one of {_STRUCTURES}"
+            )
         if not isinstance(cfg.num_experts, int) or cfg.num_experts < 1:
-            raise ConfigError(f"{self.path()}.num_experts: expected a positive int, got {cfg.num_experts}")
+            raise ConfigError(
+                f"{self.path()}.num_experts: expected a positive int, got {cfg.num_experts}"
+            )
         missing = [key for key in self._MESH_AXIS_KEYS if key not in cfg.dim_to_mesh_axis_map]
         if missing:
             raise ConfigError(f"{self.path()}.dim_to_mesh_axis_map lacks {missing}")
@@ -319,7 +325,8 @@ class BaseTransformerFeedForwardMoE(BaseLayer):
         activations = [cfg.activation] if isinstance(cfg.activation, str) else list(cfg.activation)
         if len(activations) not in (1, 2):
             raise ConfigError(
-                f"{self.path()}.activation: expected a name or a pair of names, got {cfg.activation}"
+                f"{self.path()}.activation: expected a name or a pair of names, "
+                f"got {cfg.activation}"
             )
         self._activations = [get_activation_fn(name) for name in activations]
         if cfg.structure in ("prenorm", "postnorm"):
@@ -340,7 +347,9 @@ class BaseTransformerFeedForwardMoE(BaseLayer):
             else:
                 hidden_dim = maybe_instantiate(hidden_dim)(cfg.input_dim)
         if not isinstance(hidden_dim, int) or hidden_dim <= 0:
-            raise ConfigError(f"{self.path()}.hidden_dim: expected a positive int, got {hidden_dim}")
+            raise ConfigError(
+                f"{self.path()}.hidden_dim: expected a positive int, got {hidden_dim}"
+            )
         return hidden_dim
 
     @property
@@ -549,13 +558,13 @@ def _grouped_ffn(
     wi: Sequence[Tensor],
     wo: Tensor,
     hidden: Callable[[Sequence[Tensor]], Tensor],
+    use_kernels: bool,
 ) -> Tensor:
     """The experts' MLP on `rows` [N, M] sorted by expert, `group_sizes[e]` rows for
     expert e: [N, M], zero in rows past the groups."""
-    h = hidden([jax.lax.ragged_dot(rows, w, group_sizes) for w in wi])
-    out = jax.lax.ragged_dot(h.astype(rows.dtype), wo, group_sizes)
-    in_groups = jnp.arange(rows.shape[0]) < jnp.sum(group_sizes)
-    return jnp.where(in_groups[:, None], out, 0).astype(rows.dtype)
+    matmul = functools.partial(grouped_matmul, group_sizes=group_sizes, use_kernels=use_kernels)
+    h = hidden([matmul(rows, w) for w in wi])
+    return matmul(h.astype(rows.dtype), wo).astype(rows.dtype)
 
 
 def _expert_parallel_ffn(
@@ -569,6 +578,7 @@ def _expert_parallel_ffn(
     expert_axes: tuple[str, ...],
     num_shards: int,
     buffer_rows: int,
+    use_kernels: bool,
 ) -> tuple[Tensor, Tensor]:
     """`_grouped_ffn` of this device's `rows` [N, M], sorted by their `experts` [N], when
     the experts are split in `num_shards` blocks over `expert_axes` (wi, wo: this device's
@@ -594,7 +604,9 @@ def _expert_parallel_ffn(
         slot[None, :] < send_counts[:, None], starts[:, None] + slot[None, :], num_rows
     ).reshape(-1)
     send = _take_rows(rows, row_of_slot, slot_of_row)
-    send_experts = jnp.take(experts % local_experts, row_of_slot, mode="fill", fill_value=local_experts)
+    send_experts = jnp.take(
+        experts % local_experts, row_of_slot, mode="fill", fill_value=local_experts
+    )
 
     def exchange(x: Tensor) -> Tensor:
         return jax.lax.all_to_all(x, expert_axes, 0, 0, tiled=True)
@@ -603,7 +615,9 @@ def _expert_parallel_ffn(
     order = jnp.argsort(received_experts, stable=True)  # Empty slots (local_experts) last.
     inverse = _inverse_permutation(order)
     group_sizes = jnp.bincount(received_experts, length=local_experts)
-    out = _grouped_ffn(_take_rows(received, order, inverse), group_sizes, wi, wo, hidden)
+    out = _grouped_ffn(
+        _take_rows(received, order, inverse), group_sizes, wi, wo, hidden, use_kernels
+    )
     returned = exchange(_take_rows(out, inverse, order))
     return _take_rows(returned, slot_of_row, row_of_slot), jnp.sum(~kept)
 
@@ -621,6 +635,7 @@ def _route_tokens(
     num_shards: int,
     model_axes: tuple[str, ...],
     capacity_factor: Optional[float],
+    use_kernels: bool,
 ) -> tuple[Tensor, Tensor]:
     """One device's part of the drop-free layer: its tokens x [B, S, M], their experts and
     weights [B, S, K]. Returns (outputs [B, S, M], rows dropped, shaped [1])."""
@@ -632,7 +647,8 @@ def _route_tokens(
     # Each token's k copies, sorted by expert.
     rows = _take_rows(jnp.repeat(x.reshape(-1, dim), k, axis=0), order, inverse)
     if num_shards == 1:
-        out = _grouped_ffn(rows, jnp.bincount(experts, length=num_experts), wi, wo, hidden)
+        group_sizes = jnp.bincount(experts, length=num_experts)
+        out = _grouped_ffn(rows, group_sizes, wi, wo, hidden, use_kernels)
         dropped = jnp.zeros([], jnp.int32)
     else:
         num_rows = rows.shape[0]
@@ -649,6 +665,7 @@ def _route_tokens(
             expert_axes=expert_axes,
             num_shards=num_shards,
             buffer_rows=buffer_rows,
+            use_kernels=use_kernels,
         )
     if model_axes:  # The hidden dim is split: each device holds a partial sum.
         out = jax.lax.psum(out, model_axes)
@@ -676,8 +693,14 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
         # 'expert_parallel_dropped'). None: room for all its rows, so nothing is dropped,
         # at n times the buffer memory and all-to-all traffic.
         expert_parallel_capacity: Optional[float] = None
+        # How the experts' grouped matmuls run: 'ragged_dot' (jax.lax.ragged_dot) or
+        # 'mosaic_gpu' (jax's Mosaic GPU grouped-GEMM kernels on a Hopper GPU where they
+        # fit, `kernels.grouped_matmul`; ragged_dot elsewhere). XLA's ragged dot on GPUs
+        # multiplies densely by every expert.
+        grouped_matmul: str = "ragged_dot"
 
     _MESH_AXIS_KEYS = ("me", "emh", "ehm", "bsm")
+    _GROUPED_MATMULS = ("ragged_dot", "mosaic_gpu")
 
     @classmethod
     def default_config(cls) -> Config:
@@ -695,6 +718,11 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
         cfg = self.config
         if not isinstance(self.gating, TopKDropFreeGating):
             raise ConfigError(f"{self.path()}.gating: expected a TopKDropFreeGating config")
+        if cfg.grouped_matmul not in self._GROUPED_MATMULS:
+            raise ConfigError(
+                f"{self.path()}.grouped_matmul: '{cfg.grouped_matmul}' is not one of "
+                f"{self._GROUPED_MATMULS}"
+            )
         if cfg.expert_parallel_capacity is not None and cfg.expert_parallel_capacity <= 0:
             raise ConfigError(f"{self.path()}.expert_parallel_capacity must be > 0 or None")
         bsm = cfg.dim_to_mesh_axis_map["bsm"]
@@ -722,12 +750,15 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
         )
         mesh_axes = current_mesh_axes()
         token_spec = mesh_partition_spec(cfg.dim_to_mesh_axis_map["bsm"])
-        if math.prod(mesh_axes.values()) <= 1 or local_shape(x.shape, token_spec) is None:
+        one_device = math.prod(mesh_axes.values()) <= 1
+        if one_device or local_shape(x.shape, token_spec) is None:
             # One device, or tokens that do not split over the mesh (a few decoded ones):
-            # every expert on every device, the partitioner gathering the weights.
+            # every expert on every device, the partitioner gathering the weights (and the
+            # kernels, opaque to it, only on one device).
             y, _ = route(
                 x, gating.gate_assignment, gating.expert_weights, wi, wo,
                 expert_axes=(), num_shards=1, model_axes=(),
+                use_kernels=one_device and cfg.grouped_matmul == "mosaic_gpu",
             )
             return y
         y, dropped = self._sharded(route, x, gating, wi, wo, token_spec, mesh_axes)
@@ -763,12 +794,19 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
         routing_spec = pspec(token_spec[0], token_spec[1], None)
         wi_spec, wo_spec = pspec(emh[0], None, emh[2]), pspec(ehm[0], ehm[1], None)
         every_device = pspec(tuple(mesh_axes))
+        use_kernels = cfg.grouped_matmul == "mosaic_gpu"
         sharded = jax.shard_map(
             functools.partial(
-                route, expert_axes=expert_axes, num_shards=num_shards, model_axes=model_axes
+                route,
+                expert_axes=expert_axes,
+                num_shards=num_shards,
+                model_axes=model_axes,
+                use_kernels=use_kernels,
             ),
             in_specs=(token_spec, routing_spec, routing_spec, [wi_spec] * len(wi), wo_spec),
             out_specs=(token_spec, every_device),
+            # A Pallas call has no rule for varying manual axes.
+            check_vma=not use_kernels,
         )
         return sharded(x, gating.gate_assignment, gating.expert_weights, wi, wo)
 
