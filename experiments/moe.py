@@ -48,8 +48,9 @@ MOE_DIM_TO_MESH_AXIS_MAP = {
     "ehm": ("expert", "model", MOE_FSDP_AXES),
     "bsm": (common.MODEL_BATCH_AXIS_NAMES, "seq", None),
 }
-# With experts over n GPUs, each sends another at most twice its even share of rows.
-EXPERT_PARALLEL_CAPACITY = 2.0
+# With experts over n GPUs, each sends another at most 1.25 times its even share of rows
+# (the rest is dropped and counted): the grouped matmuls also run over a buffer's slack.
+EXPERT_PARALLEL_CAPACITY = 1.25
 
 
 def moe_layer(

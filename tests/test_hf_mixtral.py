@@ -11,13 +11,18 @@ from axlearn.common.config import ConfigError
 from axlearn.common.hf_llama import llama_model_config
 from axlearn.common.module import functional as F
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
 VOCAB = 61
+# torch and transformers take seconds to import: only the tests that compare with them
+# (marked slow) do.
+slow_with_hf = pytest.mark.slow
+
+
+def _torch_and_transformers():
+    return pytest.importorskip("torch"), pytest.importorskip("transformers")
 
 
 def _hf_config():
+    _, transformers = _torch_and_transformers()
     return transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
@@ -26,6 +31,7 @@ def _hf_config():
 
 
 def _hf_model(seed=0):
+    torch, transformers = _torch_and_transformers()
     torch.manual_seed(seed)
     model = transformers.MixtralForCausalLM(_hf_config()).eval()
     with torch.no_grad():  # HF starts norms at one and the router near zero: spread them.
@@ -42,6 +48,7 @@ def _ids(batch=2, seq=9, seed=1):
 
 
 def _hf_logits(model, ids):
+    torch, _ = _torch_and_transformers()
     with torch.no_grad():
         return model(torch.tensor(ids)).logits.numpy()
 
@@ -62,7 +69,7 @@ def _assert_close(actual, expected):
     assert rel < 1e-4, rel
 
 
-@pytest.mark.slow  # Compiles a model and runs torch's: several seconds.
+@slow_with_hf
 def test_converted_hf_weights_give_hf_logits():
     hf_model = _hf_model()
     cfg = hf_mixtral.mixtral_config_from_hf(hf_model.config)
@@ -71,8 +78,9 @@ def test_converted_hf_weights_give_hf_logits():
     _assert_close(_our_logits(cfg, params, ids), _hf_logits(hf_model, ids))
 
 
-@pytest.mark.slow  # Compiles a model and runs torch's: several seconds.
+@slow_with_hf
 def test_our_weights_converted_to_hf_give_our_logits():
+    _, transformers = _torch_and_transformers()
     cfg = hf_mixtral.mixtral_model_config(
         vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=24,
         num_experts=4, num_experts_per_token=2, repeated=False, eos_token_id=2,
@@ -86,7 +94,10 @@ def test_our_weights_converted_to_hf_give_our_logits():
 
 
 def test_per_expert_state_dicts_of_transformers_4_read_like_fused_ones():
-    cfg = hf_mixtral.mixtral_config_from_hf(_hf_config())
+    cfg = hf_mixtral.mixtral_model_config(
+        vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=24,
+        num_experts=4, num_experts_per_token=2,
+    )
     specs = cfg.clone(name="model").instantiate(parent=None).create_parameter_specs_recursively()
     rng = np.random.RandomState(5)
     params = jax.tree.map(
@@ -99,6 +110,7 @@ def test_per_expert_state_dicts_of_transformers_4_read_like_fused_ones():
         np.testing.assert_array_equal(ours, theirs)
 
 
+@slow_with_hf
 def test_converted_config_matches_the_hf_config():
     hf_config = _hf_config()
     back = hf_mixtral.hf_config_from_mixtral_config(hf_mixtral.mixtral_config_from_hf(hf_config))
@@ -119,6 +131,7 @@ def test_dense_llama_configs_are_rejected_naming_the_feed_forward_layer():
         hf_mixtral.mixtral_dims(cfg)
 
 
+@slow_with_hf
 def test_sliding_window_attention_is_rejected():
     hf_config = _hf_config()
     hf_config.sliding_window = 4

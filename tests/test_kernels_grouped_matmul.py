@@ -16,12 +16,12 @@ def _nan_past_groups(y, group_sizes):
     return jnp.where(jnp.arange(y.shape[0])[:, None] < jnp.sum(group_sizes), y, jnp.nan)
 
 
-def _ragged_dot(x, w, group_sizes, transpose_rhs=False):
+def _ragged_dot(x, w, *, group_sizes, transpose_rhs=False):  # As the kernel's arguments.
     w = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
     return _nan_past_groups(jax.lax.ragged_dot(x, w, group_sizes), group_sizes)
 
 
-def _transposed_ragged_dot(x, dy, group_sizes):
+def _transposed_ragged_dot(x, dy, *, group_sizes):
     numbers = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())),
         lhs_ragged_dimensions=[0],
@@ -80,3 +80,17 @@ def test_mosaic_gpu_kernels_match_ragged_dot_forward_and_backward():
     for got, want in zip(run(True), run(False)):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+def test_the_calls_fit_the_signatures_of_jax_mosaic_gpu_kernels():
+    """Binds the arguments grouped_matmul passes to jax's kernels (checks them on any
+    machine with this jax, GPU or not)."""
+    import inspect  # pylint: disable=import-outside-toplevel
+
+    if gm._mosaic_gpu_modules() is None:  # pylint: disable=protected-access
+        pytest.skip("this jax has no Mosaic GPU ragged-dot kernels")
+    kernels = gm.mosaic_gpu_kernels(gm.Tiling())
+    x, w, group_sizes, dy = _case()
+    inspect.signature(kernels.ragged_dot).bind(x, w, group_sizes=group_sizes)
+    inspect.signature(kernels.ragged_dot).bind(dy, w, group_sizes=group_sizes, transpose_rhs=True)
+    inspect.signature(kernels.transposed_ragged_dot).bind(x, dy, group_sizes=group_sizes)

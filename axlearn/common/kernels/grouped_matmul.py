@@ -38,8 +38,8 @@ class Tiling:
     grid_block_n: int = 1
 
 
-# (x [rows, k], w [groups, k, n], group_sizes) -> [rows, n]; with transpose_rhs w is
-# [groups, n, k]. And (x [rows, k], dy [rows, n], group_sizes) -> [groups, k, n].
+# (x [rows, k], w [groups, k, n], *, group_sizes) -> [rows, n]; with transpose_rhs, w is
+# [groups, n, k]. And (x [rows, k], dy [rows, n], *, group_sizes) -> [groups, k, n].
 RaggedDot = Callable[..., Tensor]
 
 
@@ -58,7 +58,7 @@ def _rows_in_groups(y: Tensor, group_sizes: Tensor) -> Tensor:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped_matmul_with(x: Tensor, w: Tensor, group_sizes: Tensor, kernels: _Kernels) -> Tensor:
     """grouped_matmul through `kernels`: one ragged dot forward, two backward."""
-    return _rows_in_groups(kernels.ragged_dot(x, w, group_sizes), group_sizes)
+    return _rows_in_groups(kernels.ragged_dot(x, w, group_sizes=group_sizes), group_sizes)
 
 
 def _grouped_matmul_fwd(x, w, group_sizes, kernels):
@@ -68,8 +68,9 @@ def _grouped_matmul_fwd(x, w, group_sizes, kernels):
 def _grouped_matmul_bwd(kernels, residuals, dy):
     x, w, group_sizes = residuals
     dy = dy.astype(x.dtype)
-    dx = _rows_in_groups(kernels.ragged_dot(dy, w, group_sizes, transpose_rhs=True), group_sizes)
-    dw = kernels.transposed_ragged_dot(x, dy, group_sizes)
+    dx = kernels.ragged_dot(dy, w, group_sizes=group_sizes, transpose_rhs=True)
+    dw = kernels.transposed_ragged_dot(x, dy, group_sizes=group_sizes)
+    dx = _rows_in_groups(dx, group_sizes)
     return dx, dw.astype(w.dtype), None
 
 
