@@ -95,8 +95,8 @@ def with_moe_layers(
 def single_host_rule(
     *, layout: str, microbatch: int, remat_spec: Optional[dict[str, Any]]
 ) -> ChainConfigModifier.Config:
-    """One GPU host: layers unrolled; 'expert' layout: experts split over the GPUs, with
-    bounded all-to-all buffers; 'fsdp' layout: experts split along the model dim."""
+    """One GPU host: layers unrolled; 'expert' layout: experts split over the GPUs;
+    'fsdp' layout: experts split along the model dim."""
     if layout == "expert":
         mesh = common.mesh_shape_from_axes(expert=-1)
     elif layout == "fsdp":
@@ -118,16 +118,6 @@ def single_host_rule(
             fields={"per_device_microbatch_size": microbatch}
         ),
     ]
-    if layout == "expert":
-        modifiers.append(
-            ReplaceLayerConfigModifier.default_config().set(
-                target_cls=TransformerFeedForwardDropFreeMoE,
-                source_config=TransformerFeedForwardDropFreeMoE.default_config().set(
-                    expert_parallel_capacity=EXPERT_PARALLEL_CAPACITY
-                ),
-                exclude_keys=["expert_parallel_capacity"],
-            )
-        )
     return ChainConfigModifier.default_config().set(config_modifiers=modifiers)
 
 
@@ -138,6 +128,9 @@ def moe_8x1b_trainer(layout: str) -> SpmdTrainer.Config:
     # multiply by all 8 experts).
     cfg = with_moe_layers(
         gpt.gpt_trainer("1B"), num_experts=8, num_experts_per_token=2, grouped_matmul="mosaic_gpu"
+    )
+    cfg.model.decoder.transformer.layer.feed_forward.expert_parallel_capacity = (
+        EXPERT_PARALLEL_CAPACITY
     )
     cfg.name = "moe_trainer"
     # 107 GB of float32 weights and Adam moments: a host of 4 or 8 80 GB GPUs holds them.

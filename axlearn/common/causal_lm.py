@@ -278,6 +278,7 @@ def metrics_config(
         metrics=dict(lm=lm, aux=AuxLossMetrics.default_config().set(aux_loss_regex=aux_loss_regex))
     )
 
+
 def _fill_z_loss_scale(metrics: ConfigBase, z_loss_scale: float, path: str) -> ConfigBase:
     """`metrics` with `z_loss_scale` set in each CrossEntropyLossMetrics config that leaves
     it None; one that sets its own conflicts with a nonzero model-level scale."""
