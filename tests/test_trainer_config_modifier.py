@@ -245,3 +245,45 @@ def test_single_host_gpu_rule_carries_weight_copies_only_when_asked(carry):
     rule = common.single_host_gpu_rule(None, carry_train_dtype_weights=carry)
     cfg = apply_mesh_rule(_config(), rule)
     assert bool(cfg.carry_train_dtype_weights) is carry
+
+
+# ----- ReplaceLayerConfigModifier -----
+
+
+def _replace_feed_forward(**source_fields):
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.attention import TransformerFeedForwardLayer
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.mixture_of_experts import TransformerFeedForwardDropFreeMoE
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.trainer_config_modifier import ReplaceLayerConfigModifier
+
+    return ReplaceLayerConfigModifier.default_config().set(
+        target_cls=TransformerFeedForwardLayer,
+        source_config=TransformerFeedForwardDropFreeMoE.default_config().set(**source_fields),
+        exclude_keys=["num_experts"],
+    )
+
+
+def test_replace_layer_modifier_swaps_every_matching_layer_keeping_shared_fields():
+    cfg = _config()
+    before = cfg.model.decoder.transformer.layer.feed_forward
+    cfg = _apply(_replace_feed_forward(num_experts=4, activation="nn.gelu"), cfg)
+    after = cfg.model.decoder.transformer.layer.feed_forward
+    assert after.klass.__name__ == "TransformerFeedForwardDropFreeMoE"
+    assert after.num_experts == 4  # Excluded: the source's value.
+    assert after.hidden_dim == before.hidden_dim and after.activation == before.activation
+    assert after.norm.klass is before.norm.klass
+    _param_specs(cfg)  # The swapped model builds.
+
+
+def test_replace_layer_modifier_without_a_matching_layer_is_an_error():
+    cfg = _apply(_replace_feed_forward(num_experts=4), _config())
+    with pytest.raises(ConfigError, match="has no TransformerFeedForwardLayer config"):
+        _apply(_replace_feed_forward(num_experts=4), cfg)
+
+
+def test_replace_layer_modifier_rejects_exclude_keys_the_source_lacks():
+    modifier = _replace_feed_forward(num_experts=4).set(exclude_keys=["num_expert"])
+    with pytest.raises(ConfigError, match=r"exclude_keys \['num_expert'\]"):
+        _apply(modifier, _config())

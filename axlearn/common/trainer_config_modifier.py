@@ -232,3 +232,56 @@ class FP8ConfigModifier(ConfigModifier):
                     setattr(learner, name, getattr(cfg.learner, name))
             cfg.learner = learner
         return cfg
+
+
+class ReplaceLayerConfigModifier(ConfigModifier):
+    """Replaces every layer config of class `target_cls` in the model config with a copy
+    of `source_config`: fields both configs have keep the replaced config's values, except
+    `exclude_keys`, which take `source_config`'s. A mesh rule thus swaps a layer's
+    implementation, or sets a few of its fields everywhere it occurs, without naming paths.
+    """
+
+    @config_class
+    class Config(ConfigModifier.Config):
+        """Configures ReplaceLayerConfigModifier."""
+
+        target_cls: Required[type] = REQUIRED  # The layer class whose configs are replaced.
+        source_config: Required[ConfigBase] = REQUIRED  # The replacement (any layer class).
+        exclude_keys: Sequence[str] = ()  # Fields that take source_config's values anyway.
+
+    def __call__(self, cfg):
+        target, source = self.config.target_cls, self.config.source_config
+        unknown = [key for key in self.config.exclude_keys if key not in source.keys()]
+        if unknown:
+            raise ConfigError(
+                f"ReplaceLayerConfigModifier: exclude_keys {unknown} are not fields of "
+                f"source_config ({type(source).__name__})"
+            )
+        replaced = []
+
+        def replacement(old: ConfigBase) -> ConfigBase:
+            new = source.clone()
+            for name in new.keys():
+                if name != "klass" and name in old.keys() and name not in self.config.exclude_keys:
+                    setattr(new, name, getattr(old, name))
+            return new
+
+        def visit(value: Any, path: str) -> Any:
+            if isinstance(value, ConfigBase):
+                if getattr(value, "klass", None) is target:
+                    replaced.append(path)
+                    return replacement(value)
+                for name in value.keys():
+                    setattr(value, name, visit(getattr(value, name), f"{path}.{name}"))
+            elif isinstance(value, dict):
+                return {key: visit(item, f"{path}[{key!r}]") for key, item in value.items()}
+            elif isinstance(value, list):
+                return [visit(item, f"{path}[{i}]") for i, item in enumerate(value)]
+            return value
+
+        cfg.model = visit(cfg.model, "model")
+        if not replaced:
+            raise ConfigError(
+                f"ReplaceLayerConfigModifier: the model config has no {target.__name__} config"
+            )
+        return cfg

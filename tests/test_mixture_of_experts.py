@@ -1,0 +1,309 @@
+"""mixture_of_experts: routing against NumPy, capacity dropping by hand, auxiliary losses
+by their formulas, expert parallelism against one device, FLOPs on active parameters, and
+moe_test training and resuming."""
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axlearn.common.causal_lm import active_matmul_parameter_count, matmul_parameter_count
+from axlearn.common.config import ConfigError
+from axlearn.common.hf_llama import llama_model_config
+from axlearn.common.hf_mixtral import mixtral_model_config
+from axlearn.common.layers import RMSNorm
+from axlearn.common.mixture_of_experts import (
+    Top2Gating,
+    TopKDropFreeGating,
+    TransformerFeedForwardDropFreeMoE,
+    TransformerFeedForwardMoE,
+)
+from axlearn.common.module import functional as F
+from axlearn.common.param_init import default_initializer_config
+from tests.fresh_python import REPO, assert_prints_ok, fresh_env
+
+DIM, HIDDEN, EXPERTS, TOP_K = 8, 12, 4, 2
+
+
+def _drop_free_config(**kwargs) -> TransformerFeedForwardDropFreeMoE.Config:
+    return TransformerFeedForwardDropFreeMoE.default_config().set(
+        name="moe",
+        input_dim=DIM,
+        hidden_dim=HIDDEN,
+        num_experts=EXPERTS,
+        activation=("nn.silu", "linear"),
+        norm=RMSNorm.default_config(),
+        structure="nonorm",
+        gating=TopKDropFreeGating.default_config().set(num_experts_per_token=TOP_K),
+        load_balance_loss_weight=0.5,
+        router_z_loss_weight=0.25,
+        param_init=default_initializer_config(),
+        **kwargs,
+    )
+
+
+def _np_softmax(logits):
+    logits = logits - logits.max(-1, keepdims=True)
+    return np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+
+
+@pytest.fixture(name="drop_free", scope="module")
+def fixture_drop_free():
+    """One forward of the drop-free layer on random tokens: (params, x, y, collection)."""
+    layer = _drop_free_config().instantiate(parent=None)
+    params = layer.initialize_parameters_recursively(jax.random.PRNGKey(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 5, DIM))
+    forward = jax.jit(lambda p, x: F(layer, state=p, inputs=(x,), prng_key=None, is_training=True))
+    y, collection = forward(params, x)
+    params = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    return params, np.asarray(x, np.float64), np.asarray(y), collection
+
+
+def test_drop_free_layer_equals_a_per_token_loop_over_experts_in_numpy(drop_free):
+    params, x, y, _ = drop_free
+    expected = np.zeros_like(x)
+    for index in np.ndindex(x.shape[:-1]):
+        token = x[index]
+        probs = _np_softmax(token @ params["gate_weight"])
+        chosen = np.argsort(-probs)[:TOP_K]
+        weights = probs[chosen] / probs[chosen].sum()
+        for expert, weight in zip(chosen, weights):
+            gate = token @ params["wi_0_weight"][expert]
+            up = token @ params["wi_1_weight"][expert]
+            hidden = gate / (1 + np.exp(-gate)) * up
+            expected[index] += weight * (hidden @ params["wo_weight"][expert])
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_drop_free_aux_loss_is_the_weighted_load_balance_and_z_losses(drop_free):
+    params, x, _, collection = drop_free
+    logits = x.reshape(-1, DIM) @ params["gate_weight"]
+    probs = _np_softmax(logits)
+    chosen = np.argsort(-probs, axis=-1)[:, :TOP_K]
+    assignment_fraction = np.bincount(chosen.ravel(), minlength=EXPERTS) / chosen.size
+    load_balance = EXPERTS * np.sum(assignment_fraction * probs.mean(0))
+    z_loss = np.mean(np.log(np.exp(logits).sum(-1)) ** 2)
+    summaries = collection.summaries["gating"]
+    np.testing.assert_allclose(summaries["load_balance_loss"], load_balance, rtol=1e-5)
+    np.testing.assert_allclose(summaries["router_z_loss"], z_loss, rtol=1e-5)
+    np.testing.assert_allclose(
+        collection.module_outputs["aux_loss"], 0.5 * load_balance + 0.25 * z_loss, rtol=1e-5
+    )
+
+
+# Router logits of 4 tokens over 3 experts (the router is the identity on these inputs):
+# first choices e0, e0, e0, e1; second choices e1, e2, e1, e0.
+_HAND_LOGITS = np.array(
+    [[2.0, 1.0, 0.0], [2.0, -1.0, 0.5], [1.5, 1.0, -1.0], [0.5, 2.0, -2.0]], np.float32
+)
+
+
+def test_capacity_dispatch_drops_what_a_hand_computed_case_drops():
+    """Capacity ceil(1.5 x 4 / 3) = 2. First choices claim slots in token order: e0 takes
+    t0 (slot 0) and t1 (slot 1) and drops t2; e1 takes t3 (slot 0). Then second choices,
+    after them: t0 -> e1 slot 1; t1 -> e2 slot 0; t2 -> e1 is past capacity, as is t3 -> e0
+    (e0 is full). So t2 reaches no expert and passes nothing through the layer."""
+    cfg = TransformerFeedForwardMoE.default_config().set(
+        name="moe",
+        input_dim=3,
+        hidden_dim=4,
+        num_experts=3,
+        num_groups=1,
+        structure="nonorm",
+        gating=Top2Gating.default_config().set(train_capacity_factor=1.5),
+        param_init=default_initializer_config(),
+    )
+    layer = cfg.instantiate(parent=None)
+    params = layer.initialize_parameters_recursively(jax.random.PRNGKey(0))
+    params["gate_weight"] = jnp.eye(3)
+    x = jnp.asarray(_HAND_LOGITS)[None]
+
+    @jax.jit
+    def run(params, x):
+        y, collection = F(layer, state=params, inputs=(x,), prng_key=None, is_training=True)
+        gating, _ = F(layer.gating, state={}, inputs=(x[None],), prng_key=None, is_training=True)
+        return y, collection, gating
+
+    y, collection, gating = run(params, x)
+    dispatch, combine = np.asarray(gating.dispatch_tensor), np.asarray(gating.combine_tensor)
+    expected = np.zeros((4, 3, 2), bool)
+    for token, expert, slot in [(0, 0, 0), (1, 0, 1), (3, 1, 0), (0, 1, 1), (1, 2, 0)]:
+        expected[token, expert, slot] = True
+    np.testing.assert_array_equal(dispatch[0, 0], expected)
+    # A kept assignment weighs its expert's probability over that of the token's two choices.
+    probs = _np_softmax(_HAND_LOGITS.astype(np.float64))
+    choices = [(0, 1), (0, 2), (0, 1), (1, 0)]
+    expected_combine = np.zeros((4, 3, 2))
+    for token, expert, slot in zip(*np.nonzero(expected)):
+        chosen = probs[token, list(choices[token])]
+        expected_combine[token, expert, slot] = probs[token, expert] / chosen.sum()
+    np.testing.assert_allclose(combine[0, 0], expected_combine, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(y)[0, 2], 0.0)
+    assert np.all(np.abs(np.asarray(y)[0, [0, 1, 3]]) > 0)
+    summaries = collection.summaries["gating"]
+    np.testing.assert_allclose(summaries["over_capacity_1"], 1 / 4, rtol=1e-6)
+    np.testing.assert_allclose(summaries["over_capacity_2"], 2 / 4, rtol=1e-6)
+    # GShard's loss: E^2 x mean_e(fraction of first choices x mean probability).
+    first_choice_fraction = np.array([3, 1, 0]) / 4
+    np.testing.assert_allclose(
+        summaries["load_balance_loss"], 9 * np.mean(first_choice_fraction * probs.mean(0)),
+        rtol=1e-5,
+    )
+
+
+def test_model_flops_count_the_routed_experts_at_k_of_n():
+    cfg = mixtral_model_config(
+        vocab_size=32, dim=DIM, num_layers=2, num_heads=2, num_kv_heads=1, hidden_dim=HIDDEN,
+        num_experts=EXPERTS, num_experts_per_token=TOP_K,
+    )
+    model = cfg.set(name="model").instantiate(parent=None)
+    attention = DIM * (2 + 2 * 1) * (DIM // 2) + DIM * DIM  # Fused QKV (2 q, 1 kv head) + o.
+    experts = EXPERTS * 3 * DIM * HIDDEN
+    per_layer = attention + DIM * EXPERTS + experts * TOP_K / EXPERTS
+    active = 2 * per_layer + DIM * 32  # The untied LM head.
+    assert active_matmul_parameter_count(model) == pytest.approx(active)
+    assert model.model_flops_per_token(16) == pytest.approx(6 * active + 6 * 2 * 16 * DIM)
+
+
+def test_dense_models_count_every_matmul_weight_as_before():
+    model = llama_model_config(
+        vocab_size=32, dim=DIM, num_layers=2, num_heads=2, num_kv_heads=1, hidden_dim=HIDDEN
+    ).instantiate(parent=None)
+    assert active_matmul_parameter_count(model) == matmul_parameter_count(model)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("structure", "sandwich", "structure"),
+        ("expert_parallel_capacity", 0.0, "expert_parallel_capacity"),
+        ("dim_to_mesh_axis_map", {"me": (None, None)}, "lacks"),
+    ],
+)
+def test_bad_layer_configs_fail_naming_the_field(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        _drop_free_config().set(**{field: value}).instantiate(parent=None)
+
+
+def test_top_k_above_the_expert_count_fails_naming_the_field():
+    cfg = _drop_free_config()
+    cfg.gating.num_experts_per_token = EXPERTS + 1
+    with pytest.raises(ConfigError, match="num_experts_per_token"):
+        cfg.instantiate(parent=None)
+
+
+_EXPERT_PARALLEL_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import jax, jax.numpy as jnp, numpy as np
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from axlearn.common.base_layer import is_parameter_spec
+    from axlearn.common.module import functional as F
+    from axlearn.common.sharding import create_mesh, named_sharding
+    from tests.test_mixture_of_experts import _drop_free_config
+    from axlearn.common.mixture_of_experts import TransformerFeedForwardMoE
+
+    def check(cfg, mesh_shape, axes=("data", "expert", "fsdp", "model")):
+        layer = cfg.instantiate(parent=None)
+        params = layer.initialize_parameters_recursively(jax.random.PRNGKey(0))
+        x = jax.random.normal(jax.random.PRNGKey(1), (8, 4, 8))
+
+        def loss(p, x):
+            y, collection = F(layer, state=p, inputs=(x,), prng_key=None, is_training=True)
+            return jnp.sum(y * y) + collection.module_outputs["aux_loss"], y
+
+        step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        (expected, y0), grads0 = step(params, x)
+        mesh = create_mesh(mesh_shape, axes)
+        shardings = jax.tree.map(
+            lambda s: named_sharding(mesh, s.partition_spec),
+            layer.create_parameter_specs_recursively(), is_leaf=is_parameter_spec)
+        with jax.set_mesh(mesh):
+            sharded = jax.device_put(params, shardings)
+            (actual, y1), grads1 = step(sharded, x)
+            hlo = step.lower(sharded, x).compile().as_text()
+        assert "all-to-all" in hlo, f"{mesh_shape}: no all-to-all, so no expert parallelism"
+        np.testing.assert_allclose(actual, expected, rtol=1e-5)
+        np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-6)
+        for a, b in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads0)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+    drop_free = _drop_free_config().set(num_experts=8)
+    check(drop_free, (1, 8, 1, 1))  # One expert a device.
+    check(drop_free, (2, 2, 2, 1))  # Data parallel x experts over 2 x FSDP over 2.
+    # Experts over 2, FSDP over 2, hidden over 2 (model); as the GPU kernels run it
+    # (shard_map without its replication check), the CPU multiplying with ragged_dot.
+    check(drop_free.clone(grouped_matmul="mosaic_gpu"), (1, 2, 2, 2))
+    capacity = TransformerFeedForwardMoE.default_config().set(
+        name="moe", input_dim=8, hidden_dim=12, num_experts=8, num_groups=8,
+        activation=("nn.silu", "linear"), param_init=drop_free.param_init)
+    check(capacity, (2, 4, 1, 1))
+    print("OK")
+    """
+)
+
+
+@pytest.mark.slow
+def test_expert_parallelism_on_8_devices_equals_one_device():
+    assert_prints_ok(_EXPERT_PARALLEL_SCRIPT, str(REPO), devices=8)
+
+
+def _launch(trainer_dir, max_step: int):
+    """moe_test through the launcher, cut to `max_step` steps, saving every 4."""
+    return subprocess.run(
+        [
+            sys.executable, "-m", "axlearn.common.launch_trainer_main", "--config=moe_test",
+            f"--trainer_dir={trainer_dir}", f"--config_override=max_step={max_step}",
+            "--config_override=checkpointer.save_policy.n=4", "--config_override=evalers={}",
+            "--config_override=log_every_n_steps=1",
+        ],
+        cwd=REPO, env=fresh_env(), capture_output=True, text=True, timeout=600, check=False,
+    )
+
+
+def _logged_losses(log: str) -> dict[int, float]:
+    return {
+        int(m.group(1)): float(m.group(2))
+        for m in re.finditer(r"step +(\d+)/\d+ \| loss ([0-9.]+)", log)
+    }
+
+
+@pytest.mark.slow
+def test_moe_test_trains_and_resumes(tmp_path):
+    """moe_test trains (its loss falls from ln(vocab)), and a second start in the same
+    directory restores the last checkpoint and goes on from there."""
+    first = _launch(tmp_path, 8)
+    assert first.returncode == 0, first.stderr[-3000:]
+    losses = _logged_losses(first.stderr)
+    assert sorted(losses) == list(range(1, 9)), first.stderr[-3000:]
+    assert losses[8] < losses[1] < np.log(384) + 0.5
+    second = _launch(tmp_path, 12)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "Restored step 8" in second.stderr
+    resumed = _logged_losses(second.stderr)
+    assert sorted(resumed) == list(range(9, 13))
+    assert resumed[12] < losses[1]
+
+
+def test_row_gathers_take_their_gradient_by_gathering_back():
+    """_take_rows's custom backward (a gather by the inverse index) equals autodiff's
+    scatter-add, for an index that takes some rows once, drops others, and pads."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.mixture_of_experts import _take_rows
+
+    x = jnp.arange(12.0).reshape(4, 3)
+    index = jnp.array([2, 4, 0, 4, 3])  # Row 1 is dropped; 4 (= len(x)) pads with zeros.
+    inverse = jnp.array([2, 5, 0, 4])  # Where each row went; 5 (= len(index)): nowhere.
+    dy = jnp.arange(15.0).reshape(5, 3) + 1
+    expected_y, expected_vjp = jax.vjp(
+        lambda x: jnp.take(x, index, axis=0, mode="fill", fill_value=0), x
+    )
+    y, vjp = jax.vjp(lambda x: _take_rows(x, index, inverse), x)
+    np.testing.assert_array_equal(y, expected_y)
+    np.testing.assert_array_equal(vjp(dy)[0], expected_vjp(dy)[0])
