@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axlearn.common import base_layer
+from axlearn.common import base_layer, utils
 from axlearn.common.base_layer import BaseLayer, MeshAxes, ParameterSpec
 from axlearn.common.config import (
     REQUIRED,
@@ -1264,7 +1264,7 @@ def _save_and_offload_only_these_names_regex(
     outputs are saved too: its backward needs the softmax statistics next to the
     context, and without them the whole attention forward would run again.
     """
-    by_name = base_layer.save_and_offload_only_these_names_regex(
+    by_name = utils.save_and_offload_only_these_names_regex(
         names_which_can_be_saved=names_which_can_be_saved,
         names_which_can_be_offloaded=names_which_can_be_offloaded,
         offload_src=offload_src,

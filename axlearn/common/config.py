@@ -276,7 +276,32 @@ def qualified_name(value: Any) -> Optional[str]:
         # np.dtype('float32') and jnp.dtype('bfloat16') alike name their jax.numpy type,
         # which imports for every dtype jax supports.
         return f"jax.numpy.{value.name}"
+    if callable(value) and not isinstance(value, ConfigBase):
+        return _module_attribute_name(value)
     return None
+
+
+def _module_attribute_name(value: Any) -> Optional[str]:
+    """'module.name' for a callable object (not a function or class) that its type's
+    module holds under a public name, such as jax's `dots_saveable` policy object. Of
+    several names (aliases), the last one bound, which is the newer. A deep copy (configs
+    copy their values) names the same as the original it equals."""
+    module_name = getattr(type(value), "__module__", None)
+    module = sys.modules.get(module_name) if module_name else None
+    names = [
+        name
+        for name, member in (vars(module).items() if module is not None else ())
+        if not name.startswith("_")
+        and (member is value or type(member) is type(value) and _equal(member, value))
+    ]
+    return _public_name(value, module_name, names[-1]) if names else None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # pylint: disable=broad-except
+        return False
 
 
 def _public_name(value: Any, module: str, name: str) -> str:
