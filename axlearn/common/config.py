@@ -465,10 +465,13 @@ class FunctionConfigBase(InstantiableConfig[T]):
 
     fn: Callable = REQUIRED
 
+    # The field that holds `fn`'s *args (AXLearn's `chain` takes its transformations as
+    # `args`), passed positionally; None: fn takes no *args.
+    _positional_field: ClassVar[Optional[str]] = None
+
     def instantiate(self, **kwargs) -> T:
         self.check_required_fields(kwargs.pop("config_path", ""))
-        fields = {k: getattr(self, k) for k in self._fields if k != "fn"}
-        return self.fn(**fields, **kwargs)
+        return _call_with_fields(self, self.fn, "fn", kwargs)
 
 
 @config_class
@@ -477,10 +480,18 @@ class CallableClassConfigBase(InstantiableConfig[T]):
 
     klass: type = REQUIRED
 
+    _positional_field: ClassVar[Optional[str]] = None  # As in FunctionConfigBase.
+
     def instantiate(self, **kwargs) -> T:
         self.check_required_fields(kwargs.pop("config_path", ""))
-        fields = {k: getattr(self, k) for k in self._fields if k != "klass"}
-        return self.klass(**fields, **kwargs)
+        return _call_with_fields(self, self.klass, "klass", kwargs)
+
+
+def _call_with_fields(cfg: ConfigBase, target: Callable, key: str, kwargs: dict) -> Any:
+    """`target(*positional, **fields, **kwargs)` with the fields of a function/class config."""
+    fields = {k: getattr(cfg, k) for k in cfg._fields if k != key}
+    positional = fields.pop(cfg._positional_field) if cfg._positional_field else None
+    return target(*(positional or ()), **fields, **kwargs)
 
 
 class Configurable:
@@ -516,16 +527,30 @@ def _signature_fields(fn: Callable, skip: Sequence[str] = ()) -> dict[str, Any]:
     except Exception:  # pylint: disable=broad-except
         pass
     for param in inspect.signature(fn).parameters.values():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or param.name in skip:
+        if param.kind == param.VAR_KEYWORD or param.name in skip:
+            continue
+        if param.kind == param.VAR_POSITIONAL:  # A sequence field, None: no arguments.
+            fields[param.name] = (Optional[Sequence[hints.get(param.name, Any)]], None)
             continue
         default = REQUIRED if param.default is param.empty else param.default
         fields[param.name] = (hints.get(param.name, Any), default)
     return fields
 
 
-def _make_config_class(base: type, name: str, fields: dict[str, Any]) -> type:
+def _positional_field(fn: Callable) -> Optional[str]:
+    """The name of `fn`'s *args parameter, if it has one."""
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind == param.VAR_POSITIONAL:
+            return param.name
+    return None
+
+
+def _make_config_class(
+    base: type, name: str, fields: dict[str, Any], positional_field: Optional[str] = None
+) -> type:
     annotations = {k: v[0] for k, v in fields.items()}
     namespace = {k: v[1] for k, v in fields.items()}
+    namespace["_positional_field"] = positional_field
     namespace["__annotations__"] = annotations
     namespace["__module__"] = __name__
     namespace["__qualname__"] = name
@@ -535,14 +560,21 @@ def _make_config_class(base: type, name: str, fields: dict[str, Any]) -> type:
 def config_for_function(fn: Callable[..., T], **kwargs) -> FunctionConfigBase[T]:
     """A config with one field per parameter of `fn` (REQUIRED where `fn` has no default)."""
     fields = _signature_fields(fn, skip=("fn",))
-    cls = _make_config_class(FunctionConfigBase, f"FunctionConfig[{fn.__name__}]", fields)
+    cls = _make_config_class(
+        FunctionConfigBase, f"FunctionConfig[{fn.__name__}]", fields, _positional_field(fn)
+    )
     return cls(fn=fn, **kwargs)
 
 
 def config_for_class(klass: type[T], **kwargs) -> CallableClassConfigBase[T]:
     """A config with one field per constructor parameter of `klass`."""
     fields = _signature_fields(klass.__init__, skip=("self", "klass"))
-    cls = _make_config_class(CallableClassConfigBase, f"ClassConfig[{klass.__name__}]", fields)
+    cls = _make_config_class(
+        CallableClassConfigBase,
+        f"ClassConfig[{klass.__name__}]",
+        fields,
+        _positional_field(klass.__init__),
+    )
     return cls(klass=klass, **kwargs)
 
 

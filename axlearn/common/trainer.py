@@ -214,6 +214,10 @@ class SpmdTrainer(Module):
         # preemption.PREEMPTED_EXIT_CODE, even if the step it reached is not saved by
         # then (see `run`). None: preemption.DEFAULT_GRACE_PERIOD_S.
         preemption_grace_period_s: Optional[float] = None
+        # Verbosity of the per-step debug log: each step logs its batch shapes at level 1
+        # and its loss at level 2 (which waits for the step); a level-n message is logged
+        # where n <= vlog. None: no per-step log.
+        vlog: Optional[int] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module] = None, devices=None):
         super().__init__(cfg, parent=parent)
@@ -632,7 +636,7 @@ class SpmdTrainer(Module):
         )
         with jax.named_scope("learner"):
             new_params, new_learner_state, learner_summaries = self.learner.update(
-                params, grads, state.learner, param_specs=self._model_param_specs
+                params, grads, state.learner, param_specs=self._model_param_specs, loss=loss
             )
         summaries = dict(loss=loss, learner=learner_summaries, model=aux["summaries"])
         model, copies, low_bits = self._carried_model(new_params)
@@ -749,6 +753,8 @@ class SpmdTrainer(Module):
                     self._check_finite(*pending)
                 pending = (self._step, summaries)
                 step = self._step
+                self.vlog(1, "Step %d: batch %s", step, _shapes(host_batch))
+                self.vlog(2, "Step %d: loss %s", step, summaries["loss"])
                 # After a stop signal: this step is logged and saved, and the loop ends.
                 stopping = vote_to_stop(self.stop_requested)
                 must_log = step % log_every == 0 or step == cfg.max_step or stopping
@@ -803,6 +809,12 @@ class SpmdTrainer(Module):
         if not last and self._step:
             last = {"step": self._step}
         return last
+
+    def vlog(self, level: int, message: str, *args) -> None:
+        """Logs `message % args` if the config's `vlog` is at least `level`."""
+        vlog = self._config.vlog
+        if vlog is not None and level <= vlog:
+            log.info(message, *args)
 
     def _preempted(self, saved_step: Optional[int]) -> preemption.Preempted:
         """The error ending a run stopped by a signal, once its last step is saved."""
@@ -981,6 +993,10 @@ class SpmdTrainer(Module):
         state = dataclasses.replace(self._state, model=model_params)
         self.checkpointer.save(step, _to_state_dict(state), extra=extra, good=True)
         return True
+
+
+def _shapes(batch: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(getattr(value, "shape", ())) for key, value in batch.items()}
 
 
 def select_mesh_rule(mesh_rules: Optional[Sequence[tuple[str, Any]]], mesh_selector: str) -> Any:
