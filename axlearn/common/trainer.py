@@ -190,6 +190,10 @@ class SpmdTrainer(Module):
         # Lets one config run its cluster-sized batch on fewer devices. None: the whole
         # share at once.
         per_device_microbatch_size: Optional[int] = None
+        # Microbatches each step runs in, whatever the device count (AXLearn's
+        # GradientAccumulationModifier sets it); the global batch must divide by it. Not
+        # with per_device_microbatch_size. None: see per_device_microbatch_size.
+        grad_acc_steps: Optional[int] = None
         mesh_shape: Required[MeshShape] = REQUIRED  # One entry may be -1 (inferred).
         mesh_axis_names: Required[Sequence[str]] = REQUIRED
         # [(instance-type regex, mesh shape or config modifier)]; applied by the launcher.
@@ -251,6 +255,12 @@ class SpmdTrainer(Module):
                     f"{self.path()}.per_device_microbatch_size must be None or an int >= 1, "
                     f"got {microbatch!r}"
                 )
+        steps = cfg.grad_acc_steps
+        if steps is not None and (not isinstance(steps, int) or steps < 1 or microbatch):
+            raise ConfigError(
+                f"{self.path()}.grad_acc_steps must be None or an int >= 1, and not set with "
+                f"per_device_microbatch_size; got {steps!r} and {microbatch!r}"
+            )
         grace = cfg.preemption_grace_period_s
         if grace is not None and not (isinstance(grace, (int, float)) and 0 < grace < math.inf):
             raise ConfigError(
@@ -587,8 +597,10 @@ class SpmdTrainer(Module):
         return loss, dict(aux=aux, summaries=collection.summaries)
 
     def num_microbatches(self, global_batch_size: int) -> int:
-        """Microbatches a step of `global_batch_size` rows runs in (per_device_microbatch_size);
-        1 where that is None."""
+        """Microbatches a step of `global_batch_size` rows runs in (grad_acc_steps, or from
+        per_device_microbatch_size); 1 where both are None."""
+        if self._config.grad_acc_steps is not None:
+            return self._config.grad_acc_steps
         microbatch = self._config.per_device_microbatch_size
         if microbatch is None:
             return 1
