@@ -50,6 +50,7 @@ def test_undefined_loss_leaves_params_and_state_unchanged_and_counts_a_skipped_s
 
 def test_without_the_flag_an_undefined_loss_still_updates():
     learner = _learner(False)
-    params, state, _ = learner.update(PARAMS, GRADS, learner.init(PARAMS), loss=jnp.float32(jnp.nan))
+    state0 = learner.init(PARAMS)
+    params, state, _ = learner.update(PARAMS, GRADS, state0, loss=jnp.float32(jnp.nan))
     assert "undefined_loss_steps" not in state
     np.testing.assert_allclose(params["w"], np.asarray(PARAMS["w"]) - LR * np.asarray(GRADS["w"]))
