@@ -41,7 +41,7 @@ from axlearn.common.input_tf_data import (
     lm_text_processor,
     tfds_dataset,
 )
-from axlearn.common.layers import RMSNorm
+from axlearn.common.layers import RMSNorm, scaled_hidden_dim
 from axlearn.common.learner import Learner
 from axlearn.common.metrics import MetricAccumulator
 from axlearn.common.optimizers import (
@@ -119,6 +119,16 @@ MODEL_BATCH_AXIS_NAMES = ("data", "expert", "fsdp")
 FSDP_AXIS_NAMES = ("expert", "fsdp", "seq")
 # Activations [batch, seq, dim-like]: batch over the data-parallel axes, seq, then model.
 ACTIVATION_PARTITION_SPEC = (MODEL_BATCH_AXIS_NAMES, "seq", "model")
+
+
+def scale_fn(
+    input_dim: Optional[int] = None, *, scale: float, round_up_to_multiples_of: int = 1
+) -> int:
+    """A feed-forward hidden_dim as AXLearn's configs give it: input_dim * scale rounded up
+    to a multiple of `round_up_to_multiples_of`. The layer fills in input_dim."""
+    if input_dim is None:
+        raise ConfigError("scale_fn: input_dim is set by the feed-forward layer; got None")
+    return scaled_hidden_dim(scale, round_up_to_multiples_of)(input_dim)
 
 
 def mesh_shape_from_axes(
