@@ -397,8 +397,14 @@ class SpmdTrainer(Module):
         )
 
     def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Assembles the global batch from this process's rows."""
+        """Assembles the global batch from this process's rows, split over the batch axes:
+        the input dispatcher's partition spec's first entry where it gives one, else
+        batch_axis_names."""
         names = self._config.batch_axis_names
+        dispatcher = self.input.children.get("input_dispatcher")
+        spec = None if dispatcher is None else dispatcher.config.partition_spec
+        if spec is not None and len(spec) and spec[0] is not None:
+            names = spec[0]
         return global_batch(local_batch, self._mesh, names, path=self.path())
 
     # ----- state -----
@@ -627,6 +633,7 @@ class SpmdTrainer(Module):
 
     def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
         prng_key, step_key = jax.random.split(state.prng_key)
+        input_batch = self.input.partition_batch(input_batch)
         global_batch_size = jax.tree.leaves(input_batch)[0].shape[0]
         num_microbatches = self.num_microbatches(global_batch_size)
         if num_microbatches > 1:  # Logged once a compile, as the step is traced.
