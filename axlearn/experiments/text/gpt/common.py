@@ -110,6 +110,75 @@ def tfds_input(
     return build
 
 
+# The keys of a `mixture_train_input_source` component; 'info' is free text, not read.
+DATA_MIXTURE_COMPONENT_KEYS = ("name", "weight", "shuffle_buffer_size", "split", "info")
+
+
+def mixture_train_input_source(
+    *,
+    is_training: Optional[bool] = None,
+    vocab_cfg: Any,
+    preprocessor: ConfigBase,
+    data_mixture_components: Sequence[dict[str, Any]],
+    max_sequence_length: int,
+    replace_newlines_with: Optional[str] = None,
+    data_dir: Optional[str] = None,
+    seed: Optional[int] = None,
+) -> BuildDatasetFn:
+    """A training source of packed LM examples mixed from several TFDS text datasets.
+
+    Each component `{'name', 'weight', 'shuffle_buffer_size', 'split', 'info'}` is read
+    with `tfds_dataset` (its split, shuffled in its buffer, repeated) and preprocessed on
+    its own by `preprocessor` (e.g. `input_lm.lm_text_preprocessor`, given vocab_cfg,
+    max_sequence_length and replace_newlines_with here); examples are then drawn from
+    the components with probabilities proportional to their weights. `data_dir`: the
+    TFDS data directory (None: TFDS's default); `seed`: seeds shuffles and draws.
+    Without TensorFlow, train on token shards instead (the launcher's --data_dir).
+    """
+    if is_training is False:
+        raise ConfigError("mixture_train_input_source is a training source (is_training=True)")
+    for i, component in enumerate(data_mixture_components):
+        unknown = set(component) - set(DATA_MIXTURE_COMPONENT_KEYS)
+        missing = {"name", "weight", "split"} - set(component)
+        if unknown or missing:
+            raise ConfigError(
+                f"mixture_train_input_source.data_mixture_components[{i}]: unknown keys "
+                f"{sorted(unknown)}, missing keys {sorted(missing)}"
+            )
+    weights = [float(c["weight"]) for c in data_mixture_components]
+    if not weights or min(weights) < 0 or sum(weights) <= 0:
+        raise ConfigError(
+            f"mixture_train_input_source: weights {weights} must be >= 0 with a positive sum"
+        )
+    sources = [
+        tfds_dataset(
+            c["name"],
+            split=c["split"],
+            is_training=True,
+            train_shuffle_buffer_size=c.get("shuffle_buffer_size") or 0,
+            data_dir=data_dir,
+            seed=seed,
+        )
+        for c in data_mixture_components
+    ]
+    process = preprocessor.clone(
+        vocab_cfg=vocab_cfg,
+        max_sequence_length=max_sequence_length,
+        replace_newlines_with=replace_newlines_with,
+    ).instantiate()
+
+    def build():
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+        datasets = [process(source()) for source in sources]
+        if len(datasets) == 1:
+            return datasets[0]
+        probabilities = [w / sum(weights) for w in weights]
+        return tf.data.Dataset.sample_from_datasets(datasets, probabilities, seed=seed or 0)
+
+    return build
+
+
 # ----- mesh -----
 
 MESH_AXIS_NAMES = ("pipeline", "data", "expert", "fsdp", "seq", "model")
