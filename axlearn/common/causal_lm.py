@@ -139,7 +139,8 @@ class Model(BaseLayer):
         live = ((labels >= 0) & (labels != pad_token_id)).astype(jnp.float32)
         num_live = jnp.sum(live)
         denominator = jnp.maximum(num_live, 1.0)
-        z_per_token = cfg.z_loss_scale * jnp.square(stats["log_normalizer"])
+        # None (AXLearn's configs, whose z-loss is their metrics' business): no z-loss.
+        z_per_token = (cfg.z_loss_scale or 0.0) * jnp.square(stats["log_normalizer"])
         total_nats = jnp.sum(stats["cross_entropy"] * live)
         cross_entropy = total_nats / denominator
         z_loss = jnp.sum(z_per_token * live) / denominator
