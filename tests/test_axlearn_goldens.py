@@ -94,6 +94,13 @@ def test_fuji_golden_instantiates_on_synthetic_data(name):
     assert list(specs.shape) == [cfg.model.decoder.vocab_size, cfg.model.decoder.dim]
 
 
+def test_fuji_test_v3_regularizer_golden_equals_ours():
+    from axlearn.common import golden_config  # pylint: disable=import-outside-toplevel
+
+    cfg = _synthetic_trainer_config("fuji-test-v3.txt")
+    assert golden_config.regularizer_text(cfg) + "\n" == golden_text("fuji-test-v3_regularizer.txt")
+
+
 @pytest.mark.slow  # Compiles and runs a trainer.
 @pytest.mark.parametrize("name", FUJI_TEST_NAMES or ["<absent>"])
 def test_fuji_test_golden_trains_five_steps_from_its_text(name, caplog):

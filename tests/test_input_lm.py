@@ -4,22 +4,33 @@ NumPy packing reference (`input_packing.pack_documents`), window by window."""
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow")
-
-# pylint: disable=wrong-import-position
 from axlearn.common.config import ConfigError, config_for_function
 from axlearn.common.input_lm import lm_text_preprocessor
 from axlearn.common.input_packing import FEATURE_KEYS, pack_documents
 from axlearn.common.input_vocab import ByteVocabulary
 from axlearn.experiments.text.gpt import common
 
-pytestmark = pytest.mark.slow  # TensorFlow's import and tf.data tracing take seconds.
+# TensorFlow's import and tf.data tracing take seconds; TensorFlow is imported by the
+# tests, not at collection.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tensorflow")]
+
+
+@pytest.fixture(name="tensorflow", scope="module")
+def fixture_tensorflow():
+    return pytest.importorskip("tensorflow")
+
+
+def _tf():
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    return tf
 
 DOCS = ["hello world", "ab", "x" * 9, "the quick brown fox", "q", "Über"]
 T = 8
 
 
 def _docs(texts):
+    tf = _tf()
     return tf.data.Dataset.from_tensor_slices({"text": tf.constant(texts, tf.string)})
 
 
