@@ -633,7 +633,9 @@ class SpmdTrainer(Module):
 
     def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
         prng_key, step_key = jax.random.split(state.prng_key)
-        input_batch = self.input.partition_batch(input_batch)
+        partition = getattr(self.input, "partition_batch", None)  # BaseInput's, if any.
+        if partition is not None:
+            input_batch = partition(input_batch)
         global_batch_size = jax.tree.leaves(input_batch)[0].shape[0]
         num_microbatches = self.num_microbatches(global_batch_size)
         if num_microbatches > 1:  # Logged once a compile, as the step is traced.
