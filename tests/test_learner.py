@@ -56,10 +56,11 @@ def test_config_has_the_spec_fields_and_extras_default_to_none():
     cfg = Learner.default_config()
     assert set(cfg.keys()) == {
         "klass", "name", "optimizer", "ema", "enable_per_variable_summaries",
-        "update_rules",
+        "update_rules", "ignore_undefined_loss",
     }
     assert cfg.enable_per_variable_summaries is False
     assert cfg.update_rules is None
+    assert cfg.ignore_undefined_loss is None
     assert cfg.ema.fn is opt.param_ema
 
 

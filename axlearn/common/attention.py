@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axlearn.common import base_layer
+from axlearn.common import base_layer, utils
 from axlearn.common.base_layer import BaseLayer, MeshAxes, ParameterSpec
 from axlearn.common.config import (
     REQUIRED,
@@ -44,6 +44,7 @@ from axlearn.common.config import (
     maybe_instantiate,
 )
 from axlearn.common.fp8 import Fp8Matmul
+from axlearn.common.kv_cache.kv_cache import KVCache
 from axlearn.common.layers import (
     Dropout,
     LayerNorm,
@@ -591,6 +592,8 @@ class MultiheadAttention(BaseLayer):
         # a [B,1,T,S] mask (the public API has no packed-segment mode); decoding
         # (extend_step) always uses the XLA path.
         attention_implementation: Optional[str] = None
+        # The key/value cache for decoding (child `kv_cache`); None: a default KVCache.
+        kv_cache: Optional[BaseLayer.Config] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
@@ -633,6 +636,8 @@ class MultiheadAttention(BaseLayer):
             ),
         )
         self._check_kv_heads(self.i_proj.num_kv_heads)
+        # The cache's dtype defaults to input_linear's cache_dtype (see init_states).
+        self._add_child("kv_cache", cfg.kv_cache or KVCache.default_config())
 
     def _check_kv_heads(self, num_kv_heads: int) -> None:
         if num_kv_heads != self._config.num_heads:
@@ -773,10 +778,15 @@ class MultiheadAttention(BaseLayer):
         return self._output(context)
 
     def init_states(self, *, batch_size: int, max_len: int) -> dict[str, Tensor]:
-        """An empty key/value cache: {'key', 'value'} of [B, max_len, K, H] zeros."""
-        dtype = self.i_proj.cache_dtype or self.dtype
-        shape = (batch_size, max_len, self.num_kv_heads, self._per_head_dim)
-        return dict(key=jnp.zeros(shape, dtype), value=jnp.zeros(shape, dtype))
+        """An empty key/value cache (the `kv_cache` child's): {'key', 'value'} of
+        [B, max_len, K, H] zeros."""
+        return self.kv_cache.init_states(
+            batch_size=batch_size,
+            max_len=max_len,
+            num_kv_heads=self.num_kv_heads,
+            per_head_dim=self._per_head_dim,
+            dtype=self.i_proj.cache_dtype or self.dtype,
+        )
 
     def extend_step(
         self, cached_states: dict[str, Tensor], query: Tensor, *, time_step: Tensor
@@ -790,19 +800,11 @@ class MultiheadAttention(BaseLayer):
         time_step = time_step.astype(jnp.int32)
         q_index = time_step[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
         q, k, v = self._project(query, key=None, value=None, query_positions=q_index)
-
-        def write(cache: Tensor, new: Tensor) -> Tensor:
-            return jax.vmap(lambda c, n, t: jax.lax.dynamic_update_slice(c, n, (t, 0, 0)))(
-                cache, new.astype(cache.dtype), time_step
-            )
-
-        new_states = dict(
-            key=write(cached_states["key"], k), value=write(cached_states["value"], v)
+        new_states, cached = self.kv_cache.extend_step(
+            cached_states, k_proj=k, v_proj=v, time_step=time_step
         )
-        max_len = new_states["key"].shape[1]
-        kv_valid = jnp.arange(max_len)[None, :] < (time_step + steps)[:, None]
         context = self._attend(
-            q, new_states["key"], new_states["value"], q_index=q_index, kv_valid=kv_valid
+            q, cached.k_proj, cached.v_proj, q_index=q_index, kv_valid=cached.kv_valid
         )
         return new_states, self._output(context)
 
@@ -1273,7 +1275,7 @@ def _save_and_offload_only_these_names_regex(
     outputs are saved too: its backward needs the softmax statistics next to the
     context, and without them the whole attention forward would run again.
     """
-    by_name = base_layer.save_and_offload_only_these_names_regex(
+    by_name = utils.save_and_offload_only_these_names_regex(
         names_which_can_be_saved=names_which_can_be_saved,
         names_which_can_be_offloaded=names_which_can_be_offloaded,
         offload_src=offload_src,

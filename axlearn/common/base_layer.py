@@ -15,7 +15,6 @@ sums microbatches on one device the trainer hands such weights over as `WeightWi
 
 import dataclasses
 import functools
-import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional, Union
 
@@ -24,7 +23,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from axlearn.common.config import ConfigError, InstantiableConfig, config_class, maybe_instantiate
+from axlearn.common.config import (
+    ConfigError,
+    InstantiableConfig,
+    config_class,
+    import_name,
+    maybe_instantiate,
+)
 from axlearn.common.module import Module, Tensor, child_prng_key
 from axlearn.common.param_init import DefaultInitializer, FanAxes, Initializer
 from axlearn.common.sharding import gathered_for_matmul
@@ -200,36 +205,11 @@ def _einsum_with_weight_grad_bwd(spec, residuals, dy):
 _einsum_with_weight_grad.defvjp(_einsum_with_weight_grad_fwd, _einsum_with_weight_grad_bwd)
 
 
-def save_and_offload_only_these_names_regex(
-    *,
-    names_which_can_be_saved: Optional[str],
-    names_which_can_be_offloaded: Optional[str],
-    offload_src: str = "device",
-    offload_dst: str = "pinned_host",
-) -> Callable:
-    """A remat policy: save intermediates whose checkpoint name fully matches one regex,
-    offload those matching the other to `offload_dst`, and recompute everything else."""
-    saved = re.compile(names_which_can_be_saved) if names_which_can_be_saved else None
-    offloaded = re.compile(names_which_can_be_offloaded) if names_which_can_be_offloaded else None
-
-    def policy(prim, *_, **params):
-        if getattr(prim, "name", None) != "name":
-            return False
-        name = params.get("name", "")
-        if saved is not None and saved.fullmatch(name):
-            return True
-        if offloaded is not None and offloaded.fullmatch(name):
-            from jax._src.ad_checkpoint import Offloadable  # Not exported publicly.
-
-            return Offloadable(src=offload_src, dst=offload_dst)
-        return False
-
-    return policy
-
-
 def _remat_policy(policy: Any) -> Optional[Callable]:
     if policy is None or callable(policy) and not isinstance(policy, InstantiableConfig):
         return policy
+    if isinstance(policy, str) and "." in policy:  # A qualified name, as AXLearn dumps them.
+        return _remat_policy(import_name(policy, where="remat_spec['policy']: "))
     if isinstance(policy, str):
         found = getattr(jax.checkpoint_policies, policy, None)
         if found is None:

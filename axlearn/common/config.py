@@ -276,7 +276,32 @@ def qualified_name(value: Any) -> Optional[str]:
         # np.dtype('float32') and jnp.dtype('bfloat16') alike name their jax.numpy type,
         # which imports for every dtype jax supports.
         return f"jax.numpy.{value.name}"
+    if callable(value) and not isinstance(value, ConfigBase):
+        return _module_attribute_name(value)
     return None
+
+
+def _module_attribute_name(value: Any) -> Optional[str]:
+    """'module.name' for a callable object (not a function or class) that its type's
+    module holds under a public name, such as jax's `dots_saveable` policy object. Of
+    several names (aliases), the last one bound, which is the newer. A deep copy (configs
+    copy their values) names the same as the original it equals."""
+    module_name = getattr(type(value), "__module__", None)
+    module = sys.modules.get(module_name) if module_name else None
+    names = [
+        name
+        for name, member in (vars(module).items() if module is not None else ())
+        if not name.startswith("_")
+        and (member is value or type(member) is type(value) and _equal(member, value))
+    ]
+    return _public_name(value, module_name, names[-1]) if names else None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # pylint: disable=broad-except
+        return False
 
 
 def _public_name(value: Any, module: str, name: str) -> str:
@@ -308,8 +333,16 @@ def format_value(value: Any) -> str:
     if name is not None:
         return repr(name)
     if isinstance(value, enum.Enum):
-        return repr(value.value)
+        return repr(value)  # `<GMMBackend.TOKAMAX: 'TOKAMAX'>`, as AXLearn writes it.
+    if _is_partition_spec(value):
+        return f"PartitionSpec{tuple(value)!r}"  # `PartitionSpec(('data', 'fsdp'), None)`.
     return _value_repr(value)
+
+
+def _is_partition_spec(value: Any) -> bool:
+    """Whether `value` is a jax PartitionSpec (never true while jax is not imported)."""
+    sharding = sys.modules.get("jax.sharding")
+    return sharding is not None and isinstance(value, sharding.PartitionSpec)
 
 
 def _value_repr(value: Any) -> str:
@@ -384,6 +417,20 @@ def _check_required(cfg: "ConfigBase", path: str) -> list[str]:
     return missing
 
 
+def _check_resolved(cfg: "ConfigBase") -> None:
+    """Raises for the first value read from foreign text that names something missing
+    here (see `Unresolved`), in `cfg` and its nested function configs."""
+
+    def enter(child_path: str, value: Any) -> bool:
+        return value is cfg or not isinstance(value, ClassConfigBase)
+
+    def visit(child_path: str, value: Any) -> None:
+        if isinstance(value, Unresolved):  # Defined with the parser, below.
+            raise value.error()
+
+    _visit(cfg, "", visit, enter)
+
+
 @config_class
 class InstantiableConfig(ConfigBase, Generic[T]):
     """A config that knows how to build the object it describes."""
@@ -398,6 +445,7 @@ class InstantiableConfig(ConfigBase, Generic[T]):
             raise MissingRequiredFieldsError(
                 f"Missing required fields of {type(self).__qualname__}: {', '.join(missing)}"
             )
+        _check_resolved(self)
 
 
 @config_class
@@ -417,10 +465,13 @@ class FunctionConfigBase(InstantiableConfig[T]):
 
     fn: Callable = REQUIRED
 
+    # The field that holds `fn`'s *args (AXLearn's `chain` takes its transformations as
+    # `args`), passed positionally; None: fn takes no *args.
+    _positional_field: ClassVar[Optional[str]] = None
+
     def instantiate(self, **kwargs) -> T:
         self.check_required_fields(kwargs.pop("config_path", ""))
-        fields = {k: getattr(self, k) for k in self._fields if k != "fn"}
-        return self.fn(**fields, **kwargs)
+        return _call_with_fields(self, self.fn, "fn", kwargs)
 
 
 @config_class
@@ -429,10 +480,18 @@ class CallableClassConfigBase(InstantiableConfig[T]):
 
     klass: type = REQUIRED
 
+    _positional_field: ClassVar[Optional[str]] = None  # As in FunctionConfigBase.
+
     def instantiate(self, **kwargs) -> T:
         self.check_required_fields(kwargs.pop("config_path", ""))
-        fields = {k: getattr(self, k) for k in self._fields if k != "klass"}
-        return self.klass(**fields, **kwargs)
+        return _call_with_fields(self, self.klass, "klass", kwargs)
+
+
+def _call_with_fields(cfg: ConfigBase, target: Callable, key: str, kwargs: dict) -> Any:
+    """`target(*positional, **fields, **kwargs)` with the fields of a function/class config."""
+    fields = {k: getattr(cfg, k) for k in cfg._fields if k != key}
+    positional = fields.pop(cfg._positional_field) if cfg._positional_field else None
+    return target(*(positional or ()), **fields, **kwargs)
 
 
 class Configurable:
@@ -468,16 +527,30 @@ def _signature_fields(fn: Callable, skip: Sequence[str] = ()) -> dict[str, Any]:
     except Exception:  # pylint: disable=broad-except
         pass
     for param in inspect.signature(fn).parameters.values():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or param.name in skip:
+        if param.kind == param.VAR_KEYWORD or param.name in skip:
+            continue
+        if param.kind == param.VAR_POSITIONAL:  # A sequence field, None: no arguments.
+            fields[param.name] = (Optional[Sequence[hints.get(param.name, Any)]], None)
             continue
         default = REQUIRED if param.default is param.empty else param.default
         fields[param.name] = (hints.get(param.name, Any), default)
     return fields
 
 
-def _make_config_class(base: type, name: str, fields: dict[str, Any]) -> type:
+def _positional_field(fn: Callable) -> Optional[str]:
+    """The name of `fn`'s *args parameter, if it has one."""
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind == param.VAR_POSITIONAL:
+            return param.name
+    return None
+
+
+def _make_config_class(
+    base: type, name: str, fields: dict[str, Any], positional_field: Optional[str] = None
+) -> type:
     annotations = {k: v[0] for k, v in fields.items()}
     namespace = {k: v[1] for k, v in fields.items()}
+    namespace["_positional_field"] = positional_field
     namespace["__annotations__"] = annotations
     namespace["__module__"] = __name__
     namespace["__qualname__"] = name
@@ -487,14 +560,21 @@ def _make_config_class(base: type, name: str, fields: dict[str, Any]) -> type:
 def config_for_function(fn: Callable[..., T], **kwargs) -> FunctionConfigBase[T]:
     """A config with one field per parameter of `fn` (REQUIRED where `fn` has no default)."""
     fields = _signature_fields(fn, skip=("fn",))
-    cls = _make_config_class(FunctionConfigBase, f"FunctionConfig[{fn.__name__}]", fields)
+    cls = _make_config_class(
+        FunctionConfigBase, f"FunctionConfig[{fn.__name__}]", fields, _positional_field(fn)
+    )
     return cls(fn=fn, **kwargs)
 
 
 def config_for_class(klass: type[T], **kwargs) -> CallableClassConfigBase[T]:
     """A config with one field per constructor parameter of `klass`."""
     fields = _signature_fields(klass.__init__, skip=("self", "klass"))
-    cls = _make_config_class(CallableClassConfigBase, f"ClassConfig[{klass.__name__}]", fields)
+    cls = _make_config_class(
+        CallableClassConfigBase,
+        f"ClassConfig[{klass.__name__}]",
+        fields,
+        _positional_field(klass.__init__),
+    )
     return cls(klass=klass, **kwargs)
 
 
@@ -518,11 +598,17 @@ def maybe_set_config(cfg: C, **kwargs) -> C:
 
 # ----- paths -----
 
-_PATH_TOKEN = re.compile(r"\.?([A-Za-z_][A-Za-z_0-9]*)|\[(-?\d+)\]|\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]")
+_QUOTED = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""
+# A tuple dict key such as `[(None, 1)]`: quoted strings, literals and one level of nesting.
+_TUPLE_KEY = rf"\((?:{_QUOTED}|\((?:{_QUOTED}|[^()'\"])*\)|[^()'\"])*\)"
+_PATH_TOKEN = re.compile(
+    rf"\.?([A-Za-z_][A-Za-z_0-9]*)|\[(-?\d+)\]|\[({_QUOTED}|{_TUPLE_KEY})\]"
+)
 
 
 def parse_path(path: Union[str, Sequence[Any]]) -> list[Any]:
-    """Splits 'a.b[0]['k']' into ['a', 'b', 0, 'k']. Lists pass through unchanged."""
+    """Splits 'a.b[0]['k'][(None, 1)]' into ['a', 'b', 0, 'k', (None, 1)]. Lists pass
+    through unchanged."""
     if not isinstance(path, str):
         return list(path)
     parts: list[Any] = []
@@ -723,12 +809,129 @@ def apply_overrides(cfg: C, overrides: Iterable[str]) -> C:
 # ----- parsing golden text -----
 
 
+class Unresolved:
+    """A value read from golden text that names something this library does not have.
+
+    It dumps back as the text it was read from, so that a foreign config (AXLearn's)
+    round-trips; instantiating a config that holds one raises, naming the config path
+    and what is missing.
+    """
+
+    def __init__(self, where: str = "", reason: str = ""):
+        self.where = where  # 'source:line: config.path', for the error.
+        self.reason = reason  # What is missing.
+
+    def error(self) -> "ConfigError":
+        return ConfigError(f"{self.where}: {self.reason}")
+
+
+class UnresolvedName(str, Unresolved):
+    """A quoted qualified name ('pkg.module.name') that does not import here."""
+
+    def __new__(cls, name: str, where: str = "", reason: str = "") -> "UnresolvedName":
+        return super().__new__(cls, name)
+
+    def __init__(self, name: str, where: str = "", reason: str = ""):
+        del name  # Held by the str itself.
+        Unresolved.__init__(self, where, reason)
+
+
+class EnumText(Unresolved):
+    """An enum member written as `<Cls.NAME: value>` whose enum class is not known here."""
+
+    def __init__(self, text: str, class_name: str, member: str, where: str = ""):
+        reason = f"enum {class_name} (read as {text}) is not a type this field takes"
+        super().__init__(where, reason)
+        self.text, self.class_name, self.member = text, class_name, member
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, EnumText) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+
+@config_class
+class UnresolvedConfig(InstantiableConfig):
+    """A config whose `klass`/`fn` does not import here, or that sets fields its class
+    lacks. Each parsed one is an instance of its own subclass, whose fields are the
+    text's, so that it dumps back unchanged; `instantiate()` raises."""
+
+    _unresolved: ClassVar[Unresolved] = Unresolved()
+
+    def instantiate(self, **kwargs):
+        raise self._unresolved.error()
+
+
+def unresolved_values(cfg: Any, path: str = "") -> list[tuple[str, Unresolved]]:
+    """(path, value) of every unresolved name, enum or config in a config tree."""
+    found: list[tuple[str, Unresolved]] = []
+
+    def enter(child_path: str, value: Any) -> bool:
+        if isinstance(value, UnresolvedConfig):
+            found.append((child_path, value._unresolved))
+        return True
+
+    def visit(child_path: str, value: Any) -> None:
+        # An unresolved config's klass/fn is its own placeholder (a copy), listed once.
+        if isinstance(value, Unresolved) and all(value.where != f.where for _, f in found):
+            found.append((child_path, value))
+
+    _visit(cfg, path, visit, enter)
+    return found
+
+
+_ENUM_REPR = re.compile(r"<([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\.([A-Za-z_]\w*): (.*)>")
+
+
+def read_value(text: str) -> Any:
+    """One value of golden text: a Python literal, `PartitionSpec(...)` (a jax
+    PartitionSpec), `inf`/`nan`, or an enum member `<Cls.NAME: value>` (an EnumText
+    until a field of that enum type takes it)."""
+    match = _ENUM_REPR.fullmatch(text)
+    if match:
+        return EnumText(text, *match.group(1, 2))
+    return _literal(ast.parse(text, mode="eval").body)
+
+
+_SPECIAL_FLOATS = {"inf": float("inf"), "nan": float("nan")}
+
+
+def _literal(node: ast.AST) -> Any:
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        items = [_literal(item) for item in node.elts]
+        return {ast.Tuple: tuple, ast.List: list, ast.Set: set}[type(node)](items)
+    if isinstance(node, ast.Dict):
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        operand = _literal(node.operand)
+        if isinstance(operand, (int, float, complex)) and not isinstance(operand, bool):
+            return -operand if isinstance(node.op, ast.USub) else operand
+    if isinstance(node, ast.Name) and node.id in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[node.id]
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "PartitionSpec"
+        and not node.keywords
+    ):
+        from jax.sharding import PartitionSpec  # pylint: disable=import-outside-toplevel
+
+        return PartitionSpec(*(_literal(arg) for arg in node.args))
+    raise ValueError(f"not a literal: {ast.unparse(node)}")
+
+
 def _key_value(line: str, lineno: int, source: str) -> tuple[list[Any], Any]:
     key, sep, text = line.partition(": ")
     if not sep:
         raise ConfigError(f"{source}:{lineno}: expected 'key: value', got {line!r}")
     try:
-        value = ast.literal_eval(text)
+        value = read_value(text)
     except (ValueError, SyntaxError) as e:
         raise ConfigError(f"{source}:{lineno}: cannot read value {text!r}: {e}") from e
     try:
@@ -751,11 +954,29 @@ def flat_lines(text: str) -> dict[str, str]:
     return out
 
 
-def parse_flat_text(text: str, *, source: str = "<text>") -> ConfigBase:
+@dataclasses.dataclass(frozen=True)
+class _ParseContext:
+    source: str  # The file name, for errors.
+    foreign: bool  # Read as a dump of another library version (see parse_flat_text).
+
+    def where(self, lineno: int, path: Sequence[Any] = ()) -> str:
+        return f"{self.source}:{lineno}: {_format_path(path) or '<root>'}"
+
+
+def parse_flat_text(text: str, *, source: str = "<text>", foreign: bool = False) -> ConfigBase:
     """Reads golden text back into a config tree.
 
     `klass`/`fn` lines choose each config's class; quoted names in fields whose default
     is a class, function or dtype are imported. Dumping the result reproduces `text`.
+
+    By default a name that does not import here, or a field its class lacks, raises;
+    a field the text leaves out keeps its default. With `foreign=True` the text is read
+    as the complete dump of another version of the library (AXLearn's own goldens):
+    - unknown names and fields are kept as `Unresolved` placeholders (an
+      `UnresolvedConfig` for a config) that dump back as the same text and raise,
+      naming their config path and what is missing, when instantiated;
+    - a field the text leaves out is None, since a dump omits exactly the fields that
+      are None or REQUIRED (its config gets a subclass whose default there is None).
     """
     root = _Node()
     for lineno, line in enumerate(text.splitlines(), start=1):
@@ -768,7 +989,7 @@ def parse_flat_text(text: str, *, source: str = "<text>") -> ConfigBase:
             if not isinstance(node, _Node):
                 raise ConfigError(f"{source}:{lineno}: {_format_path(parts)} nests under a leaf")
         node[parts[-1]] = (value, lineno)
-    return _build(root, [], source, default=None)
+    return _build(root, [], _ParseContext(source, foreign), default=None)
 
 
 def _first_lineno(node: Any) -> int:
@@ -791,54 +1012,156 @@ def _names_an_object(default: Any, annotation: Any) -> bool:
     return qualified_name(default) is not None or _annotation_names_object(annotation)
 
 
-def _build(node: Any, path: list[Any], source: str, default: Any, annotation: Any = Any) -> Any:
+def _enum_types(default: Any, annotation: Any) -> list[type]:
+    """The enum classes a field takes: its default's, and those its annotation names."""
+    types_ = [type(default)] if isinstance(default, enum.Enum) else []
+    candidates = [annotation, *typing.get_args(annotation)]
+    types_ += [a for a in candidates if isinstance(a, type) and issubclass(a, enum.Enum)]
+    return types_
+
+
+def _resolve_enum(value: EnumText, default: Any, annotation: Any) -> Any:
+    for enum_type in _enum_types(default, annotation):
+        if enum_type.__name__ == value.class_name.rsplit(".", 1)[-1]:
+            if value.member in enum_type.__members__:
+                return enum_type[value.member]
+    return value
+
+
+def _build_leaf(node: tuple, path: list[Any], ctx: _ParseContext, default, annotation) -> Any:
+    value, lineno = node
+    if isinstance(value, EnumText):
+        value.where = ctx.where(lineno, path)
+        resolved = _resolve_enum(value, default, annotation)
+        if resolved is value and not ctx.foreign:
+            raise value.error()
+        return resolved
+    if (
+        isinstance(value, str)
+        and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", value)
+        and _names_an_object(default, annotation)
+    ):
+        try:
+            return import_name(value, where=f"{ctx.source}:{lineno}: ")
+        except ConfigError as e:
+            if not ctx.foreign:
+                raise
+            return UnresolvedName(value, ctx.where(lineno, path), str(e).split(": ", 1)[-1])
+    return value
+
+
+def _build(node: Any, path: list[Any], ctx: _ParseContext, default: Any, annotation: Any = Any):
     if isinstance(node, tuple):  # A leaf.
-        value, lineno = node
-        if (
-            isinstance(value, str)
-            and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", value)
-            and _names_an_object(default, annotation)
-        ):
-            return import_name(value, where=f"{source}:{lineno}: ")
-        return value
+        return _build_leaf(node, path, ctx, default, annotation)
     if "klass" in node or "fn" in node:
-        return _build_config(node, path, source)
+        return _build_config(node, path, ctx)
     if all(isinstance(k, int) for k in node):
         items = [node[i] for i in sorted(node)]
         if sorted(node) != list(range(len(node))):
             raise ConfigError(
-                f"{source}:{_first_lineno(node)}: {_format_path(path)} has gaps in its indices"
+                f"{ctx.source}:{_first_lineno(node)}: {_format_path(path)} has gaps in its indices"
             )
         defaults = list(default) if isinstance(default, (list, tuple)) else []
         built = [
-            _build(item, path + [i], source, defaults[i] if i < len(defaults) else None)
+            _build(item, path + [i], ctx, defaults[i] if i < len(defaults) else None)
             for i, item in enumerate(items)
         ]
         return list(built) if isinstance(default, list) else tuple(built)
     defaults = default if isinstance(default, Mapping) else {}
-    return {k: _build(v, path + [k], source, defaults.get(k)) for k, v in node.items()}
+    return {k: _build(v, path + [k], ctx, defaults.get(k)) for k, v in node.items()}
 
 
-def _build_config(node: _Node, path: list[Any], source: str) -> ConfigBase:
+def _text_config_class(
+    base: type,
+    *,
+    extra: Sequence[str] = (),
+    none: Sequence[str] = (),
+    unresolved: Optional[Unresolved] = None,
+    name: Optional[str] = None,
+) -> type:
+    """A subclass of config class `base` for text it cannot express as it is: `extra`
+    fields (each defaulting to REQUIRED, so that every value the text sets, None
+    included, dumps back) and `none` fields whose default becomes None. With
+    `unresolved`, the subclass is an UnresolvedConfig whose instantiate() raises."""
+    bases = (base,)
+    namespace: dict[str, Any] = {field: REQUIRED for field in extra}
+    namespace.update({field: None for field in none})
+    annotations = {field: Any for field in extra}
+    annotations.update({field: base._fields[field].annotation for field in none})
+    if unresolved is not None:
+        if not issubclass(base, UnresolvedConfig):
+            bases = (base, UnresolvedConfig)
+        namespace.update(_unresolved=unresolved, instantiate=UnresolvedConfig.instantiate)
+    name = name or base.__qualname__
+    namespace.update(__annotations__=annotations, __module__=base.__module__, __qualname__=name)
+    return config_class(type(name.rsplit(".", 1)[-1], bases, namespace))
+
+
+def _build_config(node: _Node, path: list[Any], ctx: _ParseContext) -> ConfigBase:
     key = "klass" if "klass" in node else "fn"
     name, lineno = node[key]
-    where = f"{source}:{lineno}: "
-    target = import_name(name, where=where)
+    try:
+        target = import_name(name, where=f"{ctx.source}:{lineno}: ")
+    except ConfigError as e:
+        if not ctx.foreign:
+            raise
+        reason = str(e).split(": ", 1)[-1]
+        unresolved = UnresolvedName(name, ctx.where(lineno, path), reason)
+        cls = _text_config_class(
+            UnresolvedConfig, extra=list(node), unresolved=unresolved, name=f"Unresolved[{name}]"
+        )
+        cfg = cls()
+        setattr(cfg, key, unresolved)
+        for field_name, child in node.items():
+            if field_name != key:
+                setattr(cfg, field_name, _build(child, path + [field_name], ctx, None))
+        return cfg
     if key == "fn":
         cfg = config_for_function(target)
     elif isinstance(target, type) and issubclass(target, Configurable):
         cfg = target.default_config()
     else:
         cfg = config_for_class(target)
+    unknown = [f for f in node if f != key and f not in cfg.keys()]
+    if unknown and not ctx.foreign:
+        first = _first_lineno(node[unknown[0]])
+        raise UnknownFieldError(
+            f"{ctx.source}:{first}: {_format_path(path + [unknown[0]])}: "
+            f"{name} has no field '{unknown[0]}'{_close_names(str(unknown[0]), cfg.keys())}"
+        )
+    if ctx.foreign:
+        cfg = _as_complete_dump(cfg, node, unknown, path, ctx, name)
     for field_name, child in node.items():
         if field_name == key:
             continue
-        if field_name not in cfg.keys():
-            raise UnknownFieldError(
-                f"{source}:{_first_lineno(child)}: {_format_path(path + [field_name])}: "
-                f"{name} has no field '{field_name}'{_close_names(str(field_name), cfg.keys())}"
-            )
         default = getattr(cfg, field_name)
         annotation = cfg._fields[field_name].annotation
-        setattr(cfg, field_name, _build(child, path + [field_name], source, default, annotation))
+        setattr(cfg, field_name, _build(child, path + [field_name], ctx, default, annotation))
     return cfg
+
+
+def _as_complete_dump(
+    cfg: ConfigBase,
+    node: _Node,
+    unknown: list[str],
+    path: list[Any],
+    ctx: _ParseContext,
+    name: str,
+) -> ConfigBase:
+    """`cfg` re-typed so that `node`, read as a complete dump, dumps back unchanged: the
+    `unknown` fields are kept (and make instantiation fail), and fields the text leaves
+    out that are not None or REQUIRED here become None, the only values a dump omits."""
+    none = [
+        f
+        for f, value in cfg.items()
+        if f not in node and f not in ("klass", "fn") and not (value is None or value is REQUIRED)
+    ]
+    if not unknown and not none:
+        return cfg
+    unresolved = None
+    if unknown:
+        where = ctx.where(_first_lineno(node[unknown[0]]), path)
+        unresolved = Unresolved(where, f"{name} has no field(s) {', '.join(map(repr, unknown))}")
+    cls = _text_config_class(type(cfg), extra=unknown, none=none, unresolved=unresolved)
+    values = {f: v for f, v in cfg.items() if f not in none}
+    return cls(**values)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from axlearn.common.attention import StackedTransformerLayer
-from axlearn.common.base_layer import BaseLayer
+from axlearn.common.base_layer import BaseLayer, ParameterSpec, weight_einsum
 from axlearn.common.config import (
     ConfigBase,
     ConfigError,
@@ -31,6 +31,7 @@ from axlearn.common.config import (
 from axlearn.common.embedding import TransformerTextEmbeddings
 from axlearn.common.layers import Dropout, RMSNorm
 from axlearn.common.module import Module, Tensor
+from axlearn.common.param_init import FanAxes
 from axlearn.common.sharding import MeshAxes, maybe_shard
 
 # step(cache, token_ids [B, S], time_step [B]) -> (new_cache, logits [B, S, vocab]).
@@ -204,6 +205,52 @@ def _with_dropout_rate(cfg: InstantiableConfig, rate: float) -> InstantiableConf
     return cfg
 
 
+class LmHead(BaseLayer):
+    """An untied output layer: logits = x @ weight.T with its own weight [vocab, dim].
+
+    The weight has the token table's layout (one row per token), so a checkpoint's
+    `lm_head/weight` reads like `emb/token_emb/weight`.
+    """
+
+    @config_class
+    class Config(BaseLayer.Config):
+        """Configures LmHead."""
+
+        vocab_size: Required[int] = REQUIRED  # Set by the decoder.
+        embedding_dim: Required[int] = REQUIRED  # The decoder's dim; set by the decoder.
+
+    @classmethod
+    def default_config(cls) -> Config:
+        cfg = super().default_config()
+        cfg.param_partition_spec = (None, "model")  # Vocab rows replicated, dim by model.
+        return cfg
+
+    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
+        cfg = self.config
+        return dict(
+            weight=ParameterSpec(
+                shape=[cfg.vocab_size, cfg.embedding_dim],
+                mesh_axes=cfg.param_partition_spec,
+                fan_axes=FanAxes(in_axis=-2, out_axis=-1),
+            )
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """[..., dim] -> [..., vocab]."""
+        return weight_einsum(
+            "...d,vd->...v", x, self.parameters["weight"],
+            partition_spec=self.config.param_partition_spec,
+        )
+
+
+def _lm_head_config(lm_head: InstantiableConfig, *, dim: int, vocab_size: int):
+    """`lm_head` with its sizes set: an LmHead's vocab_size/embedding_dim, or a Linear's
+    input_dim/output_dim."""
+    if "embedding_dim" in lm_head:
+        return lm_head.clone(vocab_size=vocab_size, embedding_dim=dim)
+    return lm_head.clone(input_dim=dim, output_dim=vocab_size)
+
+
 class Decoder(BaseLayer):
     """Token ids -> next-token logits, with a KV cache for generation."""
 
@@ -222,8 +269,8 @@ class Decoder(BaseLayer):
         transformer: InstantiableConfig = StackedTransformerLayer.default_config()
         output_norm: Optional[InstantiableConfig] = RMSNorm.default_config()  # None: no norm.
         output_dropout: InstantiableConfig = Dropout.default_config()
-        # None: logits = hidden @ emb.token_emb.weight.T (tied). Otherwise a Linear config
-        # (input_dim/output_dim set here), giving an untied `lm_head/weight` of [dim, vocab].
+        # None: logits = hidden @ emb.token_emb.weight.T (tied). Otherwise an LmHead config
+        # (untied `lm_head/weight` [vocab, dim]) or a Linear one (weight [dim, vocab]).
         lm_head: Optional[InstantiableConfig] = None
         # If set, logits = c * tanh(logits / c) with c = logits_soft_cap.
         logits_soft_cap: Optional[float] = None
@@ -252,7 +299,7 @@ class Decoder(BaseLayer):
         self._add_child("output_dropout", _with_dropout_rate(cfg.output_dropout, cfg.dropout_rate))
         if cfg.lm_head is not None:
             self._add_child(
-                "lm_head", cfg.lm_head.clone(input_dim=cfg.dim, output_dim=cfg.vocab_size)
+                "lm_head", _lm_head_config(cfg.lm_head, dim=cfg.dim, vocab_size=cfg.vocab_size)
             )
         self._add_child("decoding", cfg.decoding)
 

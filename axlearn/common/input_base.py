@@ -21,7 +21,8 @@ batch (`global_batch_size // process_count` rows; process i holds rows [i*b, (i+
   every batch has the same shape, and every process yields the same number of batches.
 """
 
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import jax
@@ -30,8 +31,44 @@ import numpy as np
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.input_packing import FEATURE_KEYS
 from axlearn.common.module import Module
+from axlearn.common.sharding import maybe_shard
+from axlearn.common.utils import tree_paths
 
 Batch = dict[str, np.ndarray]
+
+
+# (path regex or None, rank) -> partition spec of the input arrays of that path and rank.
+PathRankToPartition = dict[tuple[Optional[str], int], Any]
+
+
+def partition_by_path_rank(path_rank_to_partition: PathRankToPartition) -> Callable[[Any], Any]:
+    """An input partitioner: shards each array of a global batch by its '/'-joined path
+    and rank. The first key (regex, rank) whose regex fully matches the path and whose
+    rank is the array's wins; a None regex matches every path. Returns fn(batch) -> batch
+    that applies the specs as sharding constraints (inside the jitted step, on a mesh).
+
+    Example: {(None, 1): P(batch_axes), (None, 2): P(batch_axes, 'seq')} splits [B] and
+    [B, T] inputs over the batch axes, and sequences over 'seq'.
+    """
+    rules = [
+        (None if path is None else re.compile(path), rank, spec)
+        for (path, rank), spec in path_rank_to_partition.items()
+    ]
+
+    def partition(batch: Any) -> Any:
+        def shard(path: str, x: Any) -> Any:
+            for regex, rank, spec in rules:
+                if x.ndim == rank and (regex is None or regex.fullmatch(path)):
+                    return maybe_shard(x, spec)
+            raise ValueError(
+                f"partition_by_path_rank: no rule for input '{path}' of rank {x.ndim}; "
+                f"rules: {list(path_rank_to_partition)}"
+            )
+
+        paths = tree_paths(batch)
+        return jax.tree.map(shard, paths, batch)
+
+    return partition
 
 
 class InputError(ValueError):
@@ -150,6 +187,11 @@ class BaseInput(Module):
                 "{'batches_consumed': <int >= 0>}"
             )
         self._batches_consumed = consumed
+
+    def partition_batch(self, batch: Any) -> Any:
+        """The global batch as the train step shards it (inside jit): unchanged unless the
+        input has a partitioner (`input_tf_data.Input.input_partitioner`)."""
+        return batch
 
     # ----- helpers -----
 

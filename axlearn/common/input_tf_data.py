@@ -249,6 +249,40 @@ def batch(
     return batcher
 
 
+def per_feed_batch(
+    feed_batch_size: Optional[int] = None,
+    *,
+    is_training: Optional[bool] = None,
+    pad_example_fn: Callable[[Any], Any] = default_pad_example_fn,
+    prefetch_buffer_size: int = -1,
+) -> Callable[..., Any]:
+    """A batcher for an input with an `input_dispatcher`: batches of `feed_batch_size`
+    rows per logical feed (the dispatcher's feed_logical_batch_size; the input sets it
+    and `is_training`).
+
+    Returns `fn(ds, *, is_training, process_index, process_count) -> ds`, where the
+    process arguments are this feed's logical index and the number of logical feeds: as
+    `batch` does, every feed runs the whole pipeline, forms batches of feed_batch_size x
+    process_count rows and keeps its own rows, so that every feed yields the same number
+    of batches and an eval pass ends at the same batch everywhere.
+    """
+    del is_training  # The input passes it to the batcher on each call.
+    if feed_batch_size is None:
+        raise ConfigError("per_feed_batch.feed_batch_size: set by the input's input_dispatcher")
+
+    def batcher(ds, *, is_training: bool, process_index: int, process_count: int):
+        logical_batch = batch(
+            feed_batch_size * process_count,
+            pad_example_fn=pad_example_fn,
+            prefetch_buffer_size=prefetch_buffer_size,
+        )
+        return logical_batch(
+            ds, is_training=is_training, process_index=process_index, process_count=process_count
+        )
+
+    return batcher
+
+
 # ----- the input -----
 
 
@@ -261,27 +295,69 @@ class Input(BaseInput):
 
         source: Required[InstantiableConfig] = REQUIRED  # Builds a BuildDatasetFn.
         processor: Required[InstantiableConfig] = REQUIRED  # Builds a DatasetToDatasetFn.
-        batcher: Required[InstantiableConfig] = REQUIRED  # A `batch` config.
+        # A `batch` config, or `per_feed_batch` with an input_dispatcher.
+        batcher: Required[InstantiableConfig] = REQUIRED
+        # Feeds a global batch of any size to any mesh (input_dispatch.SpmdInputDispatcher):
+        # the batcher then batches each logical feed's rows and this input pads them to
+        # the physical batch. None: the batcher's global batch, split over the processes.
+        input_dispatcher: Optional[InstantiableConfig] = None
+        # Shards the global batch's arrays in the train step, e.g.
+        # input_base.partition_by_path_rank; None: by the trainer's batch axes only.
+        input_partitioner: Optional[InstantiableConfig] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module], **kwargs):
         super().__init__(cfg, parent=parent, **kwargs)
         cfg = self.config
-        self._source = cfg.source.instantiate(config_path=f"{self.path()}.source")
-        self._processor = cfg.processor.instantiate(config_path=f"{self.path()}.processor")
-        self._batcher = cfg.batcher.instantiate(config_path=f"{self.path()}.batcher")
+        batcher = cfg.batcher
+        if cfg.input_dispatcher is not None:
+            dispatcher = _with_unset(
+                cfg.input_dispatcher,
+                num_physical_feeds=self._process_count,
+                physical_feed_index=self._process_index,
+            )
+            self._add_child("input_dispatcher", dispatcher)
+            feed_rows = self.input_dispatcher.feed_logical_batch_size
+            batcher = _with_unset(batcher, feed_batch_size=feed_rows)
+        elif "feed_batch_size" in batcher:
+            raise ConfigError(
+                f"{self.path()}.batcher: {batcher.fn.__name__} batches per feed and needs an "
+                "input_dispatcher"
+            )
+        self._source = _with_unset(cfg.source, is_training=cfg.is_training).instantiate(
+            config_path=f"{self.path()}.source"
+        )
+        self._processor = _with_unset(cfg.processor, is_training=cfg.is_training).instantiate(
+            config_path=f"{self.path()}.processor"
+        )
+        self._batcher = _with_unset(batcher, is_training=cfg.is_training).instantiate(
+            config_path=f"{self.path()}.batcher"
+        )
+        self._partitioner = None
+        if cfg.input_partitioner is not None:
+            self._partitioner = cfg.input_partitioner.instantiate(
+                config_path=f"{self.path()}.input_partitioner"
+            )
 
     @property
     def global_batch_size(self) -> int:
+        if "input_dispatcher" in self.children:
+            return self.input_dispatcher.global_physical_batch_size
         return self.config.batcher.global_batch_size
 
     def tf_dataset(self):
-        """This process's batches as a tf.data.Dataset (from the start)."""
+        """This process's batches as a tf.data.Dataset (from the start): its rows of each
+        global batch, or with an input_dispatcher its logical feed's rows."""
         ds = self._processor(self._source())
+        if "input_dispatcher" in self.children:
+            read = self.input_dispatcher.feed_read_config()
+            process_index, process_count = read["shard_index"], read["num_shards"]
+        else:
+            process_index, process_count = self.process_index, self.process_count
         return self._batcher(
             ds,
             is_training=self.config.is_training,
-            process_index=self.process_index,
-            process_count=self.process_count,
+            process_index=process_index,
+            process_count=process_count,
         )
 
     def _host_batches(self, start: int) -> Iterator[Batch]:
@@ -289,10 +365,18 @@ class Input(BaseInput):
         if start:
             ds = ds.skip(start)
         for batch in ds.as_numpy_iterator():
-            yield {key: np.asarray(value) for key, value in batch.items()}
+            batch = {key: np.asarray(value) for key, value in batch.items()}
+            if "input_dispatcher" in self.children:
+                batch = self.input_dispatcher.logical_to_physical(batch)
+            yield batch
+
+    def partition_batch(self, batch: Any) -> Any:
+        """The batch sharded by `input_partitioner` (in the jitted step), if it has one."""
+        return batch if self._partitioner is None else self._partitioner(batch)
 
     def element_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """Shapes and dtypes of one global batch (builds the pipeline to read them)."""
+        """Shapes and dtypes of one global (physical) batch (builds the pipeline to read
+        them)."""
         spec = self.tf_dataset().element_spec
         return {
             key: jax.ShapeDtypeStruct(
@@ -300,3 +384,15 @@ class Input(BaseInput):
             )
             for key, s in spec.items()
         }
+
+
+def _with_unset(cfg: InstantiableConfig, **values: Any) -> InstantiableConfig:
+    """`cfg` with those of `values` set that are fields of it still unset (REQUIRED or
+    None): what the input knows (is_training, a feed's batch size), AXLearn's configs
+    leave to it."""
+    unset = {
+        key: value
+        for key, value in values.items()
+        if key in cfg and (getattr(cfg, key) is REQUIRED or getattr(cfg, key) is None)
+    }
+    return cfg.clone(**unset) if unset else cfg

@@ -411,7 +411,10 @@ def _find_field(cfg: ConfigBase, field: str) -> Optional[Any]:
 def _batch_shape(cfg: ConfigBase, input_cfg: ConfigBase, data_dir: str) -> tuple[int, int]:
     """(global_batch_size, max_sequence_length) of an input, the latter from the trainer
     where the input does not say it (pre-packed TFDS data)."""
-    batch = _find_field(input_cfg, "global_batch_size")
+    # AXLearn's inputs give it to their input_dispatcher as global_logical_batch_size.
+    batch = _find_field(input_cfg, "global_batch_size") or _find_field(
+        input_cfg, "global_logical_batch_size"
+    )
     seq_len = _find_field(input_cfg, "max_sequence_length") or _find_field(
         cfg, "max_sequence_length"
     )

@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 import jax
 import jax.numpy as jnp
 
+from axlearn.common.base_layer import ParameterSpec
 from axlearn.common.config import (
     REQUIRED,
     ConfigBase,
@@ -72,6 +73,10 @@ class Learner(Module):
         # '/'-path decides. None or no match: 'all'. 'no_update' parameters stay unchanged
         # and have no optimizer state.
         update_rules: Optional[Sequence[tuple[str, str]]] = None
+        # True: a step whose loss is NaN or infinite leaves the parameters and the learner
+        # state as they were, and counts in the 'skipped_steps' summary (the trainer then
+        # treats it as a bad step, not a failed run). None/False: it updates as usual.
+        ignore_undefined_loss: Optional[bool] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
@@ -116,10 +121,13 @@ class Learner(Module):
         """The learner state's structure with ParameterSpec leaves (shape, dtype and
         mesh_axes; `.partition_spec` gives the jax PartitionSpec). Optimizer state is
         sharded like the parameter it belongs to; step counters are replicated scalars."""
-        return dict(
+        specs = dict(
             optimizer=self._optimizer.partition(self._trainable(model_param_specs)),
             ema=self._ema.partition(model_param_specs),
         )
+        if self._config.ignore_undefined_loss:
+            specs["undefined_loss_steps"] = ParameterSpec(shape=[], dtype=jnp.int32, mesh_axes=())
+        return specs
 
     def init(self, model_params: Nested, *, param_specs: Optional[Nested] = None) -> dict:
         """The initial learner state: {'optimizer': ..., 'ema': ...}.
@@ -129,10 +137,13 @@ class Learner(Module):
         treats every parameter as a plain array (scale 1, shape-based choices).
         """
         params = self._with_specs(model_params, param_specs)
-        return dict(
+        state = dict(
             optimizer=self._optimizer.init(self._trainable(params)),
             ema=self._ema.init(model_params),
         )
+        if self._config.ignore_undefined_loss:
+            state["undefined_loss_steps"] = jnp.zeros([], jnp.int32)  # Steps left undone.
+        return state
 
     def _with_specs(self, model_params: Nested, param_specs: Optional[Nested]) -> Nested:
         return model_params if param_specs is None else with_param_specs(model_params, param_specs)
@@ -196,8 +207,11 @@ class Learner(Module):
         learner_state: dict,
         *,
         param_specs: Optional[Nested] = None,
+        loss: Optional[Tensor] = None,
     ) -> tuple[Nested, dict, dict[str, Tensor]]:
         """Applies one optimizer step: (new_params, new_learner_state, summaries).
+
+        With `ignore_undefined_loss`, a non-finite `loss` (the step's) undoes the step.
 
         summaries: 'learning_rate' (of this step; absent if the optimizer has none),
         'gradient_norm' (of the updated parameters' gradients, before clipping),
@@ -241,7 +255,30 @@ class Learner(Module):
             ):
                 for path, x in flatten_with_paths(tree):
                     summaries[f"{name}/{path}"] = global_norm(x)
-        return new_params, dict(optimizer=new_opt_state, ema=new_ema), summaries
+        new_state = dict(optimizer=new_opt_state, ema=new_ema)
+        if self._config.ignore_undefined_loss:
+            new_params, new_state, summaries = self._undo_if_undefined(
+                loss, (model_params, learner_state), (new_params, new_state), summaries
+            )
+        return new_params, new_state, summaries
+
+    def _undo_if_undefined(self, loss, old, new, summaries):
+        """(params, state, summaries) of the step, or of the step undone if `loss` is not
+        finite (ignore_undefined_loss)."""
+        if loss is None:
+            raise ValueError(f"{self.path()}.ignore_undefined_loss: update() needs the loss")
+        defined = jnp.isfinite(loss)
+        (old_params, old_state), (new_params, new_state) = old, new
+        new_params = jax.tree.map(lambda n, o: jnp.where(defined, n, o), new_params, old_params)
+        counter = old_state["undefined_loss_steps"] + jnp.where(defined, 0, 1).astype(jnp.int32)
+        new_state = jax.tree.map(
+            lambda n, o: jnp.where(defined, n, o),
+            new_state,
+            {k: v for k, v in old_state.items() if k != "undefined_loss_steps"},
+        )
+        new_state["undefined_loss_steps"] = counter
+        summaries = dict(summaries, skipped_steps=summaries["skipped_steps"] + counter)
+        return new_params, new_state, summaries
 
 
 def split_microbatches(x: Tensor, *, k: int) -> Tensor:

@@ -325,7 +325,8 @@ def chain(
 ) -> PartitionedGradientTransformation:
     """Applies transformations in order; the state is a tuple of their states.
 
-    Give them positionally in Python, or as `transformations` in a config.
+    Give them positionally, in a config as `args` (`config_for_function(chain).set(args=
+    [...])`, as AXLearn's configs do), or as `transformations`.
     """
     if args and transformations:
         raise ValueError("chain: give transformations positionally or as `transformations`")

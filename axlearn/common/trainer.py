@@ -190,6 +190,10 @@ class SpmdTrainer(Module):
         # Lets one config run its cluster-sized batch on fewer devices. None: the whole
         # share at once.
         per_device_microbatch_size: Optional[int] = None
+        # Microbatches each step runs in, whatever the device count (AXLearn's
+        # GradientAccumulationModifier sets it); the global batch must divide by it. Not
+        # with per_device_microbatch_size. None: see per_device_microbatch_size.
+        grad_acc_steps: Optional[int] = None
         mesh_shape: Required[MeshShape] = REQUIRED  # One entry may be -1 (inferred).
         mesh_axis_names: Required[Sequence[str]] = REQUIRED
         # [(instance-type regex, mesh shape or config modifier)]; applied by the launcher.
@@ -214,6 +218,10 @@ class SpmdTrainer(Module):
         # preemption.PREEMPTED_EXIT_CODE, even if the step it reached is not saved by
         # then (see `run`). None: preemption.DEFAULT_GRACE_PERIOD_S.
         preemption_grace_period_s: Optional[float] = None
+        # Verbosity of the per-step debug log: each step logs its batch shapes at level 1
+        # and its loss at level 2 (which waits for the step); a level-n message is logged
+        # where n <= vlog. None: no per-step log.
+        vlog: Optional[int] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module] = None, devices=None):
         super().__init__(cfg, parent=parent)
@@ -247,6 +255,12 @@ class SpmdTrainer(Module):
                     f"{self.path()}.per_device_microbatch_size must be None or an int >= 1, "
                     f"got {microbatch!r}"
                 )
+        steps = cfg.grad_acc_steps
+        if steps is not None and (not isinstance(steps, int) or steps < 1 or microbatch):
+            raise ConfigError(
+                f"{self.path()}.grad_acc_steps must be None or an int >= 1, and not set with "
+                f"per_device_microbatch_size; got {steps!r} and {microbatch!r}"
+            )
         grace = cfg.preemption_grace_period_s
         if grace is not None and not (isinstance(grace, (int, float)) and 0 < grace < math.inf):
             raise ConfigError(
@@ -383,8 +397,14 @@ class SpmdTrainer(Module):
         )
 
     def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Assembles the global batch from this process's rows."""
+        """Assembles the global batch from this process's rows, split over the batch axes:
+        the input dispatcher's partition spec's first entry where it gives one, else
+        batch_axis_names."""
         names = self._config.batch_axis_names
+        dispatcher = self.input.children.get("input_dispatcher")
+        spec = None if dispatcher is None else dispatcher.config.partition_spec
+        if spec is not None and len(spec) and spec[0] is not None:
+            names = spec[0]
         return global_batch(local_batch, self._mesh, names, path=self.path())
 
     # ----- state -----
@@ -583,8 +603,10 @@ class SpmdTrainer(Module):
         return loss, dict(aux=aux, summaries=collection.summaries)
 
     def num_microbatches(self, global_batch_size: int) -> int:
-        """Microbatches a step of `global_batch_size` rows runs in (per_device_microbatch_size);
-        1 where that is None."""
+        """Microbatches a step of `global_batch_size` rows runs in (grad_acc_steps, or from
+        per_device_microbatch_size); 1 where both are None."""
+        if self._config.grad_acc_steps is not None:
+            return self._config.grad_acc_steps
         microbatch = self._config.per_device_microbatch_size
         if microbatch is None:
             return 1
@@ -611,6 +633,9 @@ class SpmdTrainer(Module):
 
     def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
         prng_key, step_key = jax.random.split(state.prng_key)
+        partition = getattr(self.input, "partition_batch", None)  # BaseInput's, if any.
+        if partition is not None:
+            input_batch = partition(input_batch)
         global_batch_size = jax.tree.leaves(input_batch)[0].shape[0]
         num_microbatches = self.num_microbatches(global_batch_size)
         if num_microbatches > 1:  # Logged once a compile, as the step is traced.
@@ -632,7 +657,7 @@ class SpmdTrainer(Module):
         )
         with jax.named_scope("learner"):
             new_params, new_learner_state, learner_summaries = self.learner.update(
-                params, grads, state.learner, param_specs=self._model_param_specs
+                params, grads, state.learner, param_specs=self._model_param_specs, loss=loss
             )
         summaries = dict(loss=loss, learner=learner_summaries, model=aux["summaries"])
         model, copies, low_bits = self._carried_model(new_params)
@@ -749,6 +774,8 @@ class SpmdTrainer(Module):
                     self._check_finite(*pending)
                 pending = (self._step, summaries)
                 step = self._step
+                self.vlog(1, "Step %d: batch %s", step, _shapes(host_batch))
+                self.vlog(2, "Step %d: loss %s", step, summaries["loss"])
                 # After a stop signal: this step is logged and saved, and the loop ends.
                 stopping = vote_to_stop(self.stop_requested)
                 must_log = step % log_every == 0 or step == cfg.max_step or stopping
@@ -803,6 +830,12 @@ class SpmdTrainer(Module):
         if not last and self._step:
             last = {"step": self._step}
         return last
+
+    def vlog(self, level: int, message: str, *args) -> None:
+        """Logs `message % args` if the config's `vlog` is at least `level`."""
+        vlog = self._config.vlog
+        if vlog is not None and level <= vlog:
+            log.info(message, *args)
 
     def _preempted(self, saved_step: Optional[int]) -> preemption.Preempted:
         """The error ending a run stopped by a signal, once its last step is saved."""
@@ -981,6 +1014,10 @@ class SpmdTrainer(Module):
         state = dataclasses.replace(self._state, model=model_params)
         self.checkpointer.save(step, _to_state_dict(state), extra=extra, good=True)
         return True
+
+
+def _shapes(batch: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(getattr(value, "shape", ())) for key, value in batch.items()}
 
 
 def select_mesh_rule(mesh_rules: Optional[Sequence[tuple[str, Any]]], mesh_selector: str) -> Any:

@@ -19,6 +19,7 @@ from axlearn.common.config import (
     get_recursively,
     set_recursively,
 )
+from axlearn.common.metrics import MetricAccumulator
 
 
 class ConfigModifier(Configurable):
@@ -126,6 +127,33 @@ class PartitionSpecModifier(ConfigModifier):
                     )
                 target = _module_config(cfg, path, field)
                 setattr(target, field, spec)
+        return cfg
+
+
+class GradientAccumulationModifier(ConfigModifier):
+    """Runs each step as `grad_acc_steps` microbatches whose gradients are averaged, so the
+    step equals the full-batch step in less memory (sets the trainer's grad_acc_steps)."""
+
+    @config_class
+    class Config(ConfigModifier.Config):
+        """Configures GradientAccumulationModifier."""
+
+        grad_acc_steps: Required[int] = REQUIRED  # Microbatches per step.
+        # How the microbatches' summaries combine. The step combines them in-graph by
+        # MetricAccumulator's rule (WeightedScalars by weight, floats averaged, integer
+        # counts summed), the one rule supported.
+        metric_accumulator: ConfigBase = MetricAccumulator.default_config()
+
+    def __call__(self, cfg):
+        modifier = self.config
+        if getattr(modifier.metric_accumulator, "klass", None) is not MetricAccumulator:
+            raise ConfigError(
+                "GradientAccumulationModifier.metric_accumulator: only "
+                f"MetricAccumulator is supported, got {modifier.metric_accumulator!r}"
+            )
+        if "grad_acc_steps" not in cfg.keys():
+            raise ConfigError("GradientAccumulationModifier: the config is not a trainer's")
+        cfg.grad_acc_steps = modifier.grad_acc_steps
         return cfg
 
 

@@ -1,4 +1,6 @@
-"""Generic pytree helpers: '/'-joined leaf paths and floating-point casts.
+"""Generic pytree helpers ('/'-joined leaf paths, floating-point casts) and the
+rematerialization policies that configs name (`utils.save_and_offload_only_these_names_regex`,
+`utils.combine_remat_policies`).
 
 A leaf's path is the keys, attribute names and sequence indices that lead to it, joined
 by '/' (`{'a': {'b': [x, y]}}` holds 'a/b/0' and 'a/b/1'): the names that checkpoints,
@@ -8,8 +10,9 @@ keys sorted), and None is an empty subtree, as in `jax.tree_util`.
 This module is the bottom of the library's layering: it imports no other axlearn module.
 """
 
+import re
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -75,3 +78,93 @@ def cast_floats(tree: Any, dtype: Optional[jnp.dtype]) -> Any:
         return x
 
     return jax.tree.map(cast, tree)
+
+
+# ----- rematerialization policies -----
+#
+# A remat policy is called as `policy(primitive, *args, **params)` for each primitive of a
+# `jax.checkpoint`ed function and says what becomes of its output in the backward pass:
+# saved (True or Saveable), recomputed (False or Recompute), or offloaded to another
+# memory (Offloadable(src, dst)). Checkpoint names (`checkpoint_name(x, 'q_proj')`)
+# reach the policy as the primitive 'name' with params {'name': ...}.
+
+
+def _remat_types():
+    """(Saveable, Recompute, Offloadable): jax's remat decisions, which it does not export."""
+    from jax._src.interpreters import partial_eval  # pylint: disable=import-outside-toplevel
+
+    return partial_eval.Saveable, partial_eval.Recompute, partial_eval.Offloadable
+
+
+def save_and_offload_only_these_names_regex(
+    *,
+    names_which_can_be_saved: Optional[str],
+    names_which_can_be_offloaded: Optional[str],
+    offload_src: str = "device",
+    offload_dst: str = "pinned_host",
+) -> Callable:
+    """A remat policy: save the checkpoint names that fully match one regex, offload those
+    matching the other from `offload_src` to `offload_dst` memory, recompute the rest.
+    A name matching both is saved."""
+    saved = re.compile(names_which_can_be_saved) if names_which_can_be_saved else None
+    offloaded = re.compile(names_which_can_be_offloaded) if names_which_can_be_offloaded else None
+
+    def policy(prim, *_, **params):
+        if getattr(prim, "name", None) != "name":
+            return False
+        name = params.get("name", "")
+        if saved is not None and saved.fullmatch(name):
+            return True
+        if offloaded is not None and offloaded.fullmatch(name):
+            return _remat_types()[2](src=offload_src, dst=offload_dst)
+        return False
+
+    return policy
+
+
+def _remat_type(decision: Any) -> Any:
+    """A policy's answer as Saveable, Recompute or Offloadable (policies may answer bools)."""
+    saveable, recompute, _ = _remat_types()
+    if isinstance(decision, bool):
+        return saveable if decision else recompute
+    return decision
+
+
+def combine_fn(p1: Any, p2: Any, *, prim: Any, args: tuple, kwargs: dict) -> Any:
+    """How `combine_remat_policies` joins two decisions by default: whichever does not
+    recompute wins; two different non-recompute decisions (save vs offload) are an error."""
+    del args, kwargs
+    _, recompute, _ = _remat_types()
+    if p1 is recompute:
+        return p2
+    if p2 is recompute or p1 == p2:
+        return p1
+    raise ValueError(
+        f"Remat policies disagree on primitive {prim}: {p1} vs {p2}; pass a combine_fn "
+        "that chooses"
+    )
+
+
+def combine_remat_policies(
+    policy_1: Union[Callable, Any],
+    policy_2: Union[Callable, Any],
+    *,
+    combine_fn: Callable = combine_fn,  # pylint: disable=redefined-outer-name
+) -> Callable:
+    """A remat policy that asks both policies (callables or configs of them) and joins
+    their decisions with `combine_fn(p1, p2, prim=, args=, kwargs=)`."""
+    policy_1, policy_2, combine = (
+        p.instantiate() if hasattr(p, "instantiate") else p
+        for p in (policy_1, policy_2, combine_fn)
+    )
+
+    def policy(prim, *args, **kwargs):
+        return combine(
+            _remat_type(policy_1(prim, *args, **kwargs)),
+            _remat_type(policy_2(prim, *args, **kwargs)),
+            prim=prim,
+            args=args,
+            kwargs=kwargs,
+        )
+
+    return policy

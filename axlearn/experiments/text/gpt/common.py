@@ -41,7 +41,7 @@ from axlearn.common.input_tf_data import (
     lm_text_processor,
     tfds_dataset,
 )
-from axlearn.common.layers import RMSNorm
+from axlearn.common.layers import RMSNorm, scaled_hidden_dim
 from axlearn.common.learner import Learner
 from axlearn.common.metrics import MetricAccumulator
 from axlearn.common.optimizers import (
@@ -110,6 +110,75 @@ def tfds_input(
     return build
 
 
+# The keys of a `mixture_train_input_source` component; 'info' is free text, not read.
+DATA_MIXTURE_COMPONENT_KEYS = ("name", "weight", "shuffle_buffer_size", "split", "info")
+
+
+def mixture_train_input_source(
+    *,
+    is_training: Optional[bool] = None,
+    vocab_cfg: Any,
+    preprocessor: ConfigBase,
+    data_mixture_components: Sequence[dict[str, Any]],
+    max_sequence_length: int,
+    replace_newlines_with: Optional[str] = None,
+    data_dir: Optional[str] = None,
+    seed: Optional[int] = None,
+) -> BuildDatasetFn:
+    """A training source of packed LM examples mixed from several TFDS text datasets.
+
+    Each component `{'name', 'weight', 'shuffle_buffer_size', 'split', 'info'}` is read
+    with `tfds_dataset` (its split, shuffled in its buffer, repeated) and preprocessed on
+    its own by `preprocessor` (e.g. `input_lm.lm_text_preprocessor`, given vocab_cfg,
+    max_sequence_length and replace_newlines_with here); examples are then drawn from
+    the components with probabilities proportional to their weights. `data_dir`: the
+    TFDS data directory (None: TFDS's default); `seed`: seeds shuffles and draws.
+    Without TensorFlow, train on token shards instead (the launcher's --data_dir).
+    """
+    if is_training is False:
+        raise ConfigError("mixture_train_input_source is a training source (is_training=True)")
+    for i, component in enumerate(data_mixture_components):
+        unknown = set(component) - set(DATA_MIXTURE_COMPONENT_KEYS)
+        missing = {"name", "weight", "split"} - set(component)
+        if unknown or missing:
+            raise ConfigError(
+                f"mixture_train_input_source.data_mixture_components[{i}]: unknown keys "
+                f"{sorted(unknown)}, missing keys {sorted(missing)}"
+            )
+    weights = [float(c["weight"]) for c in data_mixture_components]
+    if not weights or min(weights) < 0 or sum(weights) <= 0:
+        raise ConfigError(
+            f"mixture_train_input_source: weights {weights} must be >= 0 with a positive sum"
+        )
+    sources = [
+        tfds_dataset(
+            c["name"],
+            split=c["split"],
+            is_training=True,
+            train_shuffle_buffer_size=c.get("shuffle_buffer_size") or 0,
+            data_dir=data_dir,
+            seed=seed,
+        )
+        for c in data_mixture_components
+    ]
+    process = preprocessor.clone(
+        vocab_cfg=vocab_cfg,
+        max_sequence_length=max_sequence_length,
+        replace_newlines_with=replace_newlines_with,
+    ).instantiate()
+
+    def build():
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+        datasets = [process(source()) for source in sources]
+        if len(datasets) == 1:
+            return datasets[0]
+        probabilities = [w / sum(weights) for w in weights]
+        return tf.data.Dataset.sample_from_datasets(datasets, probabilities, seed=seed or 0)
+
+    return build
+
+
 # ----- mesh -----
 
 MESH_AXIS_NAMES = ("pipeline", "data", "expert", "fsdp", "seq", "model")
@@ -119,6 +188,16 @@ MODEL_BATCH_AXIS_NAMES = ("data", "expert", "fsdp")
 FSDP_AXIS_NAMES = ("expert", "fsdp", "seq")
 # Activations [batch, seq, dim-like]: batch over the data-parallel axes, seq, then model.
 ACTIVATION_PARTITION_SPEC = (MODEL_BATCH_AXIS_NAMES, "seq", "model")
+
+
+def scale_fn(
+    input_dim: Optional[int] = None, *, scale: float, round_up_to_multiples_of: int = 1
+) -> int:
+    """A feed-forward hidden_dim as AXLearn's configs give it: input_dim * scale rounded up
+    to a multiple of `round_up_to_multiples_of`. The layer fills in input_dim."""
+    if input_dim is None:
+        raise ConfigError("scale_fn: input_dim is set by the feed-forward layer; got None")
+    return scaled_hidden_dim(scale, round_up_to_multiples_of)(input_dim)
 
 
 def mesh_shape_from_axes(

@@ -1,0 +1,1 @@
+"""Key/value caches for incremental decoding (`kv_cache.KVCache`)."""
