@@ -247,3 +247,12 @@ def test_warm_start_takes_sizes_from_hf_and_sharding_from_the_recipe(tmp_path):
     # The recipe ties its head; the untied head is split like the table, transposed.
     table = recipe.decoder.emb.token_emb.param_partition_spec
     assert cfg.decoder.lm_head.param_partition_spec == tuple(reversed(tuple(table)))
+
+
+def test_export_refuses_a_directory_holding_weights(tmp_path):
+    cfg = hf_llama.llama_model_config(
+        vocab_size=VOCAB, dim=16, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=24
+    )
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ConfigError, match="model.safetensors.index.json"):
+        hf_llama.write_hf_model({}, cfg, str(tmp_path))

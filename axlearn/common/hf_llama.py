@@ -718,8 +718,8 @@ def load_params(reader: Any, cfg: Model.Config, param_specs: Any, shardings: Any
 class HfLlamaWeights(Configurable):
     """The initial parameters of a fresh run (`SpmdTrainer.Config.init_params`): the
     weights of a local Hugging Face Llama directory (config.json and safetensors, one file
-    or sharded), each device's shard of each parameter read on its own, so that no host
-    holds the whole model."""
+    or sharded; every process reads it), each device's shard of each parameter read on its
+    own, so that no host holds the whole model."""
 
     @config_class
     class Config(Configurable.Config):
@@ -824,6 +824,14 @@ def write_hf_model(
     if dtype not in _EXPORT_DTYPES:
         raise ConfigError(f"--dtype={dtype}: expected one of {_EXPORT_DTYPES}")
     config = hf_config_dict(cfg, dtype=dtype)  # Refuses non-Llama configs before any write.
+    if os.path.isdir(directory):
+        # Weights left by an earlier export would mix with these (a stale index wins).
+        old = sorted(f for f in os.listdir(directory) if "safetensors" in f)
+        if old:
+            raise ConfigError(
+                f"{directory} already holds weights ({', '.join(old)}): export into a new "
+                "directory"
+            )
     state_dict = params_to_hf(params, cfg, framework="np")
     if config["tie_word_embeddings"]:
         del state_dict["lm_head.weight"]  # Tied: transformers takes the token table.

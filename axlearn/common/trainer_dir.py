@@ -19,7 +19,6 @@ from axlearn.common import file_system
 from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import ConfigBase, ConfigError, parse_flat_text, qualified_name
-from axlearn.common.hf_checkpoint import tokenizer_files_in
 from axlearn.common.input_token_format import TokenShard, TokenShardError
 from axlearn.common.input_vocab import (
     BYTES_VOCAB_NAME,
@@ -37,6 +36,8 @@ BYTES_TOKENIZER = BYTES_VOCAB_NAME  # `recorded_tokenizer` for the byte vocabula
 _BYTE_INPUTS = ("axlearn.common.input_builtin.BuiltinTextInput",)
 # Config fields that name a vocabulary model file (token shards; seqio vocabularies).
 _VOCAB_FIELDS = ("vocab_name", "sentencepiece_model_name")
+# A Hugging Face directory's tokenizer: its tokenizer.json, else its SentencePiece model.
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 def read_trainer_config(trainer_dir: str) -> ConfigBase:
@@ -181,9 +182,8 @@ def recorded_tokenizer(cfg: ConfigBase) -> Optional[str]:
             return found
     init_params = cfg.init_params if "init_params" in cfg.keys() else None
     if init_params is not None and "path" in init_params.keys():
-        files = tokenizer_files_in(init_params.path)
-        for name in ("tokenizer.json", "tokenizer.model"):
-            found = [path for path in files if path.endswith(name)]
-            if found:
-                return found[0]
+        for name in _HF_TOKENIZER_FILES:
+            path = os.path.join(init_params.path, name)
+            if os.path.isfile(path):
+                return path
     return None
