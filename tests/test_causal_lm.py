@@ -398,3 +398,17 @@ def test_cross_entropy_gradient_matches_a_numpy_derivation():
     want_lse = np.log(np.exp(logits).sum(-1))
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
     np.testing.assert_allclose(ce, want_lse - np.take_along_axis(logits, np.maximum(labels, 0)[..., None], -1)[..., 0], rtol=1e-5)
+
+
+def test_without_a_pad_id_token_0_targets_count_and_segment_0_is_padding():
+    model_cfg = _model_config()
+    model_cfg.decoder.pad_token_id = None
+    model = model_cfg.instantiate(parent=None)
+    batch = _batch()
+    segments = np.ones((BATCH, SEQ), np.int32)
+    segments[2, -2:] = 0  # The end of a finite stream: padding.
+    batch["input_segment_ids"] = jnp.asarray(segments)
+    (_, aux), _ = _forward(model, _random_params(model), batch)
+    labels = np.asarray(batch["target_labels"])
+    expected = (labels >= 0) & (segments != 0)  # Row 0's zeros are tokens now.
+    np.testing.assert_array_equal(aux["live_targets"], expected.astype(np.float32))

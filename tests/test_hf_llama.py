@@ -1,12 +1,15 @@
 """hf_llama: our Llama-shaped model against transformers' LlamaForCausalLM (torch, CPU)."""
 
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from axlearn.common import hf_llama
-from axlearn.common.config import ConfigError
+from axlearn.common.config import ConfigError, set_recursively
 from axlearn.common.module import functional as F
 
 torch = pytest.importorskip("torch")
@@ -15,13 +18,13 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 61
 
 
-def _hf_model(*, tied=False, head_dim=None, seed=0):
+def _hf_model(*, tied=False, head_dim=None, seed=0, **config_kwargs):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim or 8,
         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=tied,
-        eos_token_id=2, pad_token_id=0,
+        eos_token_id=2, pad_token_id=0, **config_kwargs,
     )
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # HF starts norms at one; random scales test their conversion too.
@@ -142,3 +145,115 @@ def test_unsupported_hf_options_are_rejected():
                                       attention_bias=True)
     with pytest.raises(ConfigError, match="attention_bias"):
         hf_llama.llama_config_from_hf(config)
+
+
+# Head dim 8 at theta 5e5: wavelengths 6.3, 167, 4.4e3 and 1.2e5 positions. With a context
+# of 400, llama3 keeps the first (< 400/4), interpolates the second and divides the others.
+ROPE_SCALINGS = {
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=400),
+    "linear": dict(rope_type="linear", factor=4.0),
+}
+
+
+@pytest.mark.parametrize("rope_type", sorted(ROPE_SCALINGS))
+def test_rope_scaling_gives_hf_logits(rope_type):
+    hf = _hf_model(rope_scaling=dict(ROPE_SCALINGS[rope_type]))  # transformers edits it.
+    default_inv_freq = 500000.0 ** (-np.arange(0, 8, 2) / 8)
+    assert not np.allclose(hf.model.rotary_emb.inv_freq.numpy(), default_inv_freq)  # Scaled.
+    cfg = hf_llama.llama_config_from_hf(hf.config)
+    params = hf_llama.params_from_hf(hf.state_dict(), cfg)
+    ids = _ids(batch=1, seq=24, seed=4)
+    _assert_close(_our_logits(cfg, params, ids), _hf_logits(hf, ids))
+    assert hf_llama.hf_config_dict(cfg)["rope_scaling"] == ROPE_SCALINGS[rope_type]
+
+
+@pytest.mark.parametrize(
+    "path,value",
+    [
+        ("decoder.logits_soft_cap", 30.0),
+        ("decoder.transformer.layer.self_attention.attention.atten_logit_cap", 50.0),
+        ("decoder.transformer.layer.self_attention.attention.query_scale.scale_factor", 1.0),
+        ("decoder.transformer.layer.feed_forward.residual_weight", 0.5),
+        ("decoder.transformer.layer.self_attention.norm.eps", 1e-3),
+    ],
+)
+def test_export_refuses_each_field_a_llama_cannot_express_by_name(path, value):
+    cfg = hf_llama.llama_model_config(
+        vocab_size=VOCAB, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, hidden_dim=40
+    )
+    set_recursively(cfg, path, value)
+    with pytest.raises(ConfigError, match=re.escape(f"{path} is {value!r}")):
+        hf_llama.hf_config_dict(cfg)
+
+
+def test_settings_that_keep_the_function_export_and_qk_norm_is_refused():
+    from experiments import gpt  # pylint: disable=import-outside-toplevel
+
+    dims = hf_llama.llama_dims(gpt.named_trainer_configs()["gpt_1b"]().model)
+    assert (dims.num_layers, dims.dim, dims.tied) == (16, 2048, True)
+    with pytest.raises(ConfigError, match=re.escape("query_scale.norm is RMSNorm")):
+        hf_llama.llama_dims(gpt.named_trainer_configs()["gpt_test"]().model)
+
+
+def _config_json(**changes):
+    config = dict(
+        model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+        rope_theta=10000.0, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )
+    config.update(changes)
+    return config
+
+
+def test_unsupported_hf_fields_are_all_named():
+    config = _config_json(
+        hidden_act="gelu", mlp_bias=True, rope_scaling=dict(rope_type="yarn", factor=2.0)
+    )
+    with pytest.raises(ConfigError) as error:
+        hf_llama.llama_config_from_hf(config)
+    for name in ("hidden_act", "mlp_bias", "'yarn'"):
+        assert name in str(error.value)
+
+
+def test_a_list_of_eos_ids_and_no_pad_id_are_kept_both_ways():
+    cfg = hf_llama.llama_config_from_hf(_config_json(eos_token_id=[3, 4, 5], pad_token_id=None))
+    assert cfg.decoder.eos_token_id == [3, 4, 5] and cfg.decoder.pad_token_id is None
+    config = hf_llama.hf_config_dict(cfg)
+    assert config["eos_token_id"] == [3, 4, 5] and config["pad_token_id"] is None
+    assert hf_llama.generation_config_dict(cfg) == {"eos_token_id": [3, 4, 5]}
+    # generation_config.json's ids win over config.json's (Llama 3 Instruct lists end-of-turn).
+    cfg = hf_llama.llama_config_from_hf(
+        _config_json(eos_token_id=3), generation_config={"eos_token_id": [3, 7]}
+    )
+    assert cfg.decoder.eos_token_id == [3, 7]
+
+
+def test_warm_start_takes_sizes_from_hf_and_sharding_from_the_recipe(tmp_path):
+    from experiments import gpt  # pylint: disable=import-outside-toplevel
+
+    (tmp_path / "config.json").write_text(json.dumps(_config_json(pad_token_id=None)))
+    recipe = gpt.named_trainer_configs()["gpt_1b"]().model
+    cfg = hf_llama.warm_start_model_config(recipe, str(tmp_path))
+    assert hf_llama.llama_dims(cfg) == hf_llama.LlamaDims(
+        vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+        hidden_dim=48, tied=False, repeated=True,
+    )
+    layer, recipe_layer = cfg.decoder.transformer.layer, recipe.decoder.transformer.layer
+    assert layer.remat_spec == recipe_layer.remat_spec
+    assert layer.feed_forward.linear1.param_partition_spec == (
+        recipe_layer.feed_forward.linear1.param_partition_spec
+    )
+    assert cfg.z_loss_scale == recipe.z_loss_scale and cfg.decoder.pad_token_id is None
+    # The recipe ties its head; the untied head is split like the table, transposed.
+    table = recipe.decoder.emb.token_emb.param_partition_spec
+    assert cfg.decoder.lm_head.param_partition_spec == tuple(reversed(tuple(table)))
+
+
+def test_export_refuses_a_directory_holding_weights(tmp_path):
+    cfg = hf_llama.llama_model_config(
+        vocab_size=VOCAB, dim=16, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=24
+    )
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ConfigError, match="model.safetensors.index.json"):
+        hf_llama.write_hf_model({}, cfg, str(tmp_path))

@@ -343,6 +343,10 @@ class RoFormerSinusoidalPositionalEmbedding(BaseLayer):
 
         dim: Required[int] = REQUIRED  # The per-head dim; must be even.
         theta: float = 10000.0  # Base of the geometric sequence of wavelengths.
+        # A function config returning a map of the inverse frequencies [dim/2] to rescaled
+        # ones, for contexts longer than pretraining's (`linear_rope_scaling`,
+        # `llama3_rope_scaling`); None: unscaled.
+        frequency_scaling: Optional[InstantiableConfig] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
@@ -350,14 +354,60 @@ class RoFormerSinusoidalPositionalEmbedding(BaseLayer):
             raise ConfigError(
                 f"{self.path()}.dim: rotary embeddings need an even dim, got {cfg.dim}"
             )
+        self._scale_frequencies = (
+            None if cfg.frequency_scaling is None else cfg.frequency_scaling.instantiate()
+        )
 
     def forward(self, positions: Tensor) -> Tensor:
         """[..., T] int positions -> [..., T, dim]: sin in the first half, cos in the second."""
         cfg = self.config
         exponents = jnp.arange(0, cfg.dim, 2, dtype=jnp.float32) / cfg.dim
         inv_freq = 1.0 / (cfg.theta**exponents)
+        if self._scale_frequencies is not None:
+            inv_freq = self._scale_frequencies(inv_freq)
         angles = positions.astype(jnp.float32)[..., None] * inv_freq
         return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+def linear_rope_scaling(*, factor: float) -> Callable[[Tensor], Tensor]:
+    """Position interpolation: every inverse frequency divided by `factor`, so that
+    positions up to `factor` times the pretraining context fall within its angles
+    (Hugging Face rope_type 'linear')."""
+    if factor <= 0:
+        raise ConfigError(f"linear_rope_scaling: factor must be > 0, got {factor}")
+    return lambda inv_freq: inv_freq / factor
+
+
+def llama3_rope_scaling(
+    *,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> Callable[[Tensor], Tensor]:
+    """Llama 3.1's rescaling (Hugging Face rope_type 'llama3'), by wavelength 2*pi/freq:
+    shorter than context/high_freq_factor: kept; longer than context/low_freq_factor:
+    divided by `factor`; in between: interpolated linearly in context/wavelength between
+    the two. `context` is original_max_position_embeddings."""
+    if not (factor > 0 and 0 < low_freq_factor < high_freq_factor):
+        raise ConfigError(
+            "llama3_rope_scaling: need factor > 0 and 0 < low_freq_factor < high_freq_factor, "
+            f"got {factor}, {low_freq_factor}, {high_freq_factor}"
+        )
+    context = float(original_max_position_embeddings)
+
+    def scale(inv_freq: Tensor) -> Tensor:
+        wavelength = 2 * math.pi / inv_freq
+        # 0 at wavelength context/low_freq_factor, 1 at context/high_freq_factor.
+        smooth = (context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = jnp.where(wavelength > context / low_freq_factor, inv_freq / factor, inv_freq)
+        medium = (wavelength >= context / high_freq_factor) & (
+            wavelength <= context / low_freq_factor
+        )
+        return jnp.where(medium, interpolated, scaled)
+
+    return scale
 
 
 def _rotate(x: Tensor, sin: Tensor, cos: Tensor) -> Tensor:

@@ -1,7 +1,8 @@
 """A causal language model: a `Decoder` plus the next-token loss and its summaries.
 
 `Model.forward(input_batch)` returns `(loss, aux)`. The loss is the mean cross-entropy
-over live targets (label >= 0 and != pad_token_id), computed in float32, plus
+over live targets (label >= 0 and != pad_token_id; without a pad id, in a document:
+input_segment_ids != 0), computed in float32, plus
 `z_loss_scale * mean(logsumexp(logits)^2)`, which keeps the softmax normalizer near one.
 With `loss_chunk_size` set, logits and per-token losses are computed a chunk of the
 sequence at a time under `jax.checkpoint`, so the [batch, seq, vocab] float32 logits never
@@ -377,7 +378,13 @@ class Model(BaseLayer):
             stats = self._chunked_token_statistics(hidden_states, labels)
 
         pad_token_id = cfg.decoder.pad_token_id
-        live = ((labels >= 0) & (labels != pad_token_id)).astype(jnp.float32)
+        live = labels >= 0
+        if pad_token_id is not None:
+            live &= labels != pad_token_id
+        elif input_batch.get("input_segment_ids") is not None:
+            # Without a pad id, padding is where the inputs mark no document (segment 0).
+            live &= self._shard_tokens(input_batch["input_segment_ids"]) != 0
+        live = live.astype(jnp.float32)
         predict_outputs = dict(token_statistics=stats, live_targets=live)
         if "logits" in aux:
             predict_outputs["logits"] = aux["logits"]

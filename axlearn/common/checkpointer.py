@@ -485,11 +485,12 @@ class TensorStoreStateStorage(Configurable):
     # --- restore ---
 
     def verify_and_read(
-        self, step_dir: str, index: dict[str, Any], template: Any
+        self, step_dir: str, index: dict[str, Any], template: Any, *, subset: bool = False
     ) -> Callable[[], Any]:
         """Checks the template against the index and the files this process needs.
 
         Returns `read`, a call that loads the arrays into the template's shardings.
+        `subset`: the template may leave out leaves of the checkpoint, which are not read.
         Raises ValueError for a template that does not match (the caller's mistake) and
         CheckpointCorruptError for files that disagree with the index.
         """
@@ -497,7 +498,7 @@ class TensorStoreStateStorage(Configurable):
         entries = flatten_with_paths(template)
         arrays = index["arrays"]
         missing = [p for p, _ in entries if p not in arrays]
-        unexpected = sorted(set(arrays) - {p for p, _ in entries})
+        unexpected = [] if subset else sorted(set(arrays) - {p for p, _ in entries})
         if missing or unexpected:
             raise ValueError(
                 f"The state template does not match checkpoint {index_path}: "
@@ -925,9 +926,13 @@ class Checkpointer(Module):
 
     # --- restore ---
 
-    def restore(self, *, step: Optional[int] = None, state: Any) -> tuple[Optional[int], Any, Any]:
+    def restore(
+        self, *, step: Optional[int] = None, state: Any, subset: bool = False
+    ) -> tuple[Optional[int], Any, Any]:
         """Restores into the template `state` (leaves: jax.Array or jax.ShapeDtypeStruct
-        carrying the target sharding, or numpy values).
+        carrying the target sharding, or numpy values). `subset`: `state` may hold only
+        some of the saved leaves (e.g. {'model': ...} for the model parameters alone); the
+        others are neither checked nor read.
 
         Returns (step, restored_state, extra), or (None, state, None) when nothing is
         committed. With step=None, a checkpoint failing its checks is skipped with a
@@ -951,7 +956,7 @@ class Checkpointer(Module):
             error: Optional[CheckpointCorruptError] = None
             try:
                 index = self._load_index(step_dir)
-                read = self._storage.verify_and_read(step_dir, index, state)
+                read = self._storage.verify_and_read(step_dir, index, state, subset=subset)
             except CheckpointCorruptError as e:
                 error = e
             # A template mismatch (ValueError) is the same on every process: it propagates.

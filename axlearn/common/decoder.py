@@ -8,12 +8,13 @@ transformer's KV cache and `extend_step` appends tokens to it.
 `DecodingLayer` holds the generation loop: prefill the prompt into the cache in one
 `extend_step`, then choose one token per step (argmax, or a sample from the
 temperature / top-k / top-p filtered distribution) inside `jax.lax.while_loop`, until
-every sequence has produced `eos_token_id` or reached `max_len`. Positions after a
-sequence's end hold `pad_token_id`.
+every sequence has produced one of the `eos_token_id`s or reached `max_len`. Positions
+after a sequence's end hold `pad_token_id` (the first eos id where there is no pad id).
 """
 
-from collections.abc import Callable
-from typing import Any, Optional
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,27 @@ from axlearn.common.sharding import MeshAxes, maybe_shard
 StepFn = Callable[[Any, Tensor, Tensor], tuple[Any, Tensor]]
 # choose(logits [B, vocab] float32, prng_key) -> token ids [B] int32.
 ChooseFn = Callable[[Tensor, Tensor], Tensor]
+# One token id or several (e.g. end-of-text and end-of-turn).
+TokenIds = Union[int, Sequence[int]]
+
+
+def token_id_list(ids: TokenIds) -> list[int]:
+    """`ids` as a non-empty list of ints."""
+    ids = [int(ids)] if isinstance(ids, numbers.Integral) else [int(i) for i in ids]
+    if not ids:
+        raise ValueError("Expected at least one token id, got none")
+    return ids
+
+
+def prompt_lengths_of(prompt_ids: Tensor, pad_token_id: Optional[int]) -> Tensor:
+    """The lengths [B] of right-padded prompts [B, P]: up to the last token that is not
+    `pad_token_id` (so pad ids inside a prompt count); P for every row when there is no
+    pad id. A prompt that ends in the pad id itself needs explicit lengths."""
+    batch_size, prompt_len = prompt_ids.shape
+    if pad_token_id is None:
+        return jnp.full([batch_size], prompt_len, jnp.int32)
+    ends = jnp.arange(1, prompt_len + 1, dtype=jnp.int32)[None, :]
+    return jnp.max(jnp.where(prompt_ids != pad_token_id, ends, 0), axis=-1)
 
 
 def filter_logits(
@@ -113,14 +135,16 @@ class DecodingLayer(Module):
         max_len: int,
         choose_fn: ChooseFn,
         prng_key: Optional[Tensor],
-        eos_token_id: int,
+        eos_token_id: TokenIds,
         pad_token_id: int,
     ) -> dict[str, Tensor]:
         """Extends right-padded `prompt_ids` [B, P] (of `prompt_lengths` [B]) to `max_len`.
 
-        Returns dict(sequences=[B, max_len] int32: prompt then generated tokens, the EOS
-        included, then padding; lengths=[B] int32: tokens before the padding).
+        A row ends at any id of `eos_token_id` (one id or several). Returns
+        dict(sequences=[B, max_len] int32: prompt then generated tokens, the EOS included,
+        then `pad_token_id`; lengths=[B] int32: tokens before the padding).
         """
+        eos_ids = jnp.asarray(token_id_list(eos_token_id), jnp.int32)
         batch_size, prompt_len = prompt_ids.shape
         if prompt_len > max_len:
             raise ValueError(f"The prompt ({prompt_len} tokens) is longer than max_len={max_len}")
@@ -161,7 +185,8 @@ class DecodingLayer(Module):
                 sequences=sequences,
                 logits=logits[:, 0].astype(jnp.float32),
                 time_step=new_time_step,
-                done=done | (token == eos_token_id) | (new_time_step >= max_len),
+                done=done | jnp.any(token[:, None] == eos_ids, axis=-1)
+                | (new_time_step >= max_len),
                 prng_key=prng_key,
             )
 
@@ -274,8 +299,12 @@ class Decoder(BaseLayer):
         lm_head: Optional[InstantiableConfig] = None
         # If set, logits = c * tanh(logits / c) with c = logits_soft_cap.
         logits_soft_cap: Optional[float] = None
-        pad_token_id: int = 0
-        eos_token_id: int = 1
+        # Targets equal to it are not trained on, and it fills sequences after their end.
+        # None: the vocabulary has no pad id (Llama 3): every target >= 0 counts, prompts
+        # are taken whole unless given lengths, and the first eos id fills.
+        pad_token_id: Optional[int] = 0
+        # Generation stops at this id, or at any of a list of ids.
+        eos_token_id: TokenIds = 1
         logits_partition_spec: Optional[MeshAxes] = None  # Sharding of [batch, seq, vocab].
         decoding: InstantiableConfig = DecodingLayer.default_config()
 
@@ -411,7 +440,7 @@ class Decoder(BaseLayer):
     ) -> dict[str, Tensor]:
         cfg = self.config
         if prompt_lengths is None:
-            prompt_lengths = jnp.sum(prompt_ids != cfg.pad_token_id, axis=-1)
+            prompt_lengths = prompt_lengths_of(prompt_ids, cfg.pad_token_id)
         cache = self.init_states(batch_size=prompt_ids.shape[0], max_len=max_len)
         return self.decoding.decode(
             step_fn=self._detached_step_fn(),
@@ -422,16 +451,24 @@ class Decoder(BaseLayer):
             choose_fn=choose_fn,
             prng_key=prng_key,
             eos_token_id=cfg.eos_token_id,
-            pad_token_id=cfg.pad_token_id,
+            pad_token_id=self.fill_token_id,
         )
+
+    @property
+    def fill_token_id(self) -> int:
+        """The id after a sequence's end: pad_token_id, or the first eos id without one."""
+        cfg = self.config
+        if cfg.pad_token_id is not None:
+            return cfg.pad_token_id
+        return token_id_list(cfg.eos_token_id)[0]
 
     def greedy_decode(
         self, prompt_ids: Tensor, *, max_len: int, prompt_lengths: Optional[Tensor] = None
     ) -> dict[str, Tensor]:
         """Extends each prompt with its most likely next tokens.
 
-        prompt_ids [B, P] are right-padded with pad_token_id; `prompt_lengths` [B] (each at
-        least 1) defaults to the count of non-pad tokens. Generation stops per row at
+        prompt_ids [B, P] are right-padded; `prompt_lengths` [B] (each at least 1) default
+        to `prompt_lengths_of(prompt_ids, pad_token_id)`. Generation stops per row at any
         eos_token_id or max_len. Returns dict(sequences=[B, max_len], lengths=[B]).
         """
         return self._decode(
@@ -461,7 +498,7 @@ class Decoder(BaseLayer):
         cfg = self.config
         batch_size = prompt_ids.shape[0]
         if prompt_lengths is None:
-            prompt_lengths = jnp.sum(prompt_ids != cfg.pad_token_id, axis=-1)
+            prompt_lengths = prompt_lengths_of(prompt_ids, cfg.pad_token_id)
         outputs = self._decode(
             jnp.repeat(prompt_ids, num_decodes, axis=0),
             max_len=max_len,

@@ -281,6 +281,11 @@ class SpmdEvaler(Module):
         """Evaluates at `step` if the policy says so; returns the flat summaries or None."""
         if not self.due(step):
             return None
+        return self.evaluate(step, prng_key=prng_key, model_params=model_params)
+
+    def evaluate(self, step: int, *, prng_key: Tensor, model_params: Any) -> dict[str, Any]:
+        """One pass over the input at `step`, whatever the policy; returns the flat
+        summaries (also written to the summary writer)."""
         start = time.time()
         params = self._cast_params(model_params)
         calculator = self.metric_calculator

@@ -1,6 +1,7 @@
 """From a config name to a run: looks up a named trainer config, picks its mesh rule for
-the devices at hand, applies `--data_dir` and the overrides, records the resolved config
-in the trainer directory, and trains.
+the devices at hand, applies `--init_from_hf` (a Hugging Face model and its weights),
+`--data_dir` and the overrides, records the resolved config in the trainer directory, and
+trains (or, with `--eval_only`, evaluates once).
 
 Experiment modules live in the top-level `experiments` package; each exposes
 `named_trainer_configs() -> {name: () -> SpmdTrainer.Config}`, and may describe its configs
@@ -13,8 +14,10 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import json
 import logging
 import math
+import os
 import pkgutil
 import re
 from collections.abc import Callable, Sequence
@@ -99,6 +102,22 @@ FLAGS_TABLE = (
         False,
         "Resume in a --trainer_dir whose recorded config differs in more than max_step and "
         "the log, summary, eval and checkpoint cadences.",
+    ),
+    (
+        flags.DEFINE_string,
+        "init_from_hf",
+        None,
+        "A local Hugging Face Llama directory (config.json, safetensors): the model is built "
+        "from its config and starts from its weights, loaded onto the mesh shard by shard; "
+        "optimizer, schedule, mesh and data stay the named config's. Read at step 0 of a "
+        "fresh run only: a run with checkpoints resumes from them.",
+    ),
+    (
+        flags.DEFINE_bool,
+        "eval_only",
+        False,
+        "Run every evaler once on the latest checkpoint (a fresh run: the initial or "
+        "--init_from_hf weights), print their metrics and exit without training.",
     ),
 )
 
@@ -734,6 +753,25 @@ def check_input_packages(cfg: ConfigBase, config_name: str) -> None:
 # ----- the recipe -----
 
 
+def use_hf_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
+    """Replaces the model with the Hugging Face Llama in directory `path` (its config.json,
+    keeping the named model's sharding, remat, dtype and dropout settings) and makes the
+    trainer start from its weights (`init_params`)."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import hf_llama
+
+    path = os.path.abspath(path)
+    cfg.model = hf_llama.warm_start_model_config(cfg.model, path)
+    cfg.init_params = hf_llama.HfLlamaWeights.default_config().set(path=path)
+    decoder = cfg.model.decoder
+    log.info(
+        "--init_from_hf=%s: a Llama of %d layers, dim %d, vocab %d; weights read at step 0 "
+        "of a fresh run",
+        path, decoder.transformer.num_layers, decoder.dim, decoder.vocab_size,
+    )
+    return cfg
+
+
 def build_trainer_config(
     *,
     config_name: str,
@@ -742,9 +780,11 @@ def build_trainer_config(
     data_dir: Optional[str] = None,
     config_overrides: Sequence[str] = (),
     trainer_dir: Optional[str] = None,
+    init_from_hf: Optional[str] = None,
 ) -> ConfigBase:
-    """The whole launch-time recipe: name -> mesh rule -> data dir -> overrides (max_step
-    carrying the fields that held the step count with it, `follow_max_step`)."""
+    """The whole launch-time recipe: name -> mesh rule -> Hugging Face model and weights
+    (before the data, which checks the model's vocabulary) -> data dir -> overrides
+    (max_step carrying the fields that held the step count with it, `follow_max_step`)."""
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.trainer_config_modifier import apply_mesh_rule
 
@@ -757,6 +797,8 @@ def build_trainer_config(
             mesh_selector, config_name, pattern, what,
         )
         cfg = apply_mesh_rule(cfg, rule)
+    if init_from_hf:
+        cfg = use_hf_checkpoint(cfg, init_from_hf)
     layouts = None
     if data_dir == FAKE_DATA_DIR:
         cfg = use_fake_data(cfg)
@@ -877,6 +919,7 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         data_dir=flag_values.data_dir,
         config_overrides=flag_values.config_override,
         trainer_dir=flag_values.trainer_dir,
+        init_from_hf=flag_values.init_from_hf,
     )
     if flag_values.print_config:
         print(cfg.debug_string())
@@ -889,6 +932,8 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
 
     from axlearn.common import run_lock  # pylint: disable=import-outside-toplevel
 
+    if flag_values.eval_only:
+        return evaluate_only(cfg, flag_values.trainer_dir)
     # Locked before the config is recorded: a second run on the directory fails before it
     # writes anything there. The trainer holds the lock again while it trains (re-entrant).
     with run_lock.hold_on_process_0(flag_values.trainer_dir):
@@ -902,3 +947,28 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         # Raises preemption.Preempted on SIGTERM or SIGINT, once the step it reached is
         # saved; launch_trainer_main turns that into preemption.PREEMPTED_EXIT_CODE.
         return trainer.run()
+
+
+# The metrics --eval_only prints (the evalers' summary writers record all of them).
+EVAL_ONLY_METRICS = ("loss", "perplexity", "bits_per_byte", "accuracy")
+
+
+def evaluate_only(cfg: ConfigBase, trainer_dir: str) -> dict[str, Any]:
+    """--eval_only: every evaler once on the run's latest checkpoint (a fresh run: its
+    initial weights); prints one JSON line of metrics per evaler (loss, perplexity, bits
+    per byte where the input counts bytes, accuracy) and returns them all. Records no config: the
+    evaluation is no start of the run."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    from axlearn.common import run_lock  # pylint: disable=import-outside-toplevel
+
+    if not cfg.evalers:
+        raise ConfigError("--eval_only: the config has no evalers")
+    with run_lock.hold_on_process_0(trainer_dir):
+        trainer = cfg.instantiate(parent=None)
+        results = trainer.evaluate()
+    if jax.process_index() == 0:
+        for name, metrics in results.items():
+            headline = {k: v for k, v in metrics.items() if k in EVAL_ONLY_METRICS}
+            print(json.dumps({"evaler": name, "step": trainer.step, **headline}, sort_keys=True))
+    return results

@@ -28,7 +28,13 @@ from axlearn.common.base_layer import (
     is_parameter_spec,
 )
 from axlearn.common.checkpointer import Checkpointer
-from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
+from axlearn.common.config import (
+    REQUIRED,
+    ConfigError,
+    InstantiableConfig,
+    Required,
+    config_class,
+)
 from axlearn.common.evaler import SpmdEvaler
 from axlearn.common.input_prefetch import prefetch_in_thread
 from axlearn.common.learner import Learner
@@ -222,6 +228,11 @@ class SpmdTrainer(Module):
         # and its loss at level 2 (which waits for the step); a level-n message is logged
         # where n <= vlog. None: no per-step log.
         vlog: Optional[int] = None
+        # Where the model's weights come from at step 0 of a fresh run instead of
+        # model.param_init: a config whose instance has `load(model_config=, param_specs=,
+        # shardings=)` returning the parameters (hf_llama.HfLlamaWeights: a Hugging Face
+        # checkpoint). A run with checkpoints resumes from them. None: param_init.
+        init_params: Optional[InstantiableConfig] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module] = None, devices=None):
         super().__init__(cfg, parent=parent)
@@ -480,9 +491,12 @@ class SpmdTrainer(Module):
             is_leaf=is_parameter_spec,
         )
 
-    def _init_fn(self, prng_key: jax.Array) -> TrainerState:
+    def _init_fn(self, prng_key: jax.Array, params: Any = None) -> TrainerState:
+        """The initial state: `params` (None: drawn by the model's param_init), a fresh
+        learner state for them and the training PRNG key."""
         init_key, train_key = jax.random.split(prng_key)
-        params = self.model.initialize_parameters_recursively(init_key)
+        if params is None:
+            params = self.model.initialize_parameters_recursively(init_key)
         learner_state = self.learner.init(params, param_specs=self._model_param_specs)
         model, copies, low_bits = self._carried_model(params)
         return TrainerState(
@@ -497,6 +511,24 @@ class SpmdTrainer(Module):
         """Initializes model and learner state directly in their shardings."""
         with jax.set_mesh(self._mesh):
             return jax.jit(self._init_fn, out_shardings=self._state_shardings())(prng_key)
+
+    def init_state_from(self, prng_key: jax.Array, params: Any) -> TrainerState:
+        """The initial state with the given model parameters (in their shardings, which
+        the state takes over) instead of drawn ones."""
+        with jax.set_mesh(self._mesh):
+            return jax.jit(
+                self._init_fn, out_shardings=self._state_shardings(), donate_argnums=(1,)
+            )(prng_key, params)
+
+    def _loaded_params(self) -> Any:
+        """The parameters `init_params` loads, placed in the parameters' shardings."""
+        cfg = self._config
+        source = cfg.init_params.instantiate()
+        return source.load(
+            model_config=cfg.model,
+            param_specs=self._model_param_specs,
+            shardings=self._param_shardings(self._model_param_specs),
+        )
 
     def _checkpointed(self, state: TrainerState) -> TrainerState:
         """`state` as checkpoints hold it: float32 parameters, no copies."""
@@ -556,8 +588,17 @@ class SpmdTrainer(Module):
                     self.input.set_state(extra["input_iterator"])
                 self._skipped_steps = self._optimizer_skip_count()
                 log.info("Restored step %d from %s", step, self.checkpointer.config.dir)
+                if cfg.init_params is not None:
+                    log.info(
+                        "init_params is not read: it initializes fresh runs only, and this "
+                        "run resumes from its checkpoints"
+                    )
                 return
-        self._state = self.init_state(jax.random.PRNGKey(seed))
+        if cfg.init_params is not None:
+            self._state = self.init_state_from(jax.random.PRNGKey(seed), self._loaded_params())
+            log.info("Initialized the model parameters with %s", cfg.init_params.klass.__name__)
+        else:
+            self._state = self.init_state(jax.random.PRNGKey(seed))
         self._step = 0
 
     def _optimizer_skip_count(self) -> int:
@@ -701,6 +742,24 @@ class SpmdTrainer(Module):
             )
         with jax.set_mesh(self._mesh):
             return self._jit_parameter_norm(self._state)
+
+    # ----- evaluation alone -----
+
+    def evaluate(self) -> dict[str, dict[str, Any]]:
+        """Evaluates without training: restores the latest checkpoint (a fresh run:
+        initializes, from `init_params` if set), runs every evaler once at that step,
+        whatever its eval_policy, and returns {evaler name: its metrics}."""
+        self._restore_or_init()
+        model_params = self.model_params()
+        results = {}
+        for name, evaler in self._evalers.items():
+            with jax.set_mesh(self._mesh):
+                results[name] = evaler.evaluate(
+                    self._step, prng_key=jax.random.PRNGKey(self._step), model_params=model_params
+                )
+            headline = {k: v for k, v in results[name].items() if k in perf.EVAL_HEADLINE_METRICS}
+            log.info("eval %s step %d: %s", name, self._step, perf.format_metrics(headline))
+        return results
 
     # ----- the loop -----
 

@@ -1,0 +1,189 @@
+"""What a trainer directory holds, read outside the trainer: the run's config, its model
+parameters at a step, and the tokenizer its data was made with.
+
+    cfg = read_trainer_config(trainer_dir)                   # <trainer_dir>/config.txt
+    step, params = restore_model_params(trainer_dir, step=None)  # the latest checkpoint
+    tokenizer = recorded_tokenizer(cfg)                      # a model file, 'bytes' or None
+
+Only the model parameters are read from the checkpoint (not the optimizer state), into
+the shapes and dtypes of the recorded model's parameter specs.
+"""
+
+import logging
+import os
+from typing import Any, Optional
+
+import jax
+
+from axlearn.common import file_system
+from axlearn.common.base_layer import is_parameter_spec
+from axlearn.common.checkpointer import Checkpointer
+from axlearn.common.config import ConfigBase, ConfigError, parse_flat_text, qualified_name
+from axlearn.common.input_token_format import TokenShard, TokenShardError
+from axlearn.common.input_vocab import (
+    BYTES_VOCAB_NAME,
+    VocabularyError,
+    file_sha256,
+    resolve_vocab_file,
+)
+
+log = logging.getLogger(__name__)
+
+CONFIG_RECORD = "config.txt"  # As launch_trainer writes it.
+CHECKPOINTS = "checkpoints"  # The trainer's checkpoint directory under its dir.
+BYTES_TOKENIZER = BYTES_VOCAB_NAME  # `recorded_tokenizer` for the byte vocabulary.
+# Inputs that read the built-in corpus, tokenized as bytes.
+_BYTE_INPUTS = ("axlearn.common.input_builtin.BuiltinTextInput",)
+# Config fields that name a vocabulary model file (token shards; seqio vocabularies).
+_VOCAB_FIELDS = ("vocab_name", "sentencepiece_model_name")
+# A Hugging Face directory's tokenizer: its tokenizer.json, else its SentencePiece model.
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def read_trainer_config(trainer_dir: str) -> ConfigBase:
+    """The trainer config the run recorded (<trainer_dir>/config.txt), built again."""
+    path = file_system.join(trainer_dir, CONFIG_RECORD)
+    if not file_system.isfile(path):
+        raise ConfigError(
+            f"{path}: no such file; is {trainer_dir} the --trainer_dir of a run started by "
+            "launch_trainer_main?"
+        )
+    return parse_flat_text(file_system.read_text(path), source=path)
+
+
+def restore_model_params(
+    trainer_dir: str,
+    *,
+    step: Optional[int] = None,
+    model_config: Optional[ConfigBase] = None,
+    sharding: Optional[jax.sharding.Sharding] = None,
+) -> tuple[int, Any]:
+    """(step, model parameters) of checkpoint `step` in `trainer_dir` (None: the latest
+    committed one), without the optimizer state.
+
+    `model_config` defaults to the recorded config's model. Every parameter is placed
+    whole by `sharding`, by default on JAX's CPU device (host memory).
+    """
+    if model_config is None:
+        model_config = read_trainer_config(trainer_dir).model
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    specs = model_config.clone(name="model").instantiate(parent=None)
+    specs = specs.create_parameter_specs_recursively()
+    template = jax.tree.map(
+        lambda spec: jax.ShapeDtypeStruct(tuple(spec.shape), spec.dtype, sharding=sharding),
+        specs,
+        is_leaf=is_parameter_spec,
+    )
+    directory = file_system.join(trainer_dir, CHECKPOINTS)
+    checkpointer = Checkpointer.default_config().set(name="checkpointer", dir=directory)
+    checkpointer = checkpointer.instantiate(parent=None)
+    try:
+        if step is None and checkpointer.latest_committed_step() is None:
+            raise ConfigError(f"{directory}: no committed checkpoint")
+        restored_step, restored, _ = checkpointer.restore(
+            step=step, state={"model": template}, subset=True
+        )
+    finally:
+        checkpointer.stop()
+    log.info("Restored the model parameters of step %d from %s", restored_step, directory)
+    return restored_step, restored["model"]
+
+
+# ----- the tokenizer recorded with the data -----
+
+
+def _input_configs(cfg: ConfigBase) -> list[ConfigBase]:
+    return [cfg.input, *(evaler.input for evaler in cfg.evalers.values())]
+
+
+def _named_vocab_files(cfg: ConfigBase) -> tuple[list[str], list[str], bool]:
+    """(vocabulary names in the inputs' configs, token shard path patterns, whether an
+    input reads bytes)."""
+    names, patterns, is_bytes = [], [], []
+
+    def visit(path: str, value: Any) -> None:
+        field = path.rsplit(".", 1)[-1]
+        if field in _VOCAB_FIELDS and isinstance(value, str):
+            names.append(value)
+        elif field.startswith("paths[") and isinstance(value, str):
+            patterns.append(value)
+        elif field == "klass" and qualified_name(value) in _BYTE_INPUTS:
+            is_bytes.append(True)
+
+    for input_cfg in _input_configs(cfg):
+        if isinstance(input_cfg, ConfigBase):
+            input_cfg.visit(visit)
+    return names, patterns, bool(is_bytes)
+
+
+def _first_local_shard(patterns: list[str]) -> Optional[str]:
+    for pattern in patterns:
+        if not file_system.is_local(pattern):
+            continue
+        matches = sorted(file_system.glob(file_system.local_path(pattern)))
+        if matches:
+            return matches[0]
+    return None
+
+
+def _shard_vocab_file(shard_path: str) -> Optional[str]:
+    """The model file of the vocabulary a shard's manifest records: 'bytes', or the file
+    of that name (in the vocabulary directory, beside the shard, or one level up) whose
+    SHA-256 is the recorded one; None where none is found."""
+    try:
+        record = TokenShard(shard_path, verify_checksum=False).vocabulary
+    except TokenShardError as e:
+        log.warning("Cannot read the vocabulary of %s: %s", shard_path, e)
+        return None
+    if record.kind == "bytes" or record.name == BYTES_VOCAB_NAME:
+        return BYTES_TOKENIZER
+    shard_dir = os.path.dirname(os.path.abspath(shard_path))
+    candidates = [os.path.join(shard_dir, record.name),
+                  os.path.join(os.path.dirname(shard_dir), record.name)]
+    try:
+        candidates.insert(0, resolve_vocab_file(record.name))
+    except VocabularyError:
+        pass
+    for candidate in candidates:
+        if os.path.isfile(candidate) and (
+            not record.sha256 or file_sha256(candidate) == record.sha256
+        ):
+            return candidate
+    log.warning(
+        "%s was tokenized with %s, whose file is not in the vocabulary directory nor beside "
+        "the shards", shard_path, record.describe(),
+    )
+    return None
+
+
+def recorded_tokenizer(cfg: ConfigBase) -> Optional[str]:
+    """The tokenizer a run's data was made with: the path of a SentencePiece model or a
+    Hugging Face tokenizer.json, BYTES_TOKENIZER for the byte vocabulary, or None.
+
+    Looked up, in order: a vocabulary its input configs name; the vocabulary the manifest
+    of its first local token shard records; the tokenizer of the Hugging Face checkpoint
+    it started from (`init_params.path`).
+    """
+    names, patterns, is_bytes = _named_vocab_files(cfg)
+    for name in names:
+        if name == BYTES_VOCAB_NAME:
+            return BYTES_TOKENIZER
+        try:
+            return resolve_vocab_file(name)
+        except VocabularyError as e:
+            log.warning("%s", e)
+    if is_bytes:
+        return BYTES_TOKENIZER
+    shard = _first_local_shard(patterns)
+    if shard is not None:
+        found = _shard_vocab_file(shard)
+        if found is not None:
+            return found
+    init_params = cfg.init_params if "init_params" in cfg.keys() else None
+    if init_params is not None and "path" in init_params.keys():
+        for name in _HF_TOKENIZER_FILES:
+            path = os.path.join(init_params.path, name)
+            if os.path.isfile(path):
+                return path
+    return None
