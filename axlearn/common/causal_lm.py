@@ -187,7 +187,8 @@ class AuxLossMetrics(BaseLossMetrics):
     class Config(BaseLossMetrics.Config):
         """Configures AuxLossMetrics."""
 
-        aux_loss_regex: Required[str] = REQUIRED  # E.g. '.*/aux_loss'.
+        # E.g. '.*/aux_loss'. None (as AXLearn's dense configs leave it): no auxiliary loss.
+        aux_loss_regex: Optional[str] = None
 
     def forward(
         self,
@@ -199,6 +200,9 @@ class AuxLossMetrics(BaseLossMetrics):
         """Returns (the mean auxiliary loss, dict(aux_loss=the same, a scalar))."""
         del input_batch
         regex = self.config.aux_loss_regex
+        if regex is None:
+            zero = jnp.zeros((), jnp.float32)
+            return WeightedScalar(zero, jnp.sum(predict_outputs["live_targets"])), dict(aux_loss=zero)
         outputs = flatten_with_paths(module_outputs)
         found = [value for path, value in outputs if re.fullmatch(regex, path)]
         if not found:

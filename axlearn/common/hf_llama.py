@@ -349,6 +349,7 @@ _NEUTRAL_FIELDS = frozenset(
         "attention_implementation",
         "dropout_rate",
         "z_loss_scale",
+        "metrics",  # The loss the model trains on, not the logits it computes.
         "loss_chunk_size",
         "attend_across_documents",
         "add_dead_neuron_summary",

@@ -36,11 +36,8 @@ from axlearn.common.causal_lm import Model, metrics_config
 from axlearn.common.config import ConfigError
 from axlearn.common.hf_llama import (
     LlamaDims,
-    _layer_from_hf,
+    _hf_dict,
     _layer_to_hf,
-    _map_leaves,
-    _stack_layers,
-    _to_numpy,
     _unstack_layer,
     llama_config_from_hf,
     llama_dims,
@@ -107,7 +104,8 @@ def mixtral_config_from_hf(hf_config: Any) -> Model.Config:
                 f"MixtralConfig.{field}={value!r} is not supported (need {expected!r})"
             )
     return _with_experts(
-        llama_config_from_hf(hf_config),
+        # The attention and dense parts read as a Llama's; the experts are added below.
+        llama_config_from_hf(dict(_hf_dict(hf_config), model_type="llama")),
         num_experts=hf_config.num_local_experts,
         num_experts_per_token=hf_config.num_experts_per_tok,
         router_aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.001)),
@@ -327,3 +325,55 @@ def params_to_hf(
     import torch  # pylint: disable=import-outside-toplevel
 
     return {name: torch.from_numpy(value) for name, value in sd.items()}
+
+
+# ----- dense Llama layers in and out of a state dict (the non-expert parts) -----
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    """A float32 numpy copy of a torch tensor, jax array or numpy array."""
+    if hasattr(value, "detach"):  # torch.Tensor (bfloat16 has no numpy dtype: go via float).
+        value = value.detach().to("cpu").float().numpy()
+    return np.asarray(value, dtype=np.float32)
+
+
+def _layer_from_hf(sd: dict[str, np.ndarray], i: int, dims: LlamaDims) -> dict[str, Any]:
+    """Our parameters of transformer layer i from the HF state dict."""
+    prefix = f"model.layers.{i}."
+    d, n, k, h = dims.dim, dims.num_heads, dims.num_kv_heads, dims.head_dim
+
+    def heads(name: str, num: int) -> np.ndarray:  # [num*H, D] -> [D, num, H]
+        return sd[prefix + name].T.reshape(d, num, h)
+
+    qkv = np.concatenate(
+        [heads("self_attn.q_proj.weight", n), heads("self_attn.k_proj.weight", k),
+         heads("self_attn.v_proj.weight", k)],
+        axis=1,
+    )
+    return dict(
+        self_attention=dict(
+            norm=dict(scale=sd[prefix + "input_layernorm.weight"]),
+            attention=dict(
+                i_proj=dict(i_proj=dict(qkv_proj=dict(weight=qkv))),
+                o_proj=dict(weight=sd[prefix + "self_attn.o_proj.weight"].reshape(d, n, h)),
+            ),
+        ),
+        feed_forward=dict(
+            norm=dict(scale=sd[prefix + "post_attention_layernorm.weight"]),
+            linear1_0=dict(weight=sd[prefix + "mlp.gate_proj.weight"].T),
+            linear1_1=dict(weight=sd[prefix + "mlp.up_proj.weight"].T),
+            linear2=dict(weight=sd[prefix + "mlp.down_proj.weight"].T),
+        ),
+    )
+
+
+def _stack_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:
+    if isinstance(layers[0], dict):
+        return {key: _stack_layers([layer[key] for layer in layers]) for key in layers[0]}
+    return np.stack(layers)
+
+
+def _map_leaves(fn, tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {key: _map_leaves(fn, value) for key, value in tree.items()}
+    return fn(tree)
