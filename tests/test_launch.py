@@ -401,9 +401,13 @@ def test_data_dir_is_set_on_every_input_source():
 def test_tf_data_inputs_name_the_packages_they_miss(monkeypatch):
     cfg = get_named_trainer_config("gpt_1b")
     found = importlib.util.find_spec
+    # Only tensorflow_datasets missing (tensorflow and seqio as found, or not, here).
+    present = {"tensorflow", "seqio"}
     monkeypatch.setattr(
         importlib.util, "find_spec",
-        lambda name, *a: None if name == "tensorflow_datasets" else found(name, *a),
+        lambda name, *a: None if name == "tensorflow_datasets" else (
+            object() if name in present else found(name, *a)
+        ),
     )
     path, missing = missing_input_packages(cfg)
     assert path.startswith("input.") and path.endswith((".klass", ".fn"))
