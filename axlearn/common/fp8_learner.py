@@ -55,11 +55,12 @@ class Fp8Learner(Learner):
         learner_state: dict,
         *,
         param_specs: Optional[Any] = None,
+        loss: Optional[Tensor] = None,
     ) -> tuple[Any, dict, dict[str, Tensor]]:
         """`Learner.update`, then each FP8 state parameter set to its gradient (kept as it
         was where that is not finite, as after a step the optimizer skips)."""
         new_params, new_state, summaries = super().update(
-            model_params, grads, learner_state, param_specs=param_specs
+            model_params, grads, learner_state, param_specs=param_specs, loss=loss
         )
         paths = [path for path, _ in flatten_with_paths(new_params)]
         leaves, treedef = jax.tree_util.tree_flatten(new_params)
