@@ -17,11 +17,9 @@ import functools
 from collections.abc import Callable
 from typing import Any, Optional
 
-import jax.numpy as jnp
 
 from axlearn.common.attention import StackedTransformerLayer, TransformerFeedForwardLayer
 from axlearn.common.causal_lm import metrics_config
-from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.mixture_of_experts import (
     DROP_ALL_BUT_AUX_LOSS,
     TopKDropFreeGating,
@@ -155,49 +153,12 @@ def moe_test_trainer() -> SpmdTrainer.Config:
     """gpt_test with 4 experts of half its MLP width, 2 per token: trains on the Python
     standard library on the CPU in about a minute. Its batch is half gpt_test's: on the
     CPU a grouped matmul costs as much as a dense one over all the experts."""
-    max_step, seq_len, batch = 200, 256, 8
-    model = common.model_config(
-        dim=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        hidden_dim=192,
-        vocab_size=384,  # The 259 byte ids, padded to a multiple of 128.
-        rope_theta=10000.0,
-        stack="stack",
-        extra_ffn_summaries=False,
+    cfg = gpt.gpt_test_trainer().set(name="moe_test")
+    for input_cfg in (cfg.input, cfg.evalers["validation"].input):
+        input_cfg.global_batch_size = 8
+    cfg.model.decoder.transformer.layer.feed_forward.set(
+        hidden_dim=192, add_dead_neuron_summary=None, add_value_rms_norm_summary=None
     )
-
-    def text_input(split: str, is_training: bool) -> BuiltinTextInput.Config:
-        return BuiltinTextInput.default_config().set(
-            split=split,
-            is_training=is_training,
-            global_batch_size=batch,
-            max_sequence_length=seq_len,
-            model_vocab_size=384,
-        )
-
-    cfg = common.trainer_config(
-        model=model,
-        learner=common.adastar_learner_config(dim=128, max_step=max_step, warmup_steps=30),
-        train_input=text_input("train", True),
-        evalers={
-            "validation": common.evaler_config(
-                input_cfg=text_input("validation", False), every_n_steps=100, max_step=max_step
-            )
-        },
-        max_step=max_step,
-        mesh_shape=common.mesh_shape_from_axes(fsdp=-1),
-        mesh_rules=[(common.CPU, common.mesh_shape_from_axes(fsdp=-1))],
-        checkpointer=common.checkpointer_config(
-            every_n_steps=100, max_step=max_step, keep_last_n=2
-        ),
-        summary_every_n_steps=10,
-        name="moe_test",
-        train_dtype=jnp.float32,  # bf16 is emulated (slow) on CPUs.
-    )
-    cfg.evalers["validation"].eval_dtype = jnp.float32
-    cfg.log_every_n_steps = 25
     return with_moe_layers(cfg, num_experts=4, num_experts_per_token=2)
 
 
