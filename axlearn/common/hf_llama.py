@@ -46,7 +46,7 @@ import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import jax
@@ -773,11 +773,19 @@ def _unstack_layer(stacked: dict[str, Any], i: int) -> dict[str, Any]:
     return stacked[i]
 
 
-def params_to_hf(params: dict[str, Any], cfg: Model.Config, *, framework: str = "pt") -> dict:
+def params_to_hf(
+    params: dict[str, Any],
+    cfg: Model.Config,
+    *,
+    framework: str = "pt",
+    layer_to_hf: Optional[Callable[[dict[str, Any], int, LlamaDims], dict[str, Any]]] = None,
+) -> dict:
     """An HF LlamaForCausalLM state dict from our parameters.
 
     framework 'pt': float32 torch tensors (for `load_state_dict`); 'np': numpy arrays.
     A tied model gets `lm_head.weight` equal to the token table, as HF expects.
+    layer_to_hf: the HF entries of one transformer layer's float32 parameters (a model of
+    Llama's shape with other layers, e.g. Mixtral's); None: a Llama layer's.
     """
     if framework not in ("pt", "np"):
         raise ValueError(f"framework must be 'pt' or 'np', got {framework!r}")
@@ -791,7 +799,7 @@ def params_to_hf(params: dict[str, Any], cfg: Model.Config, *, framework: str = 
             if dims.repeated
             else transformer[f"layer{i}"]
         )
-        sd.update(_layer_to_hf(layer, i, dims))
+        sd.update((layer_to_hf or _layer_to_hf)(layer, i, dims))
     sd["model.norm.weight"] = decoder["output_norm"]["scale"]
     sd["lm_head.weight"] = (
         sd["model.embed_tokens.weight"] if dims.tied else decoder["lm_head"]["weight"].T

@@ -34,11 +34,11 @@ import numpy as np
 from axlearn.common.attention import TransformerFeedForwardLayer
 from axlearn.common.causal_lm import Model, metrics_config
 from axlearn.common.config import ConfigError
+from axlearn.common import hf_checkpoint, hf_llama
 from axlearn.common.hf_llama import (
     LlamaDims,
     _hf_dict,
     _layer_to_hf,
-    _unstack_layer,
     llama_config_from_hf,
     llama_dims,
     llama_model_config,
@@ -233,7 +233,7 @@ def params_from_hf(state_dict: dict[str, Any], cfg: Model.Config) -> dict[str, A
     """Our parameter tree (jax arrays of cfg.dtype, default float32) from an HF Mixtral
     state dict (either layout)."""
     dims, num_experts, _ = mixtral_dims(cfg)
-    sd = {name: _to_numpy(value) for name, value in state_dict.items()}
+    sd = {name: hf_checkpoint.to_float32(value) for name, value in state_dict.items()}
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     if not dims.tied:
         expected.add("lm_head.weight")
@@ -262,7 +262,7 @@ def params_from_hf(state_dict: dict[str, Any], cfg: Model.Config) -> dict[str, A
     if not dims.tied:
         decoder["lm_head"] = dict(weight=sd["lm_head.weight"].T)
     dtype = cfg.dtype or jnp.float32
-    return _map_leaves(lambda x: jnp.asarray(x, dtype=dtype), dict(decoder=decoder))
+    return hf_checkpoint.map_views(lambda x: jnp.asarray(x, dtype=dtype), dict(decoder=decoder))
 
 
 def installed_layout_is_fused() -> bool:
@@ -287,54 +287,31 @@ def params_to_hf(
     framework 'pt': float32 torch tensors (for `load_state_dict`); 'np': numpy arrays.
     fused: the experts' layout (see the module doc); None: the installed transformers'.
     """
-    if framework not in ("pt", "np"):
-        raise ValueError(f"framework must be 'pt' or 'np', got {framework!r}")
     dims, _, _ = mixtral_dims(cfg)
     if fused is None:
         fused = installed_layout_is_fused()
-    decoder = _map_leaves(_to_numpy, params["decoder"])
-    transformer = decoder["transformer"]
     placeholders = _dense_placeholders(dims)
     dense = dict(
         linear1_0=dict(weight=placeholders[_DENSE_MLP[0]].T),
         linear1_1=dict(weight=placeholders[_DENSE_MLP[1]].T),
         linear2=dict(weight=placeholders[_DENSE_MLP[2]].T),
     )
-    sd = {"model.embed_tokens.weight": decoder["emb"]["token_emb"]["weight"]}
-    for i in range(dims.num_layers):
-        layer = (
-            _unstack_layer(transformer["repeat"]["layer"], i)
-            if dims.repeated
-            else transformer[f"layer{i}"]
-        )
+
+    def layer_to_hf(layer: dict[str, Any], i: int, dims: LlamaDims) -> dict[str, Any]:
+        # A Llama layer's entries with placeholder MLP weights, which the experts replace.
         ff = layer["feed_forward"]
-        llama_layer = dict(layer, feed_forward=dict(dense, norm=ff["norm"]))
-        entries = _layer_to_hf(llama_layer, i, dims)
+        entries = _layer_to_hf(dict(layer, feed_forward=dict(dense, norm=ff["norm"])), i, dims)
         for name in _DENSE_MLP:
             del entries[f"model.layers.{i}.{name}"]
-        sd.update(entries)
-        sd.update(_experts_to_hf(ff, i, fused=fused))
-    sd["model.norm.weight"] = decoder["output_norm"]["scale"]
-    sd["lm_head.weight"] = (
-        sd["model.embed_tokens.weight"] if dims.tied else decoder["lm_head"]["weight"].T
-    )
-    # Own, writable, contiguous copies: torch cannot wrap read-only (jax-backed) buffers.
-    sd = {name: np.array(value, dtype=np.float32, order="C") for name, value in sd.items()}
-    if framework == "np":
-        return sd
-    import torch  # pylint: disable=import-outside-toplevel
+        entries.update(_experts_to_hf(ff, i, fused=fused))
+        return entries
 
-    return {name: torch.from_numpy(value) for name, value in sd.items()}
+    return hf_llama.params_to_hf(
+        params, _llama_view(cfg), framework=framework, layer_to_hf=layer_to_hf
+    )
 
 
 # ----- dense Llama layers in and out of a state dict (the non-expert parts) -----
-
-
-def _to_numpy(value: Any) -> np.ndarray:
-    """A float32 numpy copy of a torch tensor, jax array or numpy array."""
-    if hasattr(value, "detach"):  # torch.Tensor (bfloat16 has no numpy dtype: go via float).
-        value = value.detach().to("cpu").float().numpy()
-    return np.asarray(value, dtype=np.float32)
 
 
 def _layer_from_hf(sd: dict[str, np.ndarray], i: int, dims: LlamaDims) -> dict[str, Any]:
@@ -371,9 +348,3 @@ def _stack_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:
     if isinstance(layers[0], dict):
         return {key: _stack_layers([layer[key] for layer in layers]) for key in layers[0]}
     return np.stack(layers)
-
-
-def _map_leaves(fn, tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {key: _map_leaves(fn, value) for key, value in tree.items()}
-    return fn(tree)
