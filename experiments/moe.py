@@ -8,7 +8,7 @@ module outputs) to the cross entropy.
 
 `moe_8x1b` has gpt_1b's dims with 8 experts of gpt_1b's MLP each, 2 per token: 6.7B
 parameters, 1.9B used per token; its model FLOPs (MFU) count those only. On one GPU host
-of 4 or 8 GPUs the experts are split over the GPUs ('expert' axis, expert parallelism);
+of 4 or 8 GPUs (or two H200s) the experts are split over the GPUs ('expert' axis, expert parallelism);
 `moe_8x1b_fsdp` keeps every expert on every GPU, split along the model dim as FSDP
 splits a dense weight, so that no token moves (the data-parallel layout).
 """
@@ -138,6 +138,14 @@ def moe_8x1b_trainer(layout: str) -> SpmdTrainer.Config:
         common.fleet_mesh_rule(fleet, cluster, global_batch_size=gpt.SIZES["1B"].global_batch_size)
         for fleet in (common.GPU_H100_CLUSTER, common.GPU_A100_CLUSTER)
     ]
+    # Two H200s hold half the state each (53.5 GB) beside two sequences' activations; two
+    # 80 GB H100s do not, and no single GPU holds the state.
+    rules.append(
+        (
+            "gpu-h200-2",
+            single_host_rule(layout=layout, microbatch=2, remat_spec=None),
+        )
+    )
     rules.append(
         (
             common.GPU_SINGLE_HOST.selector((4, 8)),
