@@ -110,7 +110,7 @@ class _MultiheadLinear(BaseLayer):
         spec = cfg.param_partition_spec
         specs = dict(
             weight=ParameterSpec(
-                shape=[cfg.model_dim, cfg.num_heads, cfg.per_head_dim],
+                shape=(cfg.model_dim, cfg.num_heads, cfg.per_head_dim),  # A tuple, as AXLearn's.
                 mesh_axes=spec,
                 fan_axes=self._FAN_AXES,
             )
@@ -126,7 +126,7 @@ class _MultiheadLinear(BaseLayer):
 class MultiheadInputLinear(_MultiheadLinear):
     """[..., model_dim] -> [..., num_heads, per_head_dim]; weight [model_dim, N, H]."""
 
-    _FAN_AXES = FanAxes(in_axis=-3, out_axis=(-2, -1))
+    _FAN_AXES = FanAxes(in_axis=0, out_axis=(1, 2))  # Axes counted from the front, as AXLearn's.
     _EINSUM = "...d,dnh->...nh"
 
     def _bias_shape_and_axes(self, spec):
@@ -137,7 +137,7 @@ class MultiheadInputLinear(_MultiheadLinear):
 class MultiheadOutputLinear(_MultiheadLinear):
     """[..., num_heads, per_head_dim] -> [..., model_dim]; weight [model_dim, N, H]."""
 
-    _FAN_AXES = FanAxes(in_axis=(-2, -1), out_axis=-3)
+    _FAN_AXES = FanAxes(in_axis=(1, 2), out_axis=0)  # Axes counted from the front, as AXLearn's.
     _EINSUM = "...nh,dnh->...d"
 
     def _bias_shape_and_axes(self, spec):
