@@ -520,7 +520,11 @@ def test_qkv_projections_match_numpy(klass, num_kv_heads):
     assert layer.num_kv_heads == kv_heads
     x = RNG.normal(size=(2, 4, 8))
     q, k, v = _call(layer, params, query=jnp.asarray(x, jnp.float32))
-    if "qkv_proj" in params:
+    if klass is attn.FusedQKVLinear:  # [3, D, N, H]: query, key and value weights stacked.
+        w = np.asarray(params["qkv_proj"]["weight"])
+        assert w.shape == (3, 8, 2, 3)
+        expected = tuple(_np_project(x, part) for part in w)
+    elif "qkv_proj" in params:
         w = np.asarray(params["qkv_proj"]["weight"])
         assert w.shape == (8, 2 + 2 * kv_heads, 3)
         splits = (w[:, :2], w[:, 2 : 2 + kv_heads], w[:, 2 + kv_heads :])

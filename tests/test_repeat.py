@@ -1,5 +1,7 @@
 """Tests of axlearn.common.repeat.Repeat: stacked parameters, scan semantics, outputs."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,7 +74,11 @@ def test_stacked_weights_are_initialized_with_per_layer_fans():
     assert params["layer"]["weight"].shape == (8, 300, 200)
     # fan_in is 300 (not 8 * 300): the layer axis is a batch axis.
     np.testing.assert_allclose(np.var(params["layer"]["weight"]), 1 / 300, rtol=0.05)
-    assert "shape=[8, 300, 200]" in layer.describe_initializers()[-1]
+    # The `_init` golden line describes one layer's weight, as AXLearn's does: no layer axis.
+    weight_line = layer.describe_initializers()[0]
+    assert weight_line.startswith("layer/weight: normal(0, 1.0 / fan_in), shape=")
+    assert re.search(r"shape=[\[(]300, 200[\])], ", weight_line), weight_line
+    assert weight_line.endswith("axes=FanAxes(in_axis=-2, out_axis=-1, batch_axis=())")
 
 
 def test_repeat_equals_a_python_loop_over_the_layers():

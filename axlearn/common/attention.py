@@ -34,6 +34,7 @@ import numpy as np
 
 from axlearn.common import base_layer, utils
 from axlearn.common.base_layer import BaseLayer, MeshAxes, ParameterSpec
+from axlearn.common.base_layer import is_parameter_spec, stacked_parameter_spec
 from axlearn.common.config import (
     REQUIRED,
     ConfigError,
@@ -110,7 +111,7 @@ class _MultiheadLinear(BaseLayer):
         spec = cfg.param_partition_spec
         specs = dict(
             weight=ParameterSpec(
-                shape=[cfg.model_dim, cfg.num_heads, cfg.per_head_dim],
+                shape=(cfg.model_dim, cfg.num_heads, cfg.per_head_dim),  # A tuple, as AXLearn's.
                 mesh_axes=spec,
                 fan_axes=self._FAN_AXES,
             )
@@ -126,8 +127,27 @@ class _MultiheadLinear(BaseLayer):
 class MultiheadInputLinear(_MultiheadLinear):
     """[..., model_dim] -> [..., num_heads, per_head_dim]; weight [model_dim, N, H]."""
 
-    _FAN_AXES = FanAxes(in_axis=-3, out_axis=(-2, -1))
+    _FAN_AXES = FanAxes(in_axis=0, out_axis=(1, 2))  # Axes counted from the front, as AXLearn's.
     _EINSUM = "...d,dnh->...nh"
+
+    def forward_stacked(self, x: Tensor, *, stacked_inputs: bool = False) -> Tensor:
+        """The projection by each of P weights that a parent stacked (`FusedQKVLinear`):
+        weight [P, D, N, H], bias [P, N, H].
+
+        x is [..., D], or with `stacked_inputs` [P, ..., D] (slice p through weight p);
+        returns [P, ..., N, H].
+        """
+        cfg = self.config
+        spec = "p...d,pdnh->p...nh" if stacked_inputs else "...d,pdnh->p...nh"
+        partition_spec = cfg.param_partition_spec
+        if partition_spec is not None:
+            partition_spec = (None, *partition_spec)
+        matmul = self.fp8.einsum if cfg.fp8 is not None else base_layer.weight_einsum
+        y = matmul(spec, x, self.parameters["weight"], partition_spec=partition_spec)
+        if cfg.bias:
+            bias = self.parameters["bias"]  # [P, N, H]: one per slice, broadcast over "...".
+            y = y + bias.reshape(bias.shape[:1] + (1,) * (y.ndim - 3) + bias.shape[1:])
+        return y
 
     def _bias_shape_and_axes(self, spec):
         cfg = self.config
@@ -137,7 +157,7 @@ class MultiheadInputLinear(_MultiheadLinear):
 class MultiheadOutputLinear(_MultiheadLinear):
     """[..., num_heads, per_head_dim] -> [..., model_dim]; weight [model_dim, N, H]."""
 
-    _FAN_AXES = FanAxes(in_axis=(-2, -1), out_axis=-3)
+    _FAN_AXES = FanAxes(in_axis=(1, 2), out_axis=0)  # Axes counted from the front, as AXLearn's.
     _EINSUM = "...nh,dnh->...d"
 
     def _bias_shape_and_axes(self, spec):
@@ -309,26 +329,89 @@ class FusedGroupedQKVLinear(BaseQKVLinear):
         return QKV(*split_heads(self.qkv_proj(query), (n, k, k)))
 
 
-class FusedQKVLinear(FusedGroupedQKVLinear):
-    """FusedGroupedQKVLinear with as many key/value heads as query heads."""
+@jax.custom_vjp
+def unstack(x: Tensor) -> tuple[Tensor, ...]:
+    """The slices x[0], x[1], ... of x's leading axis.
+
+    The backward pass stacks the slices' cotangents, where autodiff of the indexing would
+    pad each to x's shape and add them (see `split_heads`).
+    """
+    return tuple(x[i] for i in range(x.shape[0]))
+
+
+def _unstack_fwd(x):
+    return unstack(x), None
+
+
+def _unstack_bwd(_, cotangents):
+    return (jnp.stack(cotangents),)
+
+
+unstack.defvjp(_unstack_fwd, _unstack_bwd)
+
+
+class FusedQKVLinear(BaseQKVLinear):
+    """Query, key and value heads (as many of each) from one weight [3, D, N, H].
+
+    The child `qkv_proj` is a MultiheadInputLinear for one of the three; its weight
+    [D, N, H] and bias [N, H] are stacked three times on a leading axis (query, key,
+    value), the layout AXLearn stores. Each slice is initialized as its own [D, N, H]
+    weight (fan_in D), and the `_init` golden describes one slice, as AXLearn's does.
+    The child's own children (its FP8 scaling state) are shared by the three slices.
+    Key and value inputs, if given, must have the query's shape.
+    """
 
     @config_class
-    class Config(FusedGroupedQKVLinear.Config):
+    class Config(BaseQKVLinear.Config):
         """Configures FusedQKVLinear."""
 
-        num_kv_heads: Optional[int] = None  # Always num_heads; leave unset.
+        layer: MultiheadInputLinear.Config = MultiheadInputLinear.default_config()
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
-        if cfg.num_kv_heads not in (None, cfg.num_heads):
-            raise ConfigError(
-                "FusedQKVLinear.num_kv_heads: must be unset (it equals num_heads); "
-                "use FusedGroupedQKVLinear for grouped heads"
-            )
         super().__init__(cfg, parent=parent)
+        if not cfg.query_dim == cfg.key_dim == cfg.value_dim:
+            raise ConfigError(
+                f"{self.path()}: a fused projection needs query_dim == key_dim == value_dim, "
+                f"got {cfg.query_dim}, {cfg.key_dim}, {cfg.value_dim}"
+            )
+        self._add_child(
+            "qkv_proj",
+            cfg.layer.clone(
+                model_dim=cfg.query_dim, num_heads=cfg.num_heads, per_head_dim=cfg.per_head_dim
+            ),
+        )
 
-    @property
-    def num_kv_heads(self) -> int:
-        return self._config.num_heads
+    def create_parameter_specs_recursively(self) -> dict[str, Any]:
+        specs = super().create_parameter_specs_recursively()
+        specs["qkv_proj"] = {
+            name: stacked_parameter_spec(spec, 3) if is_parameter_spec(spec) else spec
+            for name, spec in specs["qkv_proj"].items()
+        }
+        return specs
+
+    def forward(
+        self,
+        query: Tensor,
+        *,
+        key: Optional[Tensor] = None,
+        value: Optional[Tensor] = None,
+        query_positions: Optional[Tensor] = None,
+        key_positions: Optional[Tensor] = None,
+    ) -> QKV:
+        del query_positions, key_positions  # Not rotary.
+        if (key is None) != (value is None):
+            raise ValueError(f"{self.path()}: give both key and value, or neither")
+        if key is None:  # Self-attention: one input through the three weights.
+            proj = self.qkv_proj.forward_stacked(query)
+        else:
+            if not query.shape == key.shape == value.shape:
+                raise ValueError(
+                    f"{self.path()}: a fused projection needs query, key and value of one "
+                    f"shape, got {query.shape}, {key.shape}, {value.shape}"
+                )
+            inputs = jnp.stack([query, key, value])
+            proj = self.qkv_proj.forward_stacked(inputs, stacked_inputs=True)
+        return QKV(*unstack(proj))
 
 
 # ----- rotary position embeddings -----

@@ -66,6 +66,19 @@ def is_parameter_spec(x: Any) -> bool:
     return isinstance(x, ParameterSpec)
 
 
+def stacked_parameter_spec(spec: ParameterSpec, size: int) -> ParameterSpec:
+    """`spec` with a new leading axis of `size` slices (stacked layers, fused projections),
+    replicated over the mesh, a batch axis for the fans and not factored."""
+    mesh_axes = spec.mesh_axes if spec.mesh_axes is not None else (None,) * len(spec.shape)
+    return dataclasses.replace(
+        spec,
+        shape=(size, *spec.shape),
+        mesh_axes=(None, *mesh_axes),
+        fan_axes=spec.fan_axes.prepend_axis() if spec.fan_axes is not None else None,
+        factorization=(None, *spec.factorization) if spec.factorization is not None else None,
+    )
+
+
 def cast_floats_with_copies(
     tree: Any, copies: Any, dtype: Optional[jnp.dtype], *, as_pairs: bool = False
 ) -> Any:
@@ -299,17 +312,23 @@ class BaseLayer(Module):
         return unflatten_paths(params)
 
     def describe_initializers(self, *, prefix: str = "") -> list[str]:
-        """One `_init` golden line per parameter: path, initializer, shape and fan axes."""
-        specs = self.create_parameter_specs_recursively()
-        owners = self._owners_of_specs()
+        """One `_init` golden line per parameter, `path: <initializer's debug_string>`, as
+        AXLearn writes them.
+
+        Lines follow the order in which AXLearn initializes: a layer's own parameters as
+        `_create_layer_parameter_specs` lists them, then its children in the order they were
+        added. Each line describes the parameter as its own layer declares it: a layer that
+        stacks its children's parameters (`Repeat`, `FusedQKVLinear`) initializes them one
+        slice at a time, so the stacked axis is not shown.
+        """
         lines = []
-        for path, spec in flatten_with_paths(specs, is_leaf=is_parameter_spec):
-            full = f"{prefix}{path}"
-            init = owners[path]._initializer_for(full, spec)
-            lines.append(
-                f"{full}: {init.debug_string(full, spec.shape, spec.fan_axes)}, "
-                f"shape={list(spec.shape)}, axes={spec.fan_axes}"
-            )
+        for name, spec in self._create_layer_parameter_specs().items():
+            path = f"{prefix}{name}"
+            init = self._initializer_for(path, spec)
+            lines.append(f"{path}: {init.debug_string(path, spec.shape, spec.fan_axes)}")
+        for child_name, child in self._children.items():
+            if isinstance(child, BaseLayer):
+                lines += child.describe_initializers(prefix=f"{prefix}{child_name}/")
         return lines
 
     def _owners_of_specs(self) -> dict[str, "BaseLayer"]:

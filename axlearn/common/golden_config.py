@@ -3,8 +3,11 @@
 For every named trainer config (`experiments/<module>.py`, `named_trainer_configs()`)
 `golden_configs/<module>/` holds:
 - `<config>.txt`: the flat config (`cfg.debug_string()`), one `key: value` line per field;
-- `<config>_init.txt`: each parameter's initializer, shape and fan axes;
-- `<config>_regularizer.txt`: each parameter's effective weight-decay scale.
+- `<config>_init.txt`: each parameter's initializer (with the shape and fan axes it
+  scales by), in AXLearn's format and order, so an AXLearn `_init` golden of the same
+  model compares line for line;
+- `<config>_regularizer.txt`: each parameter's effective weight-decay scale (AXLearn's
+  format too).
 All three come from configs and parameter specs; no parameter is allocated, so even the
 largest config dumps in well under a second. See docs/golden_configs.md.
 
@@ -42,7 +45,9 @@ def _model(cfg: ConfigBase):
 
 
 def init_text(cfg: ConfigBase) -> str:
-    """One line per parameter: `path: initializer, shape=[...], axes=FanAxes(...)`."""
+    """One line per parameter, in the order the model creates them (not sorted), as
+    AXLearn writes them (`BaseLayer.describe_initializers`): `path: constant(1.0)`, or
+    `path: normal(0, 1.0 / fan_in), shape=(8, 32), axes=FanAxes(...)` for a weight."""
     return "\n".join(_model(cfg).describe_initializers())
 
 

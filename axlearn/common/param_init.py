@@ -4,7 +4,9 @@ A layer declares its parameters as `ParameterSpec`s; a spec either carries its o
 initializer (norm scales start at one, biases at zero) or is initialized by the layer's
 `param_init`, a `DefaultInitializer` that maps parameter-name regexes to
 `WeightInitializer`s. Every initializer describes itself in one line for the `_init`
-golden files, e.g. `normal(0, 1.0 / fan_in)`.
+golden files, in AXLearn's words: `constant(1.0)`, or for a weight scaled by its fans
+`normal(0, 1.0 / fan_in), shape=(8, 32), axes=FanAxes(in_axis=-2, out_axis=-1, batch_axis=())`
+(the shape as the layer declares it, a list or a tuple).
 """
 
 import dataclasses
@@ -45,11 +47,19 @@ class FanAxes:
         )
 
     def fans(self, shape: Sequence[int]) -> dict[str, float]:
+        """fan_in, fan_out and fan_avg of a weight of `shape`.
+
+        As `jax.nn.initializers.variance_scaling` counts them: axes named nowhere (a
+        convolution's window) multiply both fans; batch axes count in neither.
+        """
+
         def size(axes: AxisOrAxes) -> int:
             axes = (axes,) if isinstance(axes, int) else axes
             return math.prod(shape[a] for a in axes)
 
-        fan_in, fan_out = size(self.in_axis), size(self.out_axis)
+        in_size, out_size = size(self.in_axis), size(self.out_axis)
+        receptive = math.prod(shape) // (in_size * out_size * size(self.batch_axis))
+        fan_in, fan_out = in_size * receptive, out_size * receptive
         return dict(fan_in=fan_in, fan_out=fan_out, fan_avg=(fan_in + fan_out) / 2)
 
 
@@ -92,14 +102,18 @@ _TRUNCATED_NORMAL_STDDEV = 0.87962566103423978  # Std of a unit normal truncated
 
 
 class WeightInitializer(Configurable):
-    """Variance scaling: variance = scale / fan, with fan taken from the weight's FanAxes."""
+    """Variance scaling: variance = scale / fan, with fan taken from the weight's FanAxes.
+
+    Without a fan, `scale` is the standard deviation (normal, truncated_normal) or the
+    half-width (uniform) itself, as in AXLearn.
+    """
 
     @config_class
     class Config(Configurable.Config):
         """Configures WeightInitializer."""
 
         distribution: str = "normal"  # normal, truncated_normal or uniform.
-        fan: Optional[str] = None  # fan_in, fan_out, fan_avg; None: variance = scale.
+        fan: Optional[str] = None  # fan_in, fan_out, fan_avg; None: scale is the std itself.
         scale: float = 1.0
 
     def __init__(self, cfg: Config):
@@ -112,32 +126,46 @@ class WeightInitializer(Configurable):
         if cfg.fan not in (None, "fan_in", "fan_out", "fan_avg"):
             raise ConfigError(f"WeightInitializer.fan: '{cfg.fan}' is not one of fan_in, fan_out, fan_avg")
 
-    def _variance(self, name: str, shape: Sequence[int], axes: Optional[FanAxes]) -> float:
+    def _spread(self, name: str, shape: Sequence[int], axes: Optional[FanAxes]) -> float:
+        """The standard deviation (normal, truncated_normal) or half-width (uniform)."""
         cfg = self.config
         if cfg.fan is None:
             return cfg.scale
         if axes is None:
             raise ConfigError(f"Parameter '{name}' has no FanAxes, but its initializer uses {cfg.fan}")
-        return cfg.scale / axes.fans(shape)[cfg.fan]
+        variance = cfg.scale / axes.fans(shape)[cfg.fan]
+        return math.sqrt(3.0 * variance if cfg.distribution == "uniform" else variance)
 
     def initialize(self, name, *, prng_key, shape, dtype, axes) -> jax.Array:
         cfg = self.config
-        variance = self._variance(name, shape, axes)
+        spread = self._spread(name, shape, axes)
         if cfg.distribution == "normal":
-            values = jax.random.normal(prng_key, shape, jnp.float32) * math.sqrt(variance)
+            values = jax.random.normal(prng_key, shape, jnp.float32) * spread
         elif cfg.distribution == "truncated_normal":
-            std = math.sqrt(variance) / _TRUNCATED_NORMAL_STDDEV
+            std = spread / _TRUNCATED_NORMAL_STDDEV
             values = jax.random.truncated_normal(prng_key, -2.0, 2.0, shape, jnp.float32) * std
         else:
-            limit = math.sqrt(3.0 * variance)
-            values = jax.random.uniform(prng_key, shape, jnp.float32, -limit, limit)
+            values = jax.random.uniform(prng_key, shape, jnp.float32, -spread, spread)
         return values.astype(dtype)
 
     def debug_string(self, name, shape, axes) -> str:
-        del name, shape, axes
+        """AXLearn's words for the distribution; with a fan, the shape (list or tuple, as
+        declared) and fan axes it was computed from."""
+        del name
         cfg = self.config
-        variance = f"{cfg.scale} / {cfg.fan}" if cfg.fan else f"{cfg.scale}"
-        return f"{cfg.distribution}(0, {variance})"
+        scale, fan = cfg.scale, cfg.fan
+        if fan is None:
+            return {
+                "normal": f"normal(0, {scale}^2)",
+                "truncated_normal": f"truncated_normal(-2, 2) * {scale} / 0.88",
+                "uniform": f"uniform({-scale}, {scale})",
+            }[cfg.distribution]
+        law = {
+            "normal": f"normal(0, {scale} / {fan})",
+            "truncated_normal": f"truncated_normal(-2, 2) * sqrt({scale} / {fan}) / 0.88",
+            "uniform": f"uniform(-sqrt({3 * scale} / {fan}), sqrt({3 * scale} / {fan}))",
+        }[cfg.distribution]
+        return f"{law}, shape={shape}, axes={axes}"
 
 
 class DefaultInitializer(Configurable):

@@ -4,21 +4,21 @@ The parameters of the repeated layer are stacked on a new leading axis of size
 `num_layers` (replicated over the mesh, fan axes shifted by one), so a deep stack
 compiles once instead of once per layer. Inside the scan body the layer runs in its
 own invocation context with its slice of the parameters, so `self.layer(...)` works as
-in any parent and the layer's own `remat_spec` applies to every iteration.
+in any parent and the layer's own `remat_spec` applies to every iteration. The `_init`
+golden lines describe one layer's parameters, without the stacked axis, as AXLearn's do.
 
 What the layer adds to its output collection comes out stacked along the layer axis;
 `drop_output` names the collection paths that should not be kept at all (by default
 module outputs, which would cost one activation-sized tensor per layer).
 """
 
-import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import jax
 
-from axlearn.common.base_layer import BaseLayer, ParameterSpec, is_parameter_spec
+from axlearn.common.base_layer import BaseLayer, is_parameter_spec, stacked_parameter_spec
 from axlearn.common.config import (
     REQUIRED,
     ConfigError,
@@ -42,17 +42,6 @@ def _drop_by_regex(rules: Sequence[str]) -> Callable[[str], bool]:
     """A predicate on '/'-joined output-collection paths: True if any rule fully matches."""
     patterns = [re.compile(rule) for rule in rules]
     return lambda path: any(p.fullmatch(path) for p in patterns)
-
-
-def _stack_spec(spec: ParameterSpec, num_layers: int) -> ParameterSpec:
-    mesh_axes = spec.mesh_axes if spec.mesh_axes is not None else (None,) * len(spec.shape)
-    return dataclasses.replace(
-        spec,
-        shape=(num_layers, *spec.shape),
-        mesh_axes=(None, *mesh_axes),
-        fan_axes=spec.fan_axes.prepend_axis() if spec.fan_axes is not None else None,
-        factorization=(None, *spec.factorization) if spec.factorization is not None else None,
-    )
 
 
 def _filter_collection(
@@ -112,7 +101,7 @@ class Repeat(BaseLayer):
         specs = super().create_parameter_specs_recursively()
         num_layers = self.config.num_layers
         return jax.tree_util.tree_map(
-            lambda s: _stack_spec(s, num_layers), specs, is_leaf=is_parameter_spec
+            lambda s: stacked_parameter_spec(s, num_layers), specs, is_leaf=is_parameter_spec
         )
 
     def forward(self, carry: Any, **kwargs) -> Any:
