@@ -1,0 +1,125 @@
+"""Fuji configs (axlearn/experiments/text/gpt/fuji.py): each registered config dumps to
+AXLearn's own golden file of the same name, and the builder refuses what it lacks.
+
+AXLearn's goldens are kept beside the repository, in shared/axlearn_goldens/; the
+comparisons skip where they are absent.
+"""
+
+import difflib
+import os
+import pathlib
+import re
+
+import pytest
+
+from axlearn.common.config import ConfigError
+from axlearn.experiments.text.gpt import fuji
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+_CANDIDATES = (
+    os.environ.get("AXLEARN_GOLDENS"),
+    _REPO.parent / "shared" / "axlearn_goldens",
+    pathlib.Path("/work/shared/axlearn_goldens"),
+)
+GOLDENS_DIR = next((pathlib.Path(c) for c in _CANDIDATES if c and pathlib.Path(c).is_dir()), None)
+
+# Lines our dump has that AXLearn's lacks, each for a default our classes set differently:
+# a regex on the whole line and why. A line matching none of these is a real difference.
+KNOWN_EXTRA_LINES = (
+    # Our Model has a z-loss field (default 0.0); AXLearn's has none (the loss metrics
+    # hold it), so its dumps omit it.
+    (r"model\.z_loss_scale: 0\.0", "causal_lm.Model.Config.z_loss_scale defaults to 0.0"),
+    # Our Decoder defaults to a decoder-level causal mask ('causal'), as the reference
+    # gpt_3b dump (which prints `attention_mask: None`) requires; AXLearn's Fuji-era Decoder
+    # defaults to None, so its dumps omit the None these configs set.
+    (r"model\.decoder\.attention_mask: None", "decoder.Decoder.Config.attention_mask"),
+    # Our attention's `causal` defaults to False, AXLearn's to None (omitted): it shows in
+    # the default layer config of the Trainium mesh rules.
+    (
+        r"mesh_rules\[\d+\]\[1\]\.config_modifiers\[\d+\]\.modification\.layer\."
+        r"self_attention\.attention\.causal: False",
+        "attention.MultiheadAttention.Config.causal defaults to False",
+    ),
+)
+
+
+def _axlearn_golden(name: str) -> str:
+    if GOLDENS_DIR is None:
+        pytest.skip("shared/axlearn_goldens not found (set AXLEARN_GOLDENS to its path)")
+    path = GOLDENS_DIR / f"{name}.txt"
+    if not path.exists():
+        pytest.skip(f"{path} is not among the shared goldens")
+    return path.read_text(encoding="utf-8")
+
+
+def _known_extra(line: str) -> bool:
+    return any(re.fullmatch(regex, line) for regex, _ in KNOWN_EXTRA_LINES)
+
+
+@pytest.fixture(scope="module")
+def dumps() -> dict[str, str]:
+    """Each registered Fuji config's golden text, as AXLearn writes it (final newline)."""
+    return {
+        name: builder().debug_string() + "\n"
+        for name, builder in fuji.named_trainer_configs().items()
+    }
+
+
+@pytest.mark.parametrize("name", sorted(fuji.named_trainer_configs()))
+def test_fuji_config_dumps_as_axlearn_golden_but_for_known_defaults(name, dumps):
+    theirs = _axlearn_golden(name)
+    ours = dumps[name]
+    kept = [line for line in ours.splitlines() if not _known_extra(line)]
+    if kept != theirs.splitlines():
+        diff = difflib.unified_diff(
+            theirs.splitlines(), kept, f"{name}.txt (AXLearn)", f"{name} (ours)", lineterm=""
+        )
+        pytest.fail(
+            f"{name} differs from AXLearn's golden beyond KNOWN_EXTRA_LINES:\n" + "\n".join(diff),
+            pytrace=False,
+        )
+    assert ours.endswith("\n") and theirs.endswith("\n")
+
+
+def test_every_known_difference_still_occurs(dumps):
+    # An entry no dump needs any more (its default was aligned) must leave the table.
+    lines = [line for text in dumps.values() for line in text.splitlines()]
+    for regex, why in KNOWN_EXTRA_LINES:
+        assert any(re.fullmatch(regex, line) for line in lines), f"stale entry: {why}"
+
+
+def test_registered_names_are_axlearns_names():
+    assert "fuji-8B-v3-tiktoken-flash-single-host" in fuji.named_trainer_configs()
+    name = fuji.config_name("70B", fuji.Version.V3, fp8=True, flash_attention=True)
+    assert name == "fuji-70B-v3-flash-fp8"
+
+
+def test_a_new_size_is_a_row_of_the_size_table(monkeypatch):
+    sizes = dict(fuji.SIZES, tiny=fuji.SIZES["test"])
+    monkeypatch.setattr(fuji, "SIZES", sizes)
+    monkeypatch.setitem(fuji.MESH_RULES, "tiny", fuji.MESH_RULES["test"])
+    cfg = fuji.fuji_trainer("tiny", version=fuji.Version.V3)
+    assert cfg.model.decoder.dim == fuji.SIZES["test"].dim
+
+
+@pytest.mark.parametrize(
+    "size,version,variants,message",
+    [
+        ("2B", fuji.Version.V3, {}, "unknown size '2B'"),
+        ("1B", fuji.Version.V1, {}, "no size '1B' in V1"),
+        ("7B", fuji.Version.V2, dict(tiktoken=True), "tiktoken is Llama 3's tokenizer"),
+        ("8B", fuji.Version.V3, dict(fp8=True), "8B has no FP8 rules"),
+    ],
+)
+def test_builder_refuses_what_the_tables_lack(size, version, variants, message):
+    with pytest.raises(ConfigError, match=message):
+        fuji.fuji_trainer(size, version=version, **variants)
+
+
+def test_versions_derive_batch_and_steps_from_tokens():
+    # 15T tokens in batches of 16M tokens (2048 sequences of 8192), as AXLearn's V3.
+    cfg = fuji.fuji_trainer("1B", version=fuji.Version.V3)
+    assert cfg.max_step == 15 * 1024**4 // (16 * 1024**2) == 983040
+    assert cfg.input.input_dispatcher.global_logical_batch_size == 2048
+    v2 = fuji.fuji_trainer("7B", version=fuji.Version.V2)
+    assert (v2.max_step, v2.input.input_dispatcher.global_logical_batch_size) == (524288, 1024)
