@@ -679,17 +679,17 @@ def test_host_memory_kind_the_devices_lack_is_a_config_error(make_checkpointer):
 def test_benchmark_saves_each_new_state_and_restores_the_last(
     tmp_path, monkeypatch, capsys, flags, host_copies
 ):
-    from axlearn.common import checkpointer_benchmark  # pylint: disable=import-outside-toplevel
+    from tools import checkpoint_check  # pylint: disable=import-outside-toplevel
 
     argv = ["bench", "--size=65536", "--leaves=2", "--repeats=2", f"--dir={tmp_path}", *flags]
     monkeypatch.setattr(sys, "argv", argv)
-    checkpointer_benchmark.main()
+    checkpoint_check.main()
     out = capsys.readouterr().out
     assert f"host copies: {host_copies}" in out
     assert "values equal: True" in out
     # The second save holds the state after one step (x + 1), not the first state again:
     # saving the same arrays twice would not time a second device-to-host copy.
-    first = checkpointer_benchmark.build_state(65536, 2, jnp.float32)
+    first = checkpoint_check.build_state(65536, 2, jnp.float32)
     template = {k: np.zeros(v.shape, v.dtype) for k, v in first.items()}
     cfg = Checkpointer.default_config().set(name="reader", dir=str(tmp_path))
     with cfg.instantiate(parent=None) as reader:

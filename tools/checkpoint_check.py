@@ -1,6 +1,6 @@
 """How long a checkpoint save stalls the train loop, and how long until it is committed.
 
-    python -m axlearn.common.checkpointer_benchmark [--size 1e9] [--dir /tmp/ckpt_bench] \
+    PYTHONPATH=. python tools/checkpoint_check.py [--size 1e9] [--dir /tmp/ckpt_bench] \
         [--host_memory_kind=numpy]
 
 Builds a float32 state of `--size` parameters (split into `--leaves` arrays of 4096
@@ -48,7 +48,9 @@ def build_state(size: float, leaves: int, dtype: jnp.dtype) -> dict[str, jax.Arr
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", type=float, default=1e9, help="Parameters in the state.")
     parser.add_argument("--leaves", type=int, default=8, help="Arrays the state is split into.")
     parser.add_argument("--dtype", default="float32")
