@@ -7,14 +7,17 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from axlearn.common import hf_checkpoint, hf_llama, trainer_dir
+from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.config import ConfigError
 from axlearn.common.launch_trainer import build_trainer_config
 from axlearn.common.module import functional as F
+from axlearn.common.utils import flatten_with_paths
 from tests.fresh_python import REPO, assert_prints_ok, fresh_env
 
 torch = pytest.importorskip("torch")
@@ -179,3 +182,35 @@ def test_eval_only_evaluates_the_checkpoint_without_reading_the_hf_weights(warm_
     trained = float(log.split("eval validation step 3:")[1].split("loss=")[1].split()[0])
     assert metrics["loss"] == pytest.approx(trained, rel=1e-3)
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_00000003"]
+
+
+def test_an_fp8_recipe_warm_starts_with_fp8_matmuls_and_empty_scaling_state(hf_dir):
+    # The H100 rule of gpt_1b_fp8 switches the HF model's matmuls to FP8, as it does gpt_1b's.
+    cfg = build_trainer_config(
+        config_name="gpt_1b_fp8", mesh_selector="gpu-h100-1", init_from_hf=str(hf_dir),
+        data_dir="FAKE",
+    )
+    layer = cfg.model.decoder.transformer.layer
+    assert layer.feed_forward.linear2.fp8 is not None
+    assert layer.self_attention.attention.output_linear.fp8 is not None
+    # Export reads the same Llama: FP8 casts are training's, the weights are the model.
+    plain = build_trainer_config(config_name="gpt_test", init_from_hf=str(hf_dir))
+    assert hf_llama.hf_config_dict(cfg.model) == hf_llama.hf_config_dict(plain.model)
+    model = cfg.model.clone(name="model", dtype=jnp.float32).instantiate(parent=None)
+    specs = model.create_parameter_specs_recursively()
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    loaded = cfg.init_params.instantiate().load(
+        model_config=cfg.model, param_specs=specs,
+        shardings=jax.tree.map(lambda _: device, specs, is_leaf=is_parameter_spec),
+    )
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir)
+    weights = dict(flatten_with_paths(hf_llama.params_from_hf(hf.state_dict(), plain.model)))
+    histories = 0
+    for path, value in flatten_with_paths(loaded):
+        if path.endswith("amax_history"):
+            np.testing.assert_array_equal(np.asarray(value), 0.0, err_msg=path)
+            histories += 1
+        else:
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(weights[path]), path)
+    # Two layers of 5 FP8 matmuls (qkv, o, gate, up, down), 3 cast tensors each.
+    assert histories == 2 * 5 * 3

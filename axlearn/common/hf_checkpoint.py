@@ -308,6 +308,16 @@ class Stack(TensorView):
         return np.stack([self._parts[i].read(index[1:]) for i in layers])
 
 
+class Zeros(TensorView):
+    """Zeros of `shape`: a parameter no checkpoint tensor holds (e.g. FP8 scaling state)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = tuple(shape)
+
+    def read(self, index: Index = ()) -> np.ndarray:
+        return np.zeros([s.stop - s.start for s in _normalize(index, self.shape)], np.float32)
+
+
 def map_views(fn: Callable[[TensorView], Any], tree: Any) -> Any:
     """`fn` applied to every view of a nested dict of views."""
     if isinstance(tree, dict):

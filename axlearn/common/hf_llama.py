@@ -45,6 +45,7 @@ import copy
 import dataclasses
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
@@ -53,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axlearn.common import hf_checkpoint
+from axlearn.common import fp8, hf_checkpoint
 from axlearn.common.attention import (
     FusedGroupedQKVLinear,
     GroupedQueryAttention,
@@ -355,6 +356,7 @@ _NEUTRAL_FIELDS = frozenset(
         "add_dead_neuron_summary",
         "add_value_rms_norm_summary",
         "decoding",
+        "fp8",  # FP8 casts of training's matmuls; the float32 weights are the model.
     }
 )
 # Sub-configs that act in training only.
@@ -688,6 +690,11 @@ def load_params(reader: Any, cfg: Model.Config, param_specs: Any, shardings: Any
     views = param_views(reader, llama_dims(cfg))
     flat_views = dict(flatten_with_paths(views, is_leaf=lambda x: isinstance(x, TensorView)))
     flat_specs = flatten_with_paths(param_specs, is_leaf=lambda x: hasattr(x, "shape"))
+    # FP8 scaling state is no weight: it starts empty (zeros), as in a fresh run.
+    fp8_state = re.compile(fp8.STATE_REGEX)
+    for path, spec in flat_specs:
+        if fp8_state.fullmatch(path):
+            flat_views[path] = hf_checkpoint.Zeros(tuple(spec.shape))
     missing = sorted(set(path for path, _ in flat_specs) - set(flat_views))
     unexpected = sorted(set(flat_views) - set(path for path, _ in flat_specs))
     if missing or unexpected:

@@ -782,13 +782,15 @@ def build_trainer_config(
     trainer_dir: Optional[str] = None,
     init_from_hf: Optional[str] = None,
 ) -> ConfigBase:
-    """The whole launch-time recipe: name -> mesh rule -> Hugging Face model and weights
-    (before the data, which checks the model's vocabulary) -> data dir -> overrides
+    """The whole launch-time recipe: name -> Hugging Face model and weights -> mesh rule
+    -> data dir (which checks the model's vocabulary) -> overrides
     (max_step carrying the fields that held the step count with it, `follow_max_step`)."""
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.trainer_config_modifier import apply_mesh_rule
 
     cfg = get_named_trainer_config(config_name, module=module)
+    if init_from_hf:  # Before the mesh rule, whose modifiers (remat, FP8) apply to its model.
+        cfg = use_hf_checkpoint(cfg, init_from_hf)
     if mesh_selector and mesh_selector != NO_MESH_RULE:
         pattern, rule = _select_mesh_rule(cfg, config_name, mesh_selector)
         what = type(rule).__qualname__.split(".")[0] if hasattr(rule, "klass") else f"mesh {rule}"
@@ -797,8 +799,6 @@ def build_trainer_config(
             mesh_selector, config_name, pattern, what,
         )
         cfg = apply_mesh_rule(cfg, rule)
-    if init_from_hf:
-        cfg = use_hf_checkpoint(cfg, init_from_hf)
     layouts = None
     if data_dir == FAKE_DATA_DIR:
         cfg = use_fake_data(cfg)
