@@ -697,7 +697,7 @@ _IMPLEMENTATIONS = (None, "xla", "cudnn")
 
 
 class MultiheadAttention(BaseLayer):
-    """Attention with num_heads heads; children i_proj, scale_query, scale_key, dropout, o_proj.
+    """Attention with num_heads heads; children i_proj, o_proj, dropout, scale_query, scale_key.
 
     Rematerialization names (for `remat_spec` policies): q_proj, k_proj, v_proj (after
     i_proj), context (before o_proj) and o_proj (after it), prefixed with the class name.
@@ -759,15 +759,16 @@ class MultiheadAttention(BaseLayer):
                 per_head_dim=self._per_head_dim,
             ),
         )
-        self._add_child("scale_query", cfg.query_scale.clone(per_head_dim=self._per_head_dim))
-        self._add_child("scale_key", cfg.key_scale.clone(per_head_dim=self._per_head_dim))
-        self._add_child("dropout", cfg.dropout)
+        # AXLearn's child order, which is the order of the `_init` golden lines.
         self._add_child(
             "o_proj",
             cfg.output_linear.clone(
                 model_dim=cfg.output_dim, num_heads=cfg.num_heads, per_head_dim=self._per_head_dim
             ),
         )
+        self._add_child("dropout", cfg.dropout)
+        self._add_child("scale_query", cfg.query_scale.clone(per_head_dim=self._per_head_dim))
+        self._add_child("scale_key", cfg.key_scale.clone(per_head_dim=self._per_head_dim))
         self._check_kv_heads(self.i_proj.num_kv_heads)
         # The cache's dtype defaults to input_linear's cache_dtype (see init_states).
         self._add_child("kv_cache", cfg.kv_cache or KVCache.default_config())

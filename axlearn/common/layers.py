@@ -160,7 +160,7 @@ class Linear(BaseLayer):
         cfg = self.config
         specs = dict(
             weight=ParameterSpec(
-                shape=[cfg.input_dim, cfg.output_dim],
+                shape=(cfg.input_dim, cfg.output_dim),
                 mesh_axes=cfg.param_partition_spec,
                 fan_axes=FanAxes(in_axis=-2, out_axis=-1),
             )
