@@ -718,7 +718,8 @@ class MultiheadAttention(BaseLayer):
         dropout: Dropout.Config = Dropout.default_config()  # On attention probabilities.
         query_scale: BaseScaleQK.Config = ScaleQuery.default_config()
         key_scale: BaseScaleQK.Config = ScaleKey.default_config()
-        causal: bool = False  # Whether a query attends only to keys at or before it.
+        # Whether a query attends only to keys at or before it; None or False: not causal.
+        causal: Optional[bool] = None
         atten_logit_cap: Optional[float] = None  # cap * tanh(logits / cap); None: no cap.
         # 'xla', 'cudnn' (jax.nn.dot_product_attention's flash kernel, GPU, bf16/fp16),
         # or None: cuDNN where it applies, XLA elsewhere. On cuDNN, segment ids become
@@ -853,7 +854,7 @@ class MultiheadAttention(BaseLayer):
                 mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
             # The query is already scaled (ScaleQuery), hence scale=1.
             return jax.nn.dot_product_attention(
-                q, k, v, mask=mask, scale=1.0, is_causal=cfg.causal, implementation="cudnn"
+                q, k, v, mask=mask, scale=1.0, is_causal=bool(cfg.causal), implementation="cudnn"
             )
         batch, q_len, num_heads, head_dim = q.shape
         kv_len, num_kv_heads = k.shape[1], k.shape[2]
