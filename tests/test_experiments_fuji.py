@@ -26,20 +26,11 @@ GOLDENS_DIR = next((pathlib.Path(c) for c in _CANDIDATES if c and pathlib.Path(c
 # Lines our dump has that AXLearn's lacks, each for a default our classes set differently:
 # a regex on the whole line and why. A line matching none of these is a real difference.
 KNOWN_EXTRA_LINES = (
-    # Our Model has a z-loss field (default 0.0); AXLearn's has none (the loss metrics
-    # hold it), so its dumps omit it.
-    (r"model\.z_loss_scale: 0\.0", "causal_lm.Model.Config.z_loss_scale defaults to 0.0"),
-    # Our Decoder defaults to a decoder-level causal mask ('causal'), as the reference
-    # gpt_3b dump (which prints `attention_mask: None`) requires; AXLearn's Fuji-era Decoder
-    # defaults to None, so its dumps omit the None these configs set.
+    # A None field is dumped only where its default is not None. The reference gpt_3b dump
+    # prints `attention_mask: None` (its AXLearn Decoder defaulted to a causal mask, ours to
+    # 'causal'); AXLearn's Fuji-era Decoder defaults to None, so its dumps omit the None
+    # these configs set. One Decoder class cannot have both defaults.
     (r"model\.decoder\.attention_mask: None", "decoder.Decoder.Config.attention_mask"),
-    # Our attention's `causal` defaults to False, AXLearn's to None (omitted): it shows in
-    # the default layer config of the Trainium mesh rules.
-    (
-        r"mesh_rules\[\d+\]\[1\]\.config_modifiers\[\d+\]\.modification\.layer\."
-        r"self_attention\.attention\.causal: False",
-        "attention.MultiheadAttention.Config.causal defaults to False",
-    ),
 )
 
 

@@ -16,6 +16,7 @@ import pathlib
 import re
 import subprocess
 import textwrap
+from typing import Optional
 
 import pytest
 
@@ -264,7 +265,10 @@ def test_stub_detection_recognises_unimplemented_bodies():
 
 def _selector_device_counts(pattern: str) -> list[int]:
     """Device counts of the instance types a mesh-rule selector names: alternatives in
-    parentheses are expanded (gpu-h100-(1|2|4|8) -> 1, 2, 4, 8); a CPU rule gets 1 and 8."""
+    parentheses are expanded (gpu-h100-(1|2|4|8) -> 1, 2, 4, 8); a CPU rule gets 1 and 8.
+    A selector with a wildcard (tpu-v5p-.*) names no count to check: the test skips."""
+    if ".*" in pattern:
+        pytest.skip(f"{pattern} matches any size; there is no device count to check")
     if pattern.startswith("cpu"):
         for name in ("cpu", "cpu-8"):
             assert re.fullmatch(pattern, name), f"{pattern} does not match {name}"
@@ -290,7 +294,11 @@ def test_selector_device_counts_expand_alternatives():
     assert _selector_device_counts("tpu-v5p-(1024|2048)") == [512, 1024]
 
 
-def _global_batch_size(input_cfg: ConfigBase) -> int:
+def _global_batch_size(input_cfg: ConfigBase) -> Optional[int]:
+    """The input's global batch size; None where an `input_dispatcher` pads the logical
+    batch to the mesh (any logical batch then splits)."""
+    if "input_dispatcher" in input_cfg.keys() and input_cfg.input_dispatcher is not None:
+        return None
     found = []
     input_cfg.visit(
         lambda path, value: found.append(value)
@@ -320,7 +328,7 @@ def test_mesh_rule_resolves_and_splits_the_batch_evenly(name, index):
         inputs.update({f"evalers['{k}'].input": e.input for k, e in cfg.evalers.items()})
         for where, input_cfg in inputs.items():
             batch = _global_batch_size(input_cfg)
-            assert batch % split == 0, (
+            assert batch is None or batch % split == 0, (
                 f"{name}: mesh rule {pattern} on {num_devices} devices gives mesh {shape}, "
                 f"which splits the batch {split} ways, but {where} has global batch {batch}"
             )

@@ -4,7 +4,11 @@ import jax
 import numpy as np
 import pytest
 
-from axlearn.common.attention import StackedTransformerLayer, build_remat_spec
+from axlearn.common.attention import (
+    RepeatedTransformerLayer,
+    StackedTransformerLayer,
+    build_remat_spec,
+)
 from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.config import ConfigError
 from axlearn.common.trainer import select_mesh_rule
@@ -144,14 +148,37 @@ def test_module_config_modifier_swaps_the_module_and_keeps_shared_fields():
     assert sorted(transformer_specs) == ["layer0", "layer1"]
 
 
-def test_module_config_modifier_fields_set_in_the_modification_win():
+def test_module_config_modifier_shared_fields_keep_the_old_value_even_if_set():
+    # AXLearn's rule: a field both configs have keeps the replaced config's value.
+    old = _config()
     modifier = ModuleConfigModifier.default_config().set(
         target_config="model.decoder.transformer",
         modification=StackedTransformerLayer.default_config().set(num_layers=1),
     )
-    cfg = _apply(modifier, _config())
-    assert cfg.model.decoder.transformer.num_layers == 1
-    assert sorted(_param_specs(cfg)["decoder"]["transformer"]) == ["layer0"]
+    cfg = _apply(modifier, old.clone())
+    assert cfg.model.decoder.transformer.num_layers == old.model.decoder.transformer.num_layers
+    assert sorted(_param_specs(cfg)["decoder"]["transformer"]) == ["layer0", "layer1"]
+
+
+def test_module_config_modifier_fields_the_old_config_lacks_come_from_the_modification():
+    stacked = _apply(
+        ModuleConfigModifier.default_config().set(
+            target_config="model.decoder.transformer",
+            modification=StackedTransformerLayer.default_config(),
+        ),
+        _config(),
+    )
+    assert "repeat" not in stacked.model.decoder.transformer.keys()
+    repeated = RepeatedTransformerLayer.default_config()
+    repeated.repeat.drop_output = None
+    cfg = _apply(
+        ModuleConfigModifier.default_config().set(
+            target_config="model.decoder.transformer", modification=repeated
+        ),
+        stacked,
+    )
+    assert cfg.model.decoder.transformer.klass is RepeatedTransformerLayer
+    assert cfg.model.decoder.transformer.repeat.drop_output is None
 
 
 def test_module_config_modifier_names_a_bad_target_path():

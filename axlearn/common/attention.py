@@ -697,7 +697,7 @@ _IMPLEMENTATIONS = (None, "xla", "cudnn")
 
 
 class MultiheadAttention(BaseLayer):
-    """Attention with num_heads heads; children i_proj, scale_query, scale_key, dropout, o_proj.
+    """Attention with num_heads heads; children i_proj, o_proj, dropout, scale_query, scale_key.
 
     Rematerialization names (for `remat_spec` policies): q_proj, k_proj, v_proj (after
     i_proj), context (before o_proj) and o_proj (after it), prefixed with the class name.
@@ -718,7 +718,8 @@ class MultiheadAttention(BaseLayer):
         dropout: Dropout.Config = Dropout.default_config()  # On attention probabilities.
         query_scale: BaseScaleQK.Config = ScaleQuery.default_config()
         key_scale: BaseScaleQK.Config = ScaleKey.default_config()
-        causal: bool = False  # Whether a query attends only to keys at or before it.
+        # Whether a query attends only to keys at or before it; None or False: not causal.
+        causal: Optional[bool] = None
         atten_logit_cap: Optional[float] = None  # cap * tanh(logits / cap); None: no cap.
         # 'xla', 'cudnn' (jax.nn.dot_product_attention's flash kernel, GPU, bf16/fp16),
         # or None: cuDNN where it applies, XLA elsewhere. On cuDNN, segment ids become
@@ -759,15 +760,16 @@ class MultiheadAttention(BaseLayer):
                 per_head_dim=self._per_head_dim,
             ),
         )
-        self._add_child("scale_query", cfg.query_scale.clone(per_head_dim=self._per_head_dim))
-        self._add_child("scale_key", cfg.key_scale.clone(per_head_dim=self._per_head_dim))
-        self._add_child("dropout", cfg.dropout)
+        # AXLearn's child order, which is the order of the `_init` golden lines.
         self._add_child(
             "o_proj",
             cfg.output_linear.clone(
                 model_dim=cfg.output_dim, num_heads=cfg.num_heads, per_head_dim=self._per_head_dim
             ),
         )
+        self._add_child("dropout", cfg.dropout)
+        self._add_child("scale_query", cfg.query_scale.clone(per_head_dim=self._per_head_dim))
+        self._add_child("scale_key", cfg.key_scale.clone(per_head_dim=self._per_head_dim))
         self._check_kv_heads(self.i_proj.num_kv_heads)
         # The cache's dtype defaults to input_linear's cache_dtype (see init_states).
         self._add_child("kv_cache", cfg.kv_cache or KVCache.default_config())
@@ -852,7 +854,7 @@ class MultiheadAttention(BaseLayer):
                 mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
             # The query is already scaled (ScaleQuery), hence scale=1.
             return jax.nn.dot_product_attention(
-                q, k, v, mask=mask, scale=1.0, is_causal=cfg.causal, implementation="cudnn"
+                q, k, v, mask=mask, scale=1.0, is_causal=bool(cfg.causal), implementation="cudnn"
             )
         batch, q_len, num_heads, head_dim = q.shape
         kv_len, num_kv_heads = k.shape[1], k.shape[2]

@@ -284,7 +284,9 @@ def metrics_config(
     )
 
 
-def _fill_z_loss_scale(metrics: ConfigBase, z_loss_scale: float, path: str) -> ConfigBase:
+def _fill_z_loss_scale(
+    metrics: ConfigBase, z_loss_scale: Optional[float], path: str
+) -> ConfigBase:
     """`metrics` with `z_loss_scale` set in each CrossEntropyLossMetrics config that leaves
     it None; one that sets its own conflicts with a nonzero model-level scale."""
     metrics = metrics.clone()
@@ -326,7 +328,9 @@ class Model(BaseLayer):
         batch_axis_names: AxisNames = "data"
         # Mesh axes of the sequence dimension of inputs (None: no constraint).
         seq_axis_names: AxisNames = None
-        z_loss_scale: float = 0.0  # Weight of mean(logsumexp(logits)^2) in the loss.
+        # Weight of mean(logsumexp(logits)^2) in the loss; None: no z-loss (or the one
+        # the metrics set).
+        z_loss_scale: Optional[float] = None
         # If set, the sequence is cut into chunks of this many tokens for the LM head and
         # the loss, each recomputed in the backward pass (aux then has no 'logits').
         loss_chunk_size: Optional[int] = None

@@ -254,7 +254,7 @@ class LmHead(BaseLayer):
         cfg = self.config
         return dict(
             weight=ParameterSpec(
-                shape=[cfg.vocab_size, cfg.embedding_dim],
+                shape=(cfg.vocab_size, cfg.embedding_dim),
                 mesh_axes=cfg.param_partition_spec,
                 fan_axes=FanAxes(in_axis=-2, out_axis=-1),
             )

@@ -9,7 +9,7 @@ such as `.*feed_forward/linear2/weight`.
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -160,7 +160,7 @@ class Linear(BaseLayer):
         cfg = self.config
         specs = dict(
             weight=ParameterSpec(
-                shape=[cfg.input_dim, cfg.output_dim],
+                shape=(cfg.input_dim, cfg.output_dim),
                 mesh_axes=cfg.param_partition_spec,
                 fan_axes=FanAxes(in_axis=-2, out_axis=-1),
             )
@@ -194,6 +194,11 @@ class Embedding(BaseLayer):
 
         num_embeddings: Required[int] = REQUIRED  # Vocabulary size.
         dim: Required[int] = REQUIRED
+        # Sharding constraints, as AXLearn's (None: none): on the ids, on the table as the
+        # lookup reads it (e.g. vocab-parallel), and on the looked-up vectors.
+        input_partition_spec: Optional[MeshAxes] = None
+        embedding_partition_spec: Optional[MeshAxes] = None
+        output_partition_spec: Optional[MeshAxes] = None
 
     def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
         cfg = self.config
@@ -209,7 +214,18 @@ class Embedding(BaseLayer):
 
     def forward(self, ids: Tensor) -> Tensor:
         """[...] int ids -> [..., dim]."""
-        return weight_take(self.parameters["weight"], ids)
+        cfg = self.config
+        ids = maybe_shard(ids, cfg.input_partition_spec)
+        weight = self.parameters["weight"]
+        if cfg.embedding_partition_spec is not None:
+            weight = jax.tree_util.tree_map(
+                lambda w: maybe_shard(w, cfg.embedding_partition_spec), weight
+            )
+        return maybe_shard(self._rows(weight, ids), cfg.output_partition_spec)
+
+    def _rows(self, weight: Union[Tensor, WeightWithCopy], ids: Tensor) -> Tensor:
+        """The rows `ids` of the table `weight`."""
+        return weight_take(weight, ids)
 
     def attend(self, x: Tensor) -> Tensor:
         """[..., dim] -> [..., num_embeddings] = x @ weight.T."""
@@ -225,8 +241,7 @@ class OneHotGradEmbedding(Embedding):
     real text has and random tokens lack; with a small vocabulary the matmul costs little
     (2 * vocab * dim flops a token). The forward pass is the same row lookup."""
 
-    def forward(self, ids: Tensor) -> Tensor:
-        weight = self.parameters["weight"]
+    def _rows(self, weight: Union[Tensor, WeightWithCopy], ids: Tensor) -> Tensor:
         if isinstance(weight, WeightWithCopy):
             return _take_with_one_hot_grad(ids, weight.weight, weight.copy)
         return _take_with_one_hot_grad(ids, weight, weight)
@@ -271,6 +286,16 @@ class BaseNormalizationLayer(BaseLayer):
         eps: float = 1e-8  # Added to the variance before rsqrt.
         # Dtype of the statistics; None: the input's dtype.
         forward_dtype: Optional[jnp.dtype] = jnp.float32
+        # Sharding constraints on the input and the normalized output, as AXLearn's (e.g.
+        # sequence-parallel inputs, gathered outputs); None: none.
+        input_partition_spec: Optional[MeshAxes] = None
+        output_partition_spec: Optional[MeshAxes] = None
+
+    def _shard_input(self, x: Tensor) -> Tensor:
+        return maybe_shard(x, self.config.input_partition_spec)
+
+    def _shard_output(self, y: Tensor) -> Tensor:
+        return maybe_shard(y, self.config.output_partition_spec)
 
     def _scale_spec(self, value: float) -> ParameterSpec:
         return ParameterSpec(
@@ -352,7 +377,9 @@ class RMSNorm(BaseNormalizationLayer):
 
     def forward(self, x: Tensor) -> Tensor:
         cfg = self.config
-        return _rms_norm(x, self.parameters["scale"], cfg.eps, cfg.forward_dtype)
+        x = self._shard_input(x)
+        y = _rms_norm(x, self.parameters["scale"], cfg.eps, cfg.forward_dtype)
+        return self._shard_output(y)
 
     def residual_and_norm(
         self, x: Tensor, *, partition_spec: Optional[MeshAxes] = None, consumers: int = 1
@@ -364,13 +391,16 @@ class RMSNorm(BaseNormalizationLayer):
             # Each device must hold whole rows: the norm sums over the last axis.
             return block[-1] == x.shape[-1] and rms_norm_supported(block)
 
+        x = self._shard_input(x)
         interpret = kernel_mode(x, partition_spec, fits=whole_rows)
         scale = self.parameters["scale"]
         if interpret is None:
-            return _residual_and_rms_norm(x, scale, cfg.eps, cfg.forward_dtype, consumers)
-        return rms_norm_with_residual(
-            x, scale, cfg.eps, cfg.forward_dtype, consumers, partition_spec, interpret
-        )
+            outputs = _residual_and_rms_norm(x, scale, cfg.eps, cfg.forward_dtype, consumers)
+        else:
+            outputs = rms_norm_with_residual(
+                x, scale, cfg.eps, cfg.forward_dtype, consumers, partition_spec, interpret
+            )
+        return (outputs[0],) + tuple(self._shard_output(y) for y in outputs[1:])
 
 
 class LayerNorm(BaseNormalizationLayer):
@@ -381,10 +411,12 @@ class LayerNorm(BaseNormalizationLayer):
 
     def forward(self, x: Tensor) -> Tensor:
         cfg = self.config
+        x = self._shard_input(x)
         y = x.astype(cfg.forward_dtype or x.dtype)
         y = y - jnp.mean(y, axis=-1, keepdims=True)
         y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + cfg.eps)
-        return (y * self.parameters["scale"] + self.parameters["bias"]).astype(x.dtype)
+        y = (y * self.parameters["scale"] + self.parameters["bias"]).astype(x.dtype)
+        return self._shard_output(y)
 
 
 # ----- regularization -----

@@ -80,8 +80,9 @@ class TrainerFieldsModifier(ConfigModifier):
 class ModuleConfigModifier(ConfigModifier):
     """Replaces the config at `target_config` with `modification`, keeping shared fields.
 
-    Fields that both the old and the new config have keep their old values unless the
-    new config sets them to something other than its default.
+    As AXLearn's: every field (but `klass`) that both the old and the new config have
+    keeps its old value, whatever `modification` sets it to; only the fields the old
+    config lacks come from `modification`.
     """
 
     @config_class
@@ -96,13 +97,8 @@ class ModuleConfigModifier(ConfigModifier):
         old = get_recursively(cfg, path)
         if not isinstance(old, ConfigBase):
             raise ConfigError(f"ModuleConfigModifier: '{path}' is not a config")
-        # What "left at its default" means: the class's default_config() where it has one
-        # (it may differ from the bare field defaults).
-        klass = getattr(new, "klass", None) if "klass" in new.keys() else None
-        defaults = klass.default_config() if hasattr(klass, "default_config") else type(new)()
         for name in new.keys():
-            shared = name in old.keys() and name != "klass"
-            if shared and getattr(new, name) == getattr(defaults, name):
+            if name != "klass" and name in old.keys():
                 setattr(new, name, getattr(old, name))
         set_recursively(cfg, path, new)
         return cfg

@@ -80,5 +80,16 @@ class KVCache(BaseLayer):
         kv_valid = jnp.arange(key.shape[1])[None, :] < filled[:, None]
         return dict(key=key, value=value), KVCacheOutput(key, value, kv_valid)
 
+    def forward(
+        self,
+        cached_states: dict[str, Tensor],
+        *,
+        k_proj: Tensor,
+        v_proj: Tensor,
+        time_step: Tensor,
+    ) -> tuple[dict[str, Tensor], KVCacheOutput]:
+        """The same as `extend_step` (AXLearn's layers are called through forward)."""
+        return self.extend_step(cached_states, k_proj=k_proj, v_proj=v_proj, time_step=time_step)
+
     def _shard(self, x: Tensor) -> Tensor:
         return maybe_shard(x, self.config.kv_partition_spec)
