@@ -23,8 +23,9 @@ norm, residual and activation fields):
   Which one runs follows from the mesh alone.
 
 Both layers report `aux_loss` = load_balance_loss_weight x load-balancing loss +
-router_z_loss_weight x router z-loss as a module output, which `causal_lm.AuxLossMetrics`
-adds to the model's loss; their gating layers add the unweighted losses as summaries.
+router_z_loss_weight x router z-loss (+ corr_loss_weight x the experts' correlation loss,
+in the capacity layer) as a module output, which `causal_lm.AuxLossMetrics` adds to the
+model's loss; the unweighted losses are summaries (of the gating layer, for the router's).
 
 Letters in `dim_to_mesh_axis_map` keys name tensor dims: O outer batch, G groups, S tokens
 of a group (or of a sequence), B batch, E experts, C capacity, M model dim, H hidden dim.
