@@ -60,8 +60,14 @@ def test_axlearn_golden_parses_and_dumps_back_identically(name):
 
 # ----- instantiating and training from the text -----
 
-FUJI_NAMES = [name for name in GOLDEN_NAMES if name.startswith("fuji-")]
-FUJI_TEST_NAMES = [name for name in FUJI_NAMES if name.startswith("fuji-test")]
+# The model families: Fuji (dense) and Envy (Switch-style mixture of experts, dense and
+# expert layers alternating); their "-test" sizes train on the CPU.
+FAMILIES = ("fuji-", "envy-")
+MODEL_NAMES = [name for name in GOLDEN_NAMES if name.startswith(FAMILIES)]
+TEST_SIZE_NAMES = [
+    name for name in MODEL_NAMES if name.startswith(tuple(f"{family}test" for family in FAMILIES))
+]
+ENVY_NAMES = [name for name in MODEL_NAMES if name.startswith("envy-")]
 
 
 def _without_missing_metrics(text: str) -> str:
@@ -86,10 +92,22 @@ def _synthetic_trainer_config(name: str):
     return cfg
 
 
-@pytest.mark.parametrize("name", FUJI_NAMES or ["<absent>"])
-def test_fuji_golden_instantiates_on_synthetic_data(name):
+def _text_value(text: str, key: str) -> str:
+    """The value written on the `key: value` line of a golden's text."""
+    values = [line.split(": ", 1)[1] for line in text.splitlines() if line.startswith(f"{key}: ")]
+    assert len(values) == 1, (key, values)
+    return values[0]
+
+
+def _synthetic_trainer(name: str):
+    """(the golden's synthetic trainer config, the trainer built from it)."""
     cfg = _synthetic_trainer_config(name)
-    trainer = cfg.instantiate(parent=None)
+    return cfg, cfg.instantiate(parent=None)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES or ["<absent>"])
+def test_golden_instantiates_on_synthetic_data(name):
+    cfg, trainer = _synthetic_trainer(name)
     specs = trainer.model_param_specs["decoder"]["emb"]["token_emb"]["weight"]
     assert list(specs.shape) == [cfg.model.decoder.vocab_size, cfg.model.decoder.dim]
 
@@ -101,16 +119,32 @@ def test_fuji_test_v3_regularizer_golden_equals_ours():
     assert golden_config.regularizer_text(cfg) + "\n" == golden_text("fuji-test-v3_regularizer.txt")
 
 
+@pytest.mark.parametrize("name", ENVY_NAMES or ["<absent>"])
+def test_envy_golden_alternates_dense_and_expert_layers(name):
+    text = golden_text(name)
+    _, trainer = _synthetic_trainer(name)
+    stage = trainer.model_param_specs["decoder"]["transformer"]["repeat"]["layer"]
+    repeats = int(_text_value(text, "model.decoder.transformer.num_layers"))
+    dim = int(_text_value(text, "model.decoder.dim"))
+    moe = "model.decoder.transformer.layer.layer[1].feed_forward"
+    experts = int(_text_value(text, f"{moe}.num_experts"))
+    assert "gate_weight" not in stage["layer0"]["feed_forward"]
+    assert list(stage["layer1"]["feed_forward"]["gate_weight"].shape) == [repeats, dim, experts]
+
+
 @pytest.mark.slow  # Compiles and runs a trainer.
-@pytest.mark.parametrize("name", FUJI_TEST_NAMES or ["<absent>"])
-def test_fuji_test_golden_trains_five_steps_from_its_text(name, caplog):
+@pytest.mark.parametrize("name", TEST_SIZE_NAMES or ["<absent>"])
+def test_test_size_golden_trains_five_steps_from_its_text(name, caplog):
+    text = golden_text(name)
     cfg = _synthetic_trainer_config(name)
     cfg.set(max_step=5, vlog=1)
     trainer = cfg.instantiate(parent=None)
     with caplog.at_level(logging.INFO, logger="axlearn.common.trainer"):
         summaries = trainer.run()
     assert trainer.step == 5 and math.isfinite(summaries["loss"])
-    assert "Step 5: batch {'input_ids': (32, 64)" in caplog.text
+    batch = _text_value(text, "input.input_dispatcher.global_logical_batch_size")
+    seq_len = _text_value(text, "input.source.max_sequence_length")
+    assert f"Step 5: batch {{'input_ids': ({batch}, {seq_len})" in caplog.text
 
 
 def test_the_ten_axlearn_goldens_are_present():

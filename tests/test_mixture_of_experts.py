@@ -307,3 +307,101 @@ def test_row_gathers_take_their_gradient_by_gathering_back():
     y, vjp = jax.vjp(lambda x: _take_rows(x, index, inverse), x)
     np.testing.assert_array_equal(y, expected_y)
     np.testing.assert_array_equal(vjp(dy)[0], expected_vjp(dy)[0])
+
+
+# ----- AXLearn's fields: corr_loss_weight, mask_dtype, outer_batch -1, hidden_dim rules -----
+
+
+def _capacity_config(**kwargs) -> TransformerFeedForwardMoE.Config:
+    fields = dict(
+        name="moe",
+        input_dim=3,
+        hidden_dim=4,
+        num_experts=4,
+        num_groups=1,
+        structure="nonorm",
+        param_init=default_initializer_config(),
+    )
+    return TransformerFeedForwardMoE.default_config().set(**{**fields, **kwargs})
+
+
+def _forward(layer, params, x):
+    """(outputs, output collection) of one jitted training forward."""
+    return jax.jit(lambda p, x: F(layer, state=p, inputs=(x,), prng_key=None, is_training=True))(
+        params, x
+    )
+
+
+def test_expert_correlation_loss_is_the_mean_off_identity_cosine_of_router_columns():
+    layer = _capacity_config(
+        corr_loss_weight=0.5, load_balance_loss_weight=0.0, router_z_loss_weight=0.0
+    ).instantiate(parent=None)
+    params = layer.initialize_parameters_recursively(jax.random.PRNGKey(0))
+    params["gate_weight"] = jnp.asarray(
+        [[1.0, 0.0, 1.0, -2.0], [0.0, 1.0, 1.0, 0.5], [0.0, 0.0, 0.0, 1.0]]
+    )
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 3))
+    _, collection = _forward(layer, params, x)
+    w = np.asarray(params["gate_weight"], np.float64)
+    norms = np.linalg.norm(w, axis=0)
+    cosines = np.array([[w[:, e] @ w[:, f] for f in range(4)] for e in range(4)])
+    cosines /= norms[:, None] * norms[None, :]
+    off_identity = np.abs(cosines - np.eye(4))
+    loss = 0.5 * off_identity.sum() / 16
+    summaries = collection.summaries
+    np.testing.assert_allclose(summaries["expert_cov_loss"], loss, rtol=1e-6)
+    np.testing.assert_allclose(summaries["expert_cov_max"], off_identity.max(), rtol=1e-6)
+    np.testing.assert_allclose(collection.module_outputs["aux_loss"], 0.5 * loss, rtol=1e-6)
+
+
+def test_top2_mask_dtype_changes_no_routing_decision():
+    logits = jax.random.normal(jax.random.PRNGKey(2), (1, 2, 6, 4)) * 3
+    outputs = []
+    for mask_dtype in (jnp.int32, jnp.float32):
+        gating = Top2Gating.default_config().set(
+            name="gating", num_experts=4, mask_dtype=mask_dtype, train_capacity_factor=1.0
+        ).instantiate(parent=None)
+        out, _ = _forward(gating, {}, logits)
+        outputs.append(out)
+    ints, floats = outputs
+    assert ints.dispatch_tensor.dtype == jnp.bool_
+    np.testing.assert_array_equal(ints.dispatch_tensor, floats.dispatch_tensor)
+    np.testing.assert_array_equal(ints.combine_tensor, floats.combine_tensor)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(outer_batch=0), "outer_batch"),
+        (dict(outer_batch=-2), "outer_batch"),
+        (dict(corr_loss_weight=-1.0), "corr_loss_weight"),
+        (dict(gating=Top2Gating.default_config().set(mask_dtype=jnp.bool_)), "mask_dtype"),
+    ],
+)
+def test_bad_capacity_layer_fields_fail_naming_the_field(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        _capacity_config(**kwargs).instantiate(parent=None)
+
+
+def test_outer_batch_minus_one_is_the_mesh_size_of_the_outer_dim_axes():
+    axes = dict(TransformerFeedForwardMoE.default_config().dim_to_mesh_axis_map)
+    axes["ogsm"] = (("data", "fsdp"), "expert", None, "model")
+    layer = _capacity_config(outer_batch=-1, dim_to_mesh_axis_map=axes).instantiate(parent=None)
+    assert layer.outer_batch() == 1  # No mesh.
+    mesh = jax.sharding.AbstractMesh((2, 4, 3), ("data", "fsdp", "expert"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert layer.outer_batch() == 2 * 4
+
+
+def test_hidden_dim_rule_gives_the_moe_layer_the_dense_layer_hidden_dim():
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.attention import TransformerFeedForwardLayer
+    from axlearn.common.config import config_for_function  # pylint: disable=C0415
+    from axlearn.experiments.text.gpt.common import scale_fn  # pylint: disable=C0415
+
+    rule = config_for_function(scale_fn).set(scale=8 / 3, round_up_to_multiples_of=16)
+    moe = _capacity_config(input_dim=8, hidden_dim=rule).instantiate(parent=None)
+    dense = TransformerFeedForwardLayer.default_config().set(
+        name="ff", input_dim=8, hidden_dim=rule
+    ).instantiate(parent=None)
+    assert moe.hidden_dim == dense.hidden_dim == 32  # 8 x 8/3 = 21.3, up to a multiple of 16.

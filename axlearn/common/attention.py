@@ -1299,12 +1299,40 @@ class BaseStackedTransformerLayer(BaseLayer):
 
 
 class StackedTransformerLayer(BaseStackedTransformerLayer):
-    """One child per layer: layer0 ... layer{num_layers-1}."""
+    """One child per layer: layer0 ... layer{num_layers-1}.
 
-    def __init__(self, cfg: BaseStackedTransformerLayer.Config, *, parent: Optional[Module]):
+    `layer` is one config that every layer copies, or a list of num_layers configs, one
+    per layer (as AXLearn's MoE configs alternate dense and mixture-of-experts layers).
+    """
+
+    @config_class
+    class Config(BaseStackedTransformerLayer.Config):
+        """Configures StackedTransformerLayer."""
+
+        # One layer config for all layers, or a sequence of num_layers configs in order.
+        layer: Required[Union[BaseLayer.Config, Sequence[BaseLayer.Config]]] = REQUIRED
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
-        for i in range(cfg.num_layers):
-            self._add_child(f"layer{i}", cfg.layer.clone(input_dim=cfg.input_dim))
+        for i, layer in enumerate(self._layer_configs()):
+            self._add_child(f"layer{i}", layer.clone(input_dim=cfg.input_dim))
+
+    def _layer_configs(self) -> list[BaseLayer.Config]:
+        """The config of each layer, checked against num_layers."""
+        cfg = self.config
+        if not isinstance(cfg.layer, (list, tuple)):
+            return [cfg.layer] * cfg.num_layers
+        if len(cfg.layer) != cfg.num_layers:
+            raise ConfigError(
+                f"{self.path()}.layer: {len(cfg.layer)} layer configs for "
+                f"num_layers={cfg.num_layers}; give one config or exactly num_layers"
+            )
+        for i, layer in enumerate(cfg.layer):
+            if not isinstance(layer, BaseLayer.Config):
+                raise ConfigError(
+                    f"{self.path()}.layer[{i}]: expected a layer config, got {type(layer).__name__}"
+                )
+        return list(cfg.layer)
 
     def _layers(self) -> list[BaseLayer]:
         return [getattr(self, f"layer{i}") for i in range(self._config.num_layers)]
@@ -1366,6 +1394,11 @@ class RepeatedTransformerLayer(BaseStackedTransformerLayer):
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
+        if isinstance(cfg.layer, (list, tuple)):
+            raise ConfigError(
+                f"{self.path()}.layer: repeated layers share one config; to alternate layer "
+                "kinds, repeat a StackedTransformerLayer whose `layer` lists them"
+            )
         self._add_child(
             "repeat",
             cfg.repeat.clone(

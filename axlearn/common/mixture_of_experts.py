@@ -23,8 +23,9 @@ norm, residual and activation fields):
   Which one runs follows from the mesh alone.
 
 Both layers report `aux_loss` = load_balance_loss_weight x load-balancing loss +
-router_z_loss_weight x router z-loss as a module output, which `causal_lm.AuxLossMetrics`
-adds to the model's loss; their gating layers add the unweighted losses as summaries.
+router_z_loss_weight x router z-loss (+ corr_loss_weight x the experts' correlation loss,
+in the capacity layer) as a module output, which `causal_lm.AuxLossMetrics` adds to the
+model's loss; the unweighted losses are summaries (of the gating layer, for the router's).
 
 Letters in `dim_to_mesh_axis_map` keys name tensor dims: O outer batch, G groups, S tokens
 of a group (or of a sequence), B batch, E experts, C capacity, M model dim, H hidden dim.
@@ -72,6 +73,15 @@ _STRUCTURES = ("prenorm", "postnorm", "hybridnorm", "nonorm")
 def _router_z_loss(logits: Tensor) -> Tensor:
     """mean(logsumexp(logits)^2) over tokens: keeps router logits small (ST-MoE)."""
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+
+
+def _expert_correlation_loss(gate_weight: Tensor) -> tuple[Tensor, Tensor]:
+    """How alike the experts' router directions are: with c[e, f] the cosine between
+    columns e and f of `gate_weight` [M, E], returns (0.5 x mean over e, f of
+    |c[e, f] - [e == f]|, the largest such entry). Both are 0 for orthogonal columns."""
+    columns = gate_weight / jnp.linalg.norm(gate_weight, axis=0, keepdims=True)
+    off_identity = jnp.abs(columns.T @ columns - jnp.eye(gate_weight.shape[1]))
+    return 0.5 * jnp.mean(off_identity), jnp.max(off_identity)
 
 
 def _cap_logits(logits: Tensor, cap: float) -> Tensor:
@@ -124,6 +134,9 @@ class Top2Gating(BaseGating):
         train_capacity_factor: float = 2.0
         eval_capacity_factor: float = 2.0
         expert_capacity: Optional[int] = None  # Tokens an expert takes per group, if set.
+        # dtype of the one-hot expert masks and of the slot positions counted from them
+        # (an int, or a float that counts group sizes exactly; bfloat16 stops at 256).
+        mask_dtype: jnp.dtype = jnp.int32
 
     class Output(NamedTuple):
         """What Top2Gating.forward returns."""
@@ -143,6 +156,16 @@ class Top2Gating(BaseGating):
                 raise ConfigError(f"{self.path()}.{name} must be > 0, got {getattr(cfg, name)}")
         if cfg.expert_capacity is not None and cfg.expert_capacity < 1:
             raise ConfigError(f"{self.path()}.expert_capacity must be >= 1 or None")
+        try:
+            mask_dtype = jnp.dtype(cfg.mask_dtype)
+        except TypeError as e:
+            raise ConfigError(f"{self.path()}.mask_dtype: {cfg.mask_dtype!r} is not a dtype") from e
+        if not jnp.issubdtype(mask_dtype, jnp.integer) and not jnp.issubdtype(
+            mask_dtype, jnp.floating
+        ):
+            raise ConfigError(
+                f"{self.path()}.mask_dtype: expected an integer or float dtype, got {mask_dtype}"
+            )
 
     @property
     def num_experts_per_token(self) -> int:
@@ -158,18 +181,18 @@ class Top2Gating(BaseGating):
 
     def forward(self, logits: Tensor) -> Output:
         """logits [O, G, S, E] -> Top2Gating.Output."""
-        num_experts = self.config.num_experts
+        num_experts, mask_dtype = self.config.num_experts, self.config.mask_dtype
         logits, probs = self._probabilities(logits)
         capacity = self.expert_capacity(logits.shape[-2])
-        mask_1 = jax.nn.one_hot(jnp.argmax(probs, axis=-1), num_experts)
+        mask_1 = jax.nn.one_hot(jnp.argmax(probs, axis=-1), num_experts, dtype=mask_dtype)
         gate_1 = jnp.sum(probs * mask_1, axis=-1)
-        probs_2 = probs * (1.0 - mask_1)
-        mask_2 = jax.nn.one_hot(jnp.argmax(probs_2, axis=-1), num_experts)
+        probs_2 = jnp.where(mask_1 > 0, 0.0, probs)
+        mask_2 = jax.nn.one_hot(jnp.argmax(probs_2, axis=-1), num_experts, dtype=mask_dtype)
         gate_2 = jnp.sum(probs_2 * mask_2, axis=-1)
         denominator = gate_1 + gate_2
         gate_1, gate_2 = gate_1 / denominator, gate_2 / denominator
 
-        density = jnp.mean(mask_1, axis=-2)  # [O, G, E], before capacity.
+        density = jnp.mean(mask_1.astype(jnp.float32), axis=-2)  # [O, G, E], before capacity.
         density_proxy = jnp.mean(probs, axis=-2)
         load_balance_loss = jnp.mean(density * density_proxy) * num_experts**2
 
@@ -181,15 +204,17 @@ class Top2Gating(BaseGating):
 
         def slots(kept: Tensor, position: Tensor) -> Tensor:  # [O, G, S, E, C] one-hot.
             slot = jnp.sum(kept * position, axis=-1).astype(jnp.int32)
-            return kept[..., None] * jax.nn.one_hot(slot, capacity)[..., None, :]
+            one_hot = jax.nn.one_hot(slot, capacity, dtype=jnp.float32)
+            return kept.astype(jnp.float32)[..., None] * one_hot[..., None, :]
 
         slots_1, slots_2 = slots(kept_1, position_1), slots(kept_2, position_2)
         combine = gate_1[..., None, None] * slots_1 + gate_2[..., None, None] * slots_2
         router_z_loss = _router_z_loss(logits)
         self.add_summary("load_balance_loss", load_balance_loss)
         self.add_summary("router_z_loss", router_z_loss)
-        self.add_summary("over_capacity_1", 1.0 - jnp.sum(kept_1) / jnp.sum(mask_1))
-        self.add_summary("over_capacity_2", 1.0 - jnp.sum(kept_2) / jnp.sum(mask_2))
+        for i, (kept, mask) in enumerate([(kept_1, mask_1), (kept_2, mask_2)], start=1):
+            kept_fraction = jnp.sum(kept, dtype=jnp.float32) / jnp.sum(mask, dtype=jnp.float32)
+            self.add_summary(f"over_capacity_{i}", 1.0 - kept_fraction)
         return self.Output(
             combine_tensor=combine,
             dispatch_tensor=(slots_1 + slots_2) > 0,
@@ -432,8 +457,13 @@ class BaseTransformerFeedForwardMoE(BaseLayer):
         self.add_module_output(
             "aux_loss",
             cfg.load_balance_loss_weight * load_balance_loss
-            + cfg.router_z_loss_weight * router_z_loss,
+            + cfg.router_z_loss_weight * router_z_loss
+            + self._other_weighted_aux_losses(),
         )
+
+    def _other_weighted_aux_losses(self) -> Union[float, Tensor]:
+        """Weighted auxiliary losses a subclass adds to `aux_loss`, beyond the router's."""
+        return 0.0
 
     def _hidden(self, pre_activations: Sequence[Tensor]) -> Tensor:
         """act0(a0) [* act1(a1)]: the experts' hidden units."""
@@ -456,9 +486,15 @@ class TransformerFeedForwardMoE(BaseTransformerFeedForwardMoE):
 
         gating: BaseGating.Config = Top2Gating.default_config()
         # The tokens, [outer_batch, num_groups, group size], are routed a group at a time;
-        # batch x seq must divide by outer_batch x num_groups.
+        # batch x seq must divide by outer_batch x num_groups. -1: as many as the mesh
+        # splits the outer dim, the product of the sizes of the mesh axes that
+        # dim_to_mesh_axis_map['ogsm'] gives it (AXLearn derives it so from the mesh shape).
         outer_batch: int = 1
         num_groups: Required[int] = REQUIRED
+        # Weight in `aux_loss` of the expert correlation loss (`_expert_correlation_loss`
+        # of the router weight), which pushes the experts' router directions apart;
+        # 0: not computed. Reported unweighted as the summary 'expert_cov_loss'.
+        corr_loss_weight: float = 0.0
 
     _MESH_AXIS_KEYS = ("me", "emh", "ehm", "ogsm", "ogsec", "oegcm", "oegch")
 
@@ -481,23 +517,53 @@ class TransformerFeedForwardMoE(BaseTransformerFeedForwardMoE):
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
         cfg = self.config
-        for name in ("outer_batch", "num_groups"):
-            value = getattr(cfg, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{self.path()}.{name}: expected a positive int, got {value}")
+        if not isinstance(cfg.num_groups, int) or cfg.num_groups < 1:
+            raise ConfigError(
+                f"{self.path()}.num_groups: expected a positive int, got {cfg.num_groups}"
+            )
+        if not isinstance(cfg.outer_batch, int) or (cfg.outer_batch < 1 and cfg.outer_batch != -1):
+            raise ConfigError(
+                f"{self.path()}.outer_batch: expected a positive int or -1 (from the mesh), "
+                f"got {cfg.outer_batch}"
+            )
+        if cfg.corr_loss_weight < 0:
+            raise ConfigError(
+                f"{self.path()}.corr_loss_weight must be >= 0, got {cfg.corr_loss_weight}"
+            )
+
+    def outer_batch(self) -> int:
+        """The outer batch the tokens are cut into: cfg.outer_batch, or for -1 the number
+        of shards of the outer dim on the current mesh (1 without a mesh)."""
+        cfg = self.config
+        if cfg.outer_batch != -1:
+            return cfg.outer_batch
+        sizes = current_mesh_axes()
+        outer_axes = axis_names(cfg.dim_to_mesh_axis_map["ogsm"][0])
+        return math.prod(sizes.get(name, 1) for name in outer_axes)
+
+    def _other_weighted_aux_losses(self) -> Union[float, Tensor]:
+        cfg = self.config
+        if not cfg.corr_loss_weight:
+            return 0.0
+        gate_weight = _weight_array(self.parameters["gate_weight"], jnp.float32)
+        corr_loss, corr_max = _expert_correlation_loss(gate_weight)
+        self.add_summary("expert_cov_loss", corr_loss)
+        self.add_summary("expert_cov_max", corr_max)
+        return cfg.corr_loss_weight * corr_loss
 
     def _dispatch_and_combine(self, x: Tensor) -> Tensor:
         cfg = self.config
         axes = cfg.dim_to_mesh_axis_map
         token_shape = x.shape[:-1]
         num_tokens = math.prod(token_shape)
-        groups = cfg.outer_batch * cfg.num_groups
+        outer_batch = self.outer_batch()
+        groups = outer_batch * cfg.num_groups
         if num_tokens % groups:
             raise ValueError(
                 f"{self.path()}: {num_tokens} tokens ({token_shape}) do not split into "
                 f"outer_batch x num_groups = {groups} groups"
             )
-        x = x.reshape(cfg.outer_batch, cfg.num_groups, num_tokens // groups, cfg.input_dim)
+        x = x.reshape(outer_batch, cfg.num_groups, num_tokens // groups, cfg.input_dim)
         x = maybe_shard(x, axes["ogsm"])
         gating = self.gating(self._router_logits(x))
         self._add_aux_loss(gating.load_balance_loss, gating.router_z_loss)
