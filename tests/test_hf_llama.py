@@ -257,3 +257,14 @@ def test_export_refuses_a_directory_holding_weights(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(ConfigError, match="model.safetensors.index.json"):
         hf_llama.write_hf_model({}, cfg, str(tmp_path))
+
+
+def test_a_stack_of_per_layer_configs_is_refused_naming_the_field():
+    cfg = hf_llama.llama_model_config(
+        vocab_size=32, dim=8, num_layers=2, num_heads=2, num_kv_heads=1, hidden_dim=16,
+        repeated=False,
+    )
+    layer = cfg.decoder.transformer.layer
+    cfg.decoder.transformer.layer = [layer.clone(), layer.clone()]
+    with pytest.raises(ConfigError, match=r"decoder\.transformer\.layer: a list"):
+        hf_llama.llama_dims(cfg)

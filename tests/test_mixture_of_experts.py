@@ -104,7 +104,7 @@ _HAND_LOGITS = np.array(
 
 
 def test_capacity_dispatch_drops_what_a_hand_computed_case_drops():
-    """Capacity ceil(1.5 x 4 / 3) = 2. First choices claim slots in token order: e0 takes
+    """Capacity 2 (expert_capacity; int(1.5 x 4 / 3) = 2 does not raise it). First choices claim slots in token order: e0 takes
     t0 (slot 0) and t1 (slot 1) and drops t2; e1 takes t3 (slot 0). Then second choices,
     after them: t0 -> e1 slot 1; t1 -> e2 slot 0; t2 -> e1 is past capacity, as is t3 -> e0
     (e0 is full). So t2 reaches no expert and passes nothing through the layer."""
@@ -115,7 +115,7 @@ def test_capacity_dispatch_drops_what_a_hand_computed_case_drops():
         num_experts=3,
         num_groups=1,
         structure="nonorm",
-        gating=Top2Gating.default_config().set(train_capacity_factor=1.5),
+        gating=Top2Gating.default_config().set(train_capacity_factor=1.5, expert_capacity=2),
         param_init=default_initializer_config(),
     )
     layer = cfg.instantiate(parent=None)
@@ -405,3 +405,23 @@ def test_hidden_dim_rule_gives_the_moe_layer_the_dense_layer_hidden_dim():
         name="ff", input_dim=8, hidden_dim=rule
     ).instantiate(parent=None)
     assert moe.hidden_dim == dense.hidden_dim == 32  # 8 x 8/3 = 21.3, up to a multiple of 16.
+
+
+@pytest.mark.parametrize(
+    "group_size, factor, least, expected",
+    [(4, 1.5, None, 1), (16, 2.0, None, 8), (24, 2.0, None, 12), (40, 1.0, None, 8),
+     (40, 1.0, 12, 12), (40, 2.0, 3, 16)],
+)
+def test_expert_capacity_is_axlearn_s_rounded_to_a_multiple_of_four(
+    group_size, factor, least, expected
+):
+    """int(group x factor / experts) over 5 experts, rounded up to a multiple of 4, unless
+    expert_capacity is at least that."""
+    gating = Top2Gating.default_config().set(
+        name="gating", num_experts=5, train_capacity_factor=factor, expert_capacity=least
+    ).instantiate(parent=None)
+    capacity, _ = F(
+        gating, state={}, inputs=(group_size,), prng_key=None, is_training=True,
+        method="expert_capacity",
+    )
+    assert capacity == expected

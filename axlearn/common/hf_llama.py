@@ -453,6 +453,10 @@ def _structure(cfg: Model.Config) -> dict[str, Any]:
             f"got {transformer.klass.__name__}"
         )
     layer = transformer.layer
+    if isinstance(layer, (list, tuple)):
+        raise ConfigError(
+            "decoder.transformer.layer: a list of per-layer configs; a Llama repeats one layer"
+        )
     attention = layer.self_attention.attention
     rope = attention.input_linear
     if rope.klass is not RoFormerQKVLinear or rope.input_linear.klass is not FusedGroupedQKVLinear:

@@ -129,6 +129,10 @@ def mixtral_dims(cfg: Model.Config) -> tuple[LlamaDims, int, int]:
     """(Llama dims, num_experts, experts per token) of a Mixtral-shaped `cfg`; ConfigError
     naming the field where it is not one."""
     path = "decoder.transformer.layer.feed_forward"
+    if isinstance(cfg.decoder.transformer.layer, (list, tuple)):
+        raise ConfigError(
+            "decoder.transformer.layer: a list of per-layer configs; Mixtral repeats one layer"
+        )
     moe = cfg.decoder.transformer.layer.feed_forward
     if moe.klass is not TransformerFeedForwardDropFreeMoE:
         raise ConfigError(

@@ -129,11 +129,12 @@ class Top2Gating(BaseGating):
     class Config(BaseGating.Config):
         """Configures Top2Gating."""
 
-        # Capacity = ceil(factor * group_size / num_experts) in training and evaluation,
-        # unless expert_capacity is set.
+        # Capacity (tokens an expert takes per group), as AXLearn computes it: at least
+        # expert_capacity (None: 1), and at least int(factor * group_size / num_experts)
+        # rounded up to a multiple of 4, with the training or the evaluation factor.
         train_capacity_factor: float = 2.0
         eval_capacity_factor: float = 2.0
-        expert_capacity: Optional[int] = None  # Tokens an expert takes per group, if set.
+        expert_capacity: Optional[int] = None
         # dtype of the one-hot expert masks and of the slot positions counted from them
         # (an int, or a float that counts group sizes exactly; bfloat16 stops at 256).
         mask_dtype: jnp.dtype = jnp.int32
@@ -172,12 +173,14 @@ class Top2Gating(BaseGating):
         return 2
 
     def expert_capacity(self, group_size: int) -> int:
-        """Tokens each expert takes from a group of `group_size`."""
+        """Tokens each expert takes from a group of `group_size` (see the config)."""
         cfg = self.config
-        if cfg.expert_capacity is not None:
-            return cfg.expert_capacity
+        least = cfg.expert_capacity or 1
         factor = cfg.train_capacity_factor if self.is_training else cfg.eval_capacity_factor
-        return max(1, math.ceil(factor * group_size / cfg.num_experts))
+        from_factor = int(group_size * factor / cfg.num_experts)
+        if from_factor <= least:
+            return least
+        return -(-from_factor // 4) * 4
 
     def forward(self, logits: Tensor) -> Output:
         """logits [O, G, S, E] -> Top2Gating.Output."""
