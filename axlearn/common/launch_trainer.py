@@ -867,12 +867,20 @@ def check_trainer_dir(trainer_dir: str) -> None:
         raise ConfigError(f"--trainer_dir={trainer_dir}: {e}") from e
 
 
-def record_config(trainer_dir: str, text: str, *, allow_change: bool, write: bool) -> None:
+def record_config(
+    trainer_dir: str,
+    text: str,
+    *,
+    allow_change: bool,
+    write: bool,
+    all_have_read: Callable[[], None] = lambda: None,
+) -> None:
     """Compares `text` with the config recorded by the run's last start, if any, and
     records it (`write`: process 0 only).
 
     Changed keys are logged; a change outside RESTARTABLE_KEYS and the fields that follow
-    max_step is an error listing those keys, unless `allow_change`.
+    max_step is an error listing those keys, unless `allow_change`. `all_have_read` returns
+    once every process has compared (a barrier), so that all compare with the same record.
     """
     path = file_system.join(trainer_dir, CONFIG_RECORD)
     if file_system.isfile(path):
@@ -889,12 +897,23 @@ def record_config(trainer_dir: str, text: str, *, allow_change: bool, write: boo
                 f"key(s) that may not change between restarts: {'; '.join(refused)}. Resume "
                 "anyway with --allow_config_change, or start a new run in another --trainer_dir"
             )
+    all_have_read()
     if write:
         file_system.makedirs(trainer_dir)
         file_system.write_text(path, text)  # Readers see the old record or the whole new one.
 
 
 # ----- the run -----
+
+
+def _sync_processes() -> None:
+    """Returns once every process of a multi-process run has called it."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+        multihost_utils.sync_global_devices("launch_trainer.record_config")
 
 
 def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict[str, Any]]:
@@ -942,6 +961,7 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
             cfg.debug_string(),
             allow_change=flag_values.allow_config_change,
             write=jax.process_index() == 0,
+            all_have_read=_sync_processes,
         )
         trainer = cfg.instantiate(parent=None)
         # Raises preemption.Preempted on SIGTERM or SIGINT, once the step it reached is
