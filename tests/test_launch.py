@@ -34,7 +34,7 @@ from axlearn.common.causal_lm import count_parameters
 from axlearn.common.trainer_config_modifier import apply_mesh_rule
 from axlearn.experiments.text.gpt import common
 from experiments import gpt
-from tests.fresh_python import REPO, fresh_env
+from tests.fresh_python import REPO, fresh_env, run_python
 
 MAIN = "axlearn.common.launch_trainer_main"
 
@@ -669,3 +669,30 @@ def test_restart_with_allow_config_change_resumes_and_records_the_new_config(res
     assert "learner.optimizer.max_norm: 1 -> 2.0" in result.stderr
     assert "Restored step 6" in result.stderr
     assert "learner.optimizer.max_norm: 2.0" in (restarted_dir / "config.txt").read_text()
+
+
+# The packages of the optional extras (pyproject.toml): a core install has none of them.
+_EXTRA_PACKAGES = (
+    "tensorflow", "tensorflow_datasets", "seqio", "sentencepiece", "tokenizers", "pyarrow",
+    "zstandard", "safetensors", "torch", "transformers", "moto",
+)
+
+
+@pytest.mark.slow
+def test_a_core_install_lists_every_named_config():
+    """The quick start's command runs on a core install: no experiment module imports an
+    extra's package at import time (the packages are hidden from the subprocess)."""
+    script = f"""
+import importlib.abc, runpy, sys
+class NoExtras(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {_EXTRA_PACKAGES!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (hidden)", name=name)
+        return None
+sys.meta_path.insert(0, NoExtras())
+sys.argv = ["launch_trainer_main", "--list_configs"]
+runpy.run_module("axlearn.common.launch_trainer_main", run_name="__main__")
+"""
+    result = run_python(script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fuji-test-v3" in result.stdout and "gpt_test" in result.stdout

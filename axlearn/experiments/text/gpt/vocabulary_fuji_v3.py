@@ -12,7 +12,6 @@ Documents end with `<|end_of_text|>` (eos, 128001 in Llama 3), start with
 from collections.abc import Sequence
 
 import numpy as np
-import tokenizers
 
 from axlearn.common.config import REQUIRED, Configurable, Required, config_class
 from axlearn.common.input_vocab import (
@@ -41,6 +40,8 @@ class FujiV3Vocabulary(Configurable):
         super().__init__(cfg)
         path = resolve_vocab_file(cfg.filename)
         self._vocab = HuggingFaceVocabulary(path, eos_token=EOS_TOKEN, bos_token=BOS_TOKEN)
+        import tokenizers  # pylint: disable=import-outside-toplevel  # The `data` extra.
+
         tokenizer = tokenizers.Tokenizer.from_file(path)
         pads = [tokenizer.token_to_id(token) for token in PAD_TOKENS]
         pads = [i for i in pads if i is not None]
