@@ -182,8 +182,8 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
 DESCRIPTIONS = {
     "moe_test": "A tiny byte-level mixture of experts (4 experts, 2 a token) that trains on "
     "the Python standard library in about a minute on the CPU.",
-    "moe_8x1b": "gpt_1b with 8 experts, 2 a token (1.9B of 6.7B parameters active); on 4 or "
-    "8 GPUs of one host the experts are split over the GPUs.",
+    "moe_8x1b": "gpt_1b with 8 experts, 2 a token (1.9B of 6.7B parameters active); on one host "
+    "(two H200s, 4 or 8 GPUs) the experts are split over the GPUs.",
     "moe_8x1b_fsdp": "moe_8x1b with every expert on every GPU of a host, split along the "
     "model dim (FSDP): no token moves between GPUs.",
 }
