@@ -45,9 +45,7 @@ from axlearn.common.sharding import gathered_for_matmul
 FORWARD_DTYPE = jnp.float8_e4m3fn
 GRADIENT_DTYPE = jnp.float8_e5m2
 
-# The history length of delayed scaling unless a config says otherwise. Delayed scaling is
-# the default because its training quality is the one measured; on gpt_1b current scaling
-# ran at about the same speed (docs/performance.md).
+# The history length of delayed scaling, the default scaling, unless a config says otherwise.
 DEFAULT_AMAX_HISTORY_LENGTH = 128
 
 # Scales stay within 2**-100 .. 2**100: their reciprocals then exist in bf16 too, and a
