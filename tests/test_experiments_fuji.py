@@ -6,22 +6,14 @@ comparisons skip where they are absent.
 """
 
 import difflib
-import os
-import pathlib
 import re
 
 import pytest
 
 from axlearn.common.config import ConfigError
 from axlearn.experiments.text.gpt import fuji
+from tests.test_axlearn_goldens import GOLDENS_DIR, golden_text
 
-_REPO = pathlib.Path(__file__).resolve().parents[1]
-_CANDIDATES = (
-    os.environ.get("AXLEARN_GOLDENS"),
-    _REPO.parent / "shared" / "axlearn_goldens",
-    pathlib.Path("/work/shared/axlearn_goldens"),
-)
-GOLDENS_DIR = next((pathlib.Path(c) for c in _CANDIDATES if c and pathlib.Path(c).is_dir()), None)
 
 # Lines our dump has that AXLearn's lacks, each for a default our classes set differently:
 # a regex on the whole line and why. A line matching none of these is a real difference.
@@ -35,12 +27,9 @@ KNOWN_EXTRA_LINES = (
 
 
 def _axlearn_golden(name: str) -> str:
-    if GOLDENS_DIR is None:
-        pytest.skip("shared/axlearn_goldens not found (set AXLEARN_GOLDENS to its path)")
-    path = GOLDENS_DIR / f"{name}.txt"
-    if not path.exists():
-        pytest.skip(f"{path} is not among the shared goldens")
-    return path.read_text(encoding="utf-8")
+    if GOLDENS_DIR is not None and not (GOLDENS_DIR / f"{name}.txt").exists():
+        pytest.skip(f"{name}.txt is not among the shared goldens")
+    return golden_text(f"{name}.txt")
 
 
 def _known_extra(line: str) -> bool:
