@@ -162,7 +162,10 @@ def run_benchmark(
     `modify`: applied to the trainer config after overrides (benchmark variants).
     """
     # pylint: disable-next=import-outside-toplevel
-    from axlearn.common.launch_trainer import lookup_named_config, mesh_selector_from_devices
+    from axlearn.common.experiment_registry import lookup_named_config
+
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.mesh_selection import mesh_selector_from_devices
 
     # A wrong name fails before JAX looks for devices.
     lookup_named_config(config, module=module)

@@ -82,12 +82,12 @@ def _without_missing_metrics(text: str) -> str:
 
 def _synthetic_trainer_config(name: str):
     """The golden's trainer config, on synthetic batches of its shape, on one mesh axis."""
-    from axlearn.common import launch_trainer  # pylint: disable=import-outside-toplevel
+    from axlearn.common import launch_data  # pylint: disable=import-outside-toplevel
 
     cfg = parse_flat_text(_without_missing_metrics(golden_text(name)), source=name, foreign=True)
     # Mesh rules apply only on the hardware they name (FP8's modifier is not here yet).
     assert [path for path, _ in unresolved_values(cfg) if not path.startswith("mesh_rules")] == []
-    cfg = launch_trainer.use_fake_data(cfg)
+    cfg = launch_data.use_fake_data(cfg)
     cfg.mesh_shape = (1, -1, 1, 1, 1, 1)  # The goldens' meshes are for 8+ devices.
     return cfg
 

@@ -15,14 +15,12 @@ import pytest
 
 from axlearn.common import file_system
 from axlearn.common.config import ConfigError
+from axlearn.common.experiment_registry import get_named_trainer_config
 from axlearn.common.input_mixture import TokenShardMixtureInput
 from axlearn.common.input_tokens import TokenShardInput, build_token_shards
 from axlearn.common.input_vocab import ByteVocabulary
-from axlearn.common.launch_trainer import (
-    build_trainer_config,
-    get_named_trainer_config,
-    missing_input_packages,
-)
+from axlearn.common.launch_data import missing_input_packages
+from axlearn.common.launch_trainer import build_trainer_config
 from tests.fresh_python import REPO, fresh_env
 
 

@@ -23,7 +23,7 @@ from axlearn.common.layers import Linear
 from axlearn.common.learner import Learner, regularizer_lines
 from axlearn.common.module import functional
 from axlearn.common.optimizers import optax_optimizer
-from axlearn.common.trainer import select_mesh_rule
+from axlearn.common.mesh_selection import select_mesh_rule
 from axlearn.common.trainer_config_modifier import FP8ConfigModifier, apply_mesh_rule
 from axlearn.common.utils import flatten_with_paths
 from experiments import gpt
@@ -360,7 +360,7 @@ def test_fp8_config_modifier_with_delayed_scaling_needs_a_plain_learner_to_repla
 )
 def test_gpt_1b_fp8_trains_in_fp8_on_h100_and_h200_hosts_only(selector, fp8_on):
     cfg = gpt.named_trainer_configs()["gpt_1b_fp8"]()
-    cfg = apply_mesh_rule(cfg, select_mesh_rule(cfg.mesh_rules, selector))
+    cfg = apply_mesh_rule(cfg, select_mesh_rule(cfg.mesh_rules, selector)[1])
     layer = cfg.model.decoder.transformer.layer
     assert (layer.feed_forward.linear2.fp8 is not None) == fp8_on
     assert (cfg.learner.klass is Fp8Learner) == fp8_on

@@ -31,7 +31,8 @@ from axlearn.common.config import (
     parse_flat_text,
 )
 from axlearn.common.module import Module
-from axlearn.common.trainer import infer_mesh_shape, select_mesh_rule
+from axlearn.common.mesh_selection import select_mesh_rule
+from axlearn.common.trainer import infer_mesh_shape
 from axlearn.common.trainer_config_modifier import apply_mesh_rule
 from axlearn.experiments.text.gpt.common import instance_device_count
 from tests import reference_spec
@@ -347,7 +348,7 @@ def test_mesh_rule_is_not_shadowed_by_an_earlier_rule(name, index):
     for selector in selectors:
         first = next(i for i, (p, _) in enumerate(rules) if re.fullmatch(p, selector))
         assert first == index, f"{name}: {selector} selects rule {first}, not rule {index}"
-        assert select_mesh_rule(rules, selector) is rules[index][1]
+        assert select_mesh_rule(rules, selector)[1] is rules[index][1]
 
 
 # ----- the review aid -----

@@ -1,4 +1,5 @@
-"""Tests of the launcher: launch.py, launch_trainer.py and launch_trainer_main.py.
+"""Tests of the launcher: launch.py, launch_trainer.py (with experiment_registry.py,
+mesh_selection.py, launch_data.py, run_record.py) and launch_trainer_main.py.
 
 Flag handling runs in-process on fresh absl FlagValues; the main job itself runs as a
 subprocess (`python -m axlearn.common.launch_trainer_main ...`), including two processes
@@ -18,18 +19,15 @@ import numpy as np
 import pytest
 from absl import flags
 
-from axlearn.common import launch, launch_trainer, launch_trainer_main
+from axlearn.common import experiment_registry, launch, launch_trainer, launch_trainer_main
 from axlearn.common.config import ConfigError
+from axlearn.common.experiment_registry import get_named_trainer_config
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.input_fake import FakeLmInput
-from axlearn.common.launch_trainer import (
-    build_trainer_config,
-    config_changes,
-    get_named_trainer_config,
-    mesh_selector_for_devices,
-    missing_input_packages,
-    selector_contradiction,
-)
+from axlearn.common.launch_data import missing_input_packages
+from axlearn.common.launch_trainer import build_trainer_config
+from axlearn.common.mesh_selection import mesh_selector_for_devices, selector_contradiction
+from axlearn.common.run_record import config_changes
 from axlearn.common.causal_lm import count_parameters
 from axlearn.common.trainer_config_modifier import apply_mesh_rule
 from axlearn.experiments.text.gpt import common
@@ -111,7 +109,7 @@ def test_a_config_name_in_several_modules_needs_the_module_flag(tmp_path, monkey
             f"            'only_{name}': gpt_test_trainer}}\n"
         )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(launch_trainer, "EXPERIMENTS_PACKAGE", "h8_experiments")
+    monkeypatch.setattr(experiment_registry, "EXPERIMENTS_PACKAGE", "h8_experiments")
     with pytest.raises(ConfigError, match=r"'shared' is defined in .*\(first, second\).*--module"):
         get_named_trainer_config("shared")
     assert get_named_trainer_config("shared", module="second").max_step == 2
@@ -130,7 +128,7 @@ def test_list_configs_prints_each_config_with_its_parameter_count():
     result = _main("--list_configs")
     assert result.returncode == 0, result.stderr
     lines = {line.split()[0]: line for line in result.stdout.splitlines()}
-    assert set(lines) == set(launch_trainer.named_configs())
+    assert set(lines) == set(experiment_registry.named_configs())
     # gpt_test by hand: a tied 384x128 embedding, the final norm, and 2 layers of attention
     # (q and o 128x128, k and v 128x64, two 32-wide QK-norm scales), a gated MLP
     # (2 x 128x384 in, 384x128 out) and two norms.
@@ -138,8 +136,8 @@ def test_list_configs_prints_each_config_with_its_parameter_count():
     expected = 384 * 128 + 128 + 2 * layer
     assert f" {expected:,} parameters  A tiny byte-level GPT" in lines["gpt_test"]
     # Every named config has its own line in its module's DESCRIPTIONS, and shows it.
-    for name, (module, _) in launch_trainer.named_configs().items():
-        description = launch_trainer.module_descriptions(module)[name]
+    for name, (module, _) in experiment_registry.named_configs().items():
+        description = experiment_registry.module_descriptions(module)[name]
         assert lines[name].endswith(f" parameters  {description}"), name
 
 

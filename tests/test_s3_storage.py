@@ -29,7 +29,7 @@ from axlearn.common.checkpointer import INDEX_FILE, Checkpointer, step_dir_name
 from axlearn.common.config import ConfigError
 from axlearn.common.input_token_format import TokenShardError, write_shard
 from axlearn.common.input_tokens import TokenShardInput
-from axlearn.common.launch_trainer import check_trainer_dir, record_config
+from axlearn.common.run_record import check_trainer_dir, record_config
 from axlearn.common.summary_writer import JSONL_FILE_NAME, SummaryWriter
 from tests.fresh_python import REPO, fresh_env
 

@@ -11,7 +11,7 @@ from axlearn.common.attention import (
 )
 from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.config import ConfigError
-from axlearn.common.trainer import select_mesh_rule
+from axlearn.common.mesh_selection import select_mesh_rule
 from axlearn.common.trainer_config_modifier import (
     ChainConfigModifier,
     MeshShapeModifier,
@@ -52,17 +52,19 @@ RULES = [
 
 
 def test_select_mesh_rule_picks_the_first_rule_whose_regex_fully_matches():
-    assert select_mesh_rule(RULES, "gpu-h100-8") == common.mesh_shape_from_axes(fsdp=-1)
+    assert select_mesh_rule(RULES, "gpu-h100-8") == RULES[0]
     # Both the first and second patterns match a prefix of 'gpu-h100-16'; only the second
     # matches all of it.
-    assert select_mesh_rule(RULES, "gpu-h100-16") == common.mesh_shape_from_axes(data=-1)
-    assert select_mesh_rule(RULES, "cpu") is RULES[2][1]
+    assert select_mesh_rule(RULES, "gpu-h100-16") == RULES[1]
+    assert select_mesh_rule(RULES, "cpu")[1] is RULES[2][1]
 
 
-def test_select_mesh_rule_returns_none_when_nothing_matches():
-    assert select_mesh_rule(RULES, "tpu-v5p-1024") is None
-    assert select_mesh_rule(RULES, "xgpu-h100-8") is None  # Search would match; fullmatch not.
-    assert select_mesh_rule(None, "cpu") is None
+@pytest.mark.parametrize("selector", ["tpu-v5p-1024", "xgpu-h100-8"])  # Search would match x...
+def test_select_mesh_rule_names_the_config_and_its_patterns_when_nothing_matches(selector):
+    with pytest.raises(ConfigError, match=rf"--mesh_selector={selector} matches none of gpt_x's"):
+        select_mesh_rule(RULES, selector, config_name="gpt_x")
+    with pytest.raises(ConfigError, match=r"mesh_rules: \[\]"):
+        select_mesh_rule(None, "cpu")
 
 
 def test_a_mesh_rule_value_may_be_a_mesh_shape_or_a_modifier():

@@ -72,10 +72,10 @@ def golden_texts(cfg: ConfigBase, config_name: str) -> dict[str, str]:
 
 def all_named_configs() -> Iterable[tuple[str, str, Any]]:
     """(module, config name, builder) for every experiment config."""
-    from axlearn.common import launch_trainer  # pylint: disable=import-outside-toplevel
+    from axlearn.common import experiment_registry  # pylint: disable=import-outside-toplevel
 
-    for module in launch_trainer.experiment_modules():
-        for name, (mod, builder) in sorted(launch_trainer.named_configs(module).items()):
+    for module in experiment_registry.experiment_modules():
+        for name, (mod, builder) in sorted(experiment_registry.named_configs(module).items()):
             yield mod, name, builder
 
 
@@ -232,11 +232,11 @@ def main(argv: Sequence[str]) -> int:
         return 0
     update = args.update or os.environ.get(UPDATE_ENV) == "1"
     if args.config:
-        from axlearn.common import launch_trainer  # pylint: disable=import-outside-toplevel
+        from axlearn.common import experiment_registry  # pylint: disable=import-outside-toplevel
 
         for name in args.config:  # A name that no config has is an error, not "all match".
             try:
-                launch_trainer.lookup_named_config(name)
+                experiment_registry.lookup_named_config(name)
             except ConfigError as e:
                 print(f"golden_config: {e}", file=sys.stderr)
                 return 2

@@ -1078,12 +1078,3 @@ class SpmdTrainer(Module):
 def _shapes(batch: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return {key: tuple(getattr(value, "shape", ())) for key, value in batch.items()}
 
-
-def select_mesh_rule(mesh_rules: Optional[Sequence[tuple[str, Any]]], mesh_selector: str) -> Any:
-    """The value of the first rule whose regex fully matches `mesh_selector`, or None."""
-    import re  # pylint: disable=import-outside-toplevel
-
-    for pattern, value in mesh_rules or ():
-        if re.fullmatch(pattern, mesh_selector):
-            return value
-    return None
