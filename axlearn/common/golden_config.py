@@ -24,6 +24,9 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
+from absl import flags
+
+from axlearn.common.command_flags import parse_command_flags
 from axlearn.common.config import ConfigBase, ConfigError, flat_lines
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -214,19 +217,23 @@ def summarize_golden_diff(base: str = "HEAD", golden_dir: str = GOLDEN_DIR) -> s
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str]) -> int:
-    import argparse  # pylint: disable=import-outside-toplevel
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The command's flags, on `flag_values`."""
+    flags.DEFINE_bool("update", False, "Regenerate the golden files.", flag_values=flag_values)
+    flags.DEFINE_bool(
+        "summarize_diff", False, "Summarise golden changes by key.", flag_values=flag_values
+    )
+    flags.DEFINE_string("base", "HEAD", "Git revision to compare with.", flag_values=flag_values)
+    flags.DEFINE_multi_string(
+        "config", None, "Only these config names.", flag_values=flag_values
+    )
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Checks (or with --update, writes) the golden files; returns the exit status."""
+    args, _ = parse_command_flags(
+        define_flags, argv, program="axlearn.common.golden_config", doc=__doc__
     )
-    parser.add_argument("--update", action="store_true", help="Regenerate the golden files.")
-    parser.add_argument(
-        "--summarize_diff", action="store_true", help="Summarise golden changes by key."
-    )
-    parser.add_argument("--base", default="HEAD", help="Git revision to compare with.")
-    parser.add_argument("--config", action="append", help="Only these config names.")
-    args = parser.parse_args(argv)
     if args.summarize_diff:
         print(summarize_golden_diff(args.base))
         return 0

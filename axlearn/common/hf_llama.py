@@ -40,19 +40,18 @@ Usage:
         [--dtype=bfloat16] [--max_shard_size=5GB] [--tokenizer=PATH]
 """
 
-import argparse
 import copy
 import dataclasses
 import logging
 import os
 import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from axlearn.common import fp8, hf_checkpoint
 from axlearn.common.attention import (
@@ -66,6 +65,7 @@ from axlearn.common.attention import (
     llama3_rope_scaling,
 )
 from axlearn.common.causal_lm import Model
+from axlearn.common.command_flags import parse_command_flags, usage_error
 from axlearn.common.config import (
     REQUIRED,
     ConfigBase,
@@ -902,32 +902,42 @@ def export_trainer_dir(
     return restored_step, written
 
 
-def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m axlearn.common.hf_llama")
-    commands = parser.add_subparsers(dest="command", required=True)
-    export = commands.add_parser("export", help="A trainer directory's model as an HF Llama.")
-    export.add_argument("--trainer_dir", required=True)
-    export.add_argument("--step", type=int, default=None, help="Default: the latest checkpoint.")
-    export.add_argument("--output", required=True, help="The Hugging Face directory to write.")
-    export.add_argument("--dtype", default="bfloat16", choices=_EXPORT_DTYPES)
-    export.add_argument(
-        "--max_shard_size",
-        default=hf_checkpoint.DEFAULT_MAX_SHARD_SIZE,
-        help="Largest safetensors file (e.g. 5GB, 500MB); above it the weights are sharded.",
+COMMANDS = ("export",)  # The command's subcommands: export writes a trainer directory's model.
+
+
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The flags of `export` (a trainer directory's model as an HF Llama), on `flag_values`."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_string("trainer_dir", None, "The trainer directory to export from.", **fv)
+    flags.DEFINE_integer("step", None, "The step to export. Default: the latest checkpoint.", **fv)
+    flags.DEFINE_string("output", None, "The Hugging Face directory to write.", **fv)
+    flags.DEFINE_enum("dtype", "bfloat16", _EXPORT_DTYPES, "The weights' dtype.", **fv)
+    flags.DEFINE_string(
+        "max_shard_size",
+        hf_checkpoint.DEFAULT_MAX_SHARD_SIZE,
+        "Largest safetensors file (e.g. 5GB, 500MB); above it the weights are sharded.",
+        **fv,
     )
-    export.add_argument(
-        "--tokenizer",
-        default=None,
-        help="A tokenizer.json or SentencePiece .model to include; default: the one recorded "
+    flags.DEFINE_string(
+        "tokenizer",
+        None,
+        "A tokenizer.json or SentencePiece .model to include; default: the one recorded "
         "with the run's data.",
+        **fv,
     )
-    return parser.parse_args(argv)
+    flags.mark_flags_as_required(["trainer_dir", "output"], flag_values=flag_values)
 
 
-def main(argv: Sequence[str]) -> None:
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """`export`: writes a trainer directory's model as a Hugging Face Llama directory."""
+    program = "axlearn.common.hf_llama"
+    args, commands = parse_command_flags(
+        define_flags, argv, program=program, doc=__doc__, positional=COMMANDS
+    )
+    if commands != ["export"]:
+        usage_error(program, f"give one command, {' or '.join(COMMANDS)}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # Its backend probes.
-    args = _parse_args(argv)
     try:
         step, written = export_trainer_dir(
             args.trainer_dir,
@@ -943,4 +953,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
