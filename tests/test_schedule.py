@@ -23,7 +23,8 @@ def test_constant_schedule_is_constant():
 def test_polynomial_hits_both_ends_and_holds_outside():
     fn = schedule.polynomial(begin_step=10, begin_value=1.0, end_step=20, end_value=0.1, power=2.0)
     got = values(fn, [0, 10, 15, 20, 30])
-    expected = [1.0, 1.0, 0.1 + 0.9 * 0.5**2, 0.1, 0.1]
+    # AXLearn's form: begin + fraction ** power * (end - begin).
+    expected = [1.0, 1.0, 1.0 - 0.9 * 0.5**2, 0.1, 0.1]
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
@@ -114,3 +115,42 @@ def test_as_schedule_fn_accepts_numbers_callables_and_configs():
     assert float(schedule.as_schedule_fn(cfg)(9)) == 0.5
     with pytest.raises(ConfigError, match="Expected a number"):
         schedule.as_schedule_fn("fast")
+
+
+STEPS = np.arange(0, 3001, 7)
+
+
+def test_polynomial_matches_numpy_at_many_steps():
+    fn = schedule.polynomial(begin_step=100, begin_value=2.0, end_step=2500, end_value=0.5, power=3)
+    frac = np.clip((STEPS - 100) / 2400, 0, 1)
+    np.testing.assert_allclose(fn(jnp.asarray(STEPS)), 2.0 + frac**3 * (0.5 - 2.0), rtol=1e-5)
+
+
+def test_exponential_is_geometric_between_its_ends():
+    fn = schedule.exponential(begin_step=200, begin_value=1e-2, end_step=2200, end_value=1e-5)
+    frac = np.clip((STEPS - 200) / 2000, 0, 1)
+    expected = 1e-2 * (1e-5 / 1e-2) ** frac
+    np.testing.assert_allclose(fn(jnp.asarray(STEPS)), expected, rtol=1e-4)
+
+
+def test_exponential_rejects_non_positive_values():
+    with pytest.raises(ConfigError, match="must both be positive"):
+        schedule.exponential(begin_value=0.0, end_value=1.0)
+
+
+@pytest.mark.parametrize("step_offset", [0, 1])
+def test_adafactor_is_the_transformer_schedule(step_offset):
+    scale, warmup, power = 2.0, 500, -0.5
+    fn = schedule.adafactor(scale, warmup_steps=warmup, decay_power=power, step_offset=step_offset)
+    t = (STEPS + step_offset).astype(np.float64)
+    with np.errstate(divide="ignore"):
+        expected = scale * np.minimum(t * warmup ** (power - 1), t**power)
+    np.testing.assert_allclose(fn(jnp.asarray(STEPS)), expected, rtol=1e-5)
+    # The peak, at warmup_steps, is scale * warmup_steps ** decay_power.
+    np.testing.assert_allclose(float(fn(warmup - step_offset)), scale * warmup**power, rtol=1e-6)
+
+
+def test_adafactor_from_config_in_golden_text_form():
+    cfg = config_for_function(schedule.adafactor).set(scale=1.0, warmup_steps=10000)
+    fn = schedule.as_schedule_fn(cfg)
+    np.testing.assert_allclose(values(fn, [0, 10000, 40000]), [0, 0.01, 0.005], rtol=1e-5)

@@ -56,13 +56,13 @@ def constant_schedule(value: float) -> Schedule:
 def polynomial(
     *,
     begin_step: int = 0,
-    begin_value: float,
-    end_step: int,
-    end_value: float,
+    begin_value: float = 0.0,
+    end_step: int = 1,
+    end_value: float = 0.0,
     power: float = 1.0,
 ) -> Schedule:
     """From `begin_value` at `begin_step` to `end_value` at `end_step` along
-    `end + (begin - end) * (1 - fraction) ** power`; constant outside that range."""
+    `begin + fraction ** power * (end - begin)`; constant outside that range."""
     if end_step <= begin_step:
         raise ConfigError(
             f"polynomial: end_step ({end_step}) must exceed begin_step ({begin_step})"
@@ -70,7 +70,35 @@ def polynomial(
 
     def fn(step):
         fraction = jnp.clip((_as_float_step(step) - begin_step) / (end_step - begin_step), 0, 1)
-        return end_value + (begin_value - end_value) * (1.0 - fraction) ** power
+        return begin_value + fraction**power * (end_value - begin_value)
+
+    return fn
+
+
+def exponential(
+    *,
+    begin_step: int = 0,
+    begin_value: float,
+    end_step: int = 1,
+    end_value: float,
+) -> Schedule:
+    """From `begin_value` at `begin_step` to `end_value` at `end_step` geometrically (a
+    straight line in log space); constant outside that range. Both values must be
+    positive."""
+    if begin_value <= 0 or end_value <= 0:
+        raise ConfigError(
+            f"exponential: begin_value ({begin_value}) and end_value ({end_value}) must both "
+            "be positive"
+        )
+    log_fn = polynomial(
+        begin_step=begin_step,
+        begin_value=math.log(begin_value),
+        end_step=end_step,
+        end_value=math.log(end_value),
+    )
+
+    def fn(step):
+        return jnp.exp(log_fn(step))
 
     return fn
 
@@ -274,5 +302,27 @@ def adafactor_decay_rate(c: float = 0.8, step_offset: int = 0) -> Schedule:
     def fn(step):
         t = jnp.maximum(_as_float_step(step) - step_offset, 0.0) + 1.0
         return 1.0 - t ** (-c)
+
+    return fn
+
+
+def adafactor(
+    scale: float = 1.0,
+    *,
+    warmup_steps: int = 10_000,
+    decay_power: float = -0.5,
+    step_offset: int = 0,
+) -> Schedule:
+    """The Transformer's schedule (Vaswani et al., 2017, eq. 3), as used with Adafactor:
+    `scale * min(t * warmup_steps ** (decay_power - 1), t ** decay_power)` with
+    `t = step + step_offset`, i.e. a linear rise to `scale * warmup_steps ** decay_power` at
+    `warmup_steps`, then a `t ** decay_power` decay. `step_offset=1` matches Lingvo."""
+    if warmup_steps <= 0:
+        raise ConfigError(f"adafactor: warmup_steps ({warmup_steps}) must be positive")
+
+    def fn(step):
+        t = _as_float_step(step) + step_offset
+        # t ** decay_power is inf at t=0; the minimum then picks the warmup branch (0).
+        return scale * jnp.minimum(t * warmup_steps ** (decay_power - 1.0), t**decay_power)
 
     return fn
