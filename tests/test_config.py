@@ -123,7 +123,7 @@ def test_instantiate_passes_kwargs():
 
 def test_config_for_function_fields_from_signature():
     cfg = config_for_function(scaled_sum)
-    assert cfg.keys() == ["fn", "a", "b", "scale"]
+    assert list(cfg.fields()) == ["fn", "a", "b", "scale"]  # Declaration order.
     assert cfg.a is REQUIRED and cfg.b == 2.0
     assert cfg.set(a=1, scale=3.0).instantiate() == 9.0
 
