@@ -107,7 +107,9 @@ def test_inverse_sqrt_warms_up_then_decays_as_one_over_sqrt_step():
             1.0, max_step=1000, warmup_steps=100, decay_steps=200, decay_type="cosine"
         ),
         schedule.stepwise([0.1, schedule.adafactor(warmup_steps=10)], start_step=[100]),
-        schedule.segment_wise([0.1, schedule.ema_schedule(0.9, warmup_steps=5)], segment_steps=[99]),
+        schedule.segment_wise(
+            [0.1, schedule.ema_schedule(0.9, warmup_steps=5)], segment_steps=[99]
+        ),
     ],
 )
 def test_schedules_run_under_jit_with_traced_steps(fn):

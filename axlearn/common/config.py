@@ -239,7 +239,9 @@ register_validator(match_fn=_is_basic_value, validate_fn=lambda _: None)
 register_validator(
     match_fn=lambda v: isinstance(v, (list, tuple, set, frozenset)), validate_fn=_validate_each
 )
-register_validator(match_fn=lambda v: isinstance(v, dict), validate_fn=lambda v: _validate_each(v.values()))
+register_validator(
+    match_fn=lambda v: isinstance(v, dict), validate_fn=lambda v: _validate_each(v.values())
+)
 register_validator(
     match_fn=_is_dataclass_instance,
     validate_fn=lambda v: _validate_each(getattr(v, f.name) for f in dataclasses.fields(v)),
@@ -409,6 +411,12 @@ class ConfigBase:
                     child_path = f"{path}.{name}" if path else name
                     _visit(field_value, child_path, visit, enter)
                 return False
+            record = _record_fields(value)
+            if record is not None:  # As for config fields, omit defaults that are omitted.
+                for key, item, default in record:
+                    if not _is_omitted(item, default, omitted):
+                        _visit(item, f"{path}[{key!r}]", visit, enter)
+                return False
             return True
 
         def visit(path: str, value: Any) -> None:
@@ -453,8 +461,31 @@ def _is_omitted(value: Any, default: Any, omitted: list[Any]) -> bool:
     )
 
 
+def _record_fields(value: Any) -> Optional[list[tuple[str, Any, Any]]]:
+    """(name, value, default) of each field of a dataclass or attrs instance or named
+    tuple, which configs flatten like dicts (`x['name']`); None for other values, and
+    for such an object that a module names (jax's `dots_saveable`), written by name."""
+    if not (_is_dataclass_instance(value) or is_attrs(value) or is_named_tuple(value)):
+        return None
+    if callable(value) and qualified_name(value) is not None:
+        return None
+    if _is_dataclass_instance(value):
+        return [(f.name, getattr(value, f.name), f.default) for f in dataclasses.fields(value)]
+    if is_attrs(value) and not isinstance(value, type):
+        return [(a.name, getattr(value, a.name), a.default) for a in value.__attrs_attrs__]
+    if is_named_tuple(value):
+        defaults = getattr(type(value), "_field_defaults", {})
+        return [(k, v, defaults.get(k, dataclasses.MISSING)) for k, v in value._asdict().items()]
+    return None
+
+
 def _visit(value, path, visit_fn, enter_fn) -> None:
-    if isinstance(value, ConfigBase):
+    record = _record_fields(value)
+    if record is not None:
+        if enter_fn is None or enter_fn(path, value):
+            for key, item, _ in record:
+                _visit(item, f"{path}[{key!r}]", visit_fn, enter_fn)
+    elif isinstance(value, ConfigBase):
         if enter_fn is None or enter_fn(path, value):
             for name in value._fields:
                 child_path = f"{path}.{name}" if path else name
@@ -863,6 +894,56 @@ def maybe_set_config(cfg: C, **kwargs) -> C:
     return cfg
 
 
+class ConfigModifier(Configurable):
+    """Maps a config to a modified one (`modifier(cfg) -> cfg`): a named, configurable
+    edit, e.g. a mesh rule's change of a trainer config. This base leaves `cfg`
+    unchanged; subclasses override `__call__`."""
+
+    def __call__(self, cfg: InstantiableConfig[T]) -> InstantiableConfig[T]:
+        return cfg
+
+
+# What an experiment module's `named_trainer_configs()` maps each config name to.
+TrainerConfigFn = Callable[[], InstantiableConfig]
+
+
+def with_overrides(trainer_config_fn: TrainerConfigFn, **kwargs) -> TrainerConfigFn:
+    """A TrainerConfigFn that builds `trainer_config_fn()` and sets `kwargs` on it."""
+
+    def fn() -> InstantiableConfig:
+        return trainer_config_fn().set(**kwargs)
+
+    return fn
+
+
+def get_named_trainer_config(
+    config_name: str, *, config_module: str, root_module: Optional[str] = None
+) -> TrainerConfigFn:
+    """The TrainerConfigFn named `config_name` in experiment module `config_module`.
+
+    The module, imported when this is called, is `{root_module}.experiments.{config_module}`
+    (AXLearn's layout, e.g. root_module='axlearn', config_module='text.gpt.fuji'), or
+    `experiments.{config_module}` (this repository's launcher modules) without
+    `root_module`. Its `named_trainer_configs()` returns {name: TrainerConfigFn}, or a
+    function of the name. An unknown name raises UnknownKeyError (a KeyError) naming
+    the similar names.
+    """
+    package = f"{root_module}.experiments" if root_module else "experiments"
+    module = importlib.import_module(f"{package}.{config_module}")
+    config_map = module.named_trainer_configs()
+    if callable(config_map):
+        return config_map(config_name)
+    if config_name in config_map:
+        return config_map[config_name]
+    similar = similar_names(config_name, config_map.keys())
+    hint = (
+        f"did you mean [{', '.join(similar)}]"
+        if similar
+        else f"{module.__name__} defines {', '.join(sorted(config_map)) or 'none'}"
+    )
+    raise UnknownKeyError(f"Unrecognized config {config_name}; {hint}")
+
+
 # ----- paths -----
 
 _QUOTED = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""
@@ -923,7 +1004,7 @@ def _get_child(node: Any, key: Any, parts: Sequence[Any], depth: int) -> Any:
         return node[key]
     if isinstance(node, Mapping):
         if key not in node:
-            raise ConfigError(
+            raise UnknownKeyError(
                 f"{where} has no key {key!r}{_close_names(str(key), map(str, node))}"
             )
         return node[key]
@@ -1035,7 +1116,7 @@ def _coerce_override(field_path: str, field: Optional[ConfigField], current: Any
     if isinstance(value, str) and qualified_name(current) is not None and "." in value:
         return import_name(value, where=f"{field_path}: ")
     if field is not None and not _type_matches(value, field.annotation):
-        raise ConfigError(
+        raise InvalidConfigValueError(
             f"{field_path}: expected {_annotation_str(field.annotation)}, "
             f"got {value!r} ({type(value).__name__})"
         )
