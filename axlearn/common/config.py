@@ -7,9 +7,15 @@ field names the callable. `cfg.instantiate()` turns a config into the object it 
 
 The flat text form (`debug_string()`) is one `key: value` line per leaf, config fields
 sorted by name, dict entries in insertion order, sequence items in index order:
-`a.b` for nested configs, `[i]` for sequence items and `['k']` for dict keys, with
-classes, functions and dtypes written as quoted, fully qualified names. `parse_flat_text`
-reads that text back into a config tree.
+`a.b` for nested configs, `[i]` for sequence items and `['k']` for dict keys (and for
+the fields of dataclass, attrs and named-tuple values), with classes, functions and
+dtypes written as quoted, fully qualified names. `parse_flat_text` reads that text back
+into a config tree.
+
+The API is AXLearn's: the same names (`config_class`, `REQUIRED`, `register_validator`,
+`get_named_trainer_config`, ...) with the same behaviour and error classes, each of
+which is also a `ConfigError`. Field values are validated on assignment by the
+registered validators; field names must be lower_snake_case.
 
 This module is pure Python: importing it must not import jax.
 """

@@ -7,10 +7,14 @@ integer scalars alike. Each can be written in a config with `config_for_function
 warmup_steps=10)`; `as_schedule_fn` turns such a config, a callable or a plain number into
 a schedule.
 
-Conventions shared by all schedules:
-- `step` counts updates already applied, so the first update uses `schedule(0)`.
-- Piecewise schedules are continuous: a phase's last step reaches its end value exactly.
-- Past the last step the schedule holds its final value.
+The names and signatures are AXLearn's (`axlearn.common.schedule`), and each schedule
+gives AXLearn's value at the same step. Conventions:
+- `step` counts updates already applied, so the first update uses `schedule(0)`
+  (`segment_wise` keeps AXLearn's segments counted from step 1; see there).
+- The warmup/decay schedules are continuous: a phase's last step reaches its end value
+  exactly, and past their last step they hold their final value.
+- Invalid hyper-parameters raise ConfigError (a ValueError, as AXLearn raises) when the
+  schedule is built, not when it is called.
 """
 
 import math
