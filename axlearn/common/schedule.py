@@ -7,8 +7,11 @@ integer scalars alike. Each can be written in a config with `config_for_function
 warmup_steps=10)`; `as_schedule_fn` turns such a config, a callable or a plain number into
 a schedule.
 
-The names and signatures are AXLearn's (`axlearn.common.schedule`), and each schedule
-gives AXLearn's value at the same step. Conventions:
+A schedule that AXLearn's `axlearn.common.schedule` also has takes AXLearn's arguments
+and gives AXLearn's value at each step, with these deliberate exceptions: `inverse_sqrt`
+is a schedule with a warmup here (AXLearn's is the bare `max(step, warmup) ** -0.5`),
+and the warmup schedules start at `begin_value` at step 0 (AXLearn's segment-based ones
+give 0 there, a step its learner never calls). Conventions:
 - `step` counts updates already applied, so the first update uses `schedule(0)`
   (`segment_wise` keeps AXLearn's segments counted from step 1; see there).
 - The warmup/decay schedules are continuous: a phase's last step reaches its end value
