@@ -701,3 +701,25 @@ def test_get_named_trainer_config_finds_this_repositorys_experiments():
     assert callable(fn)
     with pytest.raises(KeyError, match="defines golf_baseline"):
         config_lib.get_named_trainer_config("zzz", config_module="golf")
+
+
+def test_config_for_partial_function_binds_arguments_and_dumps_as_axlearns():
+    import functools  # pylint: disable=import-outside-toplevel
+
+    cfg = config_lib.config_for_partial_function(scaled_sum, 1, scale=3.0)
+    fn = cfg.instantiate()
+    assert isinstance(fn, functools.partial) and fn(b=1.0) == (1 + 1.0) * 3.0
+    cfg.kwargs = {"scale": 2.0, "b": 4.0}
+    assert cfg.instantiate()() == (1 + 4.0) * 2.0
+    assert cfg.debug_string().splitlines() == [
+        f"args[0]: '{__name__}.scaled_sum'",
+        "args[1]: 1",
+        "klass: 'functools.partial'",
+        "kwargs['scale']: 2.0",
+        "kwargs['b']: 4.0",
+    ]
+
+
+def test_config_for_class_of_functools_partial_is_the_partial_function_config():
+    cfg = config_for_class(__import__("functools").partial).set(args=(pow,), kwargs={"exp": 2})
+    assert isinstance(cfg, config_lib.PartialFunctionConfig) and cfg.instantiate()(3) == 9

@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import difflib
 import enum
+import functools
 import importlib
 import inspect
 import json
@@ -237,7 +238,9 @@ def _is_basic_value(value: Any) -> bool:
         or _is_dtype_instance(value)
         or type(value).__module__ == "numpy"  # numpy scalars such as np.float32(1).
         or _is_partition_spec(value)
-        or isinstance(value, Unresolved)  # Defined with the parser, below.
+        # Unresolved, defined with the parser below, is not yet defined while this module's
+        # own config classes validate their defaults.
+        or isinstance(value, globals().get("Unresolved", ()))
     )
 
 
@@ -871,7 +874,10 @@ def config_for_function(fn: Callable[..., T], **kwargs) -> FunctionConfigBase[T]
 
 
 def config_for_class(klass: type[T], **kwargs) -> CallableClassConfigBase[T]:
-    """A config with one field per constructor parameter of `klass`."""
+    """A config with one field per constructor parameter of `klass`; for
+    `functools.partial`, a PartialFunctionConfig (fields `args` and `kwargs`)."""
+    if klass is functools.partial:
+        return PartialFunctionConfig(**kwargs)
     fields = _signature_fields(klass.__init__, skip=("self", "klass"))
     cls = _make_config_class(
         CallableClassConfigBase,
@@ -880,6 +886,34 @@ def config_for_class(klass: type[T], **kwargs) -> CallableClassConfigBase[T]:
         _positional_field(klass.__init__),
     )
     return cls(klass=klass, **kwargs)
+
+
+@config_class
+class PartialFunctionConfig(InstantiableConfig[Callable]):
+    """A config of `functools.partial(*args, **kwargs)`, where `args[0]` is the function;
+    it dumps as AXLearn's `config_for_class(functools.partial)` does (`klass`, `args[i]`,
+    `kwargs['name']`)."""
+
+    klass: type = functools.partial
+    args: Sequence[Any] = ()  # The function, then its leading positional arguments.
+    kwargs: dict[str, Any] = {}  # Keyword arguments bound to the function.
+
+    def instantiate(self, **kwargs) -> Callable:
+        self.check_required_fields(kwargs.pop("config_path", ""))
+        if not self.args or not callable(self.args[0]):
+            raise ConfigError(f"args[0] must be the function to bind, got {self.args!r}")
+        return self.klass(*self.args, **self.kwargs, **kwargs)
+
+
+def config_for_partial_function(
+    fn: Callable[..., T], /, *args, **kwargs
+) -> PartialFunctionConfig:
+    """A config that instantiates to `functools.partial(fn, *args, **kwargs)`; set more
+    bound keyword arguments through its `kwargs` field.
+
+    Example: `config_for_partial_function(pow, exp=2).instantiate()(3) == 9`.
+    """
+    return PartialFunctionConfig(args=(fn, *args), kwargs=kwargs)
 
 
 ConfigOr = Union[T, InstantiableConfig[T]]
