@@ -261,7 +261,7 @@ register_validator(
 )
 # Hugging Face configs (transformers.PretrainedConfig) hold plain data.
 register_validator(
-    match_fn=lambda v: not isinstance(v, type) and hasattr(v, "from_pretrained"),
+    match_fn=lambda v: not isinstance(v, (type, ConfigBase)) and hasattr(v, "from_pretrained"),
     validate_fn=lambda v: validate_config_field_value(v.to_dict()),
 )
 
@@ -474,6 +474,8 @@ def _record_fields(value: Any) -> Optional[list[tuple[str, Any, Any]]]:
     """(name, value, default) of each field of a dataclass or attrs instance or named
     tuple, which configs flatten like dicts (`x['name']`); None for other values, and
     for such an object that a module names (jax's `dots_saveable`), written by name."""
+    if isinstance(value, (ConfigBase, str, int, float, list, dict)) or value is None:
+        return None  # The common values, quickly.
     if not (_is_dataclass_instance(value) or is_attrs(value) or is_named_tuple(value)):
         return None
     if callable(value) and qualified_name(value) is not None:
