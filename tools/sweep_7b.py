@@ -15,14 +15,18 @@ The runs go in the order of the table below (most informative first); each stops
 own cap or at what is left of `--budget_s`, whichever comes first, and a run that cannot
 get `--min_run_s` is skipped. A row is printed as each run ends, and the whole table at
 the end: bench's tokens/s/GPU, MFU and step time, the peak memory, the XLA compile time
-(jax's trace, lowering and backend compile events, summed) and the run's wall time.
+(jax's trace, lowering and backend compile events, summed) and the run's wall time. A
+run stopped at its cap prints its threads' Python stacks first (where it was: compiling
+or stepping).
 `--dry_run` builds every run's config on this machine (no device) and prints the plan.
 """
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -73,7 +77,16 @@ RUNS = (
     ),
     Run("7b_fp8_best", "gpt_7b_fp8", "FP8 with the fastest gpt_7b run's settings", best_of="gpt_7b"),
     Run("moe_ep", "moe_8x1b", "rule: experts over 4 GPUs, 4 microbatches of 2", cap_s=120),
-    Run("moe_fsdp", "moe_8x1b_fsdp", "rule: every expert on every GPU, 4 microbatches of 2", cap_s=180),
+    # The grouped matmuls as XLA's ragged dot (dense over the 8 experts) beside the Mosaic
+    # GPU kernels: whether the kernels are what keeps the FSDP layout compiling.
+    Run(
+        "moe_fsdp_ragged",
+        "moe_8x1b_fsdp",
+        "every expert on every GPU, XLA ragged dot",
+        (f"{_LAYER}.feed_forward.grouped_matmul='ragged_dot'",),
+        cap_s=120,
+    ),
+    Run("moe_fsdp", "moe_8x1b_fsdp", "rule: every expert on every GPU, Mosaic GPU kernels", cap_s=180),
     Run(
         "7b_rule_mb4",
         "gpt_7b",
@@ -161,6 +174,8 @@ def _child(spec_path: str, out_path: str) -> None:
     """Runs one benchmark in this process (the parent's child) and writes its result."""
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
+    # Stopped at its cap, the run first prints where each thread is (compiling, stepping).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     import jax  # pylint: disable=import-outside-toplevel
 
     compile_s = [0.0]
@@ -210,7 +225,9 @@ def run_one(run: Run, *, timeout_s: float, mesh_selector: str) -> dict[str, Any]
     try:
         code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        os.kill(proc.pid, signal.SIGUSR1)  # Its threads' stacks, to its stderr.
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         code = None
     record["wall_s"] = time.perf_counter() - start
