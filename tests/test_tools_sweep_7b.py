@@ -40,6 +40,30 @@ def test_fp8_run_is_skipped_when_no_base_run_finished():
     assert sweep.resolve_best(fp8, [{"name": "x", "config": "gpt_7b", "error": "stopped"}]) is None
 
 
+def test_an_fp8_run_with_no_base_run_finished_waits_for_the_next_base_run(monkeypatch, capsys):
+    runs = (
+        sweep.Run("base_a", "gpt_7b", "", ("a=1",)),
+        sweep.Run("fp8", "gpt_7b_fp8", "", best_of="gpt_7b"),
+        sweep.Run("moe", "moe_8x1b", ""),
+        sweep.Run("base_b", "gpt_7b", "", ("b=2",)),
+    )
+    ran = []
+
+    def fake_run_one(run, *, timeout_s, mesh_selector):
+        del timeout_s, mesh_selector
+        ran.append((run.name, run.overrides))
+        if run.name == "base_a":  # Out of memory, say.
+            return {"name": run.name, "config": run.config, "error": "exited with 1"}
+        return {**_finished(run.name, run.config, 1.0, run.overrides), "settings": ""}
+
+    monkeypatch.setattr(sweep, "RUNS", runs)
+    monkeypatch.setattr(sweep, "run_one", fake_run_one)
+    monkeypatch.setattr(sweep, "check_runs", lambda *_: None)
+    assert sweep.main([]) == 0
+    assert ran == [("base_a", ("a=1",)), ("moe", ()), ("base_b", ("b=2",)), ("fp8", ("b=2",))]
+    assert "exited with 1" in capsys.readouterr().out
+
+
 def test_dry_run_builds_every_run_s_config_for_the_4_gpu_host(capsys):
     assert sweep.main(["--dry_run"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -2,14 +2,15 @@ r"""Measures candidate settings of gpt_7b, gpt_7b_fp8 and moe_8x1b on one 4-GPU 
 call, within a wall-clock budget, and prints one table to choose the mesh rules' settings
 from:
 
-    PYTHONPATH=. python tools/sweep_7b.py [--budget_s=510] [--only=7b_rule,moe_ep] \
+    PYTHONPATH=. python tools/sweep_7b.py [--budget_s=530] [--only=7b_rule,moe_ep] \
         [--json_out=sweep.json] [--dry_run]
 
 Every run is `axlearn.bench`'s `run_benchmark` (synthetic batches, the host's mesh rule,
 then the run's overrides) in a process of its own, so that XLA flags and memory do not
 carry over, at 8 sequences of 4,096 tokens a GPU a step (global batch 32 on 4 GPUs,
 gradient accumulation over the rule's microbatches unless a run sets its own). The
-gpt_7b_fp8 run takes the settings of the fastest gpt_7b run that finished.
+gpt_7b_fp8 run takes the settings of the fastest gpt_7b run finished before it (none yet:
+it waits for the next gpt_7b run).
 
 The runs go in the order of the table below (most informative first); each stops at its
 own cap or at what is left of `--budget_s`, whichever comes first, and a run that cannot
@@ -62,13 +63,12 @@ class Run:
     settings: str  # What the run changes, for the table.
     overrides: tuple[str, ...] = ()  # After the mesh rule (launch_trainer.build_trainer_config).
     xla_flags: str = ""  # Added after the environment's XLA_FLAGS (the preset stays).
-    cap_s: int = 150  # The run's own wall-clock limit.
+    cap_s: int = 200  # The run's own wall-clock limit.
     # Takes the overrides and XLA flags of the fastest finished run of this config.
     best_of: Optional[str] = None
 
 
 RUNS = (
-    Run("7b_rule", "gpt_7b", "rule: remat saves qkvo+context, 4 microbatches of 2"),
     Run(
         "7b_noremat",
         "gpt_7b",
@@ -76,7 +76,8 @@ RUNS = (
         (f"{_LAYER}.remat_spec=None", "carry_train_dtype_weights=True"),
     ),
     Run("7b_fp8_best", "gpt_7b_fp8", "FP8 with the fastest gpt_7b run's settings", best_of="gpt_7b"),
-    Run("moe_ep", "moe_8x1b", "rule: experts over 4 GPUs, 4 microbatches of 2", cap_s=120),
+    Run("moe_ep", "moe_8x1b", "rule: experts over 4 GPUs, 4 microbatches of 2", cap_s=150),
+    Run("7b_rule", "gpt_7b", "rule: remat saves qkvo+context, 4 microbatches of 2"),
     # The grouped matmuls as XLA's ragged dot (dense over the 8 experts) beside the Mosaic
     # GPU kernels: whether the kernels are what keeps the FSDP layout compiling.
     Run(
@@ -84,7 +85,7 @@ RUNS = (
         "moe_8x1b_fsdp",
         "every expert on every GPU, XLA ragged dot",
         (f"{_LAYER}.feed_forward.grouped_matmul='ragged_dot'",),
-        cap_s=120,
+        cap_s=150,
     ),
     Run("moe_fsdp", "moe_8x1b_fsdp", "rule: every expert on every GPU, Mosaic GPU kernels", cap_s=180),
     Run(
@@ -272,8 +273,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--budget_s", type=float, default=510, help="Wall-clock budget of all runs.")
-    parser.add_argument("--min_run_s", type=float, default=75, help="Skip a run with less left.")
+    parser.add_argument("--budget_s", type=float, default=530, help="Wall-clock budget of all runs.")
+    parser.add_argument("--min_run_s", type=float, default=90, help="Skip a run with less left.")
     parser.add_argument("--only", default=None, help="Comma-separated run names (default: all).")
     parser.add_argument("--mesh_selector", default=MESH_SELECTOR)
     parser.add_argument("--json_out", default=None, help="Write every run's result here.")
@@ -299,17 +300,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     deadline = time.perf_counter() + args.budget_s
     results: list[dict[str, Any]] = []
-    for run in runs:
+    queue = list(runs)
+    while queue:
+        run = queue.pop(0)
         left = deadline - time.perf_counter()
         resolved = resolve_best(run, results)
+        skipped = None
         if resolved is None:
-            results.append({"name": run.name, "config": run.config, "settings": run.settings,
-                            "error": f"skipped: no {run.best_of} run finished"})
+            later = [i for i, other in enumerate(queue) if other.config == run.best_of]
+            if later:  # Waits for the next run of its base config.
+                queue.insert(later[0] + 1, run)
+                continue
+            skipped = f"skipped: no {run.best_of} run finished"
         elif left < args.min_run_s:
-            results.append({"name": run.name, "config": run.config, "settings": run.settings,
-                            "error": f"skipped: {left:.0f} s of the budget left"})
+            skipped = f"skipped: {left:.0f} s of the budget left"
+        if skipped:
+            results.append(
+                {"name": run.name, "config": run.config, "settings": run.settings, "error": skipped}
+            )
         else:
-            results.append(run_one(resolved, timeout_s=min(run.cap_s, left), mesh_selector=args.mesh_selector))
+            results.append(
+                run_one(resolved, timeout_s=min(run.cap_s, left), mesh_selector=args.mesh_selector)
+            )
         print("SWEEP " + " | ".join(format_row(results[-1])), flush=True)
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
