@@ -77,6 +77,7 @@ RUNS = (
     ),
     Run("7b_fp8_best", "gpt_7b_fp8", "FP8 with the fastest gpt_7b run's settings", best_of="gpt_7b"),
     Run("moe_ep", "moe_8x1b", "rule: experts over 4 GPUs, 4 microbatches of 2", cap_s=150),
+    Run("moe_fsdp", "moe_8x1b_fsdp", "rule: every expert on every GPU, Mosaic GPU kernels", cap_s=180),
     Run("7b_rule", "gpt_7b", "rule: remat saves qkvo+context, 4 microbatches of 2"),
     # The grouped matmuls as XLA's ragged dot (dense over the 8 experts) beside the Mosaic
     # GPU kernels: whether the kernels are what keeps the FSDP layout compiling.
@@ -87,7 +88,6 @@ RUNS = (
         (f"{_LAYER}.feed_forward.grouped_matmul='ragged_dot'",),
         cap_s=150,
     ),
-    Run("moe_fsdp", "moe_8x1b_fsdp", "rule: every expert on every GPU, Mosaic GPU kernels", cap_s=180),
     Run(
         "7b_rule_mb4",
         "gpt_7b",
