@@ -177,6 +177,7 @@ def _child(spec_path: str, out_path: str) -> None:
         spec = json.load(f)
     # Stopped at its cap, the run first prints where each thread is (compiling, stepping).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # jax reads XLA_FLAGS when its backend starts, inside run_benchmark after the preset.
     import jax  # pylint: disable=import-outside-toplevel
 
     compile_s = [0.0]
