@@ -14,6 +14,7 @@ from axlearn.common.config import config_for_function, parse_flat_text
 from axlearn.common.utils import (
     combine_fn,
     combine_remat_policies,
+    offload_dots_with_no_batch_dims,
     save_and_offload_only_these_names_regex,
 )
 
@@ -94,3 +95,87 @@ def test_combined_policy_config_dumps_its_default_combine_fn_and_parses_back():
     parsed = parse_flat_text(text)
     assert parsed.combine_fn is combine_fn and parsed.debug_string() == text
     assert callable(parsed.instantiate())
+
+
+# ----- the named save-cheap and offload policies, through a layer's remat_spec -----
+
+_HIDDEN = 24  # The feed-forward's hidden width: its matmul outputs are f32[2,8,24].
+
+
+def _feed_forward_grads(policy):
+    """(gradients of a gated feed-forward layer's sum of squares with respect to its
+    parameters and its input, the grad function's jaxpr text), the layer rematerialized
+    by `policy` (None: no remat)."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.attention import TransformerFeedForwardLayer
+    from axlearn.common.module import functional  # pylint: disable=import-outside-toplevel
+    from axlearn.common.param_init import default_initializer_config  # pylint: disable=import-outside-toplevel
+
+    cfg = TransformerFeedForwardLayer.default_config().set(
+        name="ffn", input_dim=16, hidden_dim=_HIDDEN, activation=("nn.silu", "linear"),
+        param_init=default_initializer_config(),
+    )
+    if policy is not None:
+        cfg.remat_spec = {"prevent_cse": True, "policy": policy}
+    layer = cfg.instantiate(parent=None)
+    params = layer.initialize_parameters_recursively(jax.random.PRNGKey(0))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 8, 16)), jnp.float32)
+
+    def loss(p, inputs):
+        out, _ = functional(layer, state=p, inputs=dict(inputs=inputs), prng_key=None, is_training=True)
+        return jnp.sum(out**2)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    return jax.jit(grad)(params, x), str(jax.make_jaxpr(grad)(params, x))
+
+
+def _assert_grads_equal(grads, reference):
+    for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(reference)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _kind(decision) -> str:
+    """A policy's decision as text: 'src->dst' (offload), 'save' or 'recompute' (jax answers
+    with its own types, policies may answer bools)."""
+    if hasattr(decision, "dst"):
+        return f"{decision.src}->{decision.dst}"
+    if decision is True or "Saveable" in type(decision).__name__:
+        return "save"
+    assert decision is False or "Recompute" in type(decision).__name__, decision
+    return "recompute"
+
+
+def test_offload_dots_policy_decides_as_jax_offload_dot_with_no_batch_dims():
+    jax_policy = getattr(jax.checkpoint_policies, "offload_dot_with_no_batch_dims", None)
+    if jax_policy is None:
+        pytest.skip("this jax has no checkpoint_policies.offload_dot_with_no_batch_dims")
+    want = jax_policy("device", "pinned_host")
+
+    def f(x, w, a):
+        return jnp.sum(jnp.tanh(x @ w)) + jnp.sum(jnp.einsum("bij,bjk->bik", a, a))
+
+    args = (jnp.ones((4, 3)), jnp.ones((3, 5)), jnp.ones((2, 3, 3)))
+    eqns = jax.make_jaxpr(f)(*args).jaxpr.eqns
+    assert {e.primitive.name for e in eqns} >= {"dot_general", "tanh", "reduce_sum"}
+    for eqn in eqns:
+        ours = offload_dots_with_no_batch_dims(eqn.primitive, **eqn.params)
+        theirs = want(eqn.primitive, **eqn.params)
+        assert _kind(ours) == _kind(theirs), eqn.primitive.name
+
+
+def test_offload_dots_policy_named_in_a_remat_spec_gives_no_remat_gradients_via_the_host():
+    reference, plain = _feed_forward_grads(None)
+    grads, jaxpr = _feed_forward_grads("axlearn.common.utils.offload_dots_with_no_batch_dims")
+    _assert_grads_equal(grads, reference)
+    # The matmul outputs go to host memory and come back for the backward pass.
+    assert "MemorySpace.Host" in jaxpr and "MemorySpace.Host" not in plain
+
+
+def test_save_dots_policy_named_in_a_remat_spec_gives_no_remat_gradients():
+    reference, _ = _feed_forward_grads(None)
+    grads, jaxpr = _feed_forward_grads("dots_with_no_batch_dims_saveable")
+    _assert_grads_equal(grads, reference)
+    assert "MemorySpace.Host" not in jaxpr  # Saved on the device.
+    # The backward pass recomputes the matmuls only where nothing is saved.
+    _, recomputing = _feed_forward_grads("nothing_saveable")
+    assert jaxpr.count("dot_general") < recomputing.count("dot_general")

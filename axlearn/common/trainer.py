@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from axlearn.common import perf, preemption, run_lock
+from axlearn.common import fp8, perf, preemption, run_lock
 from axlearn.common.base_layer import (
     BaseLayer,
     ParameterSpec,
@@ -550,6 +550,21 @@ class SpmdTrainer(Module):
             )
         )
 
+    def _initial_state_values(self, paths: Sequence[str], *, seed: int) -> dict[str, jax.Array]:
+        """{path: value} of a fresh run's checkpointed state at `paths`, in their shardings
+        (only these are computed: XLA drops the rest of the initialization)."""
+        shardings = dict(flatten_with_paths(_to_state_dict(self._checkpointed_shardings())))
+
+        def init(key):
+            state = _to_state_dict(self._checkpointed(self._init_fn(key)))
+            flat = dict(flatten_with_paths(state))
+            return {path: flat[path] for path in paths}
+
+        with jax.set_mesh(self._mesh):
+            return jax.jit(init, out_shardings={path: shardings[path] for path in paths})(
+                jax.random.PRNGKey(seed)
+            )
+
     def _carried(self, state: TrainerState) -> TrainerState:
         """A restored (checkpointed) `state` as the train step carries it."""
         if not self._config.carry_train_dtype_weights:
@@ -580,7 +595,11 @@ class SpmdTrainer(Module):
         cfg = self._config
         seed = 0 if cfg.seed is None else cfg.seed
         if "checkpointer" in self.children:
-            step, restored, extra = self.checkpointer.restore(state=self._state_template())
+            step, restored, extra = fp8.restore_with_fresh_scaling_state(
+                lambda template: self.checkpointer.restore(state=template),
+                self._state_template(),
+                functools.partial(self._initial_state_values, seed=seed),
+            )
             if step is not None:
                 self._state = self._carried(_from_state_dict(restored))
                 self._step = step
