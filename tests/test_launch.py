@@ -21,7 +21,7 @@ from absl import flags
 
 from axlearn.common import experiment_registry, launch, launch_trainer, launch_trainer_main
 from axlearn.common.config import ConfigError
-from axlearn.common.experiment_registry import get_named_trainer_config
+from axlearn.common.experiment_registry import build_named_config
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.input_fake import FakeLmInput
 from axlearn.common.launch_data import missing_input_packages
@@ -81,25 +81,26 @@ def test_print_config_prints_the_flat_config_and_does_not_train(tmp_path):
 
 def test_unknown_config_name_fails_listing_close_names_without_a_traceback():
     with pytest.raises(ConfigError, match="Unknown config 'gpt_tst'.*Did you mean: gpt_test"):
-        get_named_trainer_config("gpt_tst")
+        build_named_config("gpt_tst")
     result = _main("--config=gpt_tst", "--print_config")
     assert result.returncode == 1
     assert "Did you mean: gpt_test" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_module_may_be_named_or_left_out_when_the_config_name_is_unique():
-    named = get_named_trainer_config("gpt_test", module="gpt")
-    assert named.debug_string() == get_named_trainer_config("gpt_test").debug_string()
+    named = build_named_config("gpt_test", module="gpt")
+    assert named.debug_string() == build_named_config("gpt_test").debug_string()
 
 
 def test_unknown_module_is_rejected_listing_the_modules():
     with pytest.raises(ConfigError, match="No experiment module 'gtp'; available: .*gpt"):
-        get_named_trainer_config("gpt_test", module="gtp")
+        build_named_config("gpt_test", module="gtp")
 
 
 def test_a_config_name_in_several_modules_needs_the_module_flag(tmp_path, monkeypatch):
-    package = tmp_path / "h8_experiments"
-    package.mkdir()
+    package = tmp_path / "h8" / "experiments"  # AXLearn's <root>.experiments layout.
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
     for name, max_step in (("first", 1), ("second", 2)):
         (package / f"{name}.py").write_text(
@@ -109,11 +110,11 @@ def test_a_config_name_in_several_modules_needs_the_module_flag(tmp_path, monkey
             f"            'only_{name}': gpt_test_trainer}}\n"
         )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(experiment_registry, "EXPERIMENTS_PACKAGE", "h8_experiments")
+    monkeypatch.setattr(experiment_registry, "EXPERIMENTS_PACKAGE", "h8.experiments")
     with pytest.raises(ConfigError, match=r"'shared' is defined in .*\(first, second\).*--module"):
-        get_named_trainer_config("shared")
-    assert get_named_trainer_config("shared", module="second").max_step == 2
-    assert get_named_trainer_config("only_second").name == "gpt_test"
+        build_named_config("shared")
+    assert build_named_config("shared", module="second").max_step == 2
+    assert build_named_config("only_second").name == "gpt_test"
 
 
 def test_help_lists_the_launcher_flags():
@@ -208,7 +209,7 @@ def test_max_step_override_moves_every_field_that_held_the_step_count():
 
 
 def test_a_warmup_longer_than_the_run_is_shortened_in_proportion():
-    base = get_named_trainer_config("gpt_test").learner.optimizer.inner.update_schedule
+    base = build_named_config("gpt_test").learner.optimizer.inner.update_schedule
     assert (base.max_step, base.warmup_steps) == (200, 30)
     cfg = build_trainer_config(config_name="gpt_test", config_overrides=["max_step=20"])
     assert cfg.learner.optimizer.inner.update_schedule.warmup_steps == 3
@@ -261,7 +262,7 @@ def test_single_host_gpu_rule_carries_weight_copies_only_without_remat(config_na
 @pytest.mark.parametrize("size_name", ["125M", "350M", "1B", "7B", "70B"])  # Not the reference.
 def test_single_host_rules_name_the_hosts_that_hold_the_state(size_name):
     size, config_name = gpt.SIZES[size_name], f"gpt_{size_name.lower()}"
-    model = get_named_trainer_config(config_name).model.clone(name="model")
+    model = build_named_config(config_name).model.clone(name="model")
     state_bytes = 16 * count_parameters(model.instantiate(parent=None))
     fits = tuple(n for n in (1, 2, 4, 8) if state_bytes / n <= 30e9)
     assert (size.single_host.gpu_counts if size.single_host else ()) == fits
@@ -313,7 +314,7 @@ def test_mesh_selector_is_named_from_the_devices(platform, device_kind, count, s
     ],
 )
 def test_named_devices_select_the_rule_written_for_them(devices, pattern):
-    rules = dict(get_named_trainer_config("gpt_1b").mesh_rules)
+    rules = dict(build_named_config("gpt_1b").mesh_rules)
     cfg = build_trainer_config(
         config_name="gpt_1b", mesh_selector=mesh_selector_for_devices(*devices)
     )
@@ -358,7 +359,7 @@ def test_print_config_applies_another_hosts_selector_without_checking_the_device
 
 def test_mesh_selector_none_keeps_the_configs_own_mesh():
     cfg = build_trainer_config(config_name="gpt_1b", mesh_selector="none")
-    assert cfg.debug_string() == get_named_trainer_config("gpt_1b").debug_string()
+    assert cfg.debug_string() == build_named_config("gpt_1b").debug_string()
 
 
 # ----- --data_dir -----
@@ -397,7 +398,7 @@ def test_data_dir_is_set_on_every_input_source():
 
 
 def test_tf_data_inputs_name_the_packages_they_miss(monkeypatch):
-    cfg = get_named_trainer_config("gpt_1b")
+    cfg = build_named_config("gpt_1b")
     found = importlib.util.find_spec
     # Only tensorflow_datasets missing (tensorflow and seqio as found, or not, here).
     present = {"tensorflow", "seqio"}
@@ -413,7 +414,7 @@ def test_tf_data_inputs_name_the_packages_they_miss(monkeypatch):
     assert missing_input_packages(build_trainer_config(config_name="gpt_1b", data_dir="FAKE")) == (
         None, [],
     )
-    assert missing_input_packages(get_named_trainer_config("gpt_test")) == (None, [])
+    assert missing_input_packages(build_named_config("gpt_test")) == (None, [])
 
 
 def test_main_job_without_tensorflow_datasets_stops_with_one_line_saying_what_to_pass(tmp_path):

@@ -14,8 +14,15 @@ import pkgutil
 from collections.abc import Callable
 from typing import Any, Optional
 
-from axlearn.common.config import ConfigBase, ConfigError, qualified_name
+from axlearn.common.config import (
+    ConfigBase,
+    ConfigError,
+    UnknownKeyError,
+    get_named_trainer_config,
+    qualified_name,
+)
 
+# The package of the experiment modules: `experiments`, or AXLearn's `<root>.experiments`.
 EXPERIMENTS_PACKAGE = "experiments"
 
 
@@ -29,19 +36,24 @@ def experiment_modules() -> list[str]:
 Builder = Callable[[], ConfigBase]
 
 
+def _experiment_module(name: str) -> Any:
+    """The module experiments.<name>; an unknown name is an error listing the modules."""
+    try:
+        return importlib.import_module(f"{EXPERIMENTS_PACKAGE}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name == f"{EXPERIMENTS_PACKAGE}.{name}":
+            raise ConfigError(
+                f"No experiment module '{name}'; available: {', '.join(experiment_modules())}"
+            ) from e
+        raise
+
+
 def _config_sources(module: Optional[str]) -> dict[str, list[tuple[str, Builder]]]:
     """Config name -> every (module name, builder) defining it, over one module or all."""
     modules = [module] if module else experiment_modules()
     sources: dict[str, list[tuple[str, Builder]]] = {}
     for name in modules:
-        try:
-            mod = importlib.import_module(f"{EXPERIMENTS_PACKAGE}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"{EXPERIMENTS_PACKAGE}.{name}":
-                raise ConfigError(
-                    f"No experiment module '{name}'; available: {', '.join(experiment_modules())}"
-                ) from e
-            raise
+        mod = _experiment_module(name)
         for config_name, builder in mod.named_trainer_configs().items():
             sources.setdefault(config_name, []).append((name, builder))
     return sources
@@ -57,7 +69,17 @@ def named_configs(module: Optional[str] = None) -> dict[str, tuple[str, Builder]
 
 def lookup_named_config(config_name: str, *, module: Optional[str] = None) -> tuple[str, Builder]:
     """(module name, builder) of `config_name`: the one lookup behind every tool's
-    `--config`. An unknown name is an error listing the close names."""
+    `--config`. With `module`, the builder is AXLearn's `config.get_named_trainer_config`'s;
+    without, the one module defining the name. An unknown name is an error listing the
+    close names."""
+    if module:
+        _experiment_module(module)
+        try:
+            root = EXPERIMENTS_PACKAGE.removesuffix("experiments").rstrip(".") or None
+            builder = get_named_trainer_config(config_name, config_module=module, root_module=root)
+            return module, builder
+        except UnknownKeyError:
+            pass  # The error below names the close names.
     sources = _config_sources(module)
     found = sources.get(config_name, [])
     if len(found) > 1:
@@ -74,7 +96,7 @@ def lookup_named_config(config_name: str, *, module: Optional[str] = None) -> tu
     return found[0]
 
 
-def get_named_trainer_config(config_name: str, *, module: Optional[str] = None) -> ConfigBase:
+def build_named_config(config_name: str, *, module: Optional[str] = None) -> ConfigBase:
     """The trainer config `config_name` from `module` (or from the only module defining it)."""
     return lookup_named_config(config_name, module=module)[1]()
 

@@ -25,7 +25,7 @@ from axlearn.common.config import (
     set_recursively,
 )
 from axlearn.common.experiment_registry import (
-    get_named_trainer_config,
+    build_named_config,
     list_configs_text,
     lookup_named_config,
 )
@@ -218,7 +218,7 @@ def build_trainer_config(
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.trainer_config_modifier import apply_mesh_rule
 
-    cfg = get_named_trainer_config(config_name, module=module)
+    cfg = build_named_config(config_name, module=module)
     if init_from_hf:  # Before the mesh rule, whose modifiers (remat, FP8) apply to its model.
         cfg = use_hf_checkpoint(cfg, init_from_hf)
     if mesh_selector and mesh_selector != NO_MESH_RULE:
