@@ -16,8 +16,8 @@ is rematerialized: the backward pass recomputes the stages from the iteration's 
 and the stage layer's own `remat_spec` applies inside that recomputation.
 
 Stages fed a bubble (before their first or after their last microbatch) compute on
-placeholder inputs whose results never reach the output; their parameter gradients are
-masked so that non-finite placeholder results cannot leak into the update.
+placeholder inputs whose results never reach the output; no gradient flows through them,
+so that non-finite placeholder results cannot leak into the update.
 
 What the stage layer adds to its output collection comes back per stage and microbatch:
 summaries averaged over the microbatches ([num_stages, ...], as `Repeat` stacks its
@@ -101,15 +101,15 @@ def _rematerialized(fn: Callable) -> Callable:
     )
 
 
-def _mask_bubble_gradients(state: Any, valid: Tensor) -> Any:
-    """`state` [N, ...] whose gradient is zero for the stages where `valid` [N] is False
-    (the forward values are unchanged)."""
+def _mask_bubble_gradients(tree: Any, valid: Tensor) -> Any:
+    """`tree` (leaves [N, ...]) whose gradient is zero for the stages where `valid` [N] is
+    False (the forward values are unchanged)."""
 
     def mask(x: Tensor) -> Tensor:
         keep = jnp.reshape(valid, (-1,) + (1,) * (x.ndim - 1))
         return jnp.where(keep, x, jax.lax.stop_gradient(x))
 
-    return jax.tree_util.tree_map(mask, state)
+    return jax.tree_util.tree_map(mask, tree)
 
 
 class BaseSchedule(Configurable):
@@ -158,8 +158,11 @@ class BaseSchedule(Configurable):
         raise NotImplementedError(type(self))
 
     def _step(self, fn: StageFn, state: Any, stage_inputs: Any, t: Tensor, keys: Any):
-        """One iteration: every stage on its input, with bubble gradients masked."""
-        state = _mask_bubble_gradients(state, self.valid_stages(t))
+        """One iteration: every stage on its input; no gradient flows through a stage fed a
+        bubble, to its parameters or back to its input."""
+        valid = self.valid_stages(t)
+        state = _mask_bubble_gradients(state, valid)
+        stage_inputs = _mask_bubble_gradients(stage_inputs, valid)
         return _vmap_stages(fn)(state, stage_inputs, keys)
 
 
