@@ -408,16 +408,15 @@ def gpt_7b_pipeline_trainer() -> SpmdTrainer.Config:
 
 
 def gpt_pipeline_test_trainer() -> SpmdTrainer.Config:
-    """gpt_test with 4 layers in 2 pipeline stages of 4 microbatches; on an even number of
-    CPU devices the stages go to 2 device groups (pipeline=2)."""
+    """gpt_test with 4 layers in 2 pipeline stages of 4 microbatches. Its CPU mesh rule
+    keeps both stages on every device; its own mesh (`--mesh_selector=none`) puts them on
+    2 device groups (pipeline=2)."""
     cfg = gpt_test_trainer()
     cfg.name = "gpt_pipeline_test"
     cfg.model.decoder.transformer.num_layers = 4
     cfg = pipelined(cfg, num_stages=2, num_microbatches=4)
-    cfg.mesh_rules = [
-        ("cpu-[0-9]*[02468]", common.mesh_shape_from_axes(pipeline=2, fsdp=-1)),
-        (common.CPU, common.mesh_shape_from_axes(fsdp=-1)),
-    ]
+    # Without a mesh rule (--mesh_selector=none), on 2, 4 or 8 devices.
+    cfg.mesh_shape = common.mesh_shape_from_axes(pipeline=2, fsdp=-1)
     return cfg
 
 
@@ -427,8 +426,8 @@ _NAMED_PIPELINE_CONFIGS = {
 }
 DESCRIPTIONS.update(
     {
-        "gpt_pipeline_test": "gpt_test with 4 layers in 2 pipeline stages (pipeline=2 on an "
-        "even number of CPU devices).",
+        "gpt_pipeline_test": "gpt_test with 4 layers in 2 pipeline stages (pipeline=2 on 2, 4 "
+        "or 8 CPU devices with --mesh_selector=none).",
         "gpt_7b_pipeline": "gpt_7b in 4 pipeline stages (GPipe, 16 microbatches): one stage "
         "a GPU on 4 H100/H200s, FSDP over 2 within each stage on 8.",
     }

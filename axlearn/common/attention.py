@@ -1504,6 +1504,26 @@ class _TransformerPipeline(Pipeline):
 
         return self._run(stage, dict(rows, data=data))["data"]
 
+    def init_states(self, *, batch_size: int, max_len: int) -> Any:
+        """One stage's caches stacked on a leading stage axis."""
+        one = self.layer.init_states(batch_size=batch_size, max_len=max_len)
+        num_stages = self.config.num_layers
+        return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_stages, *x.shape)), one)
+
+    def extend_step(
+        self, cached_states: Any, data: Tensor, *, time_step: Tensor, **kwargs
+    ) -> tuple[Any, Tensor]:
+        """Decodes through the stages one after another (a step has nothing to pipeline)."""
+
+        def stage(data, stage_states):
+            stage_states, data = self.layer.extend_step(
+                stage_states, data, time_step=time_step, **kwargs
+            )
+            return data, stage_states
+
+        data, new_states = self._run_in_sequence(stage, data, cached_states)
+        return new_states, data
+
 
 class PipelinedTransformerLayer(BaseStackedTransformerLayer):
     """The layers split into `num_stages` equal stages, run as a pipeline over the
@@ -1555,13 +1575,11 @@ class PipelinedTransformerLayer(BaseStackedTransformerLayer):
         return self.pipeline(data, **kwargs)
 
     def init_states(self, *, batch_size: int, max_len: int) -> Any:
-        raise NotImplementedError(
-            f"{self.path()}: decoding through a pipeline is not supported; load the "
-            "weights into a RepeatedTransformerLayer of the same layers to generate"
-        )
+        """The stages' caches, stacked on a leading stage axis."""
+        return self.pipeline.init_states(batch_size=batch_size, max_len=max_len)
 
-    def extend_step(self, cached_states: Any, data: Tensor, **kwargs) -> tuple[Any, Tensor]:
-        raise NotImplementedError(
-            f"{self.path()}: decoding through a pipeline is not supported; load the "
-            "weights into a RepeatedTransformerLayer of the same layers to generate"
-        )
+    def extend_step(
+        self, cached_states: Any, data: Tensor, *, time_step: Tensor, **kwargs
+    ) -> tuple[Any, Tensor]:
+        """Decodes data [B,S,D] at time_step through the stages in order (not pipelined)."""
+        return self.pipeline.extend_step(cached_states, data, time_step=time_step, **kwargs)

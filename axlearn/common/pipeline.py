@@ -381,6 +381,35 @@ class Pipeline(BaseLayer):
         )
         out.module_outputs.update(jax.tree_util.tree_map(per_stage, collections.module_outputs))
 
+    def _run_in_sequence(
+        self, fn: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: Any = None
+    ) -> tuple[Any, Any]:
+        """Scans `(carry, y_n) = fn(carry, xs[n])` over the stages, one after another, on
+        the whole batch: for steps with nothing to pipeline, such as decoding a token.
+
+        `fn` runs in this module's context with stage n's parameters (it calls
+        `self.layer`). Returns the last carry and the ys stacked on a leading stage axis.
+        The stages' output collections are not kept (a decoding step's summaries).
+        """
+        context = self.get_invocation_context()
+        state = context.state if isinstance(context.state, dict) else {}
+
+        def body(carry, scanned):
+            stage_state, x = scanned
+            inner = InvocationContext(
+                module=self,
+                state={"layer": stage_state},
+                prng_key=None,
+                is_training=context.is_training,
+                output_collection=new_output_collection(),
+            )
+            with set_current_context(inner):
+                return fn(carry, x)
+
+        return jax.lax.scan(
+            body, carry, (state.get("layer", {}), xs), length=self.config.num_layers
+        )
+
     def forward(self, carry: Any) -> Any:
         """carry [B, ...] leaves -> the last stage's `layer(carry)`."""
         return self._run(lambda c: self.layer(c), carry)
