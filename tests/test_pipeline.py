@@ -175,14 +175,16 @@ def test_no_gradient_flows_through_the_bubbles():
 
 
 def test_stream_schedule_needs_the_stages_to_divide_the_microbatches():
-    with pytest.raises(ConfigError, match=r"pipeline.schedule: .*num_microbatches \(5\).*num_stages \(2\)"):
+    expected = r"pipeline.schedule: .*num_microbatches \(5\).*num_stages \(2\)"
+    with pytest.raises(ConfigError, match=expected):
         _pipeline(_Affine.default_config(), 2, 5, StreamSchedule)
 
 
 def test_microbatches_must_divide_the_batch():
     layer = _pipeline(_Affine.default_config(), 2, 3)
     params = _random_affine_params(2)
-    with pytest.raises(ValueError, match=r"pipeline.num_microbatches=3 does not divide the batch of 4"):
+    expected = r"pipeline.num_microbatches=3 does not divide the batch of 4"
+    with pytest.raises(ValueError, match=expected):
         _loss(layer)(params, jnp.zeros((4, DIM)))
 
 
@@ -333,7 +335,8 @@ _MODEL_SCRIPT = textwrap.dedent(
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
         got = grads["decoder"]["transformer"]["pipeline"]["layer"]
         if stage is None:
-            got = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs, 1), *[got[f"layer{i}"] for i in range(L // n)])
+            got = jax.tree_util.tree_map(
+                lambda *xs: jnp.stack(xs, 1), *[got[f"layer{i}"] for i in range(L // n)])
         else:
             got = got["repeat"]["layer"]
         for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got),

@@ -1547,7 +1547,9 @@ class PipelinedTransformerLayer(BaseStackedTransformerLayer):
         super().__init__(cfg, parent=parent)
         cfg = self.config
         if not isinstance(cfg.num_stages, int) or cfg.num_stages < 1:
-            raise ConfigError(f"{self.path()}.num_stages: expected a positive int, got {cfg.num_stages!r}")
+            raise ConfigError(
+                f"{self.path()}.num_stages: expected a positive int, got {cfg.num_stages!r}"
+            )
         if cfg.num_layers % cfg.num_stages:
             raise ConfigError(
                 f"{self.path()}.num_stages={cfg.num_stages} does not divide "

@@ -26,6 +26,7 @@ supported (a stage runs many times a step; which update should win is undefined)
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -70,6 +71,11 @@ def _vmap_stages(fn: StageFn) -> StageFn:
     if PIPELINE_AXIS in current_mesh_axes():
         return jax.vmap(fn, spmd_axis_name=PIPELINE_AXIS)
     return jax.vmap(fn)
+
+
+def _stage_zeros(num_stages: int, x: Tensor) -> Tensor:
+    """Zeros [N, ...] shaped like one microbatch of `x` [M, ...] per stage."""
+    return _shard_stages(jnp.zeros((num_stages, *x.shape[1:]), x.dtype))
 
 
 def _shift_stages(x: Tensor, shift: int) -> Tensor:
@@ -189,7 +195,7 @@ class GPipeSchedule(BaseSchedule):
             outputs, collection = iteration(state, carry, previous, t, keys)
             return outputs, (outputs, collection)
 
-        zeros = jax.tree_util.tree_map(lambda x: _shard_stages(jnp.zeros((n, *x.shape[1:]), x.dtype)), carry)
+        zeros = jax.tree_util.tree_map(functools.partial(_stage_zeros, n), carry)
         ts = jnp.arange(self.num_iterations, dtype=jnp.int32)
         _, (outputs, collections) = jax.lax.scan(body, zeros, (ts, prng_keys))
         # The last stage's output at iterations N-1 .. T-1 is microbatch 0 .. M-1's.
@@ -247,7 +253,7 @@ class StreamSchedule(BaseSchedule):
             t, keys = xs_t
             return iteration(state, loop, t, keys)
 
-        zeros = jax.tree_util.tree_map(lambda x: _shard_stages(jnp.zeros((n, *x.shape[1:]), x.dtype)), carry)
+        zeros = jax.tree_util.tree_map(functools.partial(_stage_zeros, n), carry)
         buffer = jax.tree_util.tree_map(
             lambda x: _shard_stages(jnp.reshape(x, (n, k, *x.shape[1:]))), carry
         )
