@@ -397,7 +397,9 @@ def gpt_7b_pipeline_trainer() -> SpmdTrainer.Config:
         (
             common.GPU_SINGLE_HOST.selector([4, 8]),
             common.single_host_gpu_rule(
-                build_remat_spec(),
+                # No per-layer remat: each pipeline iteration already recomputes its stage
+                # from the stage's input in the backward pass.
+                None,
                 mesh_shape=pipeline_mesh,
                 per_device_microbatch_size=PIPELINE_7B_ROWS,
             ),
