@@ -177,7 +177,7 @@ class GPipeSchedule(BaseSchedule):
 
     The microbatches wait, replicated over the stages, until stage 0 takes them; the
     scan stacks every iteration's stage outputs [T, N, ...] and the last stage's are
-    sliced out at the end. Each iteration saves only its loop state for the backward pass.
+    sliced out at the end. Each iteration saves only its stage inputs for the backward pass.
     """
 
     def scan(self, fn, *, carry, state, prng_keys):
