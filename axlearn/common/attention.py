@@ -58,6 +58,7 @@ from axlearn.common.layers import (
 )
 from axlearn.common.module import Module, Tensor
 from axlearn.common.param_init import FanAxes, constant_initializer
+from axlearn.common.pipeline import Pipeline
 from axlearn.common.repeat import Repeat
 from axlearn.common.sharding import whole_heads_if_uneven
 
@@ -1481,3 +1482,106 @@ def build_remat_spec(
         offload_dst=offload_dst,
     )
     return {"prevent_cse": prevent_cse, "policy": policy}
+
+
+# ----- pipeline parallelism -----
+
+
+class _TransformerPipeline(Pipeline):
+    """Pipeline whose stage is a transformer stack: data [B,T,D] -> [B,T,D].
+
+    The per-row keyword arguments (segment_ids, positions, ...) travel with their
+    microbatch through the stages; the others (None, flags) go to every stage as given.
+    """
+
+    def forward(self, data: Tensor, **kwargs) -> Tensor:
+        rows = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
+        fixed = {k: v for k, v in kwargs.items() if k not in rows}
+
+        def stage(carry: dict[str, Tensor]) -> dict[str, Tensor]:
+            per_row = {k: carry[k] for k in rows}
+            return dict(carry, data=self.layer(carry["data"], **per_row, **fixed))
+
+        return self._run(stage, dict(rows, data=data))["data"]
+
+    def init_states(self, *, batch_size: int, max_len: int) -> Any:
+        """One stage's caches stacked on a leading stage axis."""
+        one = self.layer.init_states(batch_size=batch_size, max_len=max_len)
+        num_stages = self.config.num_layers
+        return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_stages, *x.shape)), one)
+
+    def extend_step(
+        self, cached_states: Any, data: Tensor, *, time_step: Tensor, **kwargs
+    ) -> tuple[Any, Tensor]:
+        """Decodes through the stages one after another (a step has nothing to pipeline)."""
+
+        def stage(data, stage_states):
+            stage_states, data = self.layer.extend_step(
+                stage_states, data, time_step=time_step, **kwargs
+            )
+            return data, stage_states
+
+        data, new_states = self._run_in_sequence(stage, data, cached_states)
+        return new_states, data
+
+
+class PipelinedTransformerLayer(BaseStackedTransformerLayer):
+    """The layers split into `num_stages` equal stages, run as a pipeline over the
+    'pipeline' mesh axis (axlearn.common.pipeline): stage n holds layers
+    n * L/N .. (n + 1) * L/N - 1, its parameters stacked on a leading stage axis."""
+
+    @config_class
+    class Config(BaseStackedTransformerLayer.Config):
+        """Configures PipelinedTransformerLayer."""
+
+        num_stages: Required[int] = REQUIRED  # Pipeline stages; must divide num_layers.
+        num_microbatches: Required[int] = REQUIRED  # Must divide the batch size.
+        # One stage: a stack of num_layers / num_stages layers (input_dim, layer and
+        # num_layers are filled in).
+        stage: BaseLayer.Config = StackedTransformerLayer.default_config().set(layer=None)
+        # The pipeline (its schedule: pipeline.schedule); layer, num_layers and
+        # num_microbatches are filled in.
+        pipeline: Pipeline.Config = _TransformerPipeline.default_config()
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        cfg = self.config
+        if not isinstance(cfg.num_stages, int) or cfg.num_stages < 1:
+            raise ConfigError(
+                f"{self.path()}.num_stages: expected a positive int, got {cfg.num_stages!r}"
+            )
+        if cfg.num_layers % cfg.num_stages:
+            raise ConfigError(
+                f"{self.path()}.num_stages={cfg.num_stages} does not divide "
+                f"num_layers={cfg.num_layers}"
+            )
+        if isinstance(cfg.layer, (list, tuple)):
+            raise ConfigError(
+                f"{self.path()}.layer: the stages share one layer config; to alternate layer "
+                "kinds within a stage, set `stage`'s layers"
+            )
+        stage = cfg.stage.clone(
+            input_dim=cfg.input_dim,
+            layer=cfg.layer.clone(input_dim=cfg.input_dim),
+            num_layers=cfg.num_layers // cfg.num_stages,
+        )
+        self._add_child(
+            "pipeline",
+            cfg.pipeline.clone(
+                layer=stage, num_layers=cfg.num_stages, num_microbatches=cfg.num_microbatches
+            ),
+        )
+
+    def forward(self, data: Tensor, **kwargs) -> Tensor:
+        """data [B,T,D] -> [B,T,D]; kwargs (segment_ids, positions, ...) go to every layer."""
+        return self.pipeline(data, **kwargs)
+
+    def init_states(self, *, batch_size: int, max_len: int) -> Any:
+        """The stages' caches, stacked on a leading stage axis."""
+        return self.pipeline.init_states(batch_size=batch_size, max_len=max_len)
+
+    def extend_step(
+        self, cached_states: Any, data: Tensor, *, time_step: Tensor, **kwargs
+    ) -> tuple[Any, Tensor]:
+        """Decodes data [B,S,D] at time_step through the stages in order (not pipelined)."""
+        return self.pipeline.extend_step(cached_states, data, time_step=time_step, **kwargs)
