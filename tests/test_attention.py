@@ -11,7 +11,8 @@ import pytest
 
 from axlearn.common import attention as attn
 from axlearn.common.base_layer import is_parameter_spec
-from axlearn.common.config import ConfigError, config_for_function, parse_flat_text
+from axlearn.common.config import ConfigError, config_for_function
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.layers import RMSNorm, scaled_hidden_dim
 from axlearn.common.module import F
 from axlearn.common.param_init import default_initializer_config

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from axlearn.common import attention as attn
+from axlearn.common.golden_text import init_lines
 from axlearn.common.module import F
 from axlearn.common.param_init import FanAxes, default_initializer_config
 
@@ -104,7 +105,7 @@ def test_each_slice_is_initialized_with_fan_in_of_the_model_dim():
 
 
 def test_init_golden_line_describes_one_slice_as_axlearn_does():
-    lines = _fused().describe_initializers()
+    lines = init_lines(_fused())
     assert lines == [
         f"qkv_proj/weight: normal(0, 1.0 / fan_in), shape=({D}, {N}, {H}), "
         "axes=FanAxes(in_axis=0, out_axis=(1, 2), batch_axis=())",

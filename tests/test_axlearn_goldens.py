@@ -18,13 +18,15 @@ from axlearn.common.config import (
     REQUIRED,
     ConfigError,
     Configurable,
-    EnumText,
     Required,
     UnknownFieldError,
-    UnresolvedConfig,
     config_class,
     format_value,
     import_name,
+)
+from axlearn.common.golden_text import (
+    EnumText,
+    UnresolvedConfig,
     parse_flat_text,
     read_value,
     unresolved_values,
@@ -269,7 +271,7 @@ class Parent(Configurable):
 
 
 def test_a_name_that_does_not_import_raises_by_default():
-    with pytest.raises(ConfigError, match=r"<text>:1: 'axlearn.common.no_such_module.Missing'"):
+    with pytest.raises(ConfigError, match=r"<text>:1: child.klass: 'axlearn.common.no_such_module.Missing'"):
         parse_flat_text(_UNKNOWN_CLASS_TEXT.replace("scale", "x"))
 
 
@@ -279,7 +281,7 @@ def test_a_foreign_unknown_class_dumps_back_and_fails_to_instantiate_naming_path
     assert isinstance(cfg.child, UnresolvedConfig) and cfg.scale is None
     assert cfg.debug_string() == _UNKNOWN_CLASS_TEXT
     with pytest.raises(
-        ConfigError, match=r"g.txt:1: child: 'axlearn.common.no_such_module.Missing' does not name"
+        ConfigError, match=r"g.txt:1: child.klass: 'axlearn.common.no_such_module.Missing' does not name"
     ):
         cfg.instantiate()
     assert [path for path, _ in unresolved_values(cfg)] == ["child"]

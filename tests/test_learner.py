@@ -11,11 +11,12 @@ import pytest
 from axlearn.common import optimizers as opt
 from axlearn.common import schedule
 from axlearn.common.base_layer import ParameterSpec
-from axlearn.common.config import ConfigError, config_for_function, parse_flat_text
+from axlearn.common.config import ConfigError, config_for_function
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.learner import (
     Learner,
-    regularizer_lines,
     split_microbatches,
+    weight_decay_scales,
 )
 from axlearn.common.summary import WeightedScalar
 from tests import reference_spec
@@ -328,10 +329,10 @@ def test_param_specs_give_the_optimizer_weight_decay_scales():
     )
 
 
-# ----- regularizer dumps -----
+# ----- effective weight-decay scales -----
 
 
-def test_regularizer_lines_list_effective_weight_decay_scales_sorted_by_path():
+def test_weight_decay_scales_multiply_spec_and_path_scales_and_zero_frozen_parameters():
     params = model_params(np.random.default_rng(RNG_SEED))
     specs = specs_of(params)
     specs["decoder"]["norm"]["scale"].weight_decay_scale = 0.0
@@ -345,20 +346,19 @@ def test_regularizer_lines_list_effective_weight_decay_scales_sorted_by_path():
         ),
         update_rules=[(".*emb.*", "no_update")],
     )
-    assert regularizer_lines(cfg, specs) == [
-        "====================weight_decay_scale root.optimizer====================",
-        "decoder/emb/token_emb/weight: 0",
-        "decoder/linear/weight: 0.25",
-        "decoder/norm/scale: 0",
-    ]
+    assert weight_decay_scales(cfg, specs) == {
+        "decoder/emb/token_emb/weight": 0.0,
+        "decoder/linear/weight": 0.25,
+        "decoder/norm/scale": 0.0,
+    }
 
 
-def test_regularizer_lines_of_the_spec_learner_are_all_one_without_spec_scales():
+def test_weight_decay_scales_of_the_spec_learner_are_all_one_without_spec_scales():
     params = model_params(np.random.default_rng(RNG_SEED))
-    lines = regularizer_lines(spec_learner_config(), specs_of(params))
-    assert lines[1:] == [
-        "decoder/emb/token_emb/weight: 1", "decoder/linear/weight: 1", "decoder/norm/scale: 1"
-    ]
+    scales = weight_decay_scales(spec_learner_config(), specs_of(params))
+    assert scales == {
+        "decoder/emb/token_emb/weight": 1.0, "decoder/linear/weight": 1.0, "decoder/norm/scale": 1.0
+    }
 
 
 # ----- sharding -----

@@ -14,7 +14,8 @@ import pytest
 from axlearn.common import optimizers as opt
 from axlearn.common import schedule
 from axlearn.common.base_layer import ParameterSpec
-from axlearn.common.config import ConfigError, config_for_function, parse_flat_text
+from axlearn.common.config import ConfigError, config_for_function
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.learner import Learner
 from axlearn.common.param_init import FanAxes
 

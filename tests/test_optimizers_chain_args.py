@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from axlearn.common import optimizers as opt
-from axlearn.common.config import config_for_function, parse_flat_text
+from axlearn.common.config import config_for_function
+from axlearn.common.golden_text import parse_flat_text
 
 
 def _chain_config():

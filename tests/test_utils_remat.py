@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
-from axlearn.common.config import config_for_function, parse_flat_text
+from axlearn.common.config import config_for_function
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.utils import (
     combine_fn,
     combine_remat_policies,

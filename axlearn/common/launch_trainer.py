@@ -31,12 +31,12 @@ from axlearn.common.config import (
     ConfigBase,
     ConfigError,
     apply_overrides,
-    flat_lines,
     get_recursively,
     parse_path,
     qualified_name,
     set_recursively,
 )
+from axlearn.common.golden_text import flat_lines
 
 log = logging.getLogger(__name__)
 
