@@ -2,14 +2,13 @@
 dumps back to the same text.
 
 The files (apple/axlearn's `c4_trainer` goldens) are kept beside the repository, in
-shared/axlearn_goldens/; the tests that need them skip where they are absent.
+shared/axlearn_goldens/ (or where AXLEARN_GOLDENS says, `tests.reference_spec.shared_path`);
+the tests that need them skip where they are absent.
 """
 
 import enum
 import logging
 import math
-import os
-import pathlib
 from typing import Optional
 
 import pytest
@@ -31,14 +30,10 @@ from axlearn.common.golden_text import (
     read_value,
     unresolved_values,
 )
+from tests.reference_spec import shared_path
 
-_REPO = pathlib.Path(__file__).resolve().parents[1]
-_CANDIDATES = (
-    os.environ.get("AXLEARN_GOLDENS"),
-    _REPO.parent / "shared" / "axlearn_goldens",
-    pathlib.Path("/work/shared/axlearn_goldens"),
-)
-GOLDENS_DIR = next((pathlib.Path(c) for c in _CANDIDATES if c and pathlib.Path(c).is_dir()), None)
+GOLDENS_ENV = "AXLEARN_GOLDENS"
+GOLDENS_DIR = shared_path(GOLDENS_ENV, "axlearn_goldens")
 # The ten trainer configs (the _init and _regularizer files are not config text).
 GOLDEN_NAMES = sorted(
     p.name
@@ -49,7 +44,7 @@ GOLDEN_NAMES = sorted(
 
 def golden_text(name: str) -> str:
     if GOLDENS_DIR is None:
-        pytest.skip("shared/axlearn_goldens not found (set AXLEARN_GOLDENS to its path)")
+        pytest.skip(f"shared/axlearn_goldens not found (set {GOLDENS_ENV} to its path)")
     return (GOLDENS_DIR / name).read_text(encoding="utf-8")
 
 
