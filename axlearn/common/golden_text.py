@@ -57,7 +57,8 @@ def flat_lines(text: str) -> dict[str, str]:
 
 
 class UnresolvedName(str, Unresolved):
-    """A quoted qualified name ('pkg.module.name') that does not import here."""
+    """A quoted qualified name ('pkg.module.name') that does not import here, or that is
+    outside the trusted packages (and so was never imported)."""
 
     def __new__(cls, name: str, where: str = "", reason: str = "") -> "UnresolvedName":
         return super().__new__(cls, name)
@@ -188,14 +189,16 @@ def parse_flat_text(text: str, *, source: str = "<text>", foreign: bool = False)
     """Reads golden text back into a config tree.
 
     `klass`/`fn` lines choose each config's class; quoted names in fields whose default
-    is a class, function or dtype are imported. Dumping the result reproduces `text`.
+    is a class, function or dtype are imported, through `config.import_name`: a name
+    outside the trusted packages is refused (`UntrustedNameError`, naming the line, the
+    key and the name) before anything is imported. Dumping the result reproduces `text`.
 
     By default a name that does not import here, or a field its class lacks, raises;
     a field the text leaves out keeps its default. With `foreign=True` the text is read
     as the complete dump of another version of the library (AXLearn's own goldens):
-    - unknown names and fields are kept as `Unresolved` placeholders (an
-      `UnresolvedConfig` for a config) that dump back as the same text and raise,
-      naming their config path and what is missing, when instantiated;
+    - unknown or untrusted names and unknown fields are kept as `Unresolved`
+      placeholders (an `UnresolvedConfig` for a config) that dump back as the same text
+      and raise, naming their config path and what is missing, when instantiated;
     - a field the text leaves out is None, since a dump omits exactly the fields that
       are None or REQUIRED (its config gets a subclass whose default there is None).
     """

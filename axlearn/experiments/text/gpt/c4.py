@@ -253,7 +253,9 @@ def transformer_layer_config(
     """A pre-norm (RMSNorm) transformer layer of `attention` and a bias-free (gated)
     feed-forward layer of `hidden_dim` (or a `scale_fn` config of the model dim)."""
     layer = TransformerLayer.default_config()
-    layer.self_attention.set(attention=attention, norm=rms_norm_config(norm_eps), structure="prenorm")
+    layer.self_attention.set(
+        attention=attention, norm=rms_norm_config(norm_eps), structure="prenorm"
+    )
     layer.feed_forward.set(
         activation=activation,
         hidden_dim=hidden_dim,

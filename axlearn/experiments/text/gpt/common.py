@@ -280,7 +280,9 @@ def model_config(
         attention.key_scale = ScaleKey.default_config().set(norm=rms_norm_config(norm_eps))
 
     layer = TransformerLayer.default_config()
-    layer.self_attention.set(attention=attention, norm=rms_norm_config(norm_eps), structure="prenorm")
+    layer.self_attention.set(
+        attention=attention, norm=rms_norm_config(norm_eps), structure="prenorm"
+    )
     ffn = layer.feed_forward
     ffn.set(
         activation=activation,
@@ -322,7 +324,9 @@ def model_config(
         lm_head=lm_head,
         logits_soft_cap=logits_soft_cap,
     )
-    decoder.emb.token_emb.set(param_init=weight_init_config("fan_out"), param_partition_spec=fsdp_model)
+    decoder.emb.token_emb.set(
+        param_init=weight_init_config("fan_out"), param_partition_spec=fsdp_model
+    )
     return Model.default_config().set(
         batch_axis_names=MODEL_BATCH_AXIS_NAMES,
         seq_axis_names=("seq",),
