@@ -22,9 +22,9 @@ from axlearn.common.config import (
     get_recursively,
     maybe_instantiate,
     maybe_set_config,
-    parse_flat_text,
     set_recursively,
 )
+from axlearn.common.golden_text import parse_flat_text
 
 
 def scaled_sum(a: int, b: float = 2.0, *, scale: float = 1.0) -> float:
@@ -223,7 +223,7 @@ def test_parse_round_trips_byte_for_byte():
 
 def test_parse_error_names_the_line():
     bad = SPEC_LIKE_TEXT.replace("tests.test_config.Leaf'", "tests.test_config.Nope'", 1)
-    with pytest.raises(ConfigError, match=r"<text>:9: 'tests.test_config.Nope' does not name"):
+    with pytest.raises(ConfigError, match=r"<text>:9: leaf.klass: 'tests.test_config.Nope' does"):
         parse_flat_text(bad)
     with pytest.raises(UnknownFieldError, match=r"<text>:\d+: leaf.epz: .*did you mean: eps"):
         parse_flat_text(SPEC_LIKE_TEXT.replace("leaf.eps:", "leaf.epz:"))
@@ -252,7 +252,8 @@ def test_to_dict_is_json_serializable():
     assert data["fn"]["fn"] == "tests.test_config.scaled_sum"
 
 
-def test_names_in_private_modules_render_as_the_public_name_of_the_same_object():
+def test_names_in_private_modules_render_as_the_public_name_of_the_same_object(monkeypatch):
+    monkeypatch.setenv(config_lib.TRUSTED_PACKAGES_ENV, "tests,concurrent.futures")
     import concurrent.futures  # pylint: disable=import-outside-toplevel
     from concurrent.futures import _base  # pylint: disable=import-outside-toplevel
 

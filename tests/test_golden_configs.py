@@ -28,8 +28,8 @@ from axlearn.common.config import (
     MissingRequiredFieldsError,
     config_for_function,
     import_name,
-    parse_flat_text,
 )
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.module import Module
 from axlearn.common.mesh_selection import select_mesh_rule
 from axlearn.common.trainer import infer_mesh_shape

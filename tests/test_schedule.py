@@ -289,7 +289,8 @@ def test_ema_schedule_is_the_running_mean_then_constant():
 
 
 def test_new_schedules_are_golden_text_and_override_ready():
-    from axlearn.common.config import apply_overrides, parse_flat_text
+    from axlearn.common.config import apply_overrides
+    from axlearn.common.golden_text import parse_flat_text
 
     cfg = config_for_function(schedule.linear_schedule_with_warmup).set(
         peak_lr=1.0, max_step=100, warmup_steps=10

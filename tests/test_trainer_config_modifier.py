@@ -10,10 +10,11 @@ from axlearn.common.attention import (
     build_remat_spec,
 )
 from axlearn.common.base_layer import is_parameter_spec
-from axlearn.common.config import ConfigError
+from axlearn.common.config import ConfigError, config_for_function
 from axlearn.common.mesh_selection import select_mesh_rule
 from axlearn.common.trainer_config_modifier import (
     ChainConfigModifier,
+    GradientAccumulationModifier,
     MeshShapeModifier,
     ModuleConfigModifier,
     PartitionSpecModifier,
@@ -316,3 +317,32 @@ def test_replace_layer_modifier_rejects_exclude_keys_the_source_lacks():
     modifier = _replace_feed_forward(num_experts=4).set(exclude_keys=["num_expert"])
     with pytest.raises(ConfigError, match=r"exclude_keys \['num_expert'\]"):
         _apply(modifier, _config())
+
+
+# ----- GradientAccumulationModifier -----
+# GradientAccumulationModifier: AXLearn's gradient accumulation as the trainer's
+# grad_acc_steps (the microbatch arithmetic itself is tested with the learner).
+
+
+def _modifier(steps: int):
+    return GradientAccumulationModifier.default_config().set(grad_acc_steps=steps)
+
+
+def test_modifier_makes_each_step_run_that_many_microbatches():
+    cfg = _modifier(4).instantiate()(tiny_trainer_config(trainer_dir=None, max_step=1))
+    assert cfg.grad_acc_steps == 4
+    trainer = cfg.instantiate(parent=None)
+    assert trainer.num_microbatches(cfg.input.global_batch_size) == 4
+
+
+def test_modifier_refuses_an_accumulator_other_than_metric_accumulator():
+    modifier = _modifier(2).set(metric_accumulator=config_for_function(sum).set(iterable=()))
+    with pytest.raises(ConfigError, match="only MetricAccumulator"):
+        modifier.instantiate()(tiny_trainer_config(trainer_dir=None, max_step=1))
+
+
+def test_trainer_refuses_grad_acc_steps_with_a_microbatch_size():
+    cfg = tiny_trainer_config(trainer_dir=None, max_step=1)
+    cfg.set(grad_acc_steps=2, per_device_microbatch_size=4)
+    with pytest.raises(ConfigError, match="grad_acc_steps must be None or an int >= 1, and not"):
+        cfg.instantiate(parent=None)

@@ -9,8 +9,9 @@ The flat text form (`debug_string()`) is one `key: value` line per leaf, config 
 sorted by name, dict entries in insertion order, sequence items in index order:
 `a.b` for nested configs, `[i]` for sequence items and `['k']` for dict keys (and for
 the fields of dataclass, attrs and named-tuple values), with classes, functions and
-dtypes written as quoted, fully qualified names. `parse_flat_text` reads that text back
-into a config tree.
+dtypes written as quoted, fully qualified names.
+`axlearn.common.golden_text.parse_flat_text` reads that text back into a config tree.
+Names read from text or overrides resolve only under trusted packages (`import_name`).
 
 The API is AXLearn's: the same names (`config_class`, `REQUIRED`, `register_validator`,
 `get_named_trainer_config`, ...) with the same behaviour and error classes, each of
@@ -30,6 +31,7 @@ import functools
 import importlib
 import inspect
 import json
+import os
 import re
 import sys
 import types
@@ -717,6 +719,23 @@ def _check_required(cfg: "ConfigBase", path: str) -> list[str]:
     return missing
 
 
+class Unresolved:
+    """A value read from golden text (`golden_text.parse_flat_text`) that names something
+    this library does not have.
+
+    It dumps back as the text it was read from, so that a foreign config (AXLearn's)
+    round-trips; instantiating a config that holds one raises, naming the config path
+    and what is missing.
+    """
+
+    def __init__(self, where: str = "", reason: str = ""):
+        self.where = where  # 'source:line: config.path', for the error.
+        self.reason = reason  # What is missing.
+
+    def error(self) -> "ConfigError":
+        return ConfigError(f"{self.where}: {self.reason}")
+
+
 def _check_resolved(cfg: "ConfigBase") -> None:
     """Raises for the first value read from foreign text that names something missing
     here (see `Unresolved`), in `cfg` and its nested function configs."""
@@ -725,7 +744,7 @@ def _check_resolved(cfg: "ConfigBase") -> None:
         return value is cfg or not isinstance(value, ClassConfigBase)
 
     def visit(child_path: str, value: Any) -> None:
-        if isinstance(value, Unresolved):  # Defined with the parser, below.
+        if isinstance(value, Unresolved):
             raise value.error()
 
     _visit(cfg, "", visit, enter)
@@ -1095,9 +1114,74 @@ def _set_in(node: Any, parts: Sequence[Any], depth: int, value: Any) -> Any:
 # ----- overrides -----
 
 
+TRUSTED_PACKAGES_ENV = "AXLEARN_TRUSTED_PACKAGES"
+# The packages whose names config text may use: this library, the project's named
+# experiments, and what configs name of JAX, NumPy and optax (functions, dtypes, policies).
+DEFAULT_TRUSTED_PACKAGES = ("axlearn", "experiments", "jax", "numpy", "optax")
+_widened_packages: list[str] = []  # Added by `trust_packages` (the commands' flag).
+
+
+class UntrustedNameError(ConfigError):
+    """A name in config text or an override that is outside the trusted packages."""
+
+
+def trust_packages(packages: Union[str, Iterable[str]]) -> None:
+    """Lets config text name objects under `packages` too, for this process: a
+    comma-separated string or a sequence of top-level package names. The commands call
+    it with their `--trusted_packages` flag; `AXLEARN_TRUSTED_PACKAGES` does the same."""
+    if isinstance(packages, str):
+        packages = packages.split(",")
+    for package in packages:
+        package = package.strip()
+        if not package:
+            continue
+        if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", package):
+            raise ConfigError(f"Trusted package '{package}' is not a dotted Python name")
+        if package not in _widened_packages:
+            _widened_packages.append(package)
+
+
+def trusted_packages() -> tuple[str, ...]:
+    """The defaults, then `trust_packages`'s, then `$AXLEARN_TRUSTED_PACKAGES`'s."""
+    env = [p.strip() for p in os.environ.get(TRUSTED_PACKAGES_ENV, "").split(",") if p.strip()]
+    packages = [*DEFAULT_TRUSTED_PACKAGES, *_widened_packages, *env]
+    return tuple(dict.fromkeys(packages))
+
+
+def _is_trusted_module(module: str, packages: Sequence[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _module_of(obj: Any) -> str:
+    """The module that defines `obj`: a module's own name, a class's or function's
+    `__module__`, else its type's (a dtype instance, a policy object)."""
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    module = getattr(obj, "__module__", None)
+    return module if isinstance(module, str) else type(obj).__module__
+
+
+def _untrusted(name: str, where: str, what: str) -> UntrustedNameError:
+    packages = ", ".join(trusted_packages())
+    return UntrustedNameError(
+        f"{where}'{name}'{what} is not under a trusted package ({packages}); "
+        f"to allow it, set {TRUSTED_PACKAGES_ENV}=<package> or pass --trusted_packages"
+    )
+
+
 def import_name(name: str, *, where: str = "") -> Any:
-    """Imports 'package.module.attr' (attr may be nested, e.g. 'mod.Class.method')."""
+    """Imports 'package.module.attr' (attr may be nested, e.g. 'mod.Class.method').
+
+    Only names under `trusted_packages()` are imported, checked before anything is
+    imported, and the object reached must be defined there too, so that neither
+    `os.system` nor a trusted module's `os` attribute resolves. `where` prefixes errors.
+    """
+    packages = trusted_packages()
+    if not _is_trusted_module(name, packages):
+        raise _untrusted(name, where, "")
     parts = name.split(".")
+    if any(part.startswith("__") for part in parts):
+        raise ConfigError(f"{where}'{name}': names with dunder parts are not resolved")
     for split in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:split])
         try:
@@ -1110,9 +1194,11 @@ def import_name(name: str, *, where: str = "") -> Any:
         try:
             for attr in parts[split:]:
                 obj = getattr(obj, attr)
-            return obj
         except AttributeError:
             break
+        if not _is_trusted_module(_module_of(obj), packages):
+            raise _untrusted(name, where, f" (defined in {_module_of(obj)})")
+        return obj
     raise ConfigError(f"{where}'{name}' does not name an importable class, function or dtype")
 
 
@@ -1194,364 +1280,3 @@ def apply_overrides(cfg: C, overrides: Iterable[str]) -> C:
         field = parent._fields.get(parts[-1]) if isinstance(parent, ConfigBase) else None
         set_recursively(cfg, parts, _coerce_override(path, field, current, value))
     return cfg
-
-
-# ----- parsing golden text -----
-
-
-class Unresolved:
-    """A value read from golden text that names something this library does not have.
-
-    It dumps back as the text it was read from, so that a foreign config (AXLearn's)
-    round-trips; instantiating a config that holds one raises, naming the config path
-    and what is missing.
-    """
-
-    def __init__(self, where: str = "", reason: str = ""):
-        self.where = where  # 'source:line: config.path', for the error.
-        self.reason = reason  # What is missing.
-
-    def error(self) -> "ConfigError":
-        return ConfigError(f"{self.where}: {self.reason}")
-
-
-class UnresolvedName(str, Unresolved):
-    """A quoted qualified name ('pkg.module.name') that does not import here."""
-
-    def __new__(cls, name: str, where: str = "", reason: str = "") -> "UnresolvedName":
-        return super().__new__(cls, name)
-
-    def __init__(self, name: str, where: str = "", reason: str = ""):
-        del name  # Held by the str itself.
-        Unresolved.__init__(self, where, reason)
-
-
-class EnumText(Unresolved):
-    """An enum member written as `<Cls.NAME: value>` whose enum class is not known here."""
-
-    def __init__(self, text: str, class_name: str, member: str, where: str = ""):
-        reason = f"enum {class_name} (read as {text}) is not a type this field takes"
-        super().__init__(where, reason)
-        self.text, self.class_name, self.member = text, class_name, member
-
-    def __repr__(self) -> str:
-        return self.text
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, EnumText) and other.text == self.text
-
-    def __hash__(self) -> int:
-        return hash(self.text)
-
-
-@config_class
-class UnresolvedConfig(InstantiableConfig):
-    """A config whose `klass`/`fn` does not import here, or that sets fields its class
-    lacks. Each parsed one is an instance of its own subclass, whose fields are the
-    text's, so that it dumps back unchanged; `instantiate()` raises."""
-
-    _unresolved: ClassVar[Unresolved] = Unresolved()
-
-    def instantiate(self, **kwargs):
-        raise self._unresolved.error()
-
-
-def unresolved_values(cfg: Any, path: str = "") -> list[tuple[str, Unresolved]]:
-    """(path, value) of every unresolved name, enum or config in a config tree."""
-    found: list[tuple[str, Unresolved]] = []
-
-    def enter(child_path: str, value: Any) -> bool:
-        if isinstance(value, UnresolvedConfig):
-            found.append((child_path, value._unresolved))
-        return True
-
-    def visit(child_path: str, value: Any) -> None:
-        # An unresolved config's klass/fn is its own placeholder (a copy), listed once.
-        if isinstance(value, Unresolved) and all(value.where != f.where for _, f in found):
-            found.append((child_path, value))
-
-    _visit(cfg, path, visit, enter)
-    return found
-
-
-_ENUM_REPR = re.compile(r"<([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\.([A-Za-z_]\w*): (.*)>")
-
-
-def read_value(text: str) -> Any:
-    """One value of golden text: a Python literal, `PartitionSpec(...)` (a jax
-    PartitionSpec), `inf`/`nan`, or an enum member `<Cls.NAME: value>` (an EnumText
-    until a field of that enum type takes it)."""
-    match = _ENUM_REPR.fullmatch(text)
-    if match:
-        return EnumText(text, *match.group(1, 2))
-    return _literal(ast.parse(text, mode="eval").body)
-
-
-_SPECIAL_FLOATS = {"inf": float("inf"), "nan": float("nan")}
-
-
-def _literal(node: ast.AST) -> Any:
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        items = [_literal(item) for item in node.elts]
-        return {ast.Tuple: tuple, ast.List: list, ast.Set: set}[type(node)](items)
-    if isinstance(node, ast.Dict):
-        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        operand = _literal(node.operand)
-        if isinstance(operand, (int, float, complex)) and not isinstance(operand, bool):
-            return -operand if isinstance(node.op, ast.USub) else operand
-    if isinstance(node, ast.Name) and node.id in _SPECIAL_FLOATS:
-        return _SPECIAL_FLOATS[node.id]
-    if (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id == "PartitionSpec"
-        and not node.keywords
-    ):
-        from jax.sharding import PartitionSpec  # pylint: disable=import-outside-toplevel
-
-        return PartitionSpec(*(_literal(arg) for arg in node.args))
-    raise ValueError(f"not a literal: {ast.unparse(node)}")
-
-
-def _key_value(line: str, lineno: int, source: str) -> tuple[list[Any], Any]:
-    key, sep, text = line.partition(": ")
-    if not sep:
-        raise ConfigError(f"{source}:{lineno}: expected 'key: value', got {line!r}")
-    try:
-        value = read_value(text)
-    except (ValueError, SyntaxError) as e:
-        raise ConfigError(f"{source}:{lineno}: cannot read value {text!r}: {e}") from e
-    try:
-        return parse_path(key), value
-    except ConfigError as e:
-        raise ConfigError(f"{source}:{lineno}: {e}") from e
-
-
-class _Node(dict):
-    """An intermediate tree while parsing: child key -> _Node, or a leaf (value, lineno)."""
-
-
-def flat_lines(text: str) -> dict[str, str]:
-    """Key -> value text of each `key: value` line of golden text."""
-    out = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(": ")
-        if sep:
-            out[key] = value
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class _ParseContext:
-    source: str  # The file name, for errors.
-    foreign: bool  # Read as a dump of another library version (see parse_flat_text).
-
-    def where(self, lineno: int, path: Sequence[Any] = ()) -> str:
-        return f"{self.source}:{lineno}: {_format_path(path) or '<root>'}"
-
-
-def parse_flat_text(text: str, *, source: str = "<text>", foreign: bool = False) -> ConfigBase:
-    """Reads golden text back into a config tree.
-
-    `klass`/`fn` lines choose each config's class; quoted names in fields whose default
-    is a class, function or dtype are imported. Dumping the result reproduces `text`.
-
-    By default a name that does not import here, or a field its class lacks, raises;
-    a field the text leaves out keeps its default. With `foreign=True` the text is read
-    as the complete dump of another version of the library (AXLearn's own goldens):
-    - unknown names and fields are kept as `Unresolved` placeholders (an
-      `UnresolvedConfig` for a config) that dump back as the same text and raise,
-      naming their config path and what is missing, when instantiated;
-    - a field the text leaves out is None, since a dump omits exactly the fields that
-      are None or REQUIRED (its config gets a subclass whose default there is None).
-    """
-    root = _Node()
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        parts, value = _key_value(line, lineno, source)
-        node = root
-        for part in parts[:-1]:
-            node = node.setdefault(part, _Node())
-            if not isinstance(node, _Node):
-                raise ConfigError(f"{source}:{lineno}: {_format_path(parts)} nests under a leaf")
-        node[parts[-1]] = (value, lineno)
-    return _build(root, [], _ParseContext(source, foreign), default=None)
-
-
-def _first_lineno(node: Any) -> int:
-    if isinstance(node, tuple):
-        return node[1]
-    return min(_first_lineno(v) for v in node.values())
-
-
-def _annotation_names_object(annotation: Any) -> bool:
-    """Whether an annotation admits classes, callables or dtypes."""
-    if annotation is type or annotation is Callable or "dtype" in str(annotation):
-        return True
-    if typing.get_origin(annotation) in (type, Callable, typing.Callable):
-        return True
-    return any(_annotation_names_object(a) for a in typing.get_args(annotation))
-
-
-def _names_an_object(default: Any, annotation: Any) -> bool:
-    """Whether a quoted string for this field is the qualified name of a class/fn/dtype."""
-    return qualified_name(default) is not None or _annotation_names_object(annotation)
-
-
-def _enum_types(default: Any, annotation: Any) -> list[type]:
-    """The enum classes a field takes: its default's, and those its annotation names."""
-    types_ = [type(default)] if isinstance(default, enum.Enum) else []
-    candidates = [annotation, *typing.get_args(annotation)]
-    types_ += [a for a in candidates if isinstance(a, type) and issubclass(a, enum.Enum)]
-    return types_
-
-
-def _resolve_enum(value: EnumText, default: Any, annotation: Any) -> Any:
-    for enum_type in _enum_types(default, annotation):
-        if enum_type.__name__ == value.class_name.rsplit(".", 1)[-1]:
-            if value.member in enum_type.__members__:
-                return enum_type[value.member]
-    return value
-
-
-def _build_leaf(node: tuple, path: list[Any], ctx: _ParseContext, default, annotation) -> Any:
-    value, lineno = node
-    if isinstance(value, EnumText):
-        value.where = ctx.where(lineno, path)
-        resolved = _resolve_enum(value, default, annotation)
-        if resolved is value and not ctx.foreign:
-            raise value.error()
-        return resolved
-    if (
-        isinstance(value, str)
-        and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", value)
-        and _names_an_object(default, annotation)
-    ):
-        try:
-            return import_name(value, where=f"{ctx.source}:{lineno}: ")
-        except ConfigError as e:
-            if not ctx.foreign:
-                raise
-            return UnresolvedName(value, ctx.where(lineno, path), str(e).split(": ", 1)[-1])
-    return value
-
-
-def _build(node: Any, path: list[Any], ctx: _ParseContext, default: Any, annotation: Any = Any):
-    if isinstance(node, tuple):  # A leaf.
-        return _build_leaf(node, path, ctx, default, annotation)
-    if "klass" in node or "fn" in node:
-        return _build_config(node, path, ctx)
-    if all(isinstance(k, int) for k in node):
-        items = [node[i] for i in sorted(node)]
-        if sorted(node) != list(range(len(node))):
-            raise ConfigError(
-                f"{ctx.source}:{_first_lineno(node)}: {_format_path(path)} has gaps in its indices"
-            )
-        defaults = list(default) if isinstance(default, (list, tuple)) else []
-        built = [
-            _build(item, path + [i], ctx, defaults[i] if i < len(defaults) else None)
-            for i, item in enumerate(items)
-        ]
-        return list(built) if isinstance(default, list) else tuple(built)
-    defaults = default if isinstance(default, Mapping) else {}
-    return {k: _build(v, path + [k], ctx, defaults.get(k)) for k, v in node.items()}
-
-
-def _text_config_class(
-    base: type,
-    *,
-    extra: Sequence[str] = (),
-    none: Sequence[str] = (),
-    unresolved: Optional[Unresolved] = None,
-    name: Optional[str] = None,
-) -> type:
-    """A subclass of config class `base` for text it cannot express as it is: `extra`
-    fields (each defaulting to REQUIRED, so that every value the text sets, None
-    included, dumps back) and `none` fields whose default becomes None. With
-    `unresolved`, the subclass is an UnresolvedConfig whose instantiate() raises."""
-    bases = (base,)
-    namespace: dict[str, Any] = {field: REQUIRED for field in extra}
-    namespace.update({field: None for field in none})
-    annotations = {field: Any for field in extra}
-    annotations.update({field: base._fields[field].annotation for field in none})
-    if unresolved is not None:
-        if not issubclass(base, UnresolvedConfig):
-            bases = (base, UnresolvedConfig)
-        namespace.update(_unresolved=unresolved, instantiate=UnresolvedConfig.instantiate)
-    name = name or base.__qualname__
-    namespace.update(__annotations__=annotations, __module__=base.__module__, __qualname__=name)
-    return config_class(type(name.rsplit(".", 1)[-1], bases, namespace))
-
-
-def _build_config(node: _Node, path: list[Any], ctx: _ParseContext) -> ConfigBase:
-    key = "klass" if "klass" in node else "fn"
-    name, lineno = node[key]
-    try:
-        target = import_name(name, where=f"{ctx.source}:{lineno}: ")
-    except ConfigError as e:
-        if not ctx.foreign:
-            raise
-        reason = str(e).split(": ", 1)[-1]
-        unresolved = UnresolvedName(name, ctx.where(lineno, path), reason)
-        cls = _text_config_class(
-            UnresolvedConfig, extra=list(node), unresolved=unresolved, name=f"Unresolved[{name}]"
-        )
-        cfg = cls()
-        setattr(cfg, key, unresolved)
-        for field_name, child in node.items():
-            if field_name != key:
-                setattr(cfg, field_name, _build(child, path + [field_name], ctx, None))
-        return cfg
-    if key == "fn":
-        cfg = config_for_function(target)
-    elif isinstance(target, type) and issubclass(target, Configurable):
-        cfg = target.default_config()
-    else:
-        cfg = config_for_class(target)
-    unknown = [f for f in node if f != key and f not in cfg.keys()]
-    if unknown and not ctx.foreign:
-        first = _first_lineno(node[unknown[0]])
-        raise UnknownFieldError(
-            f"{ctx.source}:{first}: {_format_path(path + [unknown[0]])}: "
-            f"{name} has no field '{unknown[0]}'{_close_names(str(unknown[0]), cfg.keys())}"
-        )
-    if ctx.foreign:
-        cfg = _as_complete_dump(cfg, node, unknown, path, ctx, name)
-    for field_name, child in node.items():
-        if field_name == key:
-            continue
-        default = getattr(cfg, field_name)
-        annotation = cfg._fields[field_name].annotation
-        setattr(cfg, field_name, _build(child, path + [field_name], ctx, default, annotation))
-    return cfg
-
-
-def _as_complete_dump(
-    cfg: ConfigBase,
-    node: _Node,
-    unknown: list[str],
-    path: list[Any],
-    ctx: _ParseContext,
-    name: str,
-) -> ConfigBase:
-    """`cfg` re-typed so that `node`, read as a complete dump, dumps back unchanged: the
-    `unknown` fields are kept (and make instantiation fail), and fields the text leaves
-    out that are not None or REQUIRED here become None, the only values a dump omits."""
-    none = [
-        f
-        for f, value in cfg.items()
-        if f not in node and f not in ("klass", "fn") and not (value is None or value is REQUIRED)
-    ]
-    if not unknown and not none:
-        return cfg
-    unresolved = None
-    if unknown:
-        where = ctx.where(_first_lineno(node[unknown[0]]), path)
-        unresolved = Unresolved(where, f"{name} has no field(s) {', '.join(map(repr, unknown))}")
-    cls = _text_config_class(type(cfg), extra=unknown, none=none, unresolved=unresolved)
-    values = {f: v for f, v in cfg.items() if f not in none}
-    return cls(**values)

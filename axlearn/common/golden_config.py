@@ -27,7 +27,8 @@ from typing import Any, Optional
 from absl import flags
 
 from axlearn.common.command_flags import parse_command_flags
-from axlearn.common.config import ConfigBase, ConfigError, flat_lines
+from axlearn.common.config import ConfigBase, ConfigError
+from axlearn.common.golden_text import flat_lines, init_lines, regularizer_lines
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN_DIR = os.path.join(_REPO_ROOT, "golden_configs")
@@ -49,17 +50,18 @@ def _model(cfg: ConfigBase):
 
 def init_text(cfg: ConfigBase) -> str:
     """One line per parameter, in the order the model creates them (not sorted), as
-    AXLearn writes them (`BaseLayer.describe_initializers`): `path: constant(1.0)`, or
+    AXLearn writes them (`golden_text.init_lines`): `path: constant(1.0)`, or
     `path: normal(0, 1.0 / fan_in), shape=(8, 32), axes=FanAxes(...)` for a weight."""
-    return "\n".join(_model(cfg).describe_initializers())
+    return "\n".join(init_lines(_model(cfg)))
 
 
 def regularizer_text(cfg: ConfigBase) -> str:
     """A header, then `path: weight-decay scale` per parameter."""
-    from axlearn.common.learner import regularizer_lines  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.learner import weight_decay_scales
 
     specs = _model(cfg).create_parameter_specs_recursively()
-    return "\n".join(regularizer_lines(cfg.learner, specs))
+    return "\n".join(regularizer_lines(weight_decay_scales(cfg.learner, specs)))
 
 
 def golden_file_names(config_name: str) -> list[str]:

@@ -9,7 +9,8 @@ import re
 from collections.abc import Callable
 
 from axlearn.common import file_system
-from axlearn.common.config import ConfigError, flat_lines
+from axlearn.common.config import ConfigError
+from axlearn.common.golden_text import flat_lines
 
 log = logging.getLogger(__name__)
 
