@@ -840,11 +840,13 @@ class MultiheadAttention(BaseLayer):
         q_index: Optional[Tensor] = None,
         kv_valid: Optional[Tensor] = None,
         segment_ids: Optional[Tensor] = None,
+        logit_biases: Optional[Tensor] = None,
     ) -> Tensor:
         """softmax(q k^T) v: q [B,T,N,H], k/v [B,S,K,H] -> [B,T,N,H].
 
         q_index [B,T]: the index of each query among the keys (default: arange(T), i.e.
-        queries and keys are the same sequence); kv_valid [B,S]: which keys exist.
+        queries and keys are the same sequence); kv_valid [B,S]: which keys exist;
+        logit_biases [B,1|N,T,S]: added to the logits (an attention-mask layer's output).
         """
         cfg = self._config
         k, v = k.astype(q.dtype), v.astype(q.dtype)
@@ -852,9 +854,11 @@ class MultiheadAttention(BaseLayer):
             mask = None
             if segment_ids is not None:
                 mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+            bias = None if logit_biases is None else logit_biases.astype(q.dtype)
             # The query is already scaled (ScaleQuery), hence scale=1.
             return jax.nn.dot_product_attention(
-                q, k, v, mask=mask, scale=1.0, is_causal=bool(cfg.causal), implementation="cudnn"
+                q, k, v, bias=bias, mask=mask, scale=1.0, is_causal=bool(cfg.causal),
+                implementation="cudnn",
             )
         batch, q_len, num_heads, head_dim = q.shape
         kv_len, num_kv_heads = k.shape[1], k.shape[2]
@@ -863,13 +867,20 @@ class MultiheadAttention(BaseLayer):
         logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
         if cfg.atten_logit_cap is not None:
             logits = cfg.atten_logit_cap * jnp.tanh(logits / cfg.atten_logit_cap)
+        if logit_biases is not None:
+            heads = (num_kv_heads, groups) if logit_biases.shape[1] > 1 else (1, 1)
+            logits = logits + logit_biases.reshape(batch, *heads, q_len, kv_len)
         mask = self._mask(batch, q_len, kv_len, q_index, kv_valid, segment_ids)
         if mask is not None:
             logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
-        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        probs = self._probs(logits).astype(v.dtype)
         probs = self.dropout(probs)
         context = jnp.einsum("bkgts,bskh->btkgh", probs, v)
         return context.reshape(batch, q_len, num_heads, head_dim)
+
+    def _probs(self, logits: Tensor) -> Tensor:
+        """Attention probabilities from float32 logits [..., T, S]: softmax over S."""
+        return jax.nn.softmax(logits, axis=-1)
 
     def _mask(self, batch, q_len, kv_len, q_index, kv_valid, segment_ids) -> Optional[Tensor]:
         """[B,T,S] bool (True: attend), or None for no masking."""
@@ -899,17 +910,20 @@ class MultiheadAttention(BaseLayer):
         value: Optional[Tensor] = None,
         segment_ids: Optional[Tensor] = None,
         positions: Optional[Tensor] = None,
+        attention_logit_biases: Optional[Tensor] = None,
     ) -> Tensor:
         """query [B,T,D] (key/value [B,S,*] for cross-attention) -> [B,T,output_dim].
 
         segment_ids [B,T]: tokens attend only within their own segment (packed
         documents; self-attention only). positions [B,T]: rotary positions (default
-        arange(T)).
+        arange(T)). attention_logit_biases [B,1|N,T,S]: added to the logits (e.g. ALiBi's).
         """
         if segment_ids is not None and key is not None:
             raise ValueError(f"{self.path()}: segment_ids apply to self-attention only")
         q, k, v = self._project(query, key=key, value=value, query_positions=positions)
-        context = self._attend(q, k, v, segment_ids=segment_ids)
+        context = self._attend(
+            q, k, v, segment_ids=segment_ids, logit_biases=attention_logit_biases
+        )
         return self._output(context)
 
     def init_states(self, *, batch_size: int, max_len: int) -> dict[str, Tensor]:
@@ -1041,14 +1055,20 @@ class TransformerAttentionLayer(BaseLayer):
         segment_ids: Optional[Tensor] = None,
         positions: Optional[Tensor] = None,
         residual_partition_spec: Optional[MeshAxes] = None,
+        attention_logit_biases: Optional[Tensor] = None,
     ) -> Tensor:
         """target [B,T,target_dim]; source [B,S,source_dim] for cross-attention.
         `residual_partition_spec`: how target is split over the mesh, if known (lets a
-        norm with a kernel run its backward per device)."""
+        norm with a kernel run its backward per device). `attention_logit_biases`
+        [B,1|N,T,S]: added to the attention logits."""
+        biases = {} if attention_logit_biases is None else dict(
+            attention_logit_biases=attention_logit_biases
+        )
         return self._residual(
             target,
             lambda x: self.attention(
-                x, key=source, value=source, segment_ids=segment_ids, positions=positions
+                x, key=source, value=source, segment_ids=segment_ids, positions=positions,
+                **biases,
             ),
             residual_partition_spec,
         )
@@ -1254,13 +1274,15 @@ class TransformerLayer(BaseLayer):
         segment_ids: Optional[Tensor] = None,
         positions: Optional[Tensor] = None,
         cross_attention_data: Optional[Tensor] = None,
+        attention_logit_biases: Optional[Tensor] = None,
     ) -> Tensor:
-        """data [B,T,D] -> [B,T,D]."""
+        """data [B,T,D] -> [B,T,D]; attention_logit_biases [B,1|N,T,T] go to self-attention."""
         data = self.self_attention(
             data,
             segment_ids=segment_ids,
             positions=positions,
             residual_partition_spec=self.feed_forward.residual_partition_spec(),
+            attention_logit_biases=attention_logit_biases,
         )
         data = self._cross(data, cross_attention_data)
         return self.feed_forward(data)
@@ -1481,3 +1503,116 @@ def build_remat_spec(
         offload_dst=offload_dst,
     )
     return {"prevent_cse": prevent_cse, "policy": policy}
+
+
+# ----- attention logit biases (AXLearn's `Decoder.attention_mask` layers) -----
+
+
+class AttentionLogitBiasLayer(BaseLayer):
+    """Base of the layers a Decoder's `attention_mask` names: (segment_ids [B,T],
+    positions [B,T]) -> logit biases [B,1|N,T,T] that every self-attention adds to its
+    logits (0 where a query may attend, a large negative number where it may not)."""
+
+    def forward(self, *, segment_ids: Tensor, positions: Tensor) -> Tensor:
+        raise NotImplementedError(type(self))
+
+
+class CausalAttentionLogitBiasLayer(AttentionLogitBiasLayer):
+    """Each token attends to tokens of its own segment at positions not after its own."""
+
+    def _allowed(self, segment_ids: Tensor, positions: Tensor) -> Tensor:
+        """[B,1,T,T] bool: query i may attend to key j."""
+        causal = positions[:, :, None] >= positions[:, None, :]
+        same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+        return jnp.logical_and(causal, same_segment)[:, None]
+
+    def forward(self, *, segment_ids: Tensor, positions: Tensor) -> Tensor:
+        allowed = self._allowed(segment_ids, positions)
+        return jnp.where(allowed, 0.0, _NEG_INF).astype(jnp.float32)
+
+
+def alibi_get_slopes(num_heads: int) -> list[float]:
+    """ALiBi's per-head slopes (https://arxiv.org/abs/2108.12409): for n heads, a power of
+    two, the geometric sequence 2^(-8/n), 2^(-16/n), ...; otherwise those of the largest
+    power of two below n, then every other slope of twice that power."""
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if num_heads & (num_heads - 1) == 0:
+        return power_of_two_slopes(num_heads)
+    lower = 1 << (num_heads.bit_length() - 1)
+    return power_of_two_slopes(lower) + alibi_get_slopes(2 * lower)[0::2][: num_heads - lower]
+
+
+class ALiBiAttentionLogitBiasLayer(CausalAttentionLogitBiasLayer):
+    """Causal biases plus ALiBi's linear position penalty: head n adds
+    slope[n] * (position[key] - position[query]) (<= 0 where allowed) to its logits, in
+    place of position embeddings (https://arxiv.org/abs/2108.12409)."""
+
+    @config_class
+    class Config(CausalAttentionLogitBiasLayer.Config):
+        """Configures ALiBiAttentionLogitBiasLayer."""
+
+        num_heads: Required[int] = REQUIRED  # The attention's query heads, one slope each.
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        if not isinstance(cfg.num_heads, int) or cfg.num_heads < 1:
+            raise ConfigError(
+                f"{self.path()}.num_heads must be a positive int, not {cfg.num_heads!r}"
+            )
+
+    def forward(self, *, segment_ids: Tensor, positions: Tensor) -> Tensor:
+        slopes = jnp.asarray(alibi_get_slopes(self.config.num_heads), jnp.float32)
+        positions = positions.astype(jnp.float32)
+        distance = positions[:, None, :] - positions[:, :, None]  # [B,T,S]: key - query.
+        alibi = slopes[None, :, None, None] * distance[:, None]
+        return jnp.where(self._allowed(segment_ids, positions), alibi, _NEG_INF)
+
+
+# ----- sigmoid attention -----
+
+
+class SigmoidAttention(MultiheadAttention):
+    """Attention whose probabilities are sigmoid(logits - log(seq_len)) per key instead of a
+    softmax over keys (https://arxiv.org/abs/2409.04431). The -log(seq_len) bias starts each
+    query's total weight near softmax's 1 when logits are small; masked keys get 0.
+
+    Always computed on XLA (cuDNN's kernel is softmax-only); decoding works as for
+    MultiheadAttention. Use with grouped key/value heads through the input_linear.
+    """
+
+    @config_class
+    class Config(MultiheadAttention.Config):
+        """Configures SigmoidAttention."""
+
+        seq_len: Required[int] = REQUIRED  # The training sequence length (sets the bias).
+        # Whether to subtract log(seq_len) from the logits; False: plain sigmoid(logits).
+        subtract_seq_len_bias: bool = True
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        cfg = self.config
+        if not isinstance(cfg.seq_len, int) or cfg.seq_len < 1:
+            raise ConfigError(
+                f"{self.path()}.seq_len must be a positive int, not {cfg.seq_len!r}"
+            )
+        if cfg.attention_implementation == "cudnn":
+            raise ConfigError(
+                f"{self.path()}.attention_implementation: 'cudnn' computes a softmax; sigmoid "
+                "attention runs on 'xla' (or None)"
+            )
+
+    def _check_kv_heads(self, num_kv_heads: int) -> None:
+        GroupedQueryAttention._check_kv_heads(self, num_kv_heads)
+
+    def _use_cudnn(self, q: Tensor, k: Tensor) -> bool:
+        return False
+
+    def _probs(self, logits: Tensor) -> Tensor:
+        cfg = self.config
+        if cfg.subtract_seq_len_bias:
+            logits = logits - math.log(cfg.seq_len)
+        return jax.nn.sigmoid(logits)

@@ -286,8 +286,10 @@ class Decoder(BaseLayer):
         vocab_size: Required[int] = REQUIRED
         dim: Required[int] = REQUIRED  # Model width: embeddings, transformer, output norm.
         # 'causal': the decoder turns on `causal` in every attention config of `transformer`;
-        # None: the transformer config is used as given (its attention must mask itself).
-        attention_mask: Optional[str] = "causal"
+        # None: the transformer config is used as given (its attention must mask itself);
+        # an attention-bias layer config (attention.ALiBiAttentionLogitBiasLayer, ...): its
+        # biases [B,1|N,T,T] go to every self-attention (training and scoring only).
+        attention_mask: Optional[Union[str, InstantiableConfig]] = "causal"
         # Fills the `rate` of the embedding and output dropouts where those leave it None.
         dropout_rate: float = 0.0
         emb: InstantiableConfig = TransformerTextEmbeddings.default_config()
@@ -314,6 +316,8 @@ class Decoder(BaseLayer):
         transformer = cfg.transformer.clone(input_dim=cfg.dim)
         if cfg.attention_mask == "causal":
             _set_causal_attention(transformer)
+        elif isinstance(cfg.attention_mask, InstantiableConfig):
+            self._add_child("attention_mask", cfg.attention_mask)
         elif cfg.attention_mask is not None:
             raise ConfigError(
                 f"{self.path()}.attention_mask: '{cfg.attention_mask}' is not supported; "
@@ -360,7 +364,14 @@ class Decoder(BaseLayer):
     ) -> Tensor:
         """The states that feed the LM head: [B, T, dim] after output norm and dropout."""
         x = self.emb(input_ids, positions=positions)
-        x = self.transformer(x, segment_ids=segment_ids, positions=positions)
+        kwargs = {}
+        if "attention_mask" in self.children:
+            ones = jnp.ones(input_ids.shape, jnp.int32)
+            kwargs["attention_logit_biases"] = self.attention_mask(
+                segment_ids=ones if segment_ids is None else segment_ids,
+                positions=jnp.cumsum(ones, axis=-1) - 1 if positions is None else positions,
+            )
+        x = self.transformer(x, segment_ids=segment_ids, positions=positions, **kwargs)
         return self._output(x)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
@@ -388,6 +399,11 @@ class Decoder(BaseLayer):
 
     def init_states(self, *, batch_size: int, max_len: int) -> Any:
         """An empty KV cache for `batch_size` sequences of up to `max_len` tokens."""
+        if "attention_mask" in self.children:
+            raise NotImplementedError(
+                f"{self.path()}.attention_mask: decoding with an attention-bias layer "
+                f"({type(self.attention_mask).__name__}) is not supported; it trains and scores"
+            )
         return dict(transformer=self.transformer.init_states(batch_size=batch_size, max_len=max_len))
 
     def extend_step(
