@@ -35,7 +35,9 @@ def test_the_qkv_weight_keeps_its_learner_scale_without_rope():
 
 def _decoder(cfg):
     decoder_cfg = cfg.model.decoder.clone(name="decoder", dim=32, vocab_size=50)
-    decoder_cfg.transformer.layer.self_attention.attention.num_heads = 4
+    attention = decoder_cfg.transformer.layer.self_attention.attention
+    attention.num_heads = 4
+    attention.input_linear.cache_dtype = jnp.float32  # Decoding exactly as forward.
     decoder_cfg.transformer.layer.feed_forward.hidden_dim = 64
     decoder_cfg.set(param_init=cfg.model.param_init)
     decoder = decoder_cfg.instantiate(parent=None)
@@ -66,10 +68,27 @@ def test_alibi_decoder_logits_depend_only_on_earlier_tokens_of_the_same_document
     assert not np.allclose(logits(later, segments, positions)[0, 2:4], base[0, 2:4])
 
 
-def test_alibi_decoder_refuses_to_decode_with_its_path():
-    decoder, _ = _decoder(gala.gala_sigmoid_test_trainer())
-    with pytest.raises(NotImplementedError, match=r"decoder\.attention_mask: decoding"):
-        decoder.init_states(batch_size=1, max_len=4)
+def test_alibi_decoder_decodes_like_forward_one_token_and_two_at_a_time():
+    decoder, params = _decoder(gala.gala_sigmoid_test_trainer())
+
+    def run(method, **inputs):
+        out, _ = F(
+            decoder, state=params, is_training=False, prng_key=None, method=method, inputs=inputs
+        )
+        return out
+
+    ids = jnp.asarray(np.random.default_rng(1).integers(2, 50, size=(2, 6)))
+    full = np.asarray(run("forward", input_ids=ids)["logits"])
+    for chunk in (1, 2):
+        cache = run("init_states", batch_size=2, max_len=8)
+        steps = []
+        for t in range(0, 6, chunk):
+            cache, out = run(
+                "extend_step", cached_states=cache, input_ids=ids[:, t : t + chunk],
+                time_step=jnp.full((2,), t, jnp.int32),
+            )
+            steps.append(np.asarray(out["logits"]))
+        np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5)
 
 
 def _logged_losses(log: str) -> dict[int, float]:

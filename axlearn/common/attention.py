@@ -938,12 +938,18 @@ class MultiheadAttention(BaseLayer):
         )
 
     def extend_step(
-        self, cached_states: dict[str, Tensor], query: Tensor, *, time_step: Tensor
+        self,
+        cached_states: dict[str, Tensor],
+        query: Tensor,
+        *,
+        time_step: Tensor,
+        attention_logit_biases: Optional[Tensor] = None,
     ) -> tuple[dict[str, Tensor], Tensor]:
         """Self-attention for query [B,S,D] at positions time_step[b] + arange(S).
 
         The new keys/values are written into the cache at those positions (the caller
         keeps time_step + S <= max_len). Returns (new cache, outputs [B,S,output_dim]).
+        attention_logit_biases [B,1|N,S,max_len]: added to the logits against the cache.
         """
         steps = query.shape[1]
         time_step = time_step.astype(jnp.int32)
@@ -953,7 +959,8 @@ class MultiheadAttention(BaseLayer):
             cached_states, k_proj=k, v_proj=v, time_step=time_step
         )
         context = self._attend(
-            q, cached.k_proj, cached.v_proj, q_index=q_index, kv_valid=cached.kv_valid
+            q, cached.k_proj, cached.v_proj, q_index=q_index, kv_valid=cached.kv_valid,
+            logit_biases=attention_logit_biases,
         )
         return new_states, self._output(context)
 
@@ -1077,12 +1084,22 @@ class TransformerAttentionLayer(BaseLayer):
         return self.attention.init_states(batch_size=batch_size, max_len=max_len)
 
     def extend_step(
-        self, cached_states: dict[str, Tensor], target: Tensor, *, time_step: Tensor
+        self,
+        cached_states: dict[str, Tensor],
+        target: Tensor,
+        *,
+        time_step: Tensor,
+        attention_logit_biases: Optional[Tensor] = None,
     ) -> tuple[dict[str, Tensor], Tensor]:
         new_states = {}
+        biases = {} if attention_logit_biases is None else dict(
+            attention_logit_biases=attention_logit_biases
+        )
 
         def attend(x: Tensor) -> Tensor:
-            states, out = self.attention.extend_step(cached_states, x, time_step=time_step)
+            states, out = self.attention.extend_step(
+                cached_states, x, time_step=time_step, **biases
+            )
             new_states.update(states)
             return out
 
@@ -1299,10 +1316,13 @@ class TransformerLayer(BaseLayer):
         *,
         time_step: Tensor,
         cross_attention_data: Optional[Tensor] = None,
+        attention_logit_biases: Optional[Tensor] = None,
     ) -> tuple[dict[str, Any], Tensor]:
-        """Decodes data [B,S,D] at positions time_step + arange(S); see the module doc."""
+        """Decodes data [B,S,D] at positions time_step + arange(S); see the module doc.
+        attention_logit_biases [B,1|N,S,max_len] go to self-attention."""
         states, data = self.self_attention.extend_step(
-            cached_states["self_attention"], data, time_step=time_step
+            cached_states["self_attention"], data, time_step=time_step,
+            attention_logit_biases=attention_logit_biases,
         )
         data = self._cross(data, cross_attention_data)
         return dict(self_attention=states), self.feed_forward(data)
@@ -1511,24 +1531,48 @@ def build_remat_spec(
 class AttentionLogitBiasLayer(BaseLayer):
     """Base of the layers a Decoder's `attention_mask` names: (segment_ids [B,T],
     positions [B,T]) -> logit biases [B,1|N,T,T] that every self-attention adds to its
-    logits (0 where a query may attend, a large negative number where it may not)."""
+    logits (0 where a query may attend, a large negative number where it may not).
+
+    `biases` gives the same for queries and keys at different positions (decoding: the
+    new tokens against the whole cache)."""
 
     def forward(self, *, segment_ids: Tensor, positions: Tensor) -> Tensor:
+        same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+        return self.biases(
+            query_positions=positions, key_positions=positions, same_segment=same_segment
+        )
+
+    def biases(
+        self,
+        *,
+        query_positions: Tensor,
+        key_positions: Tensor,
+        same_segment: Optional[Tensor] = None,
+    ) -> Tensor:
+        """query_positions [B,T], key_positions [B,S], same_segment [B,T,S] (None: one
+        segment) -> float32 biases [B,1|N,T,S]."""
         raise NotImplementedError(type(self))
 
 
 class CausalAttentionLogitBiasLayer(AttentionLogitBiasLayer):
     """Each token attends to tokens of its own segment at positions not after its own."""
 
-    def _allowed(self, segment_ids: Tensor, positions: Tensor) -> Tensor:
-        """[B,1,T,T] bool: query i may attend to key j."""
-        causal = positions[:, :, None] >= positions[:, None, :]
-        same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-        return jnp.logical_and(causal, same_segment)[:, None]
+    def _values(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+        """[B,1|N,T,S] float32: the biases where attending is allowed."""
+        return jnp.zeros((query_positions.shape[0], 1, query_positions.shape[1], 1), jnp.float32)
 
-    def forward(self, *, segment_ids: Tensor, positions: Tensor) -> Tensor:
-        allowed = self._allowed(segment_ids, positions)
-        return jnp.where(allowed, 0.0, _NEG_INF).astype(jnp.float32)
+    def biases(
+        self,
+        *,
+        query_positions: Tensor,
+        key_positions: Tensor,
+        same_segment: Optional[Tensor] = None,
+    ) -> Tensor:
+        allowed = query_positions[:, :, None] >= key_positions[:, None, :]
+        if same_segment is not None:
+            allowed = jnp.logical_and(allowed, same_segment)
+        values = self._values(query_positions, key_positions)
+        return jnp.where(allowed[:, None], values, _NEG_INF).astype(jnp.float32)
 
 
 def alibi_get_slopes(num_heads: int) -> list[float]:
@@ -1564,12 +1608,13 @@ class ALiBiAttentionLogitBiasLayer(CausalAttentionLogitBiasLayer):
                 f"{self.path()}.num_heads must be a positive int, not {cfg.num_heads!r}"
             )
 
-    def forward(self, *, segment_ids: Tensor, positions: Tensor) -> Tensor:
+    def _values(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
         slopes = jnp.asarray(alibi_get_slopes(self.config.num_heads), jnp.float32)
-        positions = positions.astype(jnp.float32)
-        distance = positions[:, None, :] - positions[:, :, None]  # [B,T,S]: key - query.
-        alibi = slopes[None, :, None, None] * distance[:, None]
-        return jnp.where(self._allowed(segment_ids, positions), alibi, _NEG_INF)
+        distance = (  # [B,T,S]: key position - query position.
+            key_positions[:, None, :].astype(jnp.float32)
+            - query_positions[:, :, None].astype(jnp.float32)
+        )
+        return slopes[None, :, None, None] * distance[:, None]
 
 
 # ----- sigmoid attention -----

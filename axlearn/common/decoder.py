@@ -288,7 +288,7 @@ class Decoder(BaseLayer):
         # 'causal': the decoder turns on `causal` in every attention config of `transformer`;
         # None: the transformer config is used as given (its attention must mask itself);
         # an attention-bias layer config (attention.ALiBiAttentionLogitBiasLayer, ...): its
-        # biases [B,1|N,T,T] go to every self-attention (training and scoring only).
+        # biases [B,1|N,T,T] go to every self-attention (which then need not be causal).
         attention_mask: Optional[Union[str, InstantiableConfig]] = "causal"
         # Fills the `rate` of the embedding and output dropouts where those leave it None.
         dropout_rate: float = 0.0
@@ -398,13 +398,15 @@ class Decoder(BaseLayer):
     # ----- incremental decoding -----
 
     def init_states(self, *, batch_size: int, max_len: int) -> Any:
-        """An empty KV cache for `batch_size` sequences of up to `max_len` tokens."""
+        """An empty KV cache for `batch_size` sequences of up to `max_len` tokens (and,
+        with an attention-bias layer, the cache's positions, which its biases need)."""
+        states = dict(
+            transformer=self.transformer.init_states(batch_size=batch_size, max_len=max_len)
+        )
         if "attention_mask" in self.children:
-            raise NotImplementedError(
-                f"{self.path()}.attention_mask: decoding with an attention-bias layer "
-                f"({type(self.attention_mask).__name__}) is not supported; it trains and scores"
-            )
-        return dict(transformer=self.transformer.init_states(batch_size=batch_size, max_len=max_len))
+            positions = jnp.arange(max_len, dtype=jnp.int32)
+            states["key_positions"] = jnp.broadcast_to(positions, (batch_size, max_len))
+        return states
 
     def extend_step(
         self, cached_states: Any, input_ids: Tensor, *, time_step: Tensor
@@ -417,14 +419,19 @@ class Decoder(BaseLayer):
         steps = jnp.arange(input_ids.shape[1], dtype=jnp.int32)
         positions = time_step.astype(jnp.int32)[:, None] + steps[None, :]
         x = self.emb(input_ids, positions=positions)
+        kwargs = {}
+        if "attention_mask" in self.children:
+            kwargs["attention_logit_biases"] = self.attention_mask.biases(
+                query_positions=positions, key_positions=cached_states["key_positions"]
+            )
         transformer_cache, x = self.transformer.extend_step(
-            cached_states["transformer"], x, time_step=time_step
+            cached_states["transformer"], x, time_step=time_step, **kwargs
         )
         hidden_states = self._output(x)
         # No logits_partition_spec here: a few decoded positions (or a small decoding batch)
         # need not divide the mesh axes that training shards over.
         logits = self._logits(hidden_states)
-        return dict(transformer=transformer_cache), dict(
+        return dict(cached_states, transformer=transformer_cache), dict(
             logits=logits, hidden_states=hidden_states
         )
 
