@@ -15,6 +15,10 @@ Pieces, bottom up:
 - `TransformerAttentionLayer`, `TransformerFeedForwardLayer`, `TransformerLayer` and the
   stacks `StackedTransformerLayer` (one child per layer) and `RepeatedTransformerLayer`
   (one scanned child with stacked parameters).
+- Attention logit biases, which a Decoder's `attention_mask` computes once for every
+  self-attention (`attention_logit_biases`): `CausalAttentionLogitBiasLayer` and
+  `ALiBiAttentionLogitBiasLayer` (ALiBi's linear position penalty); and
+  `SigmoidAttention`, an elementwise sigmoid in place of the softmax.
 
 Every layer that attends also decodes: `init_states(batch_size=, max_len=)` gives an
 empty key/value cache and `extend_step(cache, x, time_step=)` appends S new tokens per
