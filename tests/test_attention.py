@@ -1015,3 +1015,42 @@ def test_axlearn_alibi_and_sigmoid_golden_lines_parse_and_instantiate():
     sigmoid = tree["attention"].set(query_dim=8, key_dim=8, value_dim=8, output_dim=8)
     assert sigmoid.klass is attn.SigmoidAttention and sigmoid.seq_len == 2048
     sigmoid.set(name="attention").instantiate(parent=None)
+
+
+@pytest.mark.parametrize("implementation", ["cudnn", "xla"])
+def test_grouped_softmax_attention_with_alibi_biases_matches_numpy(monkeypatch, implementation):
+    calls = []
+    monkeypatch.setattr(jax.nn, "dot_product_attention", _cudnn_on_xla(calls))
+    cfg = attn.GroupedQueryAttention.default_config().set(
+        query_dim=12, key_dim=12, value_dim=12, output_dim=10, num_heads=4,
+        attention_implementation=implementation,
+    )
+    cfg.input_linear = attn.GroupedQKVLinear.default_config().set(num_kv_heads=2)
+    layer, params = _build(cfg)
+    params = _randomize(params)
+    x = RNG.normal(size=(2, 6, 12))
+    segment_ids, positions = np.array([[1, 1, 1, 2, 2, 2]] * 2), np.array([[0, 1, 2, 0, 1, 2]] * 2)
+    biases = np_alibi_biases(segment_ids, positions, 4)
+    alibi, _ = _build(attn.ALiBiAttentionLogitBiasLayer.default_config().set(num_heads=4))
+    layer_biases = _call(
+        alibi, {}, segment_ids=jnp.asarray(segment_ids), positions=jnp.asarray(positions)
+    )
+    out = _call(
+        layer, params, query=jnp.asarray(x, jnp.float32), attention_logit_biases=layer_biases
+    )
+    if implementation == "cudnn":
+        assert [c["implementation"] for c in calls] == ["cudnn"] and calls[0]["bias"] is not None
+    else:
+        assert not calls
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    q, k, v = (
+        np.einsum("btd,dnh->btnh", x, p["i_proj"][n]["weight"]) + p["i_proj"][n]["bias"]
+        for n in ("q_proj", "k_proj", "v_proj")
+    )
+    k, v = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)
+    logits = np.einsum("btnh,bsnh->bnts", q / np.sqrt(3.0), k) + biases
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    context = np.einsum("bnts,bsnh->btnh", probs, v)
+    expected = np.einsum("btnh,dnh->btd", context, p["o_proj"]["weight"]) + p["o_proj"]["bias"]
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
