@@ -1630,7 +1630,7 @@ class SigmoidAttention(MultiheadAttention):
     query's total weight near softmax's 1 when logits are small; masked keys get 0.
 
     Always computed on XLA (cuDNN's kernel is softmax-only); decoding works as for
-    MultiheadAttention. Use with grouped key/value heads through the input_linear.
+    MultiheadAttention. The input_linear may have fewer key/value heads (grouped queries).
     """
 
     @config_class
