@@ -346,3 +346,31 @@ def test_trainer_refuses_grad_acc_steps_with_a_microbatch_size():
     cfg.set(grad_acc_steps=2, per_device_microbatch_size=4)
     with pytest.raises(ConfigError, match="grad_acc_steps must be None or an int >= 1, and not"):
         cfg.instantiate(parent=None)
+
+
+def test_axlearn_replace_layer_golden_lines_set_the_gmm_backend_of_every_moe_layer():
+    """AXLearn's GPU mesh rules switch the MoE layers' grouped matmul this way: the excluded
+    keys take the source's values, every other field keeps the replaced layer's."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.config import parse_flat_text
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.mixture_of_experts import GMMBackend
+
+    moe = "'axlearn.common.mixture_of_experts.TransformerFeedForwardDropFreeMoE'"
+    text = "\n".join(
+        [
+            "m.exclude_keys[0]: 'gmm_backend'",
+            "m.klass: 'axlearn.common.trainer_config_modifier.ReplaceLayerConfigModifier'",
+            "m.source_config.gmm_backend: <GMMBackend.RAGGED_DOT: 'RAGGED_DOT'>",
+            f"m.source_config.klass: {moe}",
+            "m.source_config.num_experts: 64",
+            f"m.target_cls: {moe}",
+        ]
+    )
+    modifier = parse_flat_text(text)["m"]
+    cfg = _apply(_replace_feed_forward(num_experts=4, grouped_matmul="mosaic_gpu"), _config())
+    cfg = _apply(modifier, cfg)
+    ffn = cfg.model.decoder.transformer.layer.feed_forward
+    assert ffn.gmm_backend is GMMBackend.RAGGED_DOT  # Excluded: the source's value.
+    assert ffn.num_experts == 4 and ffn.grouped_matmul == "mosaic_gpu"  # Kept.
+    _param_specs(cfg)  # The model builds.
