@@ -269,7 +269,9 @@ def use_hf_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
 
     path = os.path.abspath(path)
     cfg.model = hf_llama.warm_start_model_config(cfg.model, path)
-    cfg.init_params = hf_llama.HfLlamaWeights.default_config().set(path=path)
+    cfg.init_params = hf_llama.HfLlamaWeights.default_config().set(
+        path=path, source_fields=hf_llama.source_fields(path)
+    )
     decoder = cfg.model.decoder
     log.info(
         "--init_from_hf=%s: a Llama of %d layers, dim %d, vocab %d; weights read at step 0 "
