@@ -871,10 +871,11 @@ class _ProgressBar:
 
 
 @contextlib.contextmanager
-def _build_progress(show: bool, *, stream: Any = None, interval_s: float = PROGRESS_INTERVAL_S):
+def _build_progress(show: bool, *, stream: Any = None, interval_s: Optional[float] = None):
     """A progress report with `update(tokens, documents so far)`: a bar where `stream`
     (default stderr) is a terminal or AXLEARN_PROGRESS_BARS=1, lines every `interval_s`
-    elsewhere (a log shows them as they come), None where not `show`n."""
+    (None: PROGRESS_INTERVAL_S) elsewhere (a log shows them as they come), None where not
+    `show`n or AXLEARN_PROGRESS_BARS=0."""
     if not show:
         yield None
         return
@@ -890,6 +891,7 @@ def _build_progress(show: bool, *, stream: Any = None, interval_s: float = PROGR
             bar.unit_scale = True
             yield _ProgressBar(bar)
     else:
+        interval_s = PROGRESS_INTERVAL_S if interval_s is None else interval_s
         yield _ProgressLines(stream, interval_s=interval_s)
 
 

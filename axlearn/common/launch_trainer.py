@@ -97,7 +97,8 @@ FLAGS_TABLE = (
         "config_override",
         [],
         "path=value (a Python literal), type-checked; repeatable, applied in order. "
-        "max_step=N also moves every field that held the config's step count.",
+        "max_step=N also moves every field that held the config's step count; "
+        "model.decoder.vocab_size=N every input's and evaler's copy of the model's.",
     ),
     (flags.DEFINE_bool, "print_config", False, "Print the flat config and exit (no training)."),
     (
