@@ -92,7 +92,8 @@ def has_checkpoint(trainer_dir: str) -> bool:
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.checkpointer import INDEX_FILE
 
-    pattern = file_system.join(trainer_dir, CHECKPOINTS, "step_*", INDEX_FILE)
+    # Not joined whole: `join` percent-encodes a URL's parts, the glob's '*' included.
+    pattern = f"{file_system.join(trainer_dir, CHECKPOINTS).rstrip('/')}/step_*/{INDEX_FILE}"
     return bool(file_system.glob(pattern))
 
 
