@@ -744,10 +744,13 @@ def test_a_record_that_is_no_config_is_named_in_one_short_line(tmp_path):
     message = str(error.value)
     assert "config.txt cannot be parsed: line 1" in message
     assert len(message) < 300 and "\n" not in message
+    (tmp_path / "config.txt").write_bytes(b"\xff" * 20_000)
+    with pytest.raises(ConfigError, match="config.txt cannot be parsed: byte 0 is not UTF-8"):
+        _record(tmp_path, _RECORD)
 
 
 def test_a_record_that_is_no_config_is_replaced_while_the_run_has_no_checkpoint(tmp_path):
-    (tmp_path / "config.txt").write_text("\x00\x01 not a config")
+    (tmp_path / "config.txt").write_bytes(b"\xff\xfe not a config")
     _record(tmp_path, _RECORD)
     assert (tmp_path / "config.txt").read_text() == _RECORD
 

@@ -97,9 +97,18 @@ def has_checkpoint(trainer_dir: str) -> bool:
     return bool(file_system.glob(pattern))
 
 
-def parse_record(path: str, text: str) -> dict[str, str]:
-    """The `key: value` lines of a recorded config; ConfigError naming the first line
-    that is not one (or the missing trainer `klass` line) for text that is no config."""
+def read_record(path: str) -> dict[str, str]:
+    """The `key: value` lines of the recorded config at `path`; ConfigError naming the
+    first line that is not one (or the missing trainer `klass` line, or the first byte
+    that is not UTF-8) for a file that is no config."""
+    data = file_system.read_bytes(path)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path} cannot be parsed: byte {e.start} is not UTF-8 text; it is no config "
+            "launch_trainer recorded"
+        ) from None
     lines = text.splitlines()
     for lineno, line in enumerate(lines, 1):
         if ": " not in line:
@@ -143,7 +152,7 @@ def record_config(
     if file_system.isfile(path):
         resumes = has_checkpoint(trainer_dir)
         try:
-            old = parse_record(path, file_system.read_text(path))
+            old = read_record(path)
         except ConfigError:
             if resumes:
                 raise
