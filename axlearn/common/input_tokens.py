@@ -1176,7 +1176,10 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         **fv,
     )
     flags.DEFINE_string(
-        "eos_token", None, "The token that ends every document, if not the tokenizer's own eos.", **fv
+        "eos_token",
+        None,
+        "The token that ends every document, if not the tokenizer's own eos.",
+        **fv,
     )
     flags.DEFINE_string(
         "bos_token", None, "Hugging Face tokenizers: the bos token (recorded only).", **fv
@@ -1189,7 +1192,9 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "for DIR/train-*.tok and DIR/validation-*.tok.",
         **fv,
     )
-    flags.DEFINE_string("text_field", "text", "JSON field or Parquet column holding the text.", **fv)
+    flags.DEFINE_string(
+        "text_field", "text", "JSON field or Parquet column holding the text.", **fv
+    )
     flags.DEFINE_float(
         "validation_fraction",
         0.0,
