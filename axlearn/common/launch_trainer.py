@@ -193,6 +193,14 @@ MODEL_VOCAB_SIZE = "model.decoder.vocab_size"
 _VOCAB_SIZE_FIELDS = ("vocab_size", "model_vocab_size")
 
 
+def model_vocab_size(cfg: ConfigBase) -> Any:
+    """The model's vocabulary size (model.decoder.vocab_size); None for a model without."""
+    try:
+        return get_recursively(cfg, parse_path(MODEL_VOCAB_SIZE))
+    except (ConfigError, AttributeError, KeyError):
+        return None
+
+
 def follow_vocab_size(
     cfg: ConfigBase, old_vocab_size: Any, *, pinned: Sequence[str] = ()
 ) -> list[str]:
@@ -200,10 +208,7 @@ def follow_vocab_size(
     `vocab_size` or `model_vocab_size` field that held `old_vocab_size` (the inputs', the
     evalers' inputs') to the new value; returns their paths. Paths in `pinned`
     (overridden by hand) are left alone."""
-    try:
-        new_vocab_size = get_recursively(cfg, parse_path(MODEL_VOCAB_SIZE))
-    except (ConfigError, AttributeError, KeyError):
-        return []  # A model without a decoder has no vocabulary to follow.
+    new_vocab_size = model_vocab_size(cfg)
     if new_vocab_size == old_vocab_size or not isinstance(new_vocab_size, int):
         return []
     pinned_paths = {tuple(parse_path(path)) for path in pinned}
@@ -282,13 +287,6 @@ def use_hf_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
     return cfg
 
 
-def _model_vocab_size(cfg: ConfigBase) -> Any:
-    try:
-        return get_recursively(cfg, parse_path(MODEL_VOCAB_SIZE))
-    except (ConfigError, AttributeError, KeyError):
-        return None
-
-
 def build_trainer_config(
     *,
     config_name: str,
@@ -325,7 +323,7 @@ def build_trainer_config(
     elif data_dir:
         cfg, layouts = use_data_dir(cfg, data_dir)
     old_max_step = cfg.max_step
-    old_vocab_size = _model_vocab_size(cfg)
+    old_vocab_size = model_vocab_size(cfg)
     check_override_values(cfg, config_overrides)
     cfg = apply_overrides(cfg, config_overrides)
     pinned = [override.split("=", 1)[0].strip() for override in config_overrides]
