@@ -4,6 +4,7 @@ it with our logits."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -238,3 +239,29 @@ def test_an_fp8_recipe_warm_starts_with_fp8_matmuls_and_empty_scaling_state(hf_d
             np.testing.assert_array_equal(np.asarray(value), np.asarray(weights[path]), path)
     # Two layers of 5 FP8 matmuls (qkv, o, gate, up, down), 3 cast tensors each.
     assert histories == 2 * 5 * 3
+
+
+@pytest.mark.slow
+def test_export_of_a_run_whose_every_checkpoint_is_corrupt_stops_with_one_line(
+    warm_run, tmp_path
+):
+    run_dir = tmp_path / "run"
+    shutil.copytree(warm_run[0], run_dir)
+    arrays = sorted(
+        os.path.join(root, name)
+        for root, _, names in os.walk(run_dir / "checkpoints")
+        for name in names if "arrays/model/" in root + "/" and not name.startswith(".")
+    )
+    with open(arrays[0], "r+b") as f:  # A model weight: export reads only those.
+        data = bytearray(f.read())
+        data[-1] ^= 1
+        f.seek(0)
+        f.write(data)
+    result = subprocess.run(
+        [sys.executable, "-m", "axlearn.common.hf_llama", "export", f"--trainer_dir={run_dir}",
+         f"--output={tmp_path / 'hf'}"],
+        env=fresh_env(), cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("hf_llama export: Every committed checkpoint in ")

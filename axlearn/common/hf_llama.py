@@ -69,6 +69,7 @@ from axlearn.common.attention import (
     llama3_rope_scaling,
 )
 from axlearn.common.causal_lm import Model
+from axlearn.common.checkpointer import CheckpointCorruptError
 from axlearn.common.command_flags import parse_command_flags, usage_error
 from axlearn.common.config import (
     REQUIRED,
@@ -1018,7 +1019,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             max_shard_size=args.max_shard_size,
             tokenizer=args.tokenizer,
         )
-    except (ConfigError, ValueError, KeyError) as e:
+    except (ConfigError, ValueError, KeyError, CheckpointCorruptError) as e:
         raise SystemExit(f"hf_llama export: {e}") from e
     print(
         f"Exported step {step} of {args.trainer_dir} to {args.output} ({dtype} weights): "
