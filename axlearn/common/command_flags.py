@@ -31,13 +31,15 @@ def parse_command_flags(
     program: str,
     doc: Optional[str],
     positional: Sequence[str] = (),
+    free_positional: bool = False,
 ) -> tuple[flags.FlagValues, list[str]]:
     """Defines the command's flags on a fresh FlagValues and parses `argv` (the arguments
     after the program name; None: sys.argv[1:]) into it.
 
     Returns (the flags, the positional arguments). A positional argument that is not in
-    `positional` is a usage error, as is a flag absl refuses (unknown, ill-typed, a
-    required one missing). Any of HELP_ARGS prints `doc` and the flags and exits 0.
+    `positional` is a usage error (unless `free_positional`: any follow, e.g. input
+    files), as is a flag absl refuses (unknown, ill-typed, a required one missing). Any of
+    HELP_ARGS prints `doc` and the flags and exits 0.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     flag_values = flags.FlagValues()
@@ -53,7 +55,7 @@ def parse_command_flags(
         rest = flag_values([program, *argv])[1:]
     except flags.Error as e:
         usage_error(program, str(e))
-    unexpected = [arg for arg in rest if arg not in positional]
+    unexpected = [] if free_positional else [arg for arg in rest if arg not in positional]
     if unexpected:
         usage_error(program, f"unexpected arguments: {' '.join(unexpected)}")
     return flag_values, rest

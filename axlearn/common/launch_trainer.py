@@ -5,17 +5,20 @@ trainer config (`build_trainer_config`), and the run itself (`run_from_flags`, o
 The recipe's steps live in their own modules: `experiment_registry` (named configs),
 `mesh_selection` (the mesh rule for the devices), `launch_data` (`--data_dir`) and
 `run_record` (the config recorded in the trainer directory). `--init_from_hf` (a Hugging
-Face model and its weights) and max_step following are steps of the recipe here.
+Face model and its weights), max_step and vocab_size following are steps of the recipe here.
 """
 
+import ast
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 from absl import flags
 
+from axlearn.common import file_system
 from axlearn.common.config import (
     ConfigBase,
     ConfigError,
@@ -43,7 +46,7 @@ from axlearn.common.mesh_selection import (
     mesh_selector_from_devices,
     select_mesh_rule,
 )
-from axlearn.common.run_record import check_trainer_dir, record_config
+from axlearn.common.run_record import CHECKPOINTS, check_trainer_dir, record_config
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +97,8 @@ FLAGS_TABLE = (
         "config_override",
         [],
         "path=value (a Python literal), type-checked; repeatable, applied in order. "
-        "max_step=N also moves every field that held the config's step count.",
+        "max_step=N also moves every field that held the config's step count; "
+        "model.decoder.vocab_size=N every input's and evaler's copy of the model's.",
     ),
     (flags.DEFINE_bool, "print_config", False, "Print the flat config and exit (no training)."),
     (
@@ -180,6 +184,85 @@ def follow_max_step(cfg: ConfigBase, old_max_step: Any, *, pinned: Sequence[str]
     return followers
 
 
+# ----- one vocabulary size -----
+
+# The model's vocabulary size, which the inputs and evalers follow.
+MODEL_VOCAB_SIZE = "model.decoder.vocab_size"
+# Fields that hold a copy of the model's vocabulary size (an input's check of its token
+# ids, a synthetic input's id range).
+_VOCAB_SIZE_FIELDS = ("vocab_size", "model_vocab_size")
+
+
+def model_vocab_size(cfg: ConfigBase) -> Any:
+    """The model's vocabulary size (model.decoder.vocab_size); None for a model without."""
+    try:
+        return get_recursively(cfg, parse_path(MODEL_VOCAB_SIZE))
+    except (ConfigError, AttributeError, KeyError):
+        return None
+
+
+def follow_vocab_size(
+    cfg: ConfigBase, old_vocab_size: Any, *, pinned: Sequence[str] = ()
+) -> list[str]:
+    """After model.decoder.vocab_size changed from `old_vocab_size`: sets every other
+    `vocab_size` or `model_vocab_size` field that held `old_vocab_size` (the inputs', the
+    evalers' inputs') to the new value; returns their paths. Paths in `pinned`
+    (overridden by hand) are left alone."""
+    new_vocab_size = model_vocab_size(cfg)
+    if new_vocab_size == old_vocab_size or not isinstance(new_vocab_size, int):
+        return []
+    pinned_paths = {tuple(parse_path(path)) for path in pinned}
+    followers = []
+
+    def visit(path: str, value: Any) -> None:
+        if (
+            path != MODEL_VOCAB_SIZE
+            and path.rsplit(".", 1)[-1] in _VOCAB_SIZE_FIELDS
+            and type(value) is int  # pylint: disable=unidiomatic-typecheck  (not bool)
+            and value == old_vocab_size
+            and tuple(parse_path(path)) not in pinned_paths
+        ):
+            followers.append(path)
+
+    cfg.visit(visit)
+    for path in followers:
+        set_recursively(cfg, path, new_vocab_size)
+    if followers:
+        log.info(
+            "%s %s -> %d; followed by %s",
+            MODEL_VOCAB_SIZE, old_vocab_size, new_vocab_size, ", ".join(followers),
+        )
+    return followers
+
+
+# ----- overrides -----
+
+
+def check_override_values(cfg: ConfigBase, overrides: Sequence[str]) -> None:
+    """Raises naming the field for an override whose value is no Python literal where the
+    field holds a number (`lr=-1e9x`): apply_overrides would take it as a string, which
+    fails only once built, without the field's name."""
+    for override in overrides:
+        path, sep, text = override.partition("=")
+        if not sep:
+            continue  # apply_overrides names the malformed override.
+        path, text = path.strip(), text.strip()
+        try:
+            ast.literal_eval(text)
+            continue
+        except (ValueError, SyntaxError):
+            pass
+        try:
+            current = get_recursively(cfg, parse_path(path))
+        except (ConfigError, AttributeError, KeyError, IndexError, TypeError):
+            continue  # apply_overrides names a path that does not exist.
+        if isinstance(current, (int, float)) and not isinstance(current, bool):
+            raise ConfigError(
+                f"--config_override={override}: {path} holds a number ({current!r}); "
+                f"{text!r} is not one"
+            )
+
+
 # ----- the recipe -----
 
 
@@ -192,7 +275,9 @@ def use_hf_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
 
     path = os.path.abspath(path)
     cfg.model = hf_llama.warm_start_model_config(cfg.model, path)
-    cfg.init_params = hf_llama.HfLlamaWeights.default_config().set(path=path)
+    cfg.init_params = hf_llama.HfLlamaWeights.default_config().set(
+        path=path, source_fields=hf_llama.source_fields(path)
+    )
     decoder = cfg.model.decoder
     log.info(
         "--init_from_hf=%s: a Llama of %d layers, dim %d, vocab %d; weights read at step 0 "
@@ -213,8 +298,9 @@ def build_trainer_config(
     init_from_hf: Optional[str] = None,
 ) -> ConfigBase:
     """The whole launch-time recipe: name -> Hugging Face model and weights -> mesh rule
-    -> data dir (which checks the model's vocabulary) -> overrides
-    (max_step carrying the fields that held the step count with it, `follow_max_step`)."""
+    -> data dir (which checks the model's vocabulary) -> overrides (max_step carrying
+    the fields that held the step count with it, `follow_max_step`; the model's
+    vocab_size the inputs' copies of it, `follow_vocab_size`)."""
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.trainer_config_modifier import apply_mesh_rule
 
@@ -237,9 +323,12 @@ def build_trainer_config(
     elif data_dir:
         cfg, layouts = use_data_dir(cfg, data_dir)
     old_max_step = cfg.max_step
+    old_vocab_size = model_vocab_size(cfg)
+    check_override_values(cfg, config_overrides)
     cfg = apply_overrides(cfg, config_overrides)
     pinned = [override.split("=", 1)[0].strip() for override in config_overrides]
     follow_max_step(cfg, old_max_step, pinned=pinned)
+    follow_vocab_size(cfg, old_vocab_size, pinned=pinned)
     if layouts:
         check_evaler_shards(cfg, config_name, data_dir, layouts)
     if trainer_dir:
@@ -308,9 +397,31 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
             all_have_read=_sync_processes,
         )
         trainer = cfg.instantiate(parent=None)
+        if jax.process_index() == 0:
+            log.info(
+                "Summaries: tensorboard --logdir=%s",
+                file_system.join(flag_values.trainer_dir, "summaries"),
+            )
         # Raises preemption.Preempted on SIGTERM or SIGINT, once the step it reached is
         # saved; launch_trainer_main turns that into preemption.PREEMPTED_EXIT_CODE.
-        return trainer.run()
+        with _checkpoint_errors_as_config_errors(flag_values.trainer_dir):
+            return trainer.run()
+
+
+@contextlib.contextmanager
+def _checkpoint_errors_as_config_errors(trainer_dir: str) -> Iterator[None]:
+    """Turns the checkpointer's verdict on checkpoints that cannot be restored (every one
+    corrupt, one that does not fit the model) into a ConfigError naming what to do."""
+    from axlearn.common import checkpointer  # pylint: disable=import-outside-toplevel
+
+    try:
+        yield
+    except (checkpointer.CheckpointCorruptError, checkpointer.CheckpointMismatchError) as e:
+        directory = file_system.join(trainer_dir, CHECKPOINTS)
+        raise ConfigError(
+            f"{e}. Move the bad step directories out of {directory} (the run resumes from "
+            "the newest one left, or starts afresh), or start a new run in another --trainer_dir"
+        ) from e
 
 
 # The metrics --eval_only prints (the evalers' summary writers record all of them).
@@ -328,7 +439,7 @@ def evaluate_only(cfg: ConfigBase, trainer_dir: str) -> dict[str, Any]:
 
     if not cfg.evalers:
         raise ConfigError("--eval_only: the config has no evalers")
-    with run_lock.hold_on_process_0(trainer_dir):
+    with run_lock.hold_on_process_0(trainer_dir), _checkpoint_errors_as_config_errors(trainer_dir):
         trainer = cfg.instantiate(parent=None)
         results = trainer.evaluate()
     if jax.process_index() == 0:

@@ -320,6 +320,7 @@ class SpmdTrainer(Module):
         self._skipped_steps = 0  # The optimizer's count of skipped steps, as last checked.
         self._bad_steps = BadStepCounts()
         self._checked_step: Optional[int] = None  # The last step `_check_finite` checked.
+        self._window_loss = perf.WindowMean()  # Losses checked since the last console line.
         self._input_state: Optional[dict[str, Any]] = None  # After the last consumed batch.
         self._state: Optional[TrainerState] = None
         self._jit_train_step = None
@@ -741,9 +742,12 @@ class SpmdTrainer(Module):
 
     def train_step(self, input_batch: dict[str, jax.Array]) -> dict[str, Any]:
         """Runs one step on a global batch; returns its summaries (device arrays)."""
-        if self._jit_train_step is None:
+        first = self._jit_train_step is None
+        if first:
             self._jit_train_step = self._compile_train_step()
-        with jax.set_mesh(self._mesh):
+        # The first call compiles: said before it starts, with its time after.
+        compiling = perf.compile_notice("the train step", log.info) if first else None
+        with jax.set_mesh(self._mesh), compiling or contextlib.nullcontext():
             self._state, summaries = self._jit_train_step(self._state, input_batch)
         self._step += 1
         return summaries
@@ -876,7 +880,8 @@ class SpmdTrainer(Module):
                     if writer_due:
                         self.summary_writer(step, host)
                     if must_log:
-                        log.info(perf.progress_line(step, cfg.max_step, host))
+                        mean_loss = self._window_loss.take()
+                        log.info(perf.progress_line(step, cfg.max_step, host, mean_loss=mean_loss))
                     last = host
                 due = self._due_evalers(step)
                 if due or saving:
@@ -971,6 +976,7 @@ class SpmdTrainer(Module):
         """
         learner_summaries = summaries.get("learner", {})
         loss = float(summaries["loss"])
+        self._window_loss.add(loss)
         skipped = learner_summaries.get("skipped_steps")
         skipped = None if skipped is None else int(skipped)
         newly_skipped = skipped is not None and skipped > self._skipped_steps
