@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from axlearn.common.causal_lm import active_matmul_parameter_count, matmul_parameter_count
-from axlearn.common.config import ConfigError, parse_flat_text
+from axlearn.common.config import ConfigError
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.hf_llama import llama_model_config
 from axlearn.common.hf_mixtral import mixtral_model_config
 from axlearn.common.layers import RMSNorm

@@ -2,7 +2,6 @@
 stack computes what its stages computed one after another, in loss and gradients, on one
 device and over a 'pipeline' mesh axis of fake CPU devices."""
 
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from axlearn.common.attention import (
     TransformerLayer,
 )
 from axlearn.common.base_layer import BaseLayer, ParameterSpec
-from axlearn.common.config import ConfigError, config_class
+from axlearn.common.config import ConfigError
 from axlearn.common.module import F
 from axlearn.common.param_init import FanAxes, constant_initializer, default_initializer_config
 from axlearn.common.pipeline import GPipeSchedule, Pipeline, StreamSchedule

@@ -352,7 +352,7 @@ def test_axlearn_replace_layer_golden_lines_set_the_gmm_backend_of_every_moe_lay
     """AXLearn's GPU mesh rules switch the MoE layers' grouped matmul this way: the excluded
     keys take the source's values, every other field keeps the replaced layer's."""
     # pylint: disable-next=import-outside-toplevel
-    from axlearn.common.config import parse_flat_text
+    from axlearn.common.golden_text import parse_flat_text
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.mixture_of_experts import GMMBackend
 

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from axlearn.common.config import parse_flat_text
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.flash_attention.layer import FlashAttention
 from axlearn.experiments import trainer_config_utils
 from axlearn.experiments.trainer_config_utils import (
