@@ -212,3 +212,36 @@ def test_generate_imports_the_planted_module_once_the_environment_trusts_it(plan
     )
     # The config reads; the run then fails for want of a checkpoint (or a real model).
     assert planted.exists() and "trusted package" not in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_hf_llama_export_imports_the_planted_module_given_the_trusted_packages_flag(
+    planted, tmp_path
+):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    text = f"klass: 'axlearn.common.trainer.SpmdTrainer'\nmodel.klass: '{PLANTED}.Thing'\n"
+    (run_dir / "config.txt").write_text(text, encoding="utf-8")
+    args = [
+        "axlearn.common.hf_llama",
+        "export",
+        f"--trainer_dir={run_dir}",
+        f"--output={tmp_path / 'hf'}",
+        f"--trusted_packages={PLANTED}",
+    ]
+    result = _run_command(args, cwd=tmp_path, extra_path=str(planted.parent / "site"))
+    # The config reads; the export then fails for want of a checkpoint (or a real model).
+    assert planted.exists() and "trusted package" not in result.stderr, result.stderr
+
+
+def test_the_launcher_trusts_the_packages_its_flag_names(monkeypatch):
+    from absl import flags  # pylint: disable=import-outside-toplevel
+
+    from axlearn.common import launch_trainer  # pylint: disable=import-outside-toplevel
+
+    flag_values = flags.FlagValues()
+    launch_trainer.define_flags(flag_values)
+    flag_values(["launcher", f"--trusted_packages={PLANTED},other", "--list_configs"])
+    monkeypatch.setattr(launch_trainer, "list_configs_text", lambda module: "")
+    launch_trainer.run_from_flags(flag_values)
+    assert trusted_packages()[-2:] == (PLANTED, "other")

@@ -15,7 +15,18 @@ from typing import NoReturn, Optional
 
 from absl import flags
 
+from axlearn.common.config import trust_packages
+
 HELP_ARGS = ("-h", "--help", "--helpshort", "--helpfull")
+TRUSTED_PACKAGES_HELP = (
+    "Packages (comma-separated) whose classes and functions config text may name, besides "
+    "axlearn, experiments, jax, numpy and optax; $AXLEARN_TRUSTED_PACKAGES adds more."
+)
+
+
+def define_trusted_packages(flag_values: flags.FlagValues) -> None:
+    """`--trusted_packages`, for commands that read config text (a run's config.txt)."""
+    flags.DEFINE_list("trusted_packages", [], TRUSTED_PACKAGES_HELP, flag_values=flag_values)
 
 
 def usage_error(program: str, message: str) -> NoReturn:
@@ -32,6 +43,7 @@ def parse_command_flags(
     doc: Optional[str],
     positional: Sequence[str] = (),
     free_positional: bool = False,
+    reads_config_text: bool = False,
 ) -> tuple[flags.FlagValues, list[str]]:
     """Defines the command's flags on a fresh FlagValues and parses `argv` (the arguments
     after the program name; None: sys.argv[1:]) into it.
@@ -39,11 +51,14 @@ def parse_command_flags(
     Returns (the flags, the positional arguments). A positional argument that is not in
     `positional` is a usage error (unless `free_positional`: any follow, e.g. input
     files), as is a flag absl refuses (unknown, ill-typed, a required one missing). Any of
-    HELP_ARGS prints `doc` and the flags and exits 0.
+    HELP_ARGS prints `doc` and the flags and exits 0. A command that `reads_config_text`
+    also takes `--trusted_packages`, applied (`config.trust_packages`) before it returns.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     flag_values = flags.FlagValues()
     define_flags(flag_values)
+    if reads_config_text:
+        define_trusted_packages(flag_values)
     if any(arg in HELP_ARGS for arg in argv):
         print((doc or "").strip())
         print(f"\nflags of python -m {program}:")
@@ -58,4 +73,6 @@ def parse_command_flags(
     unexpected = [] if free_positional else [arg for arg in rest if arg not in positional]
     if unexpected:
         usage_error(program, f"unexpected arguments: {' '.join(unexpected)}")
+    if reads_config_text:
+        trust_packages(flag_values.trusted_packages)
     return flag_values, rest

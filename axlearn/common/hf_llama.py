@@ -1004,7 +1004,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """`export`: writes a trainer directory's model as a Hugging Face Llama directory."""
     program = "axlearn.common.hf_llama"
     args, commands = parse_command_flags(
-        define_flags, argv, program=program, doc=__doc__, positional=COMMANDS
+        define_flags,
+        argv,
+        program=program,
+        doc=__doc__,
+        positional=COMMANDS,
+        reads_config_text=True,
     )
     if commands != ["export"]:
         usage_error(program, f"give one command, {' or '.join(COMMANDS)}")

@@ -19,6 +19,7 @@ from typing import Any, Optional
 from absl import flags
 
 from axlearn.common import file_system
+from axlearn.common.command_flags import TRUSTED_PACKAGES_HELP
 from axlearn.common.config import (
     ConfigBase,
     ConfigError,
@@ -26,6 +27,7 @@ from axlearn.common.config import (
     get_recursively,
     parse_path,
     set_recursively,
+    trust_packages,
 )
 from axlearn.common.experiment_registry import (
     build_named_config,
@@ -124,6 +126,7 @@ FLAGS_TABLE = (
         "Run every evaler once on the latest checkpoint (a fresh run: the initial or "
         "--init_from_hf weights), print their metrics and exit without training.",
     ),
+    (flags.DEFINE_list, "trusted_packages", [], TRUSTED_PACKAGES_HELP),
 )
 
 
@@ -350,6 +353,7 @@ def _sync_processes() -> None:
 
 
 def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict[str, Any]]:
+    trust_packages(flag_values.trusted_packages)  # Before any config text or override is read.
     if flag_values.list_configs:
         print(list_configs_text(flag_values.module))
         return None
