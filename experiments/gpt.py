@@ -43,6 +43,10 @@ class SingleHost:
     # over microbatches of this size (SpmdTrainer.Config.per_device_microbatch_size).
     microbatch: int
     remat: Optional[dict[str, Any]]  # None saves everything (fastest while memory allows).
+    # Where True, H200 hosts (141 GB a card) run without remat and H100s with `remat`, a
+    # rule each. FP8 configs keep `remat` on both (their step without it compiles for
+    # minutes).
+    h200_without_remat: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +86,7 @@ SIZES = {
     ),
     "7B": Size(
         4096, 32, 32, 8, 14336, 49152, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
-        SingleHost((4, 8), microbatch=2, remat=build_remat_spec()),
+        SingleHost((4, 8), microbatch=2, remat=build_remat_spec(), h200_without_remat=True),
     ),
     # 70B's state (1.1 TB) is 140 GB a GPU on an 8-GPU host.
     "70B": Size(
@@ -161,23 +165,34 @@ def mesh_rules(
         rules.append(common.fleet_mesh_rule(fleet, shape, global_batch_size=size.global_batch_size))
     single_host = size.single_host
     if single_host is not None:
-        unrolled = size.num_layers <= 32
-        # Carried bf16 weights speed up a step that saves all activations; under remat they
-        # only add memory.
-        carried = unrolled and single_host.remat is None
-        rule = (
-            common.GPU_SINGLE_HOST.selector(single_host.gpu_counts),
-            common.single_host_gpu_rule(
-                single_host.remat,
-                unrolled_layers=unrolled,
-                carry_train_dtype_weights=carried,
-                split_carried_weights=carried and split_carried_weights,
-                per_device_microbatch_size=single_host.microbatch,
-            ),
-        )
-        rules.append(_with_fp8(rule) if fp8 else rule)
+        hosts = [(common.GPU_SINGLE_HOST, single_host.remat)]
+        if single_host.h200_without_remat and not fp8:
+            hosts = [(common.GPU_H200_HOST, None), (common.GPU_H100_HOST, single_host.remat)]
+        for fleet, remat in hosts:
+            rule = (
+                fleet.selector(single_host.gpu_counts),
+                _single_host_rule(size, single_host, remat, split_carried_weights),
+            )
+            rules.append(_with_fp8(rule) if fp8 else rule)
     rules.append((common.CPU, common.mesh_shape_from_axes(fsdp=-1)))
     return [rule for rule in rules if rule is not None]
+
+
+def _single_host_rule(
+    size: Size, single_host: SingleHost, remat: Optional[dict[str, Any]], split: bool
+) -> ChainConfigModifier.Config:
+    """`size` on one host's GPUs with `remat` on every layer (None: none)."""
+    unrolled = size.num_layers <= 32
+    # Carried bf16 weights speed up a step that saves all activations; under remat they
+    # only add memory.
+    carried = unrolled and remat is None
+    return common.single_host_gpu_rule(
+        remat,
+        unrolled_layers=unrolled,
+        carry_train_dtype_weights=carried,
+        split_carried_weights=carried and split,
+        per_device_microbatch_size=single_host.microbatch,
+    )
 
 
 def gpt_trainer(

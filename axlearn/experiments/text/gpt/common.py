@@ -605,6 +605,9 @@ TPU_V5P = Fleet("tpu-v5p", (1024, 2048, 4096))
 GPU_H100_CLUSTER = Fleet("gpu-(p5.48xlarge|p4de.24xlarge|a3-highgpu-8g)", (64, 128, 256, 512, 1024))
 GPU_A100_CLUSTER = Fleet("gpu-p4d.24xlarge", (256,))
 GPU_SINGLE_HOST = Fleet("gpu-(h100|h200)", (1, 2, 4, 8))  # E.g. --mesh_selector=gpu-h100-8.
+# GPU_SINGLE_HOST by card, for rules that differ by memory (80 GB, 141 GB).
+GPU_H100_HOST = Fleet("gpu-h100", (1, 2, 4, 8))
+GPU_H200_HOST = Fleet("gpu-h200", (1, 2, 4, 8))
 CPU = "cpu(-[0-9]+)?"
 
 # TPU v4 and v5p sizes count TensorCores; their two cores per chip form one JAX device
