@@ -97,7 +97,7 @@ def test_the_command_generates_from_a_hf_directory_with_its_tokenizer(tmp_path, 
     hf.save_pretrained(tmp_path, max_shard_size="20KB")  # Sharded, with an index.
     _tokenizer_files(tmp_path)
     prompts = ["w3 ! w7", "! w12"]
-    args = generate._parse_args([
+    args = generate.parse_flags([
         f"--hf_dir={tmp_path}", f"--prompt={prompts[0]}", f"--prompt={prompts[1]}",
         "--max_new_tokens=6", "--batch_size=2", "--dtype=float32",
     ])
