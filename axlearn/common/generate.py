@@ -484,9 +484,12 @@ def from_hf_dir(
     """(a Generator of the Hugging Face Llama in `directory` over `devices` devices
     (None: the default), its tokenizer file). Each device reads its own shard of each
     weight from the safetensors files."""
+    # Layers unrolled (not a scan over stacked weights): each decoding step then reads
+    # every weight matrix in place, with no per-layer slice of the stack.
     model = hf_llama.llama_config_from_hf(
         hf_checkpoint.read_config(directory),
         generation_config=hf_checkpoint.read_generation_config(directory),
+        repeated=False,
     )
     model.dtype = _decode_dtype(dtype)
     mesh = _mesh_for(model, devices)
