@@ -25,11 +25,10 @@ import functools
 import gc
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -100,7 +99,8 @@ def _drawer(shape: tuple, dtype: Any, sharding: Any, ones: bool):
 
 def random_params(cfg: ConfigBase, mesh: jax.sharding.Mesh, *, seed: int = 0) -> Any:
     """Random parameters of `cfg`, each drawn shard by shard on the devices of `mesh`."""
-    jax.config.update("jax_threefry_partitionable", True)  # Each device draws its shard.
+    if hasattr(jax.config, "jax_threefry_partitionable"):  # The default in newer jax.
+        jax.config.update("jax_threefry_partitionable", True)  # Each device draws its shard.
     specs = cfg.clone(name="model").instantiate(parent=None).create_parameter_specs_recursively()
     shardings = generate.tensor_parallel_shardings(specs, mesh)
     is_spec = lambda x: hasattr(x, "shape")  # pylint: disable=unnecessary-lambda-assignment

@@ -20,9 +20,9 @@ row reached one of the EOS ids (at most one chunk later) or `--max_new_tokens`. 
 are greedy (`--temperature=0`, the default) or sampled with temperature, top-k and top-p.
 
 `--devices=N` shards the model over N devices (default: every local device, or the most
-that divide the model's heads): attention over its heads, the MLP over its hidden units,
-the LM head over the vocabulary, the KV cache over its key/value heads; XLA places the
-collectives. A Hugging Face directory's weights load straight into their shards.
+that divide the model's heads): attention over its heads (a fused q/k/v projection whole
+on each device), the MLP over its hidden units, the LM head over the vocabulary, the KV
+cache over its key/value heads; XLA places the collectives. A Hugging Face directory's weights load straight into their shards.
 
 Prints each completion (at batch size 1, `--stream` prints the tokens of each chunk as it
 arrives), then the time to the first token and the decoding speed in generated tokens per
@@ -45,7 +45,6 @@ from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from axlearn.common import hf_checkpoint, hf_llama, trainer_dir
-from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.config import ConfigBase, ConfigError
 from axlearn.common.decoder import greedy_choice, sampling_choice, token_id_list
 from axlearn.common.input_vocab import (
@@ -152,8 +151,11 @@ def default_num_devices(model_config: ConfigBase) -> int:
 
 
 # Parameter path suffix -> the axis (counted from the end) that tensor parallelism splits.
+# A fused qkv_proj [(L,) D, N + 2K, H] stays whole on every device: split in N + 2K order,
+# a device's part would hold some query heads and other key/value heads, and regrouping
+# them costs collectives at every layer; whole, each device computes every head and keeps
+# its own, and the one all-reduce of a layer's attention follows o_proj.
 _SPLIT_AXIS = {
-    "qkv_proj/weight": -2,  # [(L,) D, N + 2K, H]: fused q, k, v heads.
     "q_proj/weight": -2,
     "k_proj/weight": -2,
     "v_proj/weight": -2,
@@ -174,8 +176,9 @@ def _split_axis(path: str) -> Optional[int]:
 
 def tensor_parallel_shardings(param_specs: Any, mesh: Mesh) -> Any:
     """NamedShardings of a Llama's parameters (a tree of specs or arrays) over `mesh`'s
-    model axis: q/k/v and output projections by head, the MLP by hidden unit, the LM head
-    by vocabulary entry where the axis divides; the rest replicated."""
+    model axis: separate q/k/v and output projections by head, the MLP by hidden unit, the
+    LM head by vocabulary entry where the axis divides; the rest (a fused qkv projection
+    included) replicated."""
     size = mesh.shape[MODEL_AXIS]
 
     def sharding(path: str, spec: Any) -> NamedSharding:
@@ -189,11 +192,6 @@ def tensor_parallel_shardings(param_specs: Any, mesh: Mesh) -> Any:
     flat = flatten_with_paths(param_specs, is_leaf=lambda x: hasattr(x, "shape"))
     treedef = jax.tree_util.tree_structure(param_specs, is_leaf=lambda x: hasattr(x, "shape"))
     return jax.tree_util.tree_unflatten(treedef, [sharding(path, spec) for path, spec in flat])
-
-
-def _single_device_shardings(param_specs: Any) -> Any:
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return jax.tree.map(lambda _: device, param_specs, is_leaf=lambda x: hasattr(x, "shape"))
 
 
 # ----- decoding -----
