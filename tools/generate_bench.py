@@ -65,8 +65,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_string("json_out", None, "Also write the rows as JSON lines here.", **fv)
 
 
-def model_config(shape: str) -> ConfigBase:
-    """A bfloat16 Llama of `shape`, whose EOS id is one past the vocabulary."""
+def llama_config(shape: str) -> ConfigBase:
+    """A bfloat16 Llama of `shape` (fused q/k/v, as `hf_llama` makes it), whose EOS id is
+    one past the vocabulary."""
     if shape not in SHAPES:
         raise ConfigError(f"--shapes: '{shape}' is not one of {sorted(SHAPES)}")
     dim, layers, heads, kv_heads, hidden, vocab = SHAPES[shape]
@@ -77,6 +78,11 @@ def model_config(shape: str) -> ConfigBase:
     )
     cfg.dtype = jnp.bfloat16
     return cfg
+
+
+def model_config(shape: str) -> ConfigBase:
+    """`llama_config(shape)` as `generate` decodes it (`generate.decoding_config`)."""
+    return generate.decoding_config(llama_config(shape))
 
 
 def weight_bytes(cfg: ConfigBase) -> int:
@@ -121,10 +127,11 @@ def build_generator(shape: str, num_devices: int, *, via_hf_dir: bool) -> genera
     generate.check_devices(cfg, num_devices)
     if not via_hf_dir:
         return generate.Generator(cfg, random_params(cfg, mesh), mesh=mesh)
+    fused = llama_config(shape)
     host = jax.sharding.Mesh(np.asarray(jax.local_devices()[:1]), (generate.MODEL_AXIS,))
-    params = jax.device_get(random_params(cfg, host))
+    params = jax.device_get(random_params(fused, host))
     with tempfile.TemporaryDirectory() as directory:
-        hf_llama.write_hf_model(params, cfg, directory)
+        hf_llama.write_hf_model(params, fused, directory)
         del params
         generator, _ = generate.from_hf_dir(directory, dtype="bfloat16", devices=num_devices)
     generator.set_eos_ids([cfg.decoder.vocab_size])

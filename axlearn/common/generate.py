@@ -20,9 +20,10 @@ row reached one of the EOS ids (at most one chunk later) or `--max_new_tokens`. 
 are greedy (`--temperature=0`, the default) or sampled with temperature, top-k and top-p.
 
 `--devices=N` shards the model over N devices (default: every local device, or the most
-that divide the model's heads): attention over its heads (a fused q/k/v projection whole
-on each device), the MLP over its hidden units, the LM head over the vocabulary, the KV
-cache over its key/value heads; XLA places the collectives. A Hugging Face directory's weights load straight into their shards.
+that divide the model's heads): attention over its heads (a fused q/k/v projection is
+decoded as three, `decoding_config`), the MLP over its hidden units, the LM head over the
+vocabulary, the KV cache over its key/value heads; XLA places the collectives, one
+all-reduce after each layer's attention and one after its MLP. A Hugging Face directory's weights load straight into their shards.
 
 Prints each completion (at batch size 1, `--stream` prints the tokens of each chunk as it
 arrives), then the time to the first token and the decoding speed in generated tokens per
@@ -45,6 +46,7 @@ from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from axlearn.common import hf_checkpoint, hf_llama, trainer_dir
+from axlearn.common.attention import FusedGroupedQKVLinear, GroupedQKVLinear
 from axlearn.common.config import ConfigBase, ConfigError
 from axlearn.common.decoder import greedy_choice, sampling_choice, token_id_list
 from axlearn.common.input_vocab import (
@@ -124,11 +126,16 @@ def make_mesh(num_devices: int) -> Mesh:
 
 def _divisible_sizes(model_config: ConfigBase) -> dict[str, int]:
     """The sizes tensor parallelism splits: heads, key/value heads, MLP units."""
-    dims = hf_llama.llama_dims(model_config)
+    layer = model_config.decoder.transformer.layer
+    attention = layer.self_attention.attention
+    kv_heads, projection = attention.num_heads, attention.input_linear
+    while projection is not None:
+        kv_heads = getattr(projection, "num_kv_heads", kv_heads)
+        projection = getattr(projection, "input_linear", None)
     return {
-        "attention heads": dims.num_heads,
-        "key/value heads": dims.num_kv_heads,
-        "MLP hidden units": dims.hidden_dim,
+        "attention heads": attention.num_heads,
+        "key/value heads": kv_heads,
+        "MLP hidden units": layer.feed_forward.hidden_dim,
     }
 
 
@@ -151,10 +158,9 @@ def default_num_devices(model_config: ConfigBase) -> int:
 
 
 # Parameter path suffix -> the axis (counted from the end) that tensor parallelism splits.
-# A fused qkv_proj [(L,) D, N + 2K, H] stays whole on every device: split in N + 2K order,
-# a device's part would hold some query heads and other key/value heads, and regrouping
-# them costs collectives at every layer; whole, each device computes every head and keeps
-# its own, and the one all-reduce of a layer's attention follows o_proj.
+# A fused qkv_proj [(L,) D, N + 2K, H] stays whole: split in N + 2K order, a device's part
+# would hold some query heads and other key/value heads, and XLA regroups them with
+# collectives at every layer. `decoding_config` separates the projections instead.
 _SPLIT_AXIS = {
     "q_proj/weight": -2,
     "k_proj/weight": -2,
@@ -177,8 +183,7 @@ def _split_axis(path: str) -> Optional[int]:
 def tensor_parallel_shardings(param_specs: Any, mesh: Mesh) -> Any:
     """NamedShardings of a Llama's parameters (a tree of specs or arrays) over `mesh`'s
     model axis: separate q/k/v and output projections by head, the MLP by hidden unit, the
-    LM head by vocabulary entry where the axis divides; the rest (a fused qkv projection
-    included) replicated."""
+    LM head by vocabulary entry where the axis divides; the rest replicated."""
     size = mesh.shape[MODEL_AXIS]
 
     def sharding(path: str, spec: Any) -> NamedSharding:
@@ -192,6 +197,121 @@ def tensor_parallel_shardings(param_specs: Any, mesh: Mesh) -> Any:
     flat = flatten_with_paths(param_specs, is_leaf=lambda x: hasattr(x, "shape"))
     treedef = jax.tree_util.tree_structure(param_specs, is_leaf=lambda x: hasattr(x, "shape"))
     return jax.tree_util.tree_unflatten(treedef, [sharding(path, spec) for path, spec in flat])
+
+
+# The fused projection's parameter, and the separate ones that `decoding_config` makes.
+_FUSED_QKV = "/qkv_proj/weight"
+_SEPARATE_QKV = ("/q_proj/weight", "/k_proj/weight", "/v_proj/weight")
+
+
+def _fused_qkv_parent(model_config: ConfigBase) -> Optional[ConfigBase]:
+    """The config whose `input_linear` is the model's FusedGroupedQKVLinear, if any."""
+    layer = getattr(model_config.decoder.transformer, "layer", None)
+    attention = getattr(getattr(layer, "self_attention", None), "attention", None)
+    parent = getattr(attention, "input_linear", None)
+    while parent is not None and not isinstance(
+        getattr(parent, "input_linear", None), FusedGroupedQKVLinear.Config
+    ):
+        parent = getattr(parent, "input_linear", None)
+    return parent
+
+
+def decoding_config(model_config: ConfigBase) -> ConfigBase:
+    """`model_config` with a fused grouped q/k/v projection replaced by three separate
+    ones (the same weights, split), so that tensor parallelism splits each by head; other
+    models unchanged."""
+    cfg = model_config.clone()
+    parent = _fused_qkv_parent(cfg)
+    if parent is not None:
+        fused = parent.input_linear
+        parent.input_linear = GroupedQKVLinear.default_config().set(
+            num_kv_heads=fused.num_kv_heads, layer=fused.layer.clone(),
+            cache_dtype=fused.cache_dtype,
+        )
+    return cfg
+
+
+def _qkv_sizes(model_config: ConfigBase) -> tuple[int, int]:
+    dims = hf_llama.llama_dims(model_config)
+    return dims.num_heads, dims.num_kv_heads
+
+
+def unfuse_qkv(params: Any, model_config: ConfigBase) -> Any:
+    """Parameters of `model_config` (fused q/k/v) as those of `decoding_config(model_config)`."""
+    if _fused_qkv_parent(model_config) is None:
+        return params
+    n, k = _qkv_sizes(model_config)
+
+    def walk(tree: Any) -> Any:
+        if not isinstance(tree, dict):
+            return tree
+        out = {}
+        for key, value in tree.items():
+            if key == "qkv_proj":
+                weight = value["weight"]
+                out["q_proj"] = dict(weight=weight[..., :n, :])
+                out["k_proj"] = dict(weight=weight[..., n : n + k, :])
+                out["v_proj"] = dict(weight=weight[..., n + k :, :])
+            else:
+                out[key] = walk(value)
+        return out
+
+    return walk(params)
+
+
+class _AxisSlice(hf_checkpoint.TensorView):
+    """Entries [start, start + size) of `view` along `axis`, read lazily."""
+
+    def __init__(self, view: hf_checkpoint.TensorView, axis: int, start: int, size: int):
+        self._view, self._axis, self._start = view, axis, start
+        shape = list(view.shape)
+        shape[axis] = size
+        self.shape = tuple(shape)
+
+    def read(self, index=()) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(self.shape) - len(tuple(index)))
+        index = [slice(*item.indices(size)[:2]) for item, size in zip(index, self.shape)]
+        axis = index[self._axis]
+        index[self._axis] = slice(axis.start + self._start, axis.stop + self._start)
+        return self._view.read(tuple(index))
+
+
+def _load_hf_for_decoding(
+    directory: str, fused: ConfigBase, model: ConfigBase, param_specs: Any, shardings: Any
+) -> Any:
+    """The parameters of `model` (= `decoding_config(fused)`) from the Hugging Face
+    directory, each device reading its own shard of each weight."""
+    reader = hf_checkpoint.SafetensorsReader(directory)
+    views = hf_llama.param_views(reader, hf_llama.llama_dims(fused))
+    is_view = lambda x: isinstance(x, hf_checkpoint.TensorView)  # noqa: E731
+    flat_views = {}
+    n, k = _qkv_sizes(fused)
+    for path, view in flatten_with_paths(views, is_leaf=is_view):
+        if path.endswith(_FUSED_QKV) and _fused_qkv_parent(fused) is not None:
+            base = path[: -len(_FUSED_QKV)]
+            for suffix, start, size in zip(_SEPARATE_QKV, (0, n, n + k), (n, k, k)):
+                flat_views[base + suffix] = _AxisSlice(view, len(view.shape) - 2, start, size)
+        else:
+            flat_views[path] = view
+    is_spec = lambda x: hasattr(x, "shape")  # noqa: E731
+    flat_specs = flatten_with_paths(param_specs, is_leaf=is_spec)
+    missing = sorted(set(path for path, _ in flat_specs) - set(flat_views))
+    if missing:
+        raise ValueError(f"{directory}: parameters without a Hugging Face tensor: {missing}")
+    flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: hasattr(x, "device_set"))
+    arrays = []
+    for (path, spec), sharding in zip(flat_specs, flat_shardings):
+        view, dtype = flat_views[path], np.dtype(spec.dtype)
+        if tuple(view.shape) != tuple(spec.shape):
+            raise ValueError(
+                f"{directory}: parameter {path} has shape {tuple(spec.shape)}, the checkpoint "
+                f"gives {tuple(view.shape)}"
+            )
+        arrays.append(jax.make_array_from_callback(
+            tuple(spec.shape), sharding,
+            lambda index, view=view, dtype=dtype: view.read(index).astype(dtype),
+        ))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(param_specs, is_leaf=is_spec), arrays)
 
 
 # ----- decoding -----
@@ -468,10 +588,10 @@ def from_trainer_dir(
     memory and then placed in its shards."""
     cfg = trainer_dir.read_trainer_config(directory)
     decode_dtype = _decode_dtype(dtype)
-    model = cfg.model.clone(dtype=decode_dtype)
+    model = decoding_config(cfg.model.clone(dtype=decode_dtype))
     mesh = _mesh_for(model, devices)
     _, params = trainer_dir.restore_model_params(directory, step=step, model_config=cfg.model)
-    params = cast_floats(params, decode_dtype)
+    params = cast_floats(unfuse_qkv(params, cfg.model), decode_dtype)
     params = jax.device_put(params, tensor_parallel_shardings(params, mesh))
     return Generator(model, params, mesh=mesh), trainer_dir.recorded_tokenizer(cfg)
 
@@ -490,11 +610,11 @@ def from_hf_dir(
         repeated=False,
     )
     model.dtype = _decode_dtype(dtype)
+    fused, model = model, decoding_config(model)
     mesh = _mesh_for(model, devices)
     specs = model.clone(name="model").instantiate(parent=None).create_parameter_specs_recursively()
-    weights = hf_llama.HfLlamaWeights.default_config().set(path=directory).instantiate()
-    params = weights.load(
-        model_config=model, param_specs=specs, shardings=tensor_parallel_shardings(specs, mesh)
+    params = _load_hf_for_decoding(
+        directory, fused, model, specs, tensor_parallel_shardings(specs, mesh)
     )
     files = hf_checkpoint.tokenizer_files_in(directory)
     tokenizer = next(
