@@ -220,3 +220,41 @@ def test_help_exits_zero_and_lists_the_flags():
     assert result.returncode == 0, result.stderr
     for flag in ("--hf_dir", "--devices", "--[no]stream", "--chunk_size", "--max_new_tokens"):
         assert flag in result.stdout
+
+
+_SHARDS_SCRIPT = """
+import json, sys
+from axlearn.common import generate
+from axlearn.common.utils import flatten_with_paths
+generator, _ = generate.from_hf_dir(sys.argv[1], dtype="float32", devices=4)
+print(json.dumps({
+    path: [x.shape, x.addressable_shards[0].data.shape, len(x.devices())]
+    for path, x in flatten_with_paths(generator.params)
+}))
+"""
+
+
+@pytest.mark.slow
+def test_four_devices_each_load_a_quarter_of_every_head_and_mlp_weight(tmp_path):
+    _save_hf_dir(tmp_path, seed=8, num_kv_heads=4)
+    result = subprocess.run(
+        [sys.executable, "-c", _SHARDS_SCRIPT, str(tmp_path)], cwd=REPO, env=fresh_env(4),
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    shards = {
+        path: (tuple(shape), tuple(shard), devices)
+        for path, (shape, shard, devices) in json.loads(result.stdout.splitlines()[-1]).items()
+    }
+    layer = "decoder/transformer/layer0/"
+    attention = layer + "self_attention/attention/"
+    # [D, heads, H] split by head; [D, F] and [F, D] by hidden unit; the LM head by vocab.
+    assert shards[attention + "i_proj/i_proj/q_proj/weight"][:2] == ((32, 4, 8), (32, 1, 8))
+    assert shards[attention + "i_proj/i_proj/k_proj/weight"][:2] == ((32, 4, 8), (32, 1, 8))
+    assert shards[attention + "i_proj/i_proj/v_proj/weight"][:2] == ((32, 4, 8), (32, 1, 8))
+    assert shards[attention + "o_proj/weight"][:2] == ((32, 4, 8), (32, 1, 8))
+    assert shards[layer + "feed_forward/linear1_0/weight"][:2] == ((32, 48), (32, 12))
+    assert shards[layer + "feed_forward/linear2/weight"][:2] == ((48, 32), (12, 32))
+    assert shards["decoder/lm_head/weight"][:2] == ((32, VOCAB), (32, VOCAB // 4))
+    assert shards["decoder/emb/token_emb/weight"][:2] == ((VOCAB, 32), (VOCAB, 32))
+    assert all(devices == 4 for *_, devices in shards.values())
