@@ -80,9 +80,9 @@ def llama_config(shape: str) -> ConfigBase:
     return cfg
 
 
-def model_config(shape: str) -> ConfigBase:
-    """`llama_config(shape)` as `generate` decodes it (`generate.decoding_config`)."""
-    return generate.decoding_config(llama_config(shape))
+def model_config(shape: str, num_devices: int) -> ConfigBase:
+    """`llama_config(shape)` as `generate` decodes it on `num_devices` devices."""
+    return generate.decoding_config(llama_config(shape), num_devices=num_devices)
 
 
 def weight_bytes(cfg: ConfigBase) -> int:
@@ -122,7 +122,7 @@ def random_params(cfg: ConfigBase, mesh: jax.sharding.Mesh, *, seed: int = 0) ->
 
 def build_generator(shape: str, num_devices: int, *, via_hf_dir: bool) -> generate.Generator:
     """A Generator of a random `shape` model sharded over `num_devices` devices."""
-    cfg = model_config(shape)
+    cfg = model_config(shape, num_devices)
     mesh = generate.make_mesh(num_devices)
     generate.check_devices(cfg, num_devices)
     if not via_hf_dir:
@@ -193,7 +193,7 @@ def run(fv: flags.FlagValues) -> list[dict[str, Any]]:
     print(f"jax {jax.__version__}, {len(jax.local_devices())} x {device.device_kind}", flush=True)
     rows = []
     for shape in fv.shapes:
-        cfg = model_config(shape)
+        cfg = llama_config(shape)
         for num_devices in device_counts:
             base = dict(shape=shape, devices=num_devices)
             if num_devices > len(jax.local_devices()) or not _fits(cfg, num_devices):

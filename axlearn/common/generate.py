@@ -23,7 +23,8 @@ are greedy (`--temperature=0`, the default) or sampled with temperature, top-k a
 that divide the model's heads): attention over its heads (a fused q/k/v projection is
 decoded as three, `decoding_config`), the MLP over its hidden units, the LM head over the
 vocabulary, the KV cache over its key/value heads; XLA places the collectives, one
-all-reduce after each layer's attention and one after its MLP. A Hugging Face directory's weights load straight into their shards.
+all-reduce after each layer's attention and one after its MLP. A Hugging Face
+directory's weights load straight into their shards.
 
 Prints each completion (at batch size 1, `--stream` prints the tokens of each chunk as it
 arrives), then the time to the first token and the decoding speed in generated tokens per
@@ -216,13 +217,13 @@ def _fused_qkv_parent(model_config: ConfigBase) -> Optional[ConfigBase]:
     return parent
 
 
-def decoding_config(model_config: ConfigBase) -> ConfigBase:
-    """`model_config` with a fused grouped q/k/v projection replaced by three separate
-    ones (the same weights, split), so that tensor parallelism splits each by head; other
-    models unchanged."""
+def decoding_config(model_config: ConfigBase, *, num_devices: int) -> ConfigBase:
+    """`model_config` as decoded over `num_devices` devices: on several, a fused grouped
+    q/k/v projection replaced by three separate ones (the same weights, split), so that
+    tensor parallelism splits each by head; on one, fused (one matmul, not three)."""
     cfg = model_config.clone()
     parent = _fused_qkv_parent(cfg)
-    if parent is not None:
+    if parent is not None and num_devices > 1:
         fused = parent.input_linear
         parent.input_linear = GroupedQKVLinear.default_config().set(
             num_kv_heads=fused.num_kv_heads, layer=fused.layer.clone(),
@@ -236,9 +237,9 @@ def _qkv_sizes(model_config: ConfigBase) -> tuple[int, int]:
     return dims.num_heads, dims.num_kv_heads
 
 
-def unfuse_qkv(params: Any, model_config: ConfigBase) -> Any:
-    """Parameters of `model_config` (fused q/k/v) as those of `decoding_config(model_config)`."""
-    if _fused_qkv_parent(model_config) is None:
+def unfuse_qkv(params: Any, model_config: ConfigBase, decoding: ConfigBase) -> Any:
+    """Parameters of `model_config` as those of `decoding` (its `decoding_config`)."""
+    if _fused_qkv_parent(model_config) is None or _fused_qkv_parent(decoding) is not None:
         return params
     n, k = _qkv_sizes(model_config)
 
@@ -279,7 +280,7 @@ class _AxisSlice(hf_checkpoint.TensorView):
 def _load_hf_for_decoding(
     directory: str, fused: ConfigBase, model: ConfigBase, param_specs: Any, shardings: Any
 ) -> Any:
-    """The parameters of `model` (= `decoding_config(fused)`) from the Hugging Face
+    """The parameters of `model` (`fused`'s `decoding_config`) from the Hugging Face
     directory, each device reading its own shard of each weight."""
     reader = hf_checkpoint.SafetensorsReader(directory)
     views = hf_llama.param_views(reader, hf_llama.llama_dims(fused))
@@ -287,7 +288,7 @@ def _load_hf_for_decoding(
     flat_views = {}
     n, k = _qkv_sizes(fused)
     for path, view in flatten_with_paths(views, is_leaf=is_view):
-        if path.endswith(_FUSED_QKV) and _fused_qkv_parent(fused) is not None:
+        if path.endswith(_FUSED_QKV) and _fused_qkv_parent(model) is None:
             base = path[: -len(_FUSED_QKV)]
             for suffix, start, size in zip(_SEPARATE_QKV, (0, n, n + k), (n, k, k)):
                 flat_views[base + suffix] = _AxisSlice(view, len(view.shape) - 2, start, size)
@@ -572,11 +573,12 @@ def _decode_dtype(name: str) -> Optional[jnp.dtype]:
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-def _mesh_for(model_config: ConfigBase, devices: Optional[int]) -> Mesh:
+def _mesh_for(model_config: ConfigBase, devices: Optional[int]) -> tuple[Mesh, ConfigBase]:
+    """The mesh of `devices` devices (None: the default) and the model as decoded on it."""
     num_devices = default_num_devices(model_config) if devices is None else devices
     mesh = make_mesh(num_devices)
     check_devices(model_config, num_devices)
-    return mesh
+    return mesh, decoding_config(model_config, num_devices=num_devices)
 
 
 def from_trainer_dir(
@@ -588,10 +590,9 @@ def from_trainer_dir(
     memory and then placed in its shards."""
     cfg = trainer_dir.read_trainer_config(directory)
     decode_dtype = _decode_dtype(dtype)
-    model = decoding_config(cfg.model.clone(dtype=decode_dtype))
-    mesh = _mesh_for(model, devices)
+    mesh, model = _mesh_for(cfg.model.clone(dtype=decode_dtype), devices)
     _, params = trainer_dir.restore_model_params(directory, step=step, model_config=cfg.model)
-    params = cast_floats(unfuse_qkv(params, cfg.model), decode_dtype)
+    params = cast_floats(unfuse_qkv(params, cfg.model, model), decode_dtype)
     params = jax.device_put(params, tensor_parallel_shardings(params, mesh))
     return Generator(model, params, mesh=mesh), trainer_dir.recorded_tokenizer(cfg)
 
@@ -610,8 +611,8 @@ def from_hf_dir(
         repeated=False,
     )
     model.dtype = _decode_dtype(dtype)
-    fused, model = model, decoding_config(model)
-    mesh = _mesh_for(model, devices)
+    fused = model
+    mesh, model = _mesh_for(fused, devices)
     specs = model.clone(name="model").instantiate(parent=None).create_parameter_specs_recursively()
     params = _load_hf_for_decoding(
         directory, fused, model, specs, tensor_parallel_shardings(specs, mesh)
