@@ -258,3 +258,23 @@ def test_four_devices_each_load_a_quarter_of_every_head_and_mlp_weight(tmp_path)
     assert shards["decoder/lm_head/weight"][:2] == ((32, VOCAB), (32, VOCAB // 4))
     assert shards["decoder/emb/token_emb/weight"][:2] == ((VOCAB, 32), (VOCAB, 32))
     assert all(devices == 4 for *_, devices in shards.values())
+
+
+@pytest.mark.slow
+def test_the_benchmark_prints_a_row_per_shape_devices_and_batch_size():
+    result = subprocess.run(
+        [sys.executable, "tools/generate_bench.py", "--shapes=32x2x4x2x64x128",
+         "--devices=1,2,8", "--batch_sizes=1,2", "--prompt_len=32", "--new_tokens=5",
+         "--chunk_size=2", "--repeats=1"],
+        cwd=REPO, env=fresh_env(2), capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 32x2x4x2x64x128")]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert [(c[1], c[2]) for c in cells] == [
+        ("1", "1"), ("1", "2"), ("2", "1"), ("2", "2"), ("8", "1"), ("8", "2")
+    ]
+    # Measured rows give a first-token time and speeds; 8 devices (of 2) are skipped.
+    assert all(float(c[5].replace(",", "")) > 0 and float(c[6].replace(",", "")) > 0
+               for c in cells[:4])
+    assert all("too few devices" in c[5] for c in cells[4:])

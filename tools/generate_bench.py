@@ -6,8 +6,8 @@ project's shapes, over one device or several.
     PYTHONPATH=$PWD python3 tools/generate_bench.py --shapes=gpt_7b,70B --batch_sizes=1 \
         --devices=1,4      # 70B is skipped where its weights do not fit the devices.
 
-Each shape (`gpt_1b`, `gpt_7b`, `70B`: `experiments/gpt.py`'s sizes, 128-wide heads) is
-built as a Llama whose weights are drawn at random on the devices, each device drawing
+Each shape (`gpt_1b`, `gpt_7b`, `70B`: `experiments/gpt.py`'s sizes, 128-wide heads; or
+DIMxLAYERSxHEADSxKV_HEADSxMLP_HIDDENxVOCAB, e.g. 64x2x4x2x128x256) is built as a Llama whose weights are drawn at random on the devices, each device drawing
 its own shard (`tensor_parallel_shardings`): a 70B model never exists whole on the host
 or on one device. `--via_hf_dir` instead writes the weights as a Hugging Face directory
 (our export) and loads it the way `generate --hf_dir` does.
@@ -65,12 +65,23 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_string("json_out", None, "Also write the rows as JSON lines here.", **fv)
 
 
+def _sizes(shape: str) -> tuple[int, ...]:
+    """(dim, layers, heads, kv heads, MLP hidden, vocab) of a shape name or of DxLxNxKxFxV."""
+    if shape in SHAPES:
+        return SHAPES[shape]
+    parts = shape.split("x")
+    if len(parts) != 6 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ConfigError(
+            f"--shapes: '{shape}' is neither one of {sorted(SHAPES)} nor "
+            "DIMxLAYERSxHEADSxKV_HEADSxMLP_HIDDENxVOCAB"
+        )
+    return tuple(int(p) for p in parts)
+
+
 def llama_config(shape: str) -> ConfigBase:
     """A bfloat16 Llama of `shape` (fused q/k/v, as `hf_llama` makes it), whose EOS id is
     one past the vocabulary."""
-    if shape not in SHAPES:
-        raise ConfigError(f"--shapes: '{shape}' is not one of {sorted(SHAPES)}")
-    dim, layers, heads, kv_heads, hidden, vocab = SHAPES[shape]
+    dim, layers, heads, kv_heads, hidden, vocab = _sizes(shape)
     cfg = hf_llama.llama_model_config(
         vocab_size=vocab, dim=dim, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
         hidden_dim=hidden, rope_theta=500000.0, repeated=False, pad_token_id=0,
