@@ -7,9 +7,10 @@ project's shapes, over one device or several.
         --devices=1,4      # 70B is skipped where its weights do not fit the devices.
 
 Each shape (`gpt_1b`, `gpt_7b`, `70B`: `experiments/gpt.py`'s sizes, 128-wide heads; or
-DIMxLAYERSxHEADSxKV_HEADSxMLP_HIDDENxVOCAB, e.g. 64x2x4x2x128x256) is built as a Llama whose weights are drawn at random on the devices, each device drawing
-its own shard (`tensor_parallel_shardings`): a 70B model never exists whole on the host
-or on one device. `--via_hf_dir` instead writes the weights as a Hugging Face directory
+DIMxLAYERSxHEADSxKV_HEADSxMLP_HIDDENxVOCAB, e.g. 64x2x4x2x128x256) is built as a Llama
+whose weights are drawn at random on the devices, each device drawing its own shard
+(`tensor_parallel_shardings`): a 70B model never exists whole on the host or on one
+device. `--via_hf_dir` instead writes the weights as a Hugging Face directory
 (our export) and loads it the way `generate --hf_dir` does.
 
 The runs use `generate.Generator`, the command's decoding, with an EOS id the model

@@ -312,7 +312,8 @@ def _load_hf_for_decoding(
             tuple(spec.shape), sharding,
             lambda index, view=view, dtype=dtype: view.read(index).astype(dtype),
         ))
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(param_specs, is_leaf=is_spec), arrays)
+    treedef = jax.tree_util.tree_structure(param_specs, is_leaf=is_spec)
+    return jax.tree_util.tree_unflatten(treedef, arrays)
 
 
 # ----- decoding -----
@@ -677,7 +678,8 @@ class TextStream:
     def add(self, ids: Sequence[int]) -> None:
         """Takes the next generated ids and prints the text they complete."""
         self._new += list(ids)
-        self._write(decode_completion(self._vocab, self._prompt, self._new, self._eos_ids).rstrip("\ufffd"))
+        text = decode_completion(self._vocab, self._prompt, self._new, self._eos_ids)
+        self._write(text.rstrip("\ufffd"))
 
     def finish(self) -> None:
         """Prints the rest of the completion and ends its line."""
@@ -700,9 +702,13 @@ FLAGS = flags.FLAGS
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     """The command's flags."""
     fv = dict(flag_values=flag_values)
-    flags.DEFINE_string("trainer_dir", None, "A run's directory: its latest (or --step) model.", **fv)
+    flags.DEFINE_string(
+        "trainer_dir", None, "A run's directory: its latest (or --step) model.", **fv
+    )
     flags.DEFINE_string("hf_dir", None, "A local Hugging Face Llama directory.", **fv)
-    flags.DEFINE_integer("step", None, "The checkpoint step of --trainer_dir (default: latest).", **fv)
+    flags.DEFINE_integer(
+        "step", None, "The checkpoint step of --trainer_dir (default: latest).", **fv
+    )
     flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).", **fv)
     flags.DEFINE_string("prompt_file", None, "A file of prompts, one a line.", **fv)
     flags.DEFINE_string("tokenizer", None, "A tokenizer.json, SentencePiece .model or bytes.", **fv)
