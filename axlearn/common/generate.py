@@ -126,18 +126,23 @@ def make_mesh(num_devices: int) -> Mesh:
 
 
 def _divisible_sizes(model_config: ConfigBase) -> dict[str, int]:
-    """The sizes tensor parallelism splits: heads, key/value heads, MLP units."""
-    layer = model_config.decoder.transformer.layer
-    attention = layer.self_attention.attention
+    """The sizes tensor parallelism splits: heads, key/value heads, MLP units (those a
+    config states as numbers; a weight whose dim the device count does not divide stays
+    whole, `tensor_parallel_shardings`)."""
+    layer = getattr(model_config.decoder.transformer, "layer", None)
+    attention = getattr(getattr(layer, "self_attention", None), "attention", None)
+    if attention is None:  # Not one layer config repeated (e.g. a list of layers).
+        return {}
     kv_heads, projection = attention.num_heads, attention.input_linear
     while projection is not None:
         kv_heads = getattr(projection, "num_kv_heads", kv_heads)
         projection = getattr(projection, "input_linear", None)
-    return {
+    sizes = {
         "attention heads": attention.num_heads,
         "key/value heads": kv_heads,
         "MLP hidden units": layer.feed_forward.hidden_dim,
     }
+    return {name: size for name, size in sizes.items() if isinstance(size, int)}
 
 
 def check_devices(model_config: ConfigBase, num_devices: int) -> None:
