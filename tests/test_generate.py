@@ -278,3 +278,16 @@ def test_the_benchmark_prints_a_row_per_shape_devices_and_batch_size():
     assert all(float(c[5].replace(",", "")) > 0 and float(c[6].replace(",", "")) > 0
                for c in cells[:4])
     assert all("too few devices" in c[5] for c in cells[4:])
+
+
+def test_the_split_qkv_layout_for_several_devices_decodes_as_transformers():
+    hf = _hf_model(seed=9)
+    prompts = [[5, 0, 17], [40, 2, 2, 9]]
+    expected = [_hf_greedy(hf, p, 6, None) for p in prompts]
+    fused = hf_llama.llama_config_from_hf(hf.config)
+    split = generate.decoding_config(fused, num_devices=2)
+    params = generate.unfuse_qkv(hf_llama.params_from_hf(hf.state_dict(), fused), fused, split)
+    attention = params["decoder"]["transformer"]["repeat"]["layer"]["self_attention"]["attention"]
+    assert sorted(attention["i_proj"]["i_proj"]) == ["k_proj", "q_proj", "v_proj"]
+    outputs, _ = generate.Generator(split, params).generate(prompts, max_new_tokens=6)
+    assert outputs == expected
