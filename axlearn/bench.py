@@ -49,7 +49,6 @@ gradient-accumulation microbatches a step runs, so that two rows of a comparison
 known to measure the same step.
 """
 
-import argparse
 import html
 import json
 import os
@@ -62,6 +61,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional
 
+from absl import flags
+
+from axlearn.common.command_flags import parse_command_flags, usage_error
 from axlearn.common.config import ConfigError
 
 COLUMNS = (
@@ -162,7 +164,10 @@ def run_benchmark(
     `modify`: applied to the trainer config after overrides (benchmark variants).
     """
     # pylint: disable-next=import-outside-toplevel
-    from axlearn.common.launch_trainer import lookup_named_config, mesh_selector_from_devices
+    from axlearn.common.experiment_registry import lookup_named_config
+
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.mesh_selection import mesh_selector_from_devices
 
     # A wrong name fails before JAX looks for devices.
     lookup_named_config(config, module=module)
@@ -562,224 +567,291 @@ def _run_in_tree(tree: str, argv: Sequence[str], *, xla_flags: str = "") -> dict
         return json.load(f)
 
 
+PROGRAM = "axlearn.bench"
+COMPARE_FLAGS = (
+    "compare", "compare_dirs", "compare_xla_flags", "compare_configs", "compare_overrides",
+    "compare_data_dirs",
+)
+
+
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The benchmark's flags, on `flag_values`."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_string("config", None, "The named config to run.", **fv)
+    flags.DEFINE_string(
+        "module", None,
+        "Experiment module under experiments/ (optional when the config name is unique).", **fv,
+    )
+    flags.DEFINE_string(
+        "mesh_selector", None,
+        "Instance type matched against the config's mesh_rules. Unset: named from the "
+        "devices (gpu-h100-1, cpu, ...); none: no rule, the config's own mesh_shape.", **fv,
+    )
+    flags.DEFINE_string(
+        "data_dir", "FAKE",
+        "FAKE (synthetic), BUILTIN (the built-in byte corpus) or a data directory.", **fv,
+    )
+    flags.DEFINE_multi_string(
+        "config_override", [], "path=value (a Python literal), applied in order.", **fv
+    )
+    flags.DEFINE_integer("steps", 20, "Timed steps.", **fv)
+    flags.DEFINE_integer("warmup_steps", 5, "Steps run before the timed ones.", **fv)
+    flags.DEFINE_string("profile_dir", None, "Save a profiler trace of the timed steps.", **fv)
+    flags.DEFINE_string("xla_dump_dir", None, "Dump the compiled HLO (--xla_dump_to).", **fv)
+    flags.DEFINE_string("xla_flags_preset", "auto", "auto or none (launch.XLA_FLAG_PRESETS).", **fv)
+    flags.DEFINE_string("compare", None, "REV_A,REV_B: benchmark two git revisions.", **fv)
+    flags.DEFINE_string("compare_dirs", None, "DIR_A,DIR_B: benchmark two source trees.", **fv)
+    flags.DEFINE_multi_string(
+        "compare_xla_flags", None,
+        "Give twice: benchmark this tree under two XLA flag settings, each added after "
+        "the environment's XLA_FLAGS ('' for none); the sides are named by their flags.", **fv,
+    )
+    flags.DEFINE_string(
+        "compare_configs", None,
+        "CONFIG_A,CONFIG_B: benchmark two named configs of this tree (in place of --config).",
+        **fv,
+    )
+    flags.DEFINE_multi_string(
+        "compare_overrides", None,
+        "Give twice: benchmark --config with two sets of config overrides, each "
+        "space-separated (shell quoting) and applied after the shared --config_override "
+        "flags ('' for none); the sides are named by their overrides.", **fv,
+    )
+    flags.DEFINE_string(
+        "compare_data_dirs", None,
+        "DATA_A,DATA_B: benchmark --config on two data directories (in place of --data_dir).",
+        **fv,
+    )
+    flags.DEFINE_bool(
+        "input_only", False,
+        "Measure the config's training input alone, on the CPU, in tokens/s per process.", **fv,
+    )
+    flags.DEFINE_string("html", None, "Write the comparison as an HTML page.", **fv)
+    flags.DEFINE_integer(
+        "rounds", 1,
+        "With any --compare*: run each side this many times, in the order A B, then "
+        "B A, ...; the table shows the means.", **fv,
+    )
+    flags.DEFINE_string("json_out", None, "Write the result as JSON to this file.", **fv)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the benchmark for `argv` (the arguments after the program name; None:
+    sys.argv[1:]); returns the exit status. Wrong flags exit 2 (SystemExit)."""
     try:
         return _main(argv)
     except ConfigError as e:
         # A wrong name or config: the message says what to change; a traceback adds nothing.
-        print(f"axlearn.bench: {e}", file=sys.stderr)
+        print(f"{PROGRAM}: {e}", file=sys.stderr)
         return 1
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="The named config to run.")
-    parser.add_argument("--module", default=None)
-    parser.add_argument(
-        "--mesh_selector", default=None,
-        help="Instance type matched against the config's mesh_rules. Unset: named from the "
-        "devices (gpu-h100-1, cpu, ...); none: no rule, the config's own mesh_shape.",
-    )
-    parser.add_argument(
-        "--data_dir", default="FAKE",
-        help="FAKE (synthetic), BUILTIN (the built-in byte corpus) or a data directory.",
-    )
-    parser.add_argument("--config_override", action="append", default=[])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup_steps", type=int, default=5)
-    parser.add_argument("--profile_dir", default=None, help="Save a profiler trace of the timed steps.")
-    parser.add_argument("--xla_dump_dir", default=None, help="Dump the compiled HLO (--xla_dump_to).")
-    parser.add_argument("--xla_flags_preset", default="auto", help="auto or none (launch.XLA_FLAG_PRESETS).")
-    parser.add_argument("--compare", default=None, help="REV_A,REV_B: benchmark two git revisions.")
-    parser.add_argument("--compare_dirs", default=None, help="DIR_A,DIR_B: benchmark two source trees.")
-    parser.add_argument(
-        "--compare_xla_flags", action="append", default=None, metavar="FLAGS",
-        help="Give twice: benchmark this tree under two XLA flag settings, each added after "
-        "the environment's XLA_FLAGS ('' for none); the sides are named by their flags.",
-    )
-    parser.add_argument(
-        "--compare_configs", default=None, metavar="CONFIG_A,CONFIG_B",
-        help="Benchmark two named configs of this tree (in place of --config).",
-    )
-    parser.add_argument(
-        "--compare_overrides", action="append", default=None, metavar="OVERRIDES",
-        help="Give twice: benchmark --config with two sets of config overrides, each "
-        "space-separated (shell quoting) and applied after the shared --config_override "
-        "flags ('' for none); the sides are named by their overrides.",
-    )
-    parser.add_argument(
-        "--compare_data_dirs", default=None, metavar="DATA_A,DATA_B",
-        help="Benchmark --config on two data directories (in place of --data_dir).",
-    )
-    parser.add_argument(
-        "--input_only", action="store_true",
-        help="Measure the config's training input alone, on the CPU, in tokens/s per process.",
-    )
-    parser.add_argument("--html", default=None, help="Write the comparison as an HTML page.")
-    parser.add_argument(
-        "--rounds", type=int, default=1,
-        help="With any --compare*: run each side this many times, in the order A B, then "
-        "B A, ...; the table shows the means.",
-    )
-    parser.add_argument("--json_out", default=None)
-    args = parser.parse_args(argv)
-    comparing = [
-        x
-        for x in (
-            args.compare,
-            args.compare_dirs,
-            args.compare_xla_flags,
-            args.compare_configs,
-            args.compare_overrides,
-            args.compare_data_dirs,
-        )
-        if x is not None
-    ]
+class _Plan(NamedTuple):
+    """What the flags ask for, once checked: the config names, and the sides of a
+    comparison of data directories or of override sets (empty where not comparing them)."""
+
+    config_names: list[str]
+    data_sides: list[str]
+    override_sides: dict[str, list[str]]
+
+
+def _check_flags(args: flags.FlagValues) -> _Plan:
+    """The plan the flags make; a usage error (exit 2) for flags that do not make one."""
+    comparing = [name for name in COMPARE_FLAGS if args[name].value is not None]
     if len(comparing) > 1:
-        parser.error(
+        usage_error(
+            PROGRAM,
             "give at most one of --compare, --compare_dirs, --compare_xla_flags, "
-            "--compare_configs, --compare_overrides and --compare_data_dirs"
+            "--compare_configs, --compare_overrides and --compare_data_dirs",
         )
     if (args.config is None) == (args.compare_configs is None):
-        parser.error("give --config, or --compare_configs in its place")
+        usage_error(PROGRAM, "give --config, or --compare_configs in its place")
     if args.input_only and (args.profile_dir or args.xla_dump_dir or args.compare_xla_flags):
-        parser.error("--input_only runs no device step: no --profile_dir, --xla_dump_dir or --compare_xla_flags")
+        usage_error(
+            PROGRAM,
+            "--input_only runs no device step: no --profile_dir, --xla_dump_dir or "
+            "--compare_xla_flags",
+        )
     if comparing and (args.profile_dir or args.xla_dump_dir):
-        parser.error(
+        usage_error(
+            PROGRAM,
             "--profile_dir and --xla_dump_dir trace or dump one run: give them without "
-            "a --compare* flag (run each side alone)"
+            "a --compare* flag (run each side alone)",
         )
     config_names = args.compare_configs.split(",") if args.compare_configs else [args.config]
     if args.compare_configs is not None and (
         len(config_names) != 2 or len(set(config_names)) != 2 or not all(config_names)
     ):
-        parser.error(f"--compare_configs takes two different config names, got {args.compare_configs!r}")
+        usage_error(
+            PROGRAM,
+            f"--compare_configs takes two different config names, got {args.compare_configs!r}",
+        )
     for flag, sides in (
         ("--compare_xla_flags", args.compare_xla_flags),
         ("--compare_overrides", args.compare_overrides),
     ):
         if sides is not None and (len(sides) != 2 or len(set(sides)) != 2):
-            parser.error(f"{flag} must be given twice, with two different settings; got {sides}")
+            usage_error(
+                PROGRAM, f"{flag} must be given twice, with two different settings; got {sides}"
+            )
     data_sides = args.compare_data_dirs.split(",") if args.compare_data_dirs else []
     if args.compare_data_dirs is not None and (
         len(data_sides) != 2 or len(set(data_sides)) != 2 or not all(data_sides)
     ):
-        parser.error(f"--compare_data_dirs takes two different data directories, got {args.compare_data_dirs!r}")
+        usage_error(
+            PROGRAM,
+            "--compare_data_dirs takes two different data directories, got "
+            f"{args.compare_data_dirs!r}",
+        )
     override_sides = {}
     for text in args.compare_overrides or []:
         try:
             overrides = shlex.split(text)
         except ValueError as e:
-            parser.error(f"--compare_overrides={text!r}: {e}")
+            usage_error(PROGRAM, f"--compare_overrides={text!r}: {e}")
         if any("=" not in o for o in overrides):
-            parser.error(f"--compare_overrides={text!r}: each override is PATH=VALUE")
+            usage_error(PROGRAM, f"--compare_overrides={text!r}: each override is PATH=VALUE")
         override_sides[text or "as configured"] = overrides
+    return _Plan(config_names, data_sides, override_sides)
 
-    # The runs of a comparison start in their source tree: a local data directory given
-    # relative to here is passed on as an absolute path.
-    absolute = lambda d: os.path.abspath(d) if os.path.isdir(d) else d  # noqa: E731
-    data_dir = absolute(args.data_dir)
-    data_sides = [absolute(d) for d in data_sides]
-    # Everything but the config and the data, which the sides of --compare_configs and
-    # --compare_data_dirs name for themselves.
+
+def _absolute_data_dir(data_dir: str) -> str:
+    """The runs of a comparison start in their source tree: a local data directory given
+    relative to here is passed on as an absolute path."""
+    return os.path.abspath(data_dir) if os.path.isdir(data_dir) else data_dir
+
+
+def _shared_run_args(args: flags.FlagValues) -> list[str]:
+    """Every side's flags but the config and the data, which the sides of
+    --compare_configs and --compare_data_dirs name for themselves."""
     run_args = [f"--steps={args.steps}", f"--warmup_steps={args.warmup_steps}"]
     run_args += ["--input_only"] if args.input_only else []
     run_args += [f"--module={args.module}"] if args.module else []
     run_args += [f"--mesh_selector={args.mesh_selector}"] if args.mesh_selector else []
     run_args += [f"--config_override={o}" for o in args.config_override]
     run_args += [f"--xla_flags_preset={args.xla_flags_preset}"]
+    return run_args
 
-    # Each side of this tree is built before any runs (building touches no device), so a
-    # bad name or override fails now, not after the other side's minutes on the card.
+
+def _build_this_tree_s_sides(args: flags.FlagValues, plan: _Plan, data_dir: str) -> None:
+    """Builds the config of each side of this tree before any runs (building touches no
+    device), so a bad name or override fails now, not after the other side's minutes on
+    the card. One run builds its config at once; other trees' configs are theirs to build."""
     if args.compare_configs:
-        sides_to_build = {name: (name, []) for name in config_names}
-    elif override_sides:
-        sides_to_build = {name: (args.config, o) for name, o in override_sides.items()}
+        sides_to_build = {name: (name, []) for name in plan.config_names}
+    elif plan.override_sides:
+        sides_to_build = {name: (args.config, o) for name, o in plan.override_sides.items()}
     elif args.compare_xla_flags:  # Both sides run the same config.
         sides_to_build = {args.config: (args.config, [])}
-    elif data_sides:
-        sides_to_build = {d: (args.config, []) for d in data_sides}
-    else:  # One run builds its config at once; other trees' configs are theirs to build.
+    elif plan.data_sides:
+        sides_to_build = {d: (args.config, []) for d in plan.data_sides}
+    else:
         sides_to_build = {}
     for side, (config, side_overrides) in sides_to_build.items():
         try:
             build_benchmark_config(
                 config, module=args.module, mesh_selector=args.mesh_selector,
-                data_dir=side if data_sides else data_dir,
+                data_dir=side if plan.data_sides else data_dir,
                 overrides=[*args.config_override, *side_overrides],
             )
         except ValueError as e:  # ConfigError and the overrides' parse errors.
-            parser.error(f"side {side!r}: {e}")
+            usage_error(PROGRAM, f"side {side!r}: {e}")
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with_config = lambda name, data=data_dir: [f"--config={name}", f"--data_dir={data}", *run_args]  # noqa: E731
-    # Every comparison is named sides, run in rounds.
-    sides: dict[str, _Side] = {}
-    tmp = tempfile.mkdtemp(prefix="axlearn-bench-") if args.compare else None
+
+def _comparison_sides(
+    args: flags.FlagValues, plan: _Plan, data_dir: str, *, repo: str, tmp: Optional[str]
+) -> dict[str, _Side]:
+    """The named sides of the comparison the flags ask for ({} for a single run); the
+    sides of --compare run from exports of their revisions under `tmp`."""
+    run_args = _shared_run_args(args)
+
+    def with_config(name: str, data: str = data_dir) -> list[str]:
+        return [f"--config={name}", f"--data_dir={data}", *run_args]
+
     if args.compare_configs:
-        sides = {name: _Side(repo, with_config(name)) for name in config_names}
-    elif override_sides:
-        sides = {
+        return {name: _Side(repo, with_config(name)) for name in plan.config_names}
+    if plan.override_sides:
+        return {
             name: _Side(
                 repo, with_config(args.config) + [f"--config_override={o}" for o in overrides]
             )
-            for name, overrides in override_sides.items()
+            for name, overrides in plan.override_sides.items()
         }
-    elif args.compare_xla_flags:
-        sides = {
-            flags or "default": _Side(repo, with_config(args.config), flags)
-            for flags in args.compare_xla_flags
+    if args.compare_xla_flags:
+        return {
+            xla_flags or "default": _Side(repo, with_config(args.config), xla_flags)
+            for xla_flags in args.compare_xla_flags
         }
-    elif data_sides:
-        sides = {d: _Side(repo, with_config(args.config, d)) for d in data_sides}
-    elif args.compare_dirs:
-        sides = {
+    if plan.data_sides:
+        return {d: _Side(repo, with_config(args.config, d)) for d in plan.data_sides}
+    if args.compare_dirs:
+        return {
             os.path.basename(d.rstrip("/")) or d: _Side(d, with_config(args.config))
             for d in args.compare_dirs.split(",")
         }
-    elif args.compare:
-        sides = {
+    if args.compare:
+        return {
             rev: _Side(os.path.join(tmp, rev.replace("/", "_")), with_config(args.config))
             for rev in args.compare.split(",")
         }
+    return {}
+
+
+def _run_in_this_process(args: flags.FlagValues) -> dict[str, dict[str, Any]]:
+    """The single run the flags ask for (no comparison), keyed by its config."""
+    if args.input_only:
+        result = run_input_benchmark(
+            config=args.config, module=args.module, data_dir=args.data_dir,
+            overrides=args.config_override, steps=args.steps, warmup_steps=args.warmup_steps,
+        )
+    else:
+        result = run_benchmark(
+            config=args.config, module=args.module, mesh_selector=args.mesh_selector,
+            data_dir=args.data_dir, overrides=args.config_override, steps=args.steps,
+            warmup_steps=args.warmup_steps, profile_dir=args.profile_dir,
+            xla_dump_dir=args.xla_dump_dir, xla_flags_preset=args.xla_flags_preset,
+        )
+    return {args.config: result}
+
+
+def _report(args: flags.FlagValues, plan: _Plan, results: dict[str, dict[str, Any]]) -> None:
+    """Writes --json_out (one run's result alone; a comparison's keyed by side), prints the
+    table, and writes --html."""
+    write_json(args.json_out, next(iter(results.values())) if len(results) == 1 else results)
+    print(format_table(results))
+    if args.html:
+        title = f"axlearn benchmark: {' vs '.join(plan.config_names)}"
+        if not args.compare_configs and len(results) == 2:
+            title += f": {' vs '.join(results)}"
+        write_html(results, args.html, title)
+        print(f"Wrote {args.html}")
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args, _ = parse_command_flags(define_flags, argv, program=PROGRAM, doc=__doc__)
+    plan = _check_flags(args)
+    data_dir = _absolute_data_dir(args.data_dir)
+    plan = plan._replace(data_sides=[_absolute_data_dir(d) for d in plan.data_sides])
+    _build_this_tree_s_sides(args, plan, data_dir)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tmp = tempfile.mkdtemp(prefix="axlearn-bench-") if args.compare else None
+    sides = _comparison_sides(args, plan, data_dir, repo=repo, tmp=tmp)
     try:
         if args.compare:
             for rev, side in sides.items():
                 _export_revision(rev, repo, side.tree)
-        if sides:
+        if sides:  # Every comparison is named sides, run in rounds.
             results = run_in_rounds(
                 sides,
                 lambda side: _run_in_tree(side.tree, side.argv, xla_flags=side.xla_flags),
                 rounds=args.rounds,
             )
-        elif args.input_only:
-            results = {
-                args.config: run_input_benchmark(
-                    config=args.config, module=args.module, data_dir=args.data_dir,
-                    overrides=args.config_override, steps=args.steps, warmup_steps=args.warmup_steps,
-                )
-            }
         else:
-            results = {
-                args.config: run_benchmark(
-                    config=args.config, module=args.module, mesh_selector=args.mesh_selector,
-                    data_dir=args.data_dir, overrides=args.config_override, steps=args.steps,
-                    warmup_steps=args.warmup_steps, profile_dir=args.profile_dir,
-                    xla_dump_dir=args.xla_dump_dir, xla_flags_preset=args.xla_flags_preset,
-                )
-            }
+            results = _run_in_this_process(args)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    # One run's result alone; a comparison's keyed by side.
-    write_json(args.json_out, next(iter(results.values())) if len(results) == 1 else results)
-    print(format_table(results))
-    if args.html:
-        title = f"axlearn benchmark: {' vs '.join(config_names)}"
-        if not args.compare_configs and len(results) == 2:
-            title += f": {' vs '.join(results)}"
-        write_html(results, args.html, title)
-        print(f"Wrote {args.html}")
+    _report(args, plan, results)
     return 0
 
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
-from axlearn.common.attention import build_remat_spec
+from axlearn.common.attention import PipelinedTransformerLayer, build_remat_spec
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.trainer import SpmdTrainer
 from axlearn.common.trainer_config_modifier import (
@@ -323,6 +323,7 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
         # gpt_1b and gpt_7b with their transformer matmuls in FP8 on H100 and H200 hosts.
         "gpt_1b_fp8": functools.partial(gpt_trainer, "1B", fp8=True),
         "gpt_7b_fp8": functools.partial(gpt_trainer, "7B", fp8=True),
+        **_NAMED_PIPELINE_CONFIGS,
     }
 
 
@@ -358,3 +359,78 @@ DESCRIPTIONS = {
     "gpt_7b_fp8": "gpt_7b with the transformer's matmuls in FP8 on H100 and H200 hosts (e4m3 "
     "operands, e5m2 gradients, delayed scaling).",
 }
+
+
+# ----- pipeline parallelism -----
+
+# Sequences the pipelined 7B runs through its stages at once on one host (the trainer
+# accumulates a larger global batch over such passes), and the pipeline microbatches
+# they are split into: one sequence each, so the bubble is 3 of 19 iterations.
+PIPELINE_7B_ROWS = 16
+PIPELINE_7B_MICROBATCHES = 16
+
+
+def pipelined(
+    trainer: SpmdTrainer.Config, *, num_stages: int, num_microbatches: int
+) -> SpmdTrainer.Config:
+    """`trainer` with its transformer layers split into `num_stages` pipeline stages
+    (attention.PipelinedTransformerLayer); the same layers, in the same order."""
+    transformer = trainer.model.decoder.transformer
+    trainer.model.decoder.transformer = PipelinedTransformerLayer.default_config().set(
+        layer=transformer.layer,
+        num_layers=transformer.num_layers,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+    )
+    return trainer
+
+
+def gpt_7b_pipeline_trainer() -> SpmdTrainer.Config:
+    """gpt_7b in 4 pipeline stages of 8 layers: on 4 GPUs of one host each GPU holds one
+    stage (with 8 GPUs, each stage is split in FSDP over 2)."""
+    cfg = pipelined(
+        gpt_trainer("7B"), num_stages=4, num_microbatches=PIPELINE_7B_MICROBATCHES
+    )
+    pipeline_mesh = common.mesh_shape_from_axes(pipeline=4, fsdp=-1)
+    cfg.mesh_shape = pipeline_mesh
+    cfg.mesh_rules = [
+        (
+            common.GPU_SINGLE_HOST.selector([4, 8]),
+            common.single_host_gpu_rule(
+                # No per-layer remat: each pipeline iteration already recomputes its stage
+                # from the stage's input in the backward pass.
+                None,
+                mesh_shape=pipeline_mesh,
+                per_device_microbatch_size=PIPELINE_7B_ROWS,
+            ),
+        ),
+        (common.CPU, common.mesh_shape_from_axes(fsdp=-1)),
+    ]
+    return cfg
+
+
+def gpt_pipeline_test_trainer() -> SpmdTrainer.Config:
+    """gpt_test with 4 layers in 2 pipeline stages of 4 microbatches. Its CPU mesh rule
+    keeps both stages on every device; its own mesh (`--mesh_selector=none`) puts them on
+    2 device groups (pipeline=2)."""
+    cfg = gpt_test_trainer()
+    cfg.name = "gpt_pipeline_test"
+    cfg.model.decoder.transformer.num_layers = 4
+    cfg = pipelined(cfg, num_stages=2, num_microbatches=4)
+    # Without a mesh rule (--mesh_selector=none), on 2, 4 or 8 devices.
+    cfg.mesh_shape = common.mesh_shape_from_axes(pipeline=2, fsdp=-1)
+    return cfg
+
+
+_NAMED_PIPELINE_CONFIGS = {
+    "gpt_pipeline_test": gpt_pipeline_test_trainer,
+    "gpt_7b_pipeline": gpt_7b_pipeline_trainer,
+}
+DESCRIPTIONS.update(
+    {
+        "gpt_pipeline_test": "gpt_test with 4 layers in 2 pipeline stages (pipeline=2 on 2, 4 "
+        "or 8 CPU devices with --mesh_selector=none).",
+        "gpt_7b_pipeline": "gpt_7b in 4 pipeline stages (GPipe, 16 microbatches): one stage "
+        "a GPU on 4 H100/H200s, FSDP over 2 within each stage on 8.",
+    }
+)

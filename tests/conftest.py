@@ -64,6 +64,10 @@ _CACHE_SETTINGS = {
 for _name, _value in _CACHE_SETTINGS.items():
     os.environ[_name.upper()] = str(_value)
 
+# The suite's config texts name classes and functions that its test modules define.
+_TRUSTED_ENV = "AXLEARN_TRUSTED_PACKAGES"
+os.environ[_TRUSTED_ENV] = ",".join(filter(None, (os.environ.get(_TRUSTED_ENV), "tests")))
+
 import jax  # noqa: E402  (after XLA_FLAGS and the cache settings)
 
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -1,6 +1,11 @@
-"""Where the tests find the reference golden dump (the spec): the 2.7B trainer config whose
-names, fields and text format the library follows. It is not part of the repository; the
-project keeps it beside it, in shared/spec/. Tests that need it skip where it is absent.
+"""Where the tests find the reference files kept beside the repository, in shared/: the
+spec (the 2.7B trainer config whose names, fields and text format the library follows,
+shared/spec/) and AXLearn's goldens (shared/axlearn_goldens/). They are not part of the
+repository; tests that need them skip where they are absent.
+
+Each is found through its environment variable (AXLEARN_SPEC: the spec file;
+AXLEARN_GOLDENS: the goldens' directory), else in shared/ beside the checkout (CI clones
+the repository into a folder with shared/ next to it).
 """
 
 import os
@@ -10,29 +15,32 @@ from typing import Optional
 import pytest
 
 NAME = "000_f33cfaded1b52723.txt"
+SPEC_ENV = "AXLEARN_SPEC"
 _REPO = pathlib.Path(__file__).resolve().parents[1]
-# In order: a copy named by AXLEARN_SPEC, shared/ beside this checkout, and the project
-# workspace's own shared/ (for clones made elsewhere on the same machine, such as CI's).
-_CANDIDATES = (
-    os.environ.get("AXLEARN_SPEC"),
-    _REPO.parent / "shared" / "spec" / NAME,
-    pathlib.Path("/work/shared/spec") / NAME,
-)
+
+
+def shared_path(env_var: str, relative: str) -> Optional[pathlib.Path]:
+    """The path `$env_var` names, else `shared/<relative>` beside the checkout if it
+    exists, else None. A variable naming a missing path is an error, not a skip."""
+    named = os.environ.get(env_var)
+    if named:
+        if not pathlib.Path(named).exists():
+            raise FileNotFoundError(f"{env_var}={named}: no such file or directory")
+        return pathlib.Path(named)
+    beside = _REPO.parent / "shared" / relative
+    return beside if beside.exists() else None
 
 
 def find() -> Optional[pathlib.Path]:
     """The spec's path, or None where no copy is found."""
-    for candidate in _CANDIDATES:
-        if candidate and pathlib.Path(candidate).is_file():
-            return pathlib.Path(candidate)
-    return None
+    return shared_path(SPEC_ENV, f"spec/{NAME}")
 
 
 def path() -> pathlib.Path:
     """The spec's path; skips the calling test where no copy is found."""
     found = find()
     if found is None:
-        pytest.skip(f"the spec {NAME} was not found (set AXLEARN_SPEC to its path)")
+        pytest.skip(f"the spec {NAME} was not found (set {SPEC_ENV} to its path)")
     return found
 
 

@@ -11,10 +11,11 @@ import pytest
 
 from axlearn.common import attention as attn
 from axlearn.common.base_layer import is_parameter_spec
-from axlearn.common.config import ConfigError, config_for_function, parse_flat_text
+from axlearn.common.config import ConfigError, config_for_function
+from axlearn.common.golden_text import init_lines, parse_flat_text
 from axlearn.common.layers import RMSNorm, scaled_hidden_dim
 from axlearn.common.module import F
-from axlearn.common.param_init import default_initializer_config
+from axlearn.common.param_init import FanAxes, default_initializer_config
 from axlearn.common.utils import flatten_with_paths
 from tests import reference_spec
 from tests.fresh_python import REPO, assert_prints_ok
@@ -861,3 +862,302 @@ def test_split_heads_gradient_concatenates_the_parts():
     parts = attn.split_heads(x, (3, 2, 2))
     np.testing.assert_array_equal(jnp.concatenate(parts, axis=2), x)
     np.testing.assert_array_equal(jax.grad(loss)(x), jnp.concatenate(w, axis=2))
+
+
+# ----- fused QKV projections -----
+# Tests of attention.FusedQKVLinear's layout: one weight [3, D, N, H] (query, key and value
+# slices stacked, as AXLearn stores it) and bias [3, N, H], checked against NumPy.
+
+
+D, N, H = 8, 2, 4  # model dim, heads, per-head dim.
+
+
+def _fused(bias: bool = True, model_dim: int = D):
+    cfg = attn.FusedQKVLinear.default_config().set(
+        name="qkv",
+        query_dim=model_dim,
+        key_dim=model_dim,
+        value_dim=model_dim,
+        num_heads=N,
+        per_head_dim=H,
+        param_init=default_initializer_config(),
+    )
+    cfg.layer.bias = bias
+    return cfg.instantiate(parent=None)
+
+
+def _random_params():
+    return {
+        "qkv_proj": {
+            "weight": jnp.asarray(RNG.normal(size=(3, D, N, H)), jnp.float32),
+            "bias": jnp.asarray(RNG.normal(size=(3, N, H)), jnp.float32),
+        }
+    }
+
+
+def _project(layer, params, **inputs):
+    out, _ = F(layer, state=params, inputs=inputs, prng_key=None, is_training=False)
+    return out
+
+
+def test_weight_and_bias_are_stacked_query_key_value_slices():
+    specs = _fused().create_parameter_specs_recursively()["qkv_proj"]
+    assert tuple(specs["weight"].shape) == (3, D, N, H)
+    assert tuple(specs["bias"].shape) == (3, N, H)
+    # The slice axis is a batch axis of the fans: each slice has fan_in D.
+    assert specs["weight"].fan_axes == FanAxes(in_axis=1, out_axis=(2, 3), batch_axis=(0,))
+    assert tuple(specs["weight"].mesh_axes)[0] is None
+
+
+def test_self_attention_projects_the_input_by_each_slice():
+    layer, params = _fused(), _random_params()
+    x = RNG.normal(size=(2, 5, D))
+    q, k, v = _project(layer, params, query=jnp.asarray(x, jnp.float32))
+    w, b = (np.asarray(params["qkv_proj"][name], np.float64) for name in ("weight", "bias"))
+    for i, actual in enumerate((q, k, v)):
+        expected = np.einsum("btd,dnh->btnh", x, w[i]) + b[i]
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cross_attention_projects_query_key_and_value_each_by_its_slice():
+    layer, params = _fused(), _random_params()
+    inputs = [RNG.normal(size=(2, 5, D)) for _ in range(3)]
+    query, key, value = (jnp.asarray(x, jnp.float32) for x in inputs)
+    outputs = _project(layer, params, query=query, key=key, value=value)
+    w, b = (np.asarray(params["qkv_proj"][name], np.float64) for name in ("weight", "bias"))
+    for i, (x, actual) in enumerate(zip(inputs, outputs)):
+        np.testing.assert_allclose(
+            actual, np.einsum("btd,dnh->btnh", x, w[i]) + b[i], rtol=1e-5, atol=1e-5
+        )
+
+
+def test_key_and_value_of_another_shape_are_refused():
+    layer, params = _fused(), _random_params()
+    query = jnp.zeros((2, 5, D))
+    with pytest.raises(ValueError, match="one shape"):
+        _project(layer, params, query=query, key=jnp.zeros((2, 3, D)), value=jnp.zeros((2, 3, D)))
+
+
+def test_weight_gradient_is_each_slice_outer_product_with_its_output_gradient():
+    layer, params = _fused(bias=False), _random_params()
+    del params["qkv_proj"]["bias"]
+    x = RNG.normal(size=(2, 5, D))
+    g = RNG.normal(size=(3, 2, 5, N, H))  # Output gradients of q, k, v.
+
+    def loss(params):
+        q, k, v = _project(layer, params, query=jnp.asarray(x, jnp.float32))
+        return sum(jnp.sum(out * g[i]) for i, out in enumerate((q, k, v)))
+
+    grad = jax.grad(loss)(params)["qkv_proj"]["weight"]
+    expected = np.einsum("btd,pbtnh->pdnh", x, g)
+    np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_each_slice_is_initialized_with_fan_in_of_the_model_dim():
+    layer = _fused(bias=False, model_dim=256)
+    weight = layer.initialize_parameters_recursively(jax.random.PRNGKey(0))["qkv_proj"]["weight"]
+    assert weight.shape == (3, 256, N, H)
+    # normal(0, 1 / fan_in) with fan_in 256, not 3 * 256: the slice axis is a batch axis.
+    np.testing.assert_allclose(np.var(np.asarray(weight), axis=(1, 2, 3)), 1 / 256, rtol=0.15)
+
+
+def test_init_golden_line_describes_one_slice_as_axlearn_does():
+    lines = init_lines(_fused())
+    assert lines == [
+        f"qkv_proj/weight: normal(0, 1.0 / fan_in), shape=({D}, {N}, {H}), "
+        "axes=FanAxes(in_axis=0, out_axis=(1, 2), batch_axis=())",
+        "qkv_proj/bias: constant(0.0)",
+    ]
+
+
+# ----- ALiBi biases and sigmoid attention -----
+
+
+def np_alibi_slopes(num_heads):
+    """The ALiBi paper's slopes: 2^(-8k/n), k = 1..n, for n a power of two; otherwise the
+    slopes of the largest power of two p below n, then the odd-k slopes of 2p."""
+    p = 2 ** int(np.floor(np.log2(num_heads)))
+    slopes = [2.0 ** (-8.0 * k / p) for k in range(1, p + 1)]
+    if p < num_heads:
+        slopes += [2.0 ** (-8.0 * k / (2 * p)) for k in range(1, 2 * p + 1, 2)][: num_heads - p]
+    return np.array(slopes)
+
+
+def np_alibi_biases(segment_ids, positions, num_heads):
+    """[B,N,T,T]: slope * (key position - query position) where a query may attend
+    (causal by position, same segment), -inf elsewhere."""
+    distance = positions[:, None, :] - positions[:, :, None]
+    allowed = (distance <= 0) & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    alibi = np_alibi_slopes(num_heads)[None, :, None, None] * distance[:, None]
+    return np.where(allowed[:, None], alibi, -np.inf)
+
+
+@pytest.mark.parametrize("num_heads", [8, 12])
+def test_alibi_slopes_follow_the_paper(num_heads):
+    np.testing.assert_allclose(attn.alibi_get_slopes(num_heads), np_alibi_slopes(num_heads))
+    if num_heads == 8:  # The paper's example: 1/2, 1/4, ..., 1/256.
+        np.testing.assert_allclose(attn.alibi_get_slopes(8), 0.5 ** np.arange(1, 9))
+
+
+def test_alibi_biases_match_numpy_with_packed_segments():
+    layer, _ = _build(attn.ALiBiAttentionLogitBiasLayer.default_config().set(num_heads=6))
+    segment_ids = np.array([[1, 1, 1, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1]])
+    positions = np.array([[0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6]])
+    out = np.asarray(
+        _call(layer, {}, segment_ids=jnp.asarray(segment_ids), positions=jnp.asarray(positions))
+    )
+    expected = np_alibi_biases(segment_ids, positions, 6)
+    assert out.shape == (2, 6, 7, 7)
+    allowed = np.isfinite(expected)
+    np.testing.assert_allclose(out[allowed], expected[allowed], rtol=1e-6)
+    assert np.all(out[~allowed] < -1e30)
+
+
+def test_causal_bias_layer_masks_later_positions_and_other_segments():
+    layer, _ = _build(attn.CausalAttentionLogitBiasLayer.default_config())
+    segment_ids, positions = np.array([[1, 1, 2, 2]]), np.array([[0, 1, 0, 1]])
+    out = np.asarray(
+        _call(layer, {}, segment_ids=jnp.asarray(segment_ids), positions=jnp.asarray(positions))
+    )
+    allowed = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], bool)
+    assert out.shape == (1, 1, 4, 4)
+    assert np.all(out[0, 0][allowed] == 0) and np.all(out[0, 0][~allowed] < -1e30)
+
+
+def _sigmoid_attention(**kwargs):
+    return attn.SigmoidAttention.default_config().set(
+        query_dim=12, key_dim=12, value_dim=12, output_dim=10, num_heads=3, seq_len=5, **kwargs
+    )
+
+
+def np_sigmoid_attention_layer(x, params, *, mask, seq_len, biases=None, subtract=True):
+    """MultiheadAttention's projections around sigmoid(q k^T / sqrt(H) + biases - log(seq_len))
+    per key (0 where masked) in place of the softmax."""
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    q, k, v = (
+        np.einsum("btd,dnh->btnh", x, p["i_proj"][n]["weight"]) + p["i_proj"][n]["bias"]
+        for n in ("q_proj", "k_proj", "v_proj")
+    )
+    logits = np.einsum("btnh,bsnh->bnts", q / np.sqrt(q.shape[-1]), k)
+    if biases is not None:
+        logits = logits + biases
+    if subtract:
+        logits = logits - np.log(seq_len)
+    probs = np.where(mask[:, None], 1.0 / (1.0 + np.exp(-logits)), 0.0)
+    context = np.einsum("bnts,bsnh->btnh", probs, v)
+    return np.einsum("btnh,dnh->btd", context, p["o_proj"]["weight"]) + p["o_proj"]["bias"]
+
+
+@pytest.mark.parametrize("subtract", [True, False])
+def test_sigmoid_attention_matches_numpy(subtract):
+    layer, params = _build(_sigmoid_attention(causal=True, subtract_seq_len_bias=subtract))
+    params = _randomize(params)
+    x = RNG.normal(size=(2, 5, 12))
+    out = _call(layer, params, query=jnp.asarray(x, jnp.float32))
+    expected = np_sigmoid_attention_layer(
+        x, params, mask=np_causal_mask(2, 5), seq_len=5, subtract=subtract
+    )
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_sigmoid_attention_with_alibi_biases_matches_numpy():
+    layer, params = _build(_sigmoid_attention())  # Not causal: the biases mask.
+    params = _randomize(params)
+    x = RNG.normal(size=(2, 5, 12))
+    segment_ids = np.array([[1, 1, 2, 2, 2], [1, 1, 1, 1, 1]])
+    positions = np.array([[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]])
+    biases = np_alibi_biases(segment_ids, positions, 3)
+    alibi, _ = _build(attn.ALiBiAttentionLogitBiasLayer.default_config().set(num_heads=3))
+    layer_biases = _call(
+        alibi, {}, segment_ids=jnp.asarray(segment_ids), positions=jnp.asarray(positions)
+    )
+    out = _call(
+        layer, params, query=jnp.asarray(x, jnp.float32), attention_logit_biases=layer_biases
+    )
+    expected = np_sigmoid_attention_layer(
+        x, params, mask=np.isfinite(biases[:, 0]), seq_len=5, biases=np.where(
+            np.isfinite(biases), biases, 0.0
+        )
+    )
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_sigmoid_attention_decodes_like_forward():
+    cfg = _sigmoid_attention(causal=True)
+    layer, params = _build(cfg)
+    params = _randomize(params)
+    x = jnp.asarray(RNG.normal(size=(2, 5, 12)), jnp.float32)
+    full = _call(layer, params, query=x)
+    cache = layer.init_states(batch_size=2, max_len=5)
+    steps = []
+    for t in range(5):
+        cache, y = _call(
+            layer, params, method="extend_step", cached_states=cache, query=x[:, t : t + 1],
+            time_step=jnp.full((2,), t, jnp.int32),
+        )
+        steps.append(y)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_sigmoid_attention_rejects_cudnn_with_its_path():
+    with pytest.raises(ConfigError, match=r"layer\.attention_implementation: 'cudnn'"):
+        _build(_sigmoid_attention(attention_implementation="cudnn"))
+
+
+def test_axlearn_alibi_and_sigmoid_golden_lines_parse_and_instantiate():
+    text = textwrap.dedent(
+        """\
+        decoder.attention_mask.klass: 'axlearn.common.attention.ALiBiAttentionLogitBiasLayer'
+        decoder.attention_mask.num_heads: 4
+        attention.klass: 'axlearn.common.attention.SigmoidAttention'
+        attention.num_heads: 4
+        attention.seq_len: 2048
+        attention.subtract_seq_len_bias: True
+        """
+    )
+    tree = parse_flat_text(text)
+    mask = tree["decoder"]["attention_mask"]
+    assert mask.klass is attn.ALiBiAttentionLogitBiasLayer and mask.num_heads == 4
+    mask.set(name="mask").instantiate(parent=None)
+    sigmoid = tree["attention"].set(query_dim=8, key_dim=8, value_dim=8, output_dim=8)
+    assert sigmoid.klass is attn.SigmoidAttention and sigmoid.seq_len == 2048
+    sigmoid.set(name="attention").instantiate(parent=None)
+
+
+@pytest.mark.parametrize("implementation", ["cudnn", "xla"])
+def test_grouped_softmax_attention_with_alibi_biases_matches_numpy(monkeypatch, implementation):
+    calls = []
+    monkeypatch.setattr(jax.nn, "dot_product_attention", _cudnn_on_xla(calls))
+    cfg = attn.GroupedQueryAttention.default_config().set(
+        query_dim=12, key_dim=12, value_dim=12, output_dim=10, num_heads=4,
+        attention_implementation=implementation,
+    )
+    cfg.input_linear = attn.GroupedQKVLinear.default_config().set(num_kv_heads=2)
+    layer, params = _build(cfg)
+    params = _randomize(params)
+    x = RNG.normal(size=(2, 6, 12))
+    segment_ids, positions = np.array([[1, 1, 1, 2, 2, 2]] * 2), np.array([[0, 1, 2, 0, 1, 2]] * 2)
+    biases = np_alibi_biases(segment_ids, positions, 4)
+    alibi, _ = _build(attn.ALiBiAttentionLogitBiasLayer.default_config().set(num_heads=4))
+    layer_biases = _call(
+        alibi, {}, segment_ids=jnp.asarray(segment_ids), positions=jnp.asarray(positions)
+    )
+    out = _call(
+        layer, params, query=jnp.asarray(x, jnp.float32), attention_logit_biases=layer_biases
+    )
+    if implementation == "cudnn":
+        assert [c["implementation"] for c in calls] == ["cudnn"] and calls[0]["bias"] is not None
+    else:
+        assert not calls
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    q, k, v = (
+        np.einsum("btd,dnh->btnh", x, p["i_proj"][n]["weight"]) + p["i_proj"][n]["bias"]
+        for n in ("q_proj", "k_proj", "v_proj")
+    )
+    k, v = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)
+    logits = np.einsum("btnh,bsnh->bnts", q / np.sqrt(3.0), k) + biases
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    context = np.einsum("bnts,bsnh->btnh", probs, v)
+    expected = np.einsum("btnh,dnh->btd", context, p["o_proj"]["weight"]) + p["o_proj"]["bias"]
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)

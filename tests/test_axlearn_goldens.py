@@ -2,14 +2,13 @@
 dumps back to the same text.
 
 The files (apple/axlearn's `c4_trainer` goldens) are kept beside the repository, in
-shared/axlearn_goldens/; the tests that need them skip where they are absent.
+shared/axlearn_goldens/ (or where AXLEARN_GOLDENS says, `tests.reference_spec.shared_path`);
+the tests that need them skip where they are absent.
 """
 
 import enum
 import logging
 import math
-import os
-import pathlib
 from typing import Optional
 
 import pytest
@@ -18,25 +17,23 @@ from axlearn.common.config import (
     REQUIRED,
     ConfigError,
     Configurable,
-    EnumText,
     Required,
     UnknownFieldError,
-    UnresolvedConfig,
     config_class,
     format_value,
     import_name,
+)
+from axlearn.common.golden_text import (
+    EnumText,
+    UnresolvedConfig,
     parse_flat_text,
     read_value,
     unresolved_values,
 )
+from tests.reference_spec import shared_path
 
-_REPO = pathlib.Path(__file__).resolve().parents[1]
-_CANDIDATES = (
-    os.environ.get("AXLEARN_GOLDENS"),
-    _REPO.parent / "shared" / "axlearn_goldens",
-    pathlib.Path("/work/shared/axlearn_goldens"),
-)
-GOLDENS_DIR = next((pathlib.Path(c) for c in _CANDIDATES if c and pathlib.Path(c).is_dir()), None)
+GOLDENS_ENV = "AXLEARN_GOLDENS"
+GOLDENS_DIR = shared_path(GOLDENS_ENV, "axlearn_goldens")
 # The ten trainer configs (the _init and _regularizer files are not config text).
 GOLDEN_NAMES = sorted(
     p.name
@@ -47,7 +44,7 @@ GOLDEN_NAMES = sorted(
 
 def golden_text(name: str) -> str:
     if GOLDENS_DIR is None:
-        pytest.skip("shared/axlearn_goldens not found (set AXLEARN_GOLDENS to its path)")
+        pytest.skip(f"shared/axlearn_goldens not found (set {GOLDENS_ENV} to its path)")
     return (GOLDENS_DIR / name).read_text(encoding="utf-8")
 
 
@@ -82,12 +79,12 @@ def _without_missing_metrics(text: str) -> str:
 
 def _synthetic_trainer_config(name: str):
     """The golden's trainer config, on synthetic batches of its shape, on one mesh axis."""
-    from axlearn.common import launch_trainer  # pylint: disable=import-outside-toplevel
+    from axlearn.common import launch_data  # pylint: disable=import-outside-toplevel
 
     cfg = parse_flat_text(_without_missing_metrics(golden_text(name)), source=name, foreign=True)
     # Mesh rules apply only on the hardware they name (FP8's modifier is not here yet).
     assert [path for path, _ in unresolved_values(cfg) if not path.startswith("mesh_rules")] == []
-    cfg = launch_trainer.use_fake_data(cfg)
+    cfg = launch_data.use_fake_data(cfg)
     cfg.mesh_shape = (1, -1, 1, 1, 1, 1)  # The goldens' meshes are for 8+ devices.
     return cfg
 
@@ -269,7 +266,8 @@ class Parent(Configurable):
 
 
 def test_a_name_that_does_not_import_raises_by_default():
-    with pytest.raises(ConfigError, match=r"<text>:1: 'axlearn.common.no_such_module.Missing'"):
+    missing = "'axlearn.common.no_such_module.Missing'"
+    with pytest.raises(ConfigError, match=rf"<text>:1: child.klass: {missing}"):
         parse_flat_text(_UNKNOWN_CLASS_TEXT.replace("scale", "x"))
 
 
@@ -279,7 +277,7 @@ def test_a_foreign_unknown_class_dumps_back_and_fails_to_instantiate_naming_path
     assert isinstance(cfg.child, UnresolvedConfig) and cfg.scale is None
     assert cfg.debug_string() == _UNKNOWN_CLASS_TEXT
     with pytest.raises(
-        ConfigError, match=r"g.txt:1: child: 'axlearn.common.no_such_module.Missing' does not name"
+        ConfigError, match=r"g.txt:1: child.klass: 'axlearn.common.no_such_module.Missing' does"
     ):
         cfg.instantiate()
     assert [path for path, _ in unresolved_values(cfg)] == ["child"]

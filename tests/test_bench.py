@@ -16,7 +16,7 @@ from axlearn import bench
 from axlearn.common import file_system, launch
 from axlearn.common.input_tokens import build_token_shards
 from axlearn.common.input_vocab import ByteVocabulary
-from axlearn.common.launch_trainer import mesh_selector_for_devices
+from axlearn.common.mesh_selection import mesh_selector_for_devices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

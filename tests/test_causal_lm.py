@@ -10,7 +10,7 @@ import pytest
 
 from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.causal_lm import Model, count_parameters, matmul_parameter_count
-from axlearn.common.config import parse_flat_text
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.hf_llama import llama_model_config
 from axlearn.common.module import functional as F
 from experiments import golf, gpt

@@ -22,9 +22,9 @@ from axlearn.common.config import (
     get_recursively,
     maybe_instantiate,
     maybe_set_config,
-    parse_flat_text,
     set_recursively,
 )
+from axlearn.common.golden_text import parse_flat_text
 
 
 def scaled_sum(a: int, b: float = 2.0, *, scale: float = 1.0) -> float:
@@ -123,7 +123,7 @@ def test_instantiate_passes_kwargs():
 
 def test_config_for_function_fields_from_signature():
     cfg = config_for_function(scaled_sum)
-    assert cfg.keys() == ["fn", "a", "b", "scale"]
+    assert list(cfg.fields()) == ["fn", "a", "b", "scale"]  # Declaration order.
     assert cfg.a is REQUIRED and cfg.b == 2.0
     assert cfg.set(a=1, scale=3.0).instantiate() == 9.0
 
@@ -223,7 +223,7 @@ def test_parse_round_trips_byte_for_byte():
 
 def test_parse_error_names_the_line():
     bad = SPEC_LIKE_TEXT.replace("tests.test_config.Leaf'", "tests.test_config.Nope'", 1)
-    with pytest.raises(ConfigError, match=r"<text>:9: 'tests.test_config.Nope' does not name"):
+    with pytest.raises(ConfigError, match=r"<text>:9: leaf.klass: 'tests.test_config.Nope' does"):
         parse_flat_text(bad)
     with pytest.raises(UnknownFieldError, match=r"<text>:\d+: leaf.epz: .*did you mean: eps"):
         parse_flat_text(SPEC_LIKE_TEXT.replace("leaf.eps:", "leaf.epz:"))
@@ -252,7 +252,8 @@ def test_to_dict_is_json_serializable():
     assert data["fn"]["fn"] == "tests.test_config.scaled_sum"
 
 
-def test_names_in_private_modules_render_as_the_public_name_of_the_same_object():
+def test_names_in_private_modules_render_as_the_public_name_of_the_same_object(monkeypatch):
+    monkeypatch.setenv(config_lib.TRUSTED_PACKAGES_ENV, "tests,concurrent.futures")
     import concurrent.futures  # pylint: disable=import-outside-toplevel
     from concurrent.futures import _base  # pylint: disable=import-outside-toplevel
 
@@ -298,3 +299,428 @@ def test_dict_entries_keep_insertion_order_and_fields_sort_by_name():
     assert keys.index("rules['prevent_cse']") < keys.index("rules['policy'].fn")
     top_level = [k.split(".")[0].split("[")[0] for k in keys]
     assert top_level == sorted(top_level)
+
+
+# ----- AXLearn's config API: errors, validators, order, to_dict, freezing, copies -----
+
+
+def test_every_error_class_is_also_a_config_error_and_axlearns_builtin():
+    expected_bases = {
+        config_lib.UnknownFieldError: AttributeError,
+        config_lib.UnknownKeyError: KeyError,
+        config_lib.MissingConfigClassDecoratorError: TypeError,
+        config_lib.InvalidConfigClassError: TypeError,
+        config_lib.InvalidConfigNameError: ValueError,
+        config_lib.InvalidConfigValueError: TypeError,
+        config_lib.NonConfigFieldError: ValueError,
+        config_lib.RequiredFieldMissingError: ValueError,
+        config_lib.FrozenConfigError: RuntimeError,
+    }
+    for cls, builtin in expected_bases.items():
+        assert issubclass(cls, ConfigError) and issubclass(cls, builtin), cls
+    assert issubclass(MissingRequiredFieldsError, config_lib.RequiredFieldMissingError)
+
+
+def test_config_class_without_decorator_raises_missing_decorator_error():
+    class Undecorated(config_lib.ConfigBase):
+        num_layers: int = 10
+
+    with pytest.raises(config_lib.MissingConfigClassDecoratorError, match="@config_class"):
+        Undecorated()
+
+
+def test_config_class_on_a_non_config_class_raises_invalid_config_class_error():
+    with pytest.raises(config_lib.InvalidConfigClassError, match="ConfigBase"):
+
+        @config_class
+        class NotAConfig:  # pylint: disable=unused-variable
+            num_layers: int = 10
+
+
+@pytest.mark.parametrize("name", ["_num_layers", "NumLayers", "9lives"])
+def test_field_names_must_be_lower_snake_case(name):
+    namespace = {"__annotations__": {name: int}, name: 1}
+    with pytest.raises(config_lib.InvalidConfigNameError, match=name):
+        config_class(type("Bad", (config_lib.ConfigBase,), namespace))
+    config_lib.validate_config_field_name("num_layers_2")  # A valid name passes.
+
+
+def test_unannotated_class_attribute_raises_non_config_field_error():
+    with pytest.raises(config_lib.NonConfigFieldError, match="foo"):
+
+        @config_class
+        class Bad(config_lib.ConfigBase):  # pylint: disable=unused-variable
+            foo = 10
+
+    @config_class
+    class WithMethod(config_lib.ConfigBase):
+        x: int = 1
+
+        def doubled(self) -> int:  # Methods are not fields, and are allowed.
+            return 2 * self.x
+
+    assert WithMethod().doubled() == 2
+
+
+class _Opaque:
+    """A value no validator accepts."""
+
+
+def test_invalid_field_values_raise_invalid_config_value_error():
+    cfg = Tree.default_config()
+    for bad in (_Opaque(), [1, _Opaque()], {"k": (_Opaque(),)}):
+        with pytest.raises(config_lib.InvalidConfigValueError, match="_Opaque"):
+            cfg.rules = bad
+    with pytest.raises(config_lib.InvalidConfigValueError, match="BadDefault.rules"):
+
+        @config_class
+        class BadDefault(config_lib.ConfigBase):  # pylint: disable=unused-variable
+            rules: object = _Opaque()
+
+        del BadDefault
+
+
+def test_register_validator_admits_a_new_value_type():
+    class Token:
+        def __init__(self, text):
+            self.text = text
+
+    def check(token):
+        if not token.text:
+            raise config_lib.InvalidConfigValueError("empty token")
+
+    cfg = Tree.default_config()
+    with pytest.raises(config_lib.InvalidConfigValueError, match="register_validator"):
+        cfg.rules = Token("a")
+    config_lib.register_validator(match_fn=lambda v: isinstance(v, Token), validate_fn=check)
+    cfg.rules = [Token("a")]
+    assert cfg.rules[0].text == "a"
+    with pytest.raises(config_lib.InvalidConfigValueError, match="empty token"):
+        cfg.rules = {"k": Token("")}
+
+
+def test_required_field_missing_error_on_instantiate():
+    with pytest.raises(config_lib.RequiredFieldMissingError, match="a"):
+        config_for_function(scaled_sum).instantiate()
+
+
+def test_unknown_field_error_is_an_attribute_error_naming_close_names():
+    cfg = config_for_function(scaled_sum)
+    with pytest.raises(AttributeError, match="did you mean: scale"):
+        cfg.scal = 1.0
+    with pytest.raises(UnknownFieldError):
+        _ = cfg.scael
+    assert not hasattr(cfg, "scael")
+
+
+def test_similar_names_follows_axlearns_trigram_rule():
+    # 'num_layer' has 7 trigrams; 'num_layers' holds all 7, 'num_heads' 2 ('num', 'um_').
+    assert config_lib.similar_names("num_layer", ["hidden_dim", "num_layers", "num_heads"]) == [
+        "num_layers"
+    ]
+    # Equal overlap breaks ties alphabetically; names shorter than 3 match nothing.
+    assert config_lib.similar_names("abcd", ["xabcdx", "abcd"]) == ["abcd", "xabcdx"]
+    assert config_lib.similar_names("ab", ["ab", "abc"]) == []
+
+
+class _AttrsAttribute:
+    def __init__(self, name, default):
+        self.name, self.default = name, default
+
+
+class _AttrsLike:
+    """What attrs generates: `__attrs_attrs__`, one Attribute (name, default) per field."""
+
+    __attrs_attrs__ = (_AttrsAttribute("rate", 0.5), _AttrsAttribute("label", None))
+
+    def __init__(self, rate=0.5, label=None):
+        self.rate, self.label = rate, label
+
+
+def test_is_named_tuple_and_is_attrs_work_without_attrs_installed():
+    import collections  # pylint: disable=import-outside-toplevel
+
+    pair = collections.namedtuple("Pair", ["a", "b"])
+    assert config_lib.is_named_tuple(pair(1, 2))
+    assert not config_lib.is_named_tuple((1, 2))
+    assert config_lib.is_attrs(_AttrsLike())
+    assert not config_lib.is_attrs(Point(1))
+
+
+def test_real_attrs_instances_are_attrs():
+    attr = pytest.importorskip("attr")
+
+    @attr.define
+    class Foo:
+        a: int
+        b: str
+
+    assert config_lib.is_attrs(Foo(a=1, b="x"))
+
+
+@config_class
+class _Ordered(config_lib.ConfigBase):
+    num_layers: int = 10
+    hidden_dim: int = 16
+    activation: str = "relu"
+
+
+def test_keys_and_items_are_sorted_while_fields_keep_declaration_order():
+    cfg = _Ordered()
+    assert len(cfg) == 3
+    assert cfg.keys() == ["activation", "hidden_dim", "num_layers"]
+    assert cfg.items() == [("activation", "relu"), ("hidden_dim", 16), ("num_layers", 10)]
+    assert list(cfg.fields()) == ["num_layers", "hidden_dim", "activation"]
+    assert cfg.debug_string() == "activation: 'relu'\nhidden_dim: 16\nnum_layers: 10"
+
+
+def test_len_of_an_empty_and_of_an_inherited_config():
+    @config_class
+    class Empty(config_lib.ConfigBase):
+        pass
+
+    @config_class
+    class More(_Ordered):
+        dropout: float = 0.0
+
+    assert len(Empty()) == 0 and Empty().keys() == [] and "x" not in Empty()
+    assert len(More()) == 4 and "dropout" in More()
+
+
+@config_class
+class _Holder(config_lib.ConfigBase):
+    sub: object = None
+
+
+def test_debug_string_of_non_config_values_matches_axlearns():
+    import collections  # pylint: disable=import-outside-toplevel
+    import dataclasses  # pylint: disable=import-outside-toplevel
+
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    @dataclasses.dataclass
+    class DataClass:
+        int_val: int
+        str_val: str
+        type_val: object
+
+    ntuple = collections.namedtuple("ntuple", ("none", "int", "str", "type"))
+    listed = ["sub[0]: None", "sub[1]: 123", "sub[2]: 'str'", "sub[3]: 'numpy.float64'"]
+    keyed = [
+        "sub['none']: None",
+        "sub['int']: 123",
+        "sub['str']: 'str'",
+        "sub['type']: 'numpy.float64'",
+    ]
+    cases = [
+        ([None, 123, "str", np.float64], listed),
+        ((None, 123, "str", np.float64), listed),
+        (dict(none=None, int=123, str="str", type=np.float64), keyed),
+        (ntuple(none=None, int=123, str="str", type=np.float64), keyed),
+        (
+            DataClass(int_val=123, str_val="str", type_val=np.float64),
+            ["sub['int_val']: 123", "sub['str_val']: 'str'", "sub['type_val']: 'numpy.float64'"],
+        ),
+        (DataClass, [f"sub: '{__name__}.{DataClass.__qualname__}'"]),
+    ]
+    cfg = _Holder()
+    for value, lines in cases:
+        cfg.sub = value
+        assert cfg.debug_string() == "\n".join(lines), value
+
+
+def test_dataclass_and_attrs_fields_at_omitted_defaults_are_left_out_of_dumps():
+    import dataclasses  # pylint: disable=import-outside-toplevel
+
+    @dataclasses.dataclass
+    class Spec:
+        size: int
+        note: Optional[str] = None
+
+    cfg = _Holder(sub=Spec(size=3))
+    assert cfg.debug_string() == "sub['size']: 3"
+    cfg.sub = Spec(size=3, note="x")
+    assert cfg.debug_string() == "sub['size']: 3\nsub['note']: 'x'"
+    cfg.sub = _AttrsLike(rate=0.25)
+    assert cfg.debug_string() == "sub['rate']: 0.25"
+
+
+def test_to_dict_keeps_values_and_names_types_as_axlearn_does():
+    import collections  # pylint: disable=import-outside-toplevel
+    import dataclasses  # pylint: disable=import-outside-toplevel
+
+    @dataclasses.dataclass
+    class Spec:
+        size: int
+
+    pair = collections.namedtuple("Pair", ["a", "b"])
+    counts = collections.defaultdict(int, {"x": 1})
+    cfg = _Holder(
+        sub={
+            "none": None,
+            "str": "text",
+            "required": REQUIRED,
+            "tuple": (1, Point),
+            "range": range(3),
+            "spec": Spec(size=2),
+            "pair": pair(1, [2]),
+            "attrs": _AttrsLike(label="l"),
+            "counts": counts,
+            "fn": scaled_sum,
+            "config": config_for_function(scaled_sum).set(a=1),
+        }
+    )
+    got = cfg.to_dict()["sub"]
+    assert got["none"] is None and got["str"] == "text" and got["required"] is REQUIRED
+    assert got["tuple"] == (1, f"{__name__}.Point") and isinstance(got["tuple"], tuple)
+    assert got["range"] == [0, 1, 2]
+    assert got["spec"] == {"size": 2} and got["pair"] == {"a": 1, "b": [2]}
+    assert got["attrs"] == {"rate": 0.5, "label": "l"}
+    assert got["counts"] == {"x": 1} and type(got["counts"]) is dict
+    assert got["fn"] == f"{__name__}.scaled_sum"
+    assert got["config"] == {"fn": f"{__name__}.scaled_sum", "a": 1, "b": 2.0, "scale": 1.0}
+    json.loads(cfg.to_json())  # The JSON form stays JSON.
+
+
+def test_freeze_makes_a_config_and_its_children_read_only():
+    cfg = Tree.default_config().set(name="root", leaves=[Tree.default_config().set(name="c")])
+    assert cfg.freeze() is cfg and cfg.is_frozen
+    with pytest.raises(config_lib.FrozenConfigError, match="'name'"):
+        cfg.name = "other"
+    with pytest.raises(config_lib.FrozenConfigError):
+        cfg.leaves[0].name = "other"
+    with pytest.raises(config_lib.FrozenConfigError):
+        cfg.leaf.dim = 3
+    with pytest.raises(config_lib.FrozenConfigError):
+        cfg.set(name="other")
+    assert cfg.name == "root"
+    # Copies are the user's own to edit.
+    assert cfg.clone(name="copy").name == "copy"
+    import copy  # pylint: disable=import-outside-toplevel
+
+    copied = copy.deepcopy(cfg)
+    copied.leaves[0].name = "edited"
+    assert not copied.is_frozen and cfg.leaves[0].name == "c"
+
+
+def test_get_and_set_recursively_methods_walk_fields_indices_and_keys():
+    cfg = Tree.default_config().set(
+        name="root",
+        leaves=[Tree.default_config().set(name="c0")],
+        rules={"policy": config_for_function(optional_args).set(x=1.0)},
+    )
+    assert cfg.get_recursively([]) is cfg
+    assert cfg.get_recursively(["leaves", 0, "name"]) == "c0"
+    assert cfg.get_recursively(["rules", "policy", "x"]) == 1.0
+    cfg.set_recursively(["leaves", 0, "name"], value="renamed")
+    cfg.set_recursively("rules['policy'].x", value=2.0)
+    assert cfg.leaves[0].name == "renamed" and cfg.rules["policy"].x == 2.0
+    with pytest.raises(AttributeError, match="did you mean: name"):
+        cfg.get_recursively(["leaves", 0, "nam"])
+    with pytest.raises(KeyError):
+        cfg.get_recursively(["rules", "polcy"])
+    with pytest.raises(ValueError):
+        cfg.set_recursively([], value=1)
+
+
+class _UncopyableProxy:
+    """Stands for a wrapt.ObjectProxy around a function: callable, but not copyable."""
+
+    def __init__(self, fn):
+        self.__wrapped__ = fn  # Like wrapt, forwards the name and the signature.
+        self.__name__, self.__qualname__ = fn.__name__, fn.__qualname__
+        self.__signature__ = __import__("inspect").signature(fn)
+
+    def __call__(self, *args, **kwargs):
+        return self.__wrapped__(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        raise NotImplementedError("proxies cannot be copied")
+
+
+def test_copies_of_function_and_class_configs_share_a_proxy_fn_or_klass():
+    import copy  # pylint: disable=import-outside-toplevel
+
+    proxy = _UncopyableProxy(scaled_sum)
+    with pytest.raises(NotImplementedError):
+        copy.deepcopy(proxy)
+    cfg = config_for_function(proxy)
+    clone = cfg.clone(a=1)
+    assert clone.fn is proxy and clone.instantiate() == 3.0
+    assert copy.deepcopy(cfg).fn is proxy
+    class_cfg = config_for_class(Point).set(x=1)
+    class_cfg.klass = _UncopyableProxy(Point)
+    assert copy.deepcopy(class_cfg).klass is class_cfg.klass
+
+
+def test_config_modifier_base_returns_the_config_and_is_the_one_modifiers_subclass():
+    from axlearn.common import trainer_config_modifier  # pylint: disable=import-outside-toplevel
+
+    cfg = Tree.default_config().set(name="x")
+    assert config_lib.ConfigModifier.default_config().instantiate()(cfg) is cfg
+    assert trainer_config_modifier.ConfigModifier is config_lib.ConfigModifier
+
+
+def test_with_overrides_sets_fields_on_each_built_config():
+    built = config_lib.with_overrides(
+        lambda: Tree.default_config().set(name="base"), name="over"
+    )
+    first, second = built(), built()
+    assert first.name == second.name == "over" and first is not second
+
+
+def _write_experiment(root, body: str) -> None:
+    package = root / "myroot" / "experiments"
+    package.mkdir(parents=True)
+    (root / "myroot" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text(body)
+
+
+def test_get_named_trainer_config_imports_the_module_when_called(tmp_path, monkeypatch):
+    _write_experiment(
+        tmp_path,
+        "def named_trainer_configs():\n"
+        "    return {'small_model': lambda: 'small', 'large_model': lambda: 'large'}\n",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "myroot.experiments.mod" not in sys.modules
+    fn = config_lib.get_named_trainer_config(
+        "small_model", config_module="mod", root_module="myroot"
+    )
+    assert fn() == "small" and "myroot.experiments.mod" in sys.modules
+    with pytest.raises(KeyError, match=r"did you mean \[large_model, small_model\]") as e:
+        config_lib.get_named_trainer_config("model", config_module="mod", root_module="myroot")
+    assert isinstance(e.value, ConfigError)
+    for name in list(sys.modules):
+        if name.startswith("myroot"):
+            monkeypatch.delitem(sys.modules, name)
+
+
+def test_get_named_trainer_config_finds_this_repositorys_experiments():
+    fn = config_lib.get_named_trainer_config("golf_baseline", config_module="golf")
+    assert callable(fn)
+    with pytest.raises(KeyError, match="defines golf_baseline"):
+        config_lib.get_named_trainer_config("zzz", config_module="golf")
+
+
+def test_config_for_partial_function_binds_arguments_and_dumps_as_axlearns():
+    import functools  # pylint: disable=import-outside-toplevel
+
+    cfg = config_lib.config_for_partial_function(scaled_sum, 1, scale=3.0)
+    fn = cfg.instantiate()
+    assert isinstance(fn, functools.partial) and fn(b=1.0) == (1 + 1.0) * 3.0
+    cfg.kwargs = {"scale": 2.0, "b": 4.0}
+    assert cfg.instantiate()() == (1 + 4.0) * 2.0
+    assert cfg.debug_string().splitlines() == [
+        f"args[0]: '{__name__}.scaled_sum'",
+        "args[1]: 1",
+        "klass: 'functools.partial'",
+        "kwargs['scale']: 2.0",
+        "kwargs['b']: 4.0",
+    ]
+
+
+def test_config_for_class_of_functools_partial_is_the_partial_function_config():
+    cfg = config_for_class(__import__("functools").partial).set(args=(pow,), kwargs={"exp": 2})
+    assert isinstance(cfg, config_lib.PartialFunctionConfig) and cfg.instantiate()(3) == 9

@@ -15,14 +15,12 @@ import pytest
 
 from axlearn.common import file_system
 from axlearn.common.config import ConfigError
+from axlearn.common.experiment_registry import build_named_config
 from axlearn.common.input_mixture import TokenShardMixtureInput
 from axlearn.common.input_tokens import TokenShardInput, build_token_shards
 from axlearn.common.input_vocab import ByteVocabulary
-from axlearn.common.launch_trainer import (
-    build_trainer_config,
-    get_named_trainer_config,
-    missing_input_packages,
-)
+from axlearn.common.launch_data import missing_input_packages
+from axlearn.common.launch_trainer import build_trainer_config
 from tests.fresh_python import REPO, fresh_env
 
 
@@ -52,7 +50,7 @@ def _inputs(cfg):
 
 @pytest.mark.parametrize("config_name", ["gpt_test", "golf_baseline"])
 def test_shards_replace_every_input_in_the_configs_batch_shapes(data_dir, config_name):
-    original = get_named_trainer_config(config_name)
+    original = build_named_config(config_name)
     cfg = build_trainer_config(config_name=config_name, data_dir=str(data_dir))
     assert cfg.input.klass is TokenShardInput
     assert cfg.input.paths == [f"{data_dir}/train-*.tok"] and cfg.input.is_training

@@ -15,6 +15,7 @@ from axlearn.common.flash_attention import remat
 from axlearn.common.flash_attention.layer import FlashAttention, FlashBlockSizeModifier
 from axlearn.common.module import functional as F
 from axlearn.common.sharding import create_mesh
+from axlearn.experiments import trainer_config_utils
 from axlearn.experiments.trainer_config_utils import (
     SplashAttentionConfigModifier,
     V6eFlashConfigModifier,
@@ -103,7 +104,8 @@ def test_block_size_modifier_sets_the_tpu_size_and_the_gpu_size_as_an_override()
     assert flash.tpu_block_size == 1024 and flash.backend_overrides == {"gpu_block_size": 64}
 
 
-def test_tpu_modifiers_set_fields_only():
+def test_tpu_modifiers_set_fields_only(monkeypatch):
+    monkeypatch.setattr(trainer_config_utils, "_backend", lambda: "tpu")
     cfg = V6eFlashConfigModifier.default_config().set(tpu_block_size=2048).instantiate()(
         _trainer_with_flash()
     )

@@ -14,16 +14,16 @@ import numpy as np
 import optax
 import pytest
 
-from axlearn.common import fp8
+from axlearn.common import fp8, utils
 from axlearn.common.base_layer import WeightWithCopy
 from axlearn.common.config import ConfigError, config_for_function
 from axlearn.common.fp8_learner import Fp8Learner
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.layers import Linear
-from axlearn.common.learner import Learner, regularizer_lines
+from axlearn.common.learner import Learner, weight_decay_scales
 from axlearn.common.module import functional
 from axlearn.common.optimizers import optax_optimizer
-from axlearn.common.trainer import select_mesh_rule
+from axlearn.common.mesh_selection import select_mesh_rule
 from axlearn.common.trainer_config_modifier import FP8ConfigModifier, apply_mesh_rule
 from axlearn.common.utils import flatten_with_paths
 from experiments import gpt
@@ -360,7 +360,7 @@ def test_fp8_config_modifier_with_delayed_scaling_needs_a_plain_learner_to_repla
 )
 def test_gpt_1b_fp8_trains_in_fp8_on_h100_and_h200_hosts_only(selector, fp8_on):
     cfg = gpt.named_trainer_configs()["gpt_1b_fp8"]()
-    cfg = apply_mesh_rule(cfg, select_mesh_rule(cfg.mesh_rules, selector))
+    cfg = apply_mesh_rule(cfg, select_mesh_rule(cfg.mesh_rules, selector)[1])
     layer = cfg.model.decoder.transformer.layer
     assert (layer.feed_forward.linear2.fp8 is not None) == fp8_on
     assert (cfg.learner.klass is Fp8Learner) == fp8_on
@@ -407,9 +407,9 @@ def test_fp8_learner_keeps_the_state_where_its_gradient_is_not_finite():
 def test_fp8_state_has_no_weight_decay_in_the_regularizer_file():
     _, cfg = _fp8_config(4)
     model = cfg.model.clone(name="model").instantiate(parent=None)
-    lines = regularizer_lines(cfg.learner, model.create_parameter_specs_recursively())
-    state = [line for line in lines if "amax_history" in line]
-    assert state and all(line.endswith(": 0") for line in state)
+    scales = weight_decay_scales(cfg.learner, model.create_parameter_specs_recursively())
+    state = [scale for path, scale in scales.items() if "amax_history" in path]
+    assert state and all(scale == 0 for scale in state)
 
 
 # ----- training -----
@@ -538,3 +538,89 @@ def test_fp8_on_a_sharded_mesh_with_remat_trains_as_on_one_device(tmp_path):
     assert sharded["state"].keys() == single["state"].keys()
     for path, history in single["state"].items():
         np.testing.assert_allclose(sharded["state"][path], history, rtol=1e-5, err_msg=path)
+
+
+# ----- resuming from a checkpoint saved without FP8 -----
+
+
+def _fake_restore(saved: dict):
+    """A checkpointer's restore over `saved` ({path: value}): the template's paths must be
+    exactly the saved ones (ValueError otherwise), as `Checkpointer.restore` checks them."""
+
+    def restore(template):
+        wanted = {path for path, _ in flatten_with_paths(template)}
+        if wanted != set(saved):
+            raise ValueError(f"template {sorted(wanted)} vs checkpoint {sorted(saved)}")
+        return 7, jax.tree.map(lambda path, _: saved[path], utils.tree_paths(template), template), {}
+
+    return restore
+
+
+_HISTORY = "model/layer/fp8/input_amax_history"
+
+
+def test_a_checkpoint_without_scaling_state_restores_its_weights_beside_fresh_state():
+    template = {"model": {"layer": {"weight": 0, "fp8": {"input_amax_history": 0}}}, "prng_key": 0}
+    saved = {"model/layer/weight": np.ones(3), "prng_key": np.arange(2)}
+    asked = []
+
+    def fresh(paths):
+        asked.append(list(paths))
+        return {path: np.zeros(4) for path in paths}
+
+    step, state, extra = fp8.restore_with_fresh_scaling_state(_fake_restore(saved), template, fresh)
+    assert (step, extra, asked) == (7, {}, [[_HISTORY]])
+    np.testing.assert_array_equal(state["model"]["layer"]["weight"], np.ones(3))
+    np.testing.assert_array_equal(state["prng_key"], np.arange(2))
+    np.testing.assert_array_equal(state["model"]["layer"]["fp8"]["input_amax_history"], np.zeros(4))
+
+
+def test_a_checkpoint_with_scaling_state_restores_it_without_asking_for_fresh_state():
+    template = {"model": {"layer": {"weight": 0, "fp8": {"input_amax_history": 0}}}}
+    saved = {"model/layer/weight": np.ones(3), _HISTORY: np.full(4, 2.0)}
+    _, state, _ = fp8.restore_with_fresh_scaling_state(
+        _fake_restore(saved), template, lambda paths: pytest.fail("asked for fresh state")
+    )
+    np.testing.assert_array_equal(state["model"]["layer"]["fp8"]["input_amax_history"], np.full(4, 2.0))
+
+
+def test_a_checkpoint_missing_more_than_scaling_state_raises_the_full_mismatch():
+    template = {"model": {"layer": {"weight": 0, "bias": 0, "fp8": {"input_amax_history": 0}}}}
+    saved = {"model/layer/weight": np.ones(3)}
+    with pytest.raises(ValueError, match="bias.*input_amax_history"):
+        fp8.restore_with_fresh_scaling_state(
+            _fake_restore(saved), template, lambda paths: pytest.fail("asked for fresh state")
+        )
+
+
+@pytest.mark.slow
+def test_an_fp8_run_resumes_from_a_checkpoint_saved_without_fp8(tmp_path):
+    trainer_dir = str(tmp_path)
+    plain = tiny_trainer_config(
+        trainer_dir=trainer_dir,
+        max_step=2,
+        model=tiny_model_config(vocab_size=384),
+        learner=adamw_learner_config(learning_rate=1e-2),
+        input_cfg=_builtin_input("train", True),
+    ).instantiate(parent=None)
+    plain.run()
+    saved = dict(flatten_with_paths(plain.model_params()))
+
+    cfg = _fp8_trainer_config(trainer_dir)
+    cfg.max_step = 3
+    resumed = cfg.instantiate(parent=None)
+    resumed._restore_or_init()  # pylint: disable=protected-access
+    assert resumed.step == 2
+    params = dict(flatten_with_paths(resumed.model_params()))
+    histories = {p: v for p, v in params.items() if fp8.is_scaling_state(p)}
+    assert len(histories) == 15 and set(params) - set(histories) == set(saved)
+    for path, value in histories.items():
+        np.testing.assert_array_equal(value, np.zeros((2, 4)), err_msg=path)
+    for path, value in saved.items():
+        np.testing.assert_array_equal(params[path], value, err_msg=path)
+
+    resumed.run()  # Trains step 3 in FP8 from the restored weights.
+    losses = losses_by_step(trainer_dir)
+    assert sorted(losses) == [1, 2, 3] and math.isfinite(losses[3])
+    after = {p: np.asarray(v) for p, v in flatten_with_paths(resumed.model_params())}
+    assert all(np.all(after[p][:, 0] > 0) and np.all(after[p][:, 1:] == 0) for p in histories)

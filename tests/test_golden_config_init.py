@@ -11,7 +11,8 @@ import functools
 from axlearn.common import golden_config
 from axlearn.common.attention import RepeatedTransformerLayer, TransformerLayer
 from axlearn.common.base_layer import BaseLayer, ParameterSpec
-from axlearn.common.config import config_class, parse_flat_text
+from axlearn.common.config import config_class
+from axlearn.common.golden_text import init_lines, parse_flat_text
 from axlearn.common.layers import RMSNorm
 from axlearn.common.module import Module
 from axlearn.common.param_init import FanAxes, constant_initializer, default_initializer_config
@@ -58,19 +59,19 @@ def _layer(cfg):
 
 
 def test_lines_follow_creation_order_not_the_sorted_paths():
-    lines = _layer(_OwnThenChildren.default_config()).describe_initializers()
+    lines = init_lines(_layer(_OwnThenChildren.default_config()))
     paths = [line.split(":")[0] for line in lines]
     assert paths == ["z", "a", "second/scale", "first/scale"]
 
 
 def test_a_constant_is_written_without_shape_or_axes():
-    lines = _layer(_OwnThenChildren.default_config()).describe_initializers()
+    lines = init_lines(_layer(_OwnThenChildren.default_config()))
     assert lines[0] == "z: constant(0.0)"
     assert lines[2] == "second/scale: constant(1.0)"
 
 
 def test_a_weight_shows_its_shape_as_declared_list_or_tuple():
-    lines = _layer(_OwnThenChildren.default_config()).describe_initializers()
+    lines = init_lines(_layer(_OwnThenChildren.default_config()))
     assert lines[1] == (
         "a: normal(0, 1.0 / fan_in), shape=(2, 3), "
         "axes=FanAxes(in_axis=-2, out_axis=-1, batch_axis=())"
@@ -83,7 +84,7 @@ def test_a_repeated_layer_is_described_without_the_layer_axis():
     )
     cfg.layer.self_attention.attention.set(num_heads=2)
     cfg.layer.feed_forward.hidden_dim = 16
-    lines = dict(line.split(": ", 1) for line in _layer(cfg).describe_initializers())
+    lines = dict(line.split(": ", 1) for line in init_lines(_layer(cfg)))
     o_proj = lines["repeat/layer/self_attention/attention/o_proj/weight"]
     # The stacked spec is (3, 8, 2, 4) with a batch axis; the line shows one layer's weight.
     assert o_proj.endswith(

@@ -28,10 +28,11 @@ from axlearn.common.config import (
     MissingRequiredFieldsError,
     config_for_function,
     import_name,
-    parse_flat_text,
 )
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.module import Module
-from axlearn.common.trainer import infer_mesh_shape, select_mesh_rule
+from axlearn.common.mesh_selection import select_mesh_rule
+from axlearn.common.trainer import infer_mesh_shape
 from axlearn.common.trainer_config_modifier import apply_mesh_rule
 from axlearn.experiments.text.gpt.common import instance_device_count
 from tests import reference_spec
@@ -347,7 +348,7 @@ def test_mesh_rule_is_not_shadowed_by_an_earlier_rule(name, index):
     for selector in selectors:
         first = next(i for i, (p, _) in enumerate(rules) if re.fullmatch(p, selector))
         assert first == index, f"{name}: {selector} selects rule {first}, not rule {index}"
-        assert select_mesh_rule(rules, selector) is rules[index][1]
+        assert select_mesh_rule(rules, selector)[1] is rules[index][1]
 
 
 # ----- the review aid -----
@@ -396,5 +397,60 @@ def test_summarize_diff_reports_no_changes(tmp_path):
     _git(tmp_path, "init", "-q")
     _git(tmp_path, "add", ".")
     _git(tmp_path, "commit", "-q", "-m", "golden")
-    summary = golden_config.summarize_golden_diff(golden_dir=str(tmp_path / "golden_configs"))
-    assert summary == "No golden changes against HEAD."
+    summary = golden_config.summarize_golden_diff(
+        golden_dir=str(tmp_path / "golden_configs"), generate=lambda: {"m/x.txt": "a: 1"}
+    )
+    assert summary == (
+        "No golden changes against HEAD; the code generates the same golden files."
+    )
+
+
+def test_summarize_diff_without_staged_changes_summarizes_what_the_code_generates(tmp_path):
+    golden = tmp_path / "golden_configs" / "m"
+    golden.mkdir(parents=True)
+    (golden / "x.txt").write_text("a: 1\nb: 2")
+    (golden / "old.txt").write_text("a: 1")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "golden")
+    generated = {"m/x.txt": "a: 1\nb: 3", "m/new.txt": "a: 1"}
+    summary = golden_config.summarize_golden_diff(
+        golden_dir=str(tmp_path / "golden_configs"), generate=lambda: generated
+    )
+    lines = summary.splitlines()
+    assert lines[0].startswith("No golden changes against HEAD, but the code generates")
+    assert "1 distinct edits, 1 files added, 1 removed" in lines[0]
+    assert "[config] b: 1 config, 2 -> 3  (m/x)" in lines
+    assert "[added] golden_configs/m/new.txt" in lines
+    assert "[removed] golden_configs/m/old.txt" in lines
+
+
+def _rules_text(rules) -> str:
+    """Golden lines of a mesh rule list [(pattern, mesh shape)] and one other field."""
+    lines = ["max_step: 10"]
+    for i, (pattern, shape) in enumerate(rules):
+        lines.append(f"mesh_rules[{i}][0]: '{pattern}'")
+        lines += [f"mesh_rules[{i}][1][{k}]: {n}" for k, n in enumerate(shape)]
+    return "\n".join(lines)
+
+
+def test_a_mesh_rule_inserted_in_the_list_summarizes_as_one_edit(tmp_path):
+    golden = tmp_path / "golden_configs" / "m"
+    golden.mkdir(parents=True)
+    rules = [(f"gpu-{i}", (1, -1, i)) for i in range(20)]
+    (golden / "c.txt").write_text(_rules_text(rules))
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "golden")
+    # A new rule before the fifth, and a mesh change of a later rule.
+    changed = rules[:4] + [("gpu-new", (1, 2, 3))] + rules[4:]
+    changed[10] = (changed[10][0], (1, -1, 99))
+    (golden / "c.txt").write_text(_rules_text(changed))
+    summary = golden_config.summarize_golden_diff(
+        golden_dir=str(tmp_path / "golden_configs"), generate=None
+    )
+    lines = summary.splitlines()
+    assert lines[1:] == [
+        "[config] mesh_rules: 1 config, (absent) -> rule 'gpu-new'  (m/c)",
+        f"[config] mesh_rules['{changed[10][0]}'][1][2]: 1 config, 9 -> 99  (m/c)",
+    ]

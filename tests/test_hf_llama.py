@@ -268,3 +268,25 @@ def test_a_stack_of_per_layer_configs_is_refused_naming_the_field():
     cfg.decoder.transformer.layer = [layer.clone(), layer.clone()]
     with pytest.raises(ConfigError, match=r"decoder\.transformer\.layer: a list"):
         hf_llama.llama_dims(cfg)
+
+
+def test_export_config_keeps_the_fields_of_the_model_it_started_from(tmp_path):
+    source = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=7, eos_token_id=8,
+        max_position_embeddings=512, initializer_range=0.05,
+    )
+    source.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    cfg = hf_llama.llama_config_from_hf(written)
+    fields = hf_llama.source_fields(str(tmp_path))
+    config = hf_llama.hf_config_dict(cfg, source=fields)
+    for field in ("bos_token_id", "max_position_embeddings", "initializer_range"):
+        assert config[field] == written[field], field
+    # What the model config computes is not taken from the source: it is the model's.
+    assert config["hidden_size"] == 32 and config["eos_token_id"] == 8
+    assert hf_llama.generation_config_dict(cfg, source=fields)["bos_token_id"] == 7
+    # The config transformers builds from it is the source's, field for field.
+    rebuilt = transformers.LlamaConfig(**config).to_dict()
+    for field in ("bos_token_id", "max_position_embeddings", "initializer_range"):
+        assert rebuilt[field] == source.to_dict()[field], field

@@ -4,6 +4,7 @@ it with our logits."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -46,6 +47,7 @@ def _hf_config(**changes):
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=500000.0,
         rope_scaling=dict(ROPE_SCALING), rms_norm_eps=1e-5, tie_word_embeddings=False,
         eos_token_id=EOS_IDS, pad_token_id=None, bos_token_id=1, initializer_range=0.2,
+        max_position_embeddings=512,
     )
     config.update(changes)
     return config
@@ -148,10 +150,10 @@ def test_warm_start_trains_and_transformers_reloads_the_export_with_our_logits(
     run_dir, log = warm_run
     assert "Initialized the model parameters with HfLlamaWeights" in log
     assert "step 3/3 | loss" in log
-    step, written = hf_llama.export_trainer_dir(
+    step, dtype, written = hf_llama.export_trainer_dir(
         str(run_dir), str(tmp_path), dtype="float32", max_shard_size="30KB"
     )
-    assert step == 3 and hf_checkpoint.SAFETENSORS_INDEX_FILE in written
+    assert step == 3 and dtype == "float32" and hf_checkpoint.SAFETENSORS_INDEX_FILE in written
     assert "tokenizer.json" in written  # The warm start's, recorded with the run.
     with open(tmp_path / "config.json", encoding="utf-8") as f:
         config = json.load(f)
@@ -166,6 +168,29 @@ def test_warm_start_trains_and_transformers_reloads_the_export_with_our_logits(
     assert np.max(np.abs(ours - exported)) <= 1e-4 * np.max(np.abs(exported))
     # Training moved the weights: the export is not the checkpoint it started from.
     assert np.max(np.abs(_hf_logits(hf_dir, ids) - exported)) > 1e-3
+
+
+@pytest.mark.slow
+def test_export_keeps_the_source_models_fields_and_the_runs_parameter_dtype(
+    warm_run, hf_dir, tmp_path
+):
+    run_dir, _ = warm_run
+    _, dtype, written = hf_llama.export_trainer_dir(str(run_dir), str(tmp_path))
+    assert dtype == "float32"  # gpt_test's parameters are float32; no --dtype given.
+    with open(hf_dir / "config.json", encoding="utf-8") as f:
+        source = json.load(f)
+    with open(tmp_path / "config.json", encoding="utf-8") as f:
+        exported = json.load(f)
+    for field in ("bos_token_id", "max_position_embeddings", "initializer_range"):
+        assert exported[field] == source[field], field
+    assert exported["torch_dtype"] == "float32"
+    with open(tmp_path / "generation_config.json", encoding="utf-8") as f:
+        assert json.load(f)["bos_token_id"] == source["bos_token_id"]
+    weights = [name for name in written if name.endswith(".safetensors")]
+    from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+
+    dtypes = {str(a.dtype) for name in weights for a in load_file(str(tmp_path / name)).values()}
+    assert dtypes == {"float32"}
 
 
 @pytest.mark.slow
@@ -214,3 +239,29 @@ def test_an_fp8_recipe_warm_starts_with_fp8_matmuls_and_empty_scaling_state(hf_d
             np.testing.assert_array_equal(np.asarray(value), np.asarray(weights[path]), path)
     # Two layers of 5 FP8 matmuls (qkv, o, gate, up, down), 3 cast tensors each.
     assert histories == 2 * 5 * 3
+
+
+@pytest.mark.slow
+def test_export_of_a_run_whose_every_checkpoint_is_corrupt_stops_with_one_line(
+    warm_run, tmp_path
+):
+    run_dir = tmp_path / "run"
+    shutil.copytree(warm_run[0], run_dir)
+    arrays = sorted(
+        os.path.join(root, name)
+        for root, _, names in os.walk(run_dir / "checkpoints")
+        for name in names if "arrays/model/" in root + "/" and not name.startswith(".")
+    )
+    with open(arrays[0], "r+b") as f:  # A model weight: export reads only those.
+        data = bytearray(f.read())
+        data[-1] ^= 1
+        f.seek(0)
+        f.write(data)
+    result = subprocess.run(
+        [sys.executable, "-m", "axlearn.common.hf_llama", "export", f"--trainer_dir={run_dir}",
+         f"--output={tmp_path / 'hf'}"],
+        env=fresh_env(), cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("hf_llama export: Every committed checkpoint in ")

@@ -5,7 +5,8 @@ import textwrap
 import pytest
 
 from axlearn.common import input_tf_data
-from axlearn.common.config import config_for_function, parse_flat_text
+from axlearn.common.config import config_for_function
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.experiments.text.common import vocab
 from axlearn.experiments.text.gpt.common import tfds_input
 from tests.fresh_python import assert_prints_ok

@@ -22,6 +22,7 @@ from axlearn.common.input_token_format import (
     TokenShardError,
     VocabularyRecord,
 )
+from axlearn.common import input_tokens
 from axlearn.common.input_tokens import TokenShardInput, build_splits, main
 from axlearn.common.input_vocab import VocabularyError, load_vocabulary
 
@@ -422,3 +423,67 @@ def test_version_1_shards_without_a_manifest_are_still_read(tmp_path):
     assert shard.vocabulary == VocabularyRecord(
         name="bytes", size=259, eos_id=1, kind="bytes", pad_id=0
     )
+
+
+# ----- what a long build tells, and the tokenizer it leaves beside the shards -----
+
+
+def test_a_build_off_a_terminal_prints_progress_lines_counting_its_tokens(tmp_path, monkeypatch):
+    monkeypatch.setattr(input_tokens, "PROGRESS_INTERVAL_S", 0.0)  # A line per chunk.
+    monkeypatch.delenv("AXLEARN_PROGRESS_BARS", raising=False)
+    stream = io.StringIO()  # No terminal: lines, not a bar.
+    texts = _texts(600, seed=7)  # More than one chunk of documents.
+    summary = build_splits(
+        ((text, "train") for text in texts),
+        vocab=load_vocabulary("bytes"),
+        prefixes={"train": str(tmp_path / "train")},
+        progress=True,
+        progress_stream=stream,
+    )
+    lines = stream.getvalue().splitlines()
+    assert len(lines) >= 2 and all(line.startswith("tokenizing: ") for line in lines)
+    tokens = sum(TokenShard(p).header.num_tokens for p in summary.paths["train"])
+    assert lines[-1].startswith(f"tokenizing: {tokens:,} tokens, ")
+    assert f", {len(texts):,} documents" in lines[-1] and " tok/s, " in lines[-1]
+
+
+def test_the_build_command_stores_its_tokenizer_where_a_run_finds_it(tmp_path):
+    pytest.importorskip("tokenizers")
+    from axlearn.common import trainer_dir  # pylint: disable=import-outside-toplevel
+    from axlearn.common.launch_trainer import (  # pylint: disable=import-outside-toplevel
+        build_trainer_config,
+    )
+
+    (tmp_path / "tok").mkdir()
+    tokenizer = _train_bpe(tmp_path / "tok" / "tokenizer.json", special_tokens=["<unk>", "</s>"])
+    inputs = _write_jsonl(tmp_path / "in.jsonl", _texts(40, seed=4))
+    result = subprocess.run(
+        [sys.executable, "-m", "axlearn.common.input_tokens", "build", f"--vocab={tokenizer}",
+         f"--output={tmp_path}/data/train", "--validation_fraction=0.2", inputs],
+        capture_output=True, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    stored = tmp_path / "data" / "tokenizer.json"
+    assert f"{stored}: the shards' tokenizer" in result.stdout
+    with open(tokenizer, "rb") as f:
+        assert stored.read_bytes() == f.read()
+    # A run on the shards, its config read back as generate and export read it.
+    vocab_size = TokenShard(str(tmp_path / "data" / "train-00000.tok")).header.vocab_size
+    cfg = build_trainer_config(
+        config_name="gpt_test", data_dir=str(tmp_path / "data"),
+        config_overrides=[f"model.decoder.vocab_size={vocab_size}"],
+    )
+    assert trainer_dir.recorded_tokenizer(cfg) == str(stored)
+
+
+def test_a_different_file_of_the_tokenizers_name_beside_the_shards_stops_the_build(tmp_path):
+    pytest.importorskip("tokenizers")
+    (tmp_path / "tok").mkdir()
+    tokenizer = _train_bpe(tmp_path / "tok" / "tokenizer.json", special_tokens=["<unk>", "</s>"])
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "tokenizer.json").write_text("{}")
+    inputs = _write_jsonl(tmp_path / "in.jsonl", _texts(5, seed=4))
+    with pytest.raises(InputError, match="another tokenizer file of that name"):
+        main(["build", f"--vocab={tokenizer}", f"--output={tmp_path}/data/train", inputs])
+    assert _listing(tmp_path / "data") == ["tokenizer.json"]  # Refused before any shard.

@@ -1,4 +1,5 @@
-"""Tests of the launcher: launch.py, launch_trainer.py and launch_trainer_main.py.
+"""Tests of the launcher: launch.py, launch_trainer.py (with experiment_registry.py,
+mesh_selection.py, launch_data.py, run_record.py) and launch_trainer_main.py.
 
 Flag handling runs in-process on fresh absl FlagValues; the main job itself runs as a
 subprocess (`python -m axlearn.common.launch_trainer_main ...`), including two processes
@@ -18,18 +19,22 @@ import numpy as np
 import pytest
 from absl import flags
 
-from axlearn.common import launch, launch_trainer, launch_trainer_main
+from axlearn.common import (
+    experiment_registry,
+    launch,
+    launch_trainer,
+    launch_trainer_main,
+    run_record,
+)
 from axlearn.common.config import ConfigError
+from axlearn.common.experiment_registry import build_named_config
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.input_fake import FakeLmInput
-from axlearn.common.launch_trainer import (
-    build_trainer_config,
-    config_changes,
-    get_named_trainer_config,
-    mesh_selector_for_devices,
-    missing_input_packages,
-    selector_contradiction,
-)
+from axlearn.common.input_token_format import write_shard
+from axlearn.common.launch_data import missing_input_packages
+from axlearn.common.launch_trainer import build_trainer_config
+from axlearn.common.mesh_selection import mesh_selector_for_devices, selector_contradiction
+from axlearn.common.run_record import config_changes
 from axlearn.common.causal_lm import count_parameters
 from axlearn.common.trainer_config_modifier import apply_mesh_rule
 from axlearn.experiments.text.gpt import common
@@ -83,25 +88,26 @@ def test_print_config_prints_the_flat_config_and_does_not_train(tmp_path):
 
 def test_unknown_config_name_fails_listing_close_names_without_a_traceback():
     with pytest.raises(ConfigError, match="Unknown config 'gpt_tst'.*Did you mean: gpt_test"):
-        get_named_trainer_config("gpt_tst")
+        build_named_config("gpt_tst")
     result = _main("--config=gpt_tst", "--print_config")
     assert result.returncode == 1
     assert "Did you mean: gpt_test" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_module_may_be_named_or_left_out_when_the_config_name_is_unique():
-    named = get_named_trainer_config("gpt_test", module="gpt")
-    assert named.debug_string() == get_named_trainer_config("gpt_test").debug_string()
+    named = build_named_config("gpt_test", module="gpt")
+    assert named.debug_string() == build_named_config("gpt_test").debug_string()
 
 
 def test_unknown_module_is_rejected_listing_the_modules():
     with pytest.raises(ConfigError, match="No experiment module 'gtp'; available: .*gpt"):
-        get_named_trainer_config("gpt_test", module="gtp")
+        build_named_config("gpt_test", module="gtp")
 
 
 def test_a_config_name_in_several_modules_needs_the_module_flag(tmp_path, monkeypatch):
-    package = tmp_path / "h8_experiments"
-    package.mkdir()
+    package = tmp_path / "h8" / "experiments"  # AXLearn's <root>.experiments layout.
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
     for name, max_step in (("first", 1), ("second", 2)):
         (package / f"{name}.py").write_text(
@@ -111,15 +117,16 @@ def test_a_config_name_in_several_modules_needs_the_module_flag(tmp_path, monkey
             f"            'only_{name}': gpt_test_trainer}}\n"
         )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(launch_trainer, "EXPERIMENTS_PACKAGE", "h8_experiments")
+    monkeypatch.setattr(experiment_registry, "EXPERIMENTS_PACKAGE", "h8.experiments")
     with pytest.raises(ConfigError, match=r"'shared' is defined in .*\(first, second\).*--module"):
-        get_named_trainer_config("shared")
-    assert get_named_trainer_config("shared", module="second").max_step == 2
-    assert get_named_trainer_config("only_second").name == "gpt_test"
+        build_named_config("shared")
+    assert build_named_config("shared", module="second").max_step == 2
+    assert build_named_config("only_second").name == "gpt_test"
 
 
 def test_help_lists_the_launcher_flags():
-    result = _main("--help")  # absl's --help exits 1.
+    result = _main("--help")
+    assert result.returncode == 0, result.stderr[-2000:]
     for flag in ("--config", "--list_configs", "--mesh_selector", "--allow_config_change",
                  "--jax_backend", "--distributed_coordinator"):
         assert f"  {flag}:" in result.stdout or f"  --[no]{flag[2:]}:" in result.stdout, flag
@@ -130,7 +137,7 @@ def test_list_configs_prints_each_config_with_its_parameter_count():
     result = _main("--list_configs")
     assert result.returncode == 0, result.stderr
     lines = {line.split()[0]: line for line in result.stdout.splitlines()}
-    assert set(lines) == set(launch_trainer.named_configs())
+    assert set(lines) == set(experiment_registry.named_configs())
     # gpt_test by hand: a tied 384x128 embedding, the final norm, and 2 layers of attention
     # (q and o 128x128, k and v 128x64, two 32-wide QK-norm scales), a gated MLP
     # (2 x 128x384 in, 384x128 out) and two norms.
@@ -138,8 +145,8 @@ def test_list_configs_prints_each_config_with_its_parameter_count():
     expected = 384 * 128 + 128 + 2 * layer
     assert f" {expected:,} parameters  A tiny byte-level GPT" in lines["gpt_test"]
     # Every named config has its own line in its module's DESCRIPTIONS, and shows it.
-    for name, (module, _) in launch_trainer.named_configs().items():
-        description = launch_trainer.module_descriptions(module)[name]
+    for name, (module, _) in experiment_registry.named_configs().items():
+        description = experiment_registry.module_descriptions(module)[name]
         assert lines[name].endswith(f" parameters  {description}"), name
 
 
@@ -210,7 +217,7 @@ def test_max_step_override_moves_every_field_that_held_the_step_count():
 
 
 def test_a_warmup_longer_than_the_run_is_shortened_in_proportion():
-    base = get_named_trainer_config("gpt_test").learner.optimizer.inner.update_schedule
+    base = build_named_config("gpt_test").learner.optimizer.inner.update_schedule
     assert (base.max_step, base.warmup_steps) == (200, 30)
     cfg = build_trainer_config(config_name="gpt_test", config_overrides=["max_step=20"])
     assert cfg.learner.optimizer.inner.update_schedule.warmup_steps == 3
@@ -263,7 +270,7 @@ def test_single_host_gpu_rule_carries_weight_copies_only_without_remat(config_na
 @pytest.mark.parametrize("size_name", ["125M", "350M", "1B", "7B", "70B"])  # Not the reference.
 def test_single_host_rules_name_the_hosts_that_hold_the_state(size_name):
     size, config_name = gpt.SIZES[size_name], f"gpt_{size_name.lower()}"
-    model = get_named_trainer_config(config_name).model.clone(name="model")
+    model = build_named_config(config_name).model.clone(name="model")
     state_bytes = 16 * count_parameters(model.instantiate(parent=None))
     fits = tuple(n for n in (1, 2, 4, 8) if state_bytes / n <= 30e9)
     assert (size.single_host.gpu_counts if size.single_host else ()) == fits
@@ -315,7 +322,7 @@ def test_mesh_selector_is_named_from_the_devices(platform, device_kind, count, s
     ],
 )
 def test_named_devices_select_the_rule_written_for_them(devices, pattern):
-    rules = dict(get_named_trainer_config("gpt_1b").mesh_rules)
+    rules = dict(build_named_config("gpt_1b").mesh_rules)
     cfg = build_trainer_config(
         config_name="gpt_1b", mesh_selector=mesh_selector_for_devices(*devices)
     )
@@ -360,7 +367,7 @@ def test_print_config_applies_another_hosts_selector_without_checking_the_device
 
 def test_mesh_selector_none_keeps_the_configs_own_mesh():
     cfg = build_trainer_config(config_name="gpt_1b", mesh_selector="none")
-    assert cfg.debug_string() == get_named_trainer_config("gpt_1b").debug_string()
+    assert cfg.debug_string() == build_named_config("gpt_1b").debug_string()
 
 
 # ----- --data_dir -----
@@ -399,7 +406,7 @@ def test_data_dir_is_set_on_every_input_source():
 
 
 def test_tf_data_inputs_name_the_packages_they_miss(monkeypatch):
-    cfg = get_named_trainer_config("gpt_1b")
+    cfg = build_named_config("gpt_1b")
     found = importlib.util.find_spec
     # Only tensorflow_datasets missing (tensorflow and seqio as found, or not, here).
     present = {"tensorflow", "seqio"}
@@ -415,7 +422,7 @@ def test_tf_data_inputs_name_the_packages_they_miss(monkeypatch):
     assert missing_input_packages(build_trainer_config(config_name="gpt_1b", data_dir="FAKE")) == (
         None, [],
     )
-    assert missing_input_packages(get_named_trainer_config("gpt_test")) == (None, [])
+    assert missing_input_packages(build_named_config("gpt_test")) == (None, [])
 
 
 def test_main_job_without_tensorflow_datasets_stops_with_one_line_saying_what_to_pass(tmp_path):
@@ -696,3 +703,211 @@ runpy.run_module("axlearn.common.launch_trainer_main", run_name="__main__")
     result = run_python(script)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fuji-test-v3" in result.stdout and "gpt_test" in result.stdout
+
+
+# ----- a first day: failed starts, one vocabulary size, one-line errors -----
+
+
+def _record(tmp_path, text: str, **kwargs) -> None:
+    run_record.record_config(str(tmp_path), text, allow_change=False, write=True, **kwargs)
+
+
+def _add_checkpoint(trainer_dir) -> None:
+    step_dir = os.path.join(trainer_dir, "checkpoints", "step_00000002")
+    os.makedirs(step_dir)
+    with open(os.path.join(step_dir, "index.json"), "w", encoding="utf-8") as f:
+        f.write("{}")
+
+
+_RECORD = "klass: 'axlearn.common.trainer.SpmdTrainer'\nlearner.lr: 0.1\nmax_step: 10\n"
+
+
+def test_a_changed_config_replaces_the_record_while_the_run_has_no_checkpoint(tmp_path):
+    _record(tmp_path, _RECORD)
+    changed = _RECORD.replace("0.1", "0.2")
+    _record(tmp_path, changed)  # A start that failed before its first checkpoint.
+    assert (tmp_path / "config.txt").read_text() == changed
+
+
+def test_a_changed_config_is_refused_once_the_run_has_a_checkpoint(tmp_path):
+    _record(tmp_path, _RECORD)
+    _add_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match=r"learner.lr: 0.1 -> 0.2.*--allow_config_change"):
+        _record(tmp_path, _RECORD.replace("0.1", "0.2"))
+    assert (tmp_path / "config.txt").read_text() == _RECORD
+
+
+def test_a_record_that_is_no_config_is_named_in_one_short_line(tmp_path):
+    (tmp_path / "config.txt").write_text("garbage " + "x" * 20_000 + "\nmore: 1\n")
+    _add_checkpoint(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        _record(tmp_path, _RECORD)
+    message = str(error.value)
+    assert "config.txt cannot be parsed: line 1" in message
+    assert len(message) < 300 and "\n" not in message
+    (tmp_path / "config.txt").write_bytes(b"\xff" * 20_000)
+    with pytest.raises(ConfigError, match="config.txt cannot be parsed: byte 0 is not UTF-8"):
+        _record(tmp_path, _RECORD)
+
+
+def test_a_record_that_is_no_config_is_replaced_while_the_run_has_no_checkpoint(tmp_path):
+    (tmp_path / "config.txt").write_bytes(b"\xff\xfe not a config")
+    _record(tmp_path, _RECORD)
+    assert (tmp_path / "config.txt").read_text() == _RECORD
+
+
+def test_many_refused_changes_are_listed_up_to_a_limit_and_counted(tmp_path):
+    old = _RECORD + "".join(f"model.f{i}: {i}\n" for i in range(50))
+    _record(tmp_path, old)
+    _add_checkpoint(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        _record(tmp_path, old.replace(": ", ": 9", ).replace("klass: 9", "klass: "))
+    message = str(error.value)
+    limit = run_record.MAX_LISTED_CHANGES
+    assert message.count(" -> ") == limit
+    assert f"and {51 - limit} more" in message
+
+
+def _shards(directory, *, vocab_size: int) -> str:
+    """Train and validation shards of random ids below `vocab_size`, in `directory`."""
+    rng = np.random.default_rng(0)
+    for split in ("train", "validation"):
+        docs = [rng.integers(3, vocab_size, size=n) for n in rng.integers(50, 200, size=16)]
+        write_shard(
+            os.path.join(directory, f"{split}-00000.tok"), docs, [len(d) for d in docs],
+            vocab_name="test", vocab_size=vocab_size, eos_id=1,
+        )
+    return str(directory)
+
+
+def test_the_models_vocab_size_carries_the_inputs_and_evalers_copies(tmp_path):
+    data_dir = _shards(tmp_path, vocab_size=512)
+    cfg = build_trainer_config(
+        config_name="gpt_test", data_dir=data_dir,
+        config_overrides=["model.decoder.vocab_size=512"],
+    )
+    assert cfg.input.model_vocab_size == 512
+    assert cfg.evalers["validation"].input.model_vocab_size == 512
+    fake = build_trainer_config(
+        config_name="gpt_test", data_dir="FAKE", config_overrides=["model.decoder.vocab_size=512"]
+    )
+    assert fake.input.vocab_size == 512 and fake.evalers["validation"].input.vocab_size == 512
+
+
+def test_a_vocab_size_copy_overridden_by_hand_keeps_its_value(tmp_path):
+    cfg = build_trainer_config(
+        config_name="gpt_test", data_dir=_shards(tmp_path, vocab_size=512),
+        config_overrides=["model.decoder.vocab_size=512", "input.model_vocab_size=640"],
+    )
+    assert cfg.input.model_vocab_size == 640
+    assert cfg.evalers["validation"].input.model_vocab_size == 512
+
+
+def test_a_non_number_for_a_number_field_is_an_error_naming_the_field():
+    with pytest.raises(ConfigError) as error:
+        build_trainer_config(
+            config_name="gpt_test",
+            config_overrides=["learner.optimizer.inner.learning_rate=-1e9x"],
+        )
+    message = str(error.value)
+    assert "learner.optimizer.inner.learning_rate holds a number (0.01)" in message
+    assert "'-1e9x' is not one" in message
+
+
+def test_a_trainer_dir_that_is_a_file_or_cannot_be_made_is_refused(tmp_path):
+    file = tmp_path / "file"
+    file.write_text("")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        run_record.check_trainer_dir(str(file))
+    with pytest.raises(ConfigError, match="cannot create the directory"):
+        run_record.check_trainer_dir(str(file / "run"))
+    run_record.check_trainer_dir(str(tmp_path / "new" / "run"))
+    assert (tmp_path / "new" / "run").is_dir()
+
+
+def test_main_job_stops_on_a_trainer_dir_that_is_a_file_with_one_line(tmp_path):
+    file = tmp_path / "file"
+    file.write_text("")
+    result = _main("--config=gpt_test", "--data_dir=FAKE", f"--trainer_dir={file}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"launch_trainer_main: --trainer_dir={file} is a file, not a directory"
+    )
+
+
+SHARD_RUN = (
+    "--config=gpt_test",
+    "--jax_backend=cpu",
+    "--config_override=input.global_batch_size=4",
+    "--config_override=input.max_sequence_length=64",
+    "--config_override=evalers={}",
+    "--config_override=max_step=2",
+)
+
+
+@pytest.mark.slow
+def test_a_start_that_failed_on_its_data_does_not_block_the_corrected_rerun(tmp_path):
+    data_dir = _shards(tmp_path / "data", vocab_size=512)
+    trainer_dir = tmp_path / "run"
+    failed = _main(*SHARD_RUN, f"--data_dir={data_dir}", f"--trainer_dir={trainer_dir}")
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert "more than the model's vocab_size 384" in failed.stderr.strip().splitlines()[-1]
+    # One override: the inputs follow the model's vocabulary, and the record is replaced.
+    fixed = _main(
+        *SHARD_RUN, f"--data_dir={data_dir}", f"--trainer_dir={trainer_dir}",
+        "--config_override=model.decoder.vocab_size=512",
+    )
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert "model.decoder.vocab_size 384 -> 512; followed by input.model_vocab_size" in fixed.stderr
+    assert "model.decoder.vocab_size: 512" in (trainer_dir / "config.txt").read_text()
+    assert os.listdir(trainer_dir / "checkpoints") == ["step_00000002"]
+    # The console says where the summaries are and that the first step compiles.
+    assert f"Summaries: tensorboard --logdir={trainer_dir}/summaries" in fixed.stderr
+    compiling = fixed.stderr.index("Compiling the train step...")
+    assert fixed.stderr.index("Compiled the train step in ") > compiling
+
+
+def _flip_a_stored_byte(step_dir) -> None:
+    arrays = [
+        os.path.join(root, name)
+        for root, _, names in os.walk(os.path.join(step_dir, "arrays"))
+        for name in names if not name.startswith(".")
+    ]
+    with open(sorted(arrays)[0], "r+b") as f:
+        data = bytearray(f.read())
+        data[-1] ^= 1
+        f.seek(0)
+        f.write(data)
+
+
+def _edit_index_keeping_its_checksum(step_dir) -> None:
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.checkpointer import INDEX_CHECKSUM, _index_digest
+
+    path = os.path.join(step_dir, "index.json")
+    with open(path, encoding="utf-8") as f:
+        index = json.load(f)
+    name = next(name for name in index["arrays"] if name.endswith("output_norm/scale"))
+    index["arrays"][name]["shape"] = [7]
+    index[INDEX_CHECKSUM] = _index_digest(index)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(index, f)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (_flip_a_stored_byte, "Every committed checkpoint in "),
+        (_edit_index_keeping_its_checksum, "holds shape (7,)"),
+    ],
+)
+def test_a_checkpoint_that_cannot_be_restored_stops_the_run_with_one_line(
+    restarted_dir, damage, message
+):
+    damage(restarted_dir / "checkpoints" / "step_00000006")
+    result = _restart(restarted_dir, "--config_override=max_step=8")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("launch_trainer_main: ") and message in last
+    assert "Move the bad step directories out of" in last

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from axlearn.common import launch_trainer
+from axlearn.common import experiment_registry
 from axlearn.common.config import ConfigError
 
 
@@ -17,7 +17,7 @@ def _experiments_package(tmp_path, monkeypatch, source: str) -> None:
     (package / "__init__.py").write_text("")
     (package / "mine.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(launch_trainer, "EXPERIMENTS_PACKAGE", name)
+    monkeypatch.setattr(experiment_registry, "EXPERIMENTS_PACKAGE", name)
 
 
 def test_a_module_s_descriptions_win_over_docstrings(tmp_path, monkeypatch):
@@ -28,9 +28,9 @@ def test_a_module_s_descriptions_win_over_docstrings(tmp_path, monkeypatch):
         "    return {'tiny': tiny, 'plain': tiny}\n\n"
         "DESCRIPTIONS = {'tiny': 'Its own line.'}\n"
     ))
-    builder = launch_trainer.named_configs()["tiny"][1]
-    assert launch_trainer.config_description("mine", "tiny", builder) == "Its own line."
-    assert launch_trainer.config_description("mine", "plain", builder) == "The docstring."
+    builder = experiment_registry.named_configs()["tiny"][1]
+    assert experiment_registry.config_description("mine", "tiny", builder) == "Its own line."
+    assert experiment_registry.config_description("mine", "plain", builder) == "The docstring."
 
 
 def test_a_partial_without_a_description_shows_its_function_and_bound_arguments(
@@ -43,8 +43,8 @@ def test_a_partial_without_a_description_shows_its_function_and_bound_arguments(
         "def named_trainer_configs():\n"
         "    return {'big': functools.partial(sized, '1B')}\n"
     ))
-    builder = launch_trainer.named_configs()["big"][1]
-    assert launch_trainer.config_description("mine", "big", builder) == (
+    builder = experiment_registry.named_configs()["big"][1]
+    assert experiment_registry.config_description("mine", "big", builder) == (
         "A model of some size. [sized('1B')]"
     )
 
@@ -59,4 +59,4 @@ def test_a_description_of_a_config_the_module_does_not_define_is_an_error(tmp_pa
     ))
     message = r"\.mine\.DESCRIPTIONS describes tiny_old, which its named_trainer_configs\(\)"
     with pytest.raises(ConfigError, match=message):
-        launch_trainer.config_description("mine", "tiny", launch_trainer.named_configs()["tiny"][1])
+        experiment_registry.config_description("mine", "tiny", experiment_registry.named_configs()["tiny"][1])

@@ -11,11 +11,12 @@ import pytest
 from axlearn.common import optimizers as opt
 from axlearn.common import schedule
 from axlearn.common.base_layer import ParameterSpec
-from axlearn.common.config import ConfigError, config_for_function, parse_flat_text
+from axlearn.common.config import ConfigError, config_for_function
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.learner import (
     Learner,
-    regularizer_lines,
     split_microbatches,
+    weight_decay_scales,
 )
 from axlearn.common.summary import WeightedScalar
 from tests import reference_spec
@@ -328,10 +329,10 @@ def test_param_specs_give_the_optimizer_weight_decay_scales():
     )
 
 
-# ----- regularizer dumps -----
+# ----- effective weight-decay scales -----
 
 
-def test_regularizer_lines_list_effective_weight_decay_scales_sorted_by_path():
+def test_weight_decay_scales_multiply_spec_and_path_scales_and_zero_frozen_parameters():
     params = model_params(np.random.default_rng(RNG_SEED))
     specs = specs_of(params)
     specs["decoder"]["norm"]["scale"].weight_decay_scale = 0.0
@@ -345,20 +346,19 @@ def test_regularizer_lines_list_effective_weight_decay_scales_sorted_by_path():
         ),
         update_rules=[(".*emb.*", "no_update")],
     )
-    assert regularizer_lines(cfg, specs) == [
-        "====================weight_decay_scale root.optimizer====================",
-        "decoder/emb/token_emb/weight: 0",
-        "decoder/linear/weight: 0.25",
-        "decoder/norm/scale: 0",
-    ]
+    assert weight_decay_scales(cfg, specs) == {
+        "decoder/emb/token_emb/weight": 0.0,
+        "decoder/linear/weight": 0.25,
+        "decoder/norm/scale": 0.0,
+    }
 
 
-def test_regularizer_lines_of_the_spec_learner_are_all_one_without_spec_scales():
+def test_weight_decay_scales_of_the_spec_learner_are_all_one_without_spec_scales():
     params = model_params(np.random.default_rng(RNG_SEED))
-    lines = regularizer_lines(spec_learner_config(), specs_of(params))
-    assert lines[1:] == [
-        "decoder/emb/token_emb/weight: 1", "decoder/linear/weight: 1", "decoder/norm/scale: 1"
-    ]
+    scales = weight_decay_scales(spec_learner_config(), specs_of(params))
+    assert scales == {
+        "decoder/emb/token_emb/weight": 1.0, "decoder/linear/weight": 1.0, "decoder/norm/scale": 1.0
+    }
 
 
 # ----- sharding -----
@@ -417,3 +417,57 @@ SHARDED_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_learner_state_is_sharded_like_the_parameters_on_a_mesh():
     assert_prints_ok(SHARDED_SCRIPT, devices=8)
+
+
+# ----- undefined losses -----
+# Learner.ignore_undefined_loss: a step with a NaN or infinite loss is undone, a finite one
+# is the plain SGD step (checked against NumPy).
+
+
+LR = 0.1
+
+
+def _learner(ignore: bool):
+    sgd = config_for_function(opt.sgd_optimizer).set(learning_rate=LR)
+    cfg = Learner.default_config().set(name="learner", optimizer=sgd, ignore_undefined_loss=ignore)
+    return cfg.instantiate(parent=None)
+
+
+PARAMS = {"w": jnp.asarray([1.0, -2.0, 3.0])}
+
+
+GRADS = {"w": jnp.asarray([0.5, 0.25, -1.0])}
+
+
+def test_finite_loss_steps_like_sgd_and_counts_nothing():
+    learner = _learner(True)
+    params, state, summaries = learner.update(
+        PARAMS, GRADS, learner.init(PARAMS), loss=jnp.float32(2.0)
+    )
+    want = np.asarray(PARAMS["w"]) - LR * np.asarray(GRADS["w"])
+    np.testing.assert_allclose(params["w"], want, rtol=1e-6)
+    assert int(state["undefined_loss_steps"]) == 0 and int(summaries["skipped_steps"]) == 0
+
+
+def test_undefined_loss_leaves_params_and_state_unchanged_and_counts_a_skipped_step():
+    learner = _learner(True)
+    state0 = learner.init(PARAMS)
+    params, state, _ = learner.update(PARAMS, GRADS, state0, loss=jnp.float32(2.0))
+    for bad in (jnp.nan, jnp.inf):
+        undone, undone_state, summaries = learner.update(
+            params, GRADS, state, loss=jnp.float32(bad)
+        )
+        np.testing.assert_array_equal(undone["w"], params["w"])
+        for key in ("optimizer", "ema"):
+            for got, want in zip(jax.tree.leaves(undone_state[key]), jax.tree.leaves(state[key])):
+                np.testing.assert_array_equal(got, want)
+        state = undone_state
+    assert int(state["undefined_loss_steps"]) == 2 and int(summaries["skipped_steps"]) == 2
+
+
+def test_without_the_flag_an_undefined_loss_still_updates():
+    learner = _learner(False)
+    state0 = learner.init(PARAMS)
+    params, state, _ = learner.update(PARAMS, GRADS, state0, loss=jnp.float32(jnp.nan))
+    assert "undefined_loss_steps" not in state
+    np.testing.assert_allclose(params["w"], np.asarray(PARAMS["w"]) - LR * np.asarray(GRADS["w"]))

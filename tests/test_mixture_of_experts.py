@@ -2,10 +2,13 @@
 by their formulas, expert parallelism against one device, FLOPs on active parameters, and
 moe_test training and resuming."""
 
+import importlib.machinery
+import importlib.util
 import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import jax
 import jax.numpy as jnp
@@ -13,11 +16,12 @@ import numpy as np
 import pytest
 
 from axlearn.common.causal_lm import active_matmul_parameter_count, matmul_parameter_count
-from axlearn.common.config import ConfigError
+from axlearn.common.config import ConfigError, parse_flat_text
 from axlearn.common.hf_llama import llama_model_config
 from axlearn.common.hf_mixtral import mixtral_model_config
 from axlearn.common.layers import RMSNorm
 from axlearn.common.mixture_of_experts import (
+    GMMBackend,
     Top2Gating,
     TopKDropFreeGating,
     TransformerFeedForwardDropFreeMoE,
@@ -425,3 +429,95 @@ def test_expert_capacity_is_axlearn_s_rounded_to_a_multiple_of_four(
         method="expert_capacity",
     )
     assert capacity == expected
+
+
+# ----- gmm_backend: AXLearn's choice of grouped matmul -----
+
+
+def _np_drop_free(params, x):
+    """The drop-free layer as a per-token loop over its top-k experts, in NumPy."""
+    expected = np.zeros_like(x)
+    for index in np.ndindex(x.shape[:-1]):
+        token = x[index]
+        probs = _np_softmax(token @ params["gate_weight"])
+        chosen = np.argsort(-probs)[:TOP_K]
+        for expert, weight in zip(chosen, probs[chosen] / probs[chosen].sum()):
+            gate = token @ params["wi_0_weight"][expert]
+            hidden = gate / (1 + np.exp(-gate)) * (token @ params["wi_1_weight"][expert])
+            expected[index] += weight * (hidden @ params["wo_weight"][expert])
+    return expected
+
+
+def _fake_tokamax(monkeypatch, calls):
+    """A stand-in `tokamax` package whose ragged_dot records its implementation argument
+    and multiplies group by group in NumPy."""
+
+    def ragged_dot(lhs, rhs, group_sizes, *, implementation=None):
+        calls.append(implementation)
+
+        def groupwise(lhs, rhs, group_sizes):
+            ends = np.cumsum(group_sizes)
+            out = np.zeros((lhs.shape[0], rhs.shape[-1]), lhs.dtype)
+            for g, (start, end) in enumerate(zip(ends - group_sizes, ends)):
+                out[start:end] = lhs[start:end] @ rhs[g]
+            return out
+
+        shape = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[-1]), lhs.dtype)
+        return jax.pure_callback(groupwise, shape, lhs, rhs, group_sizes)
+
+    module = types.ModuleType("tokamax")
+    module.__spec__ = importlib.machinery.ModuleSpec("tokamax", None)
+    module.ragged_dot = ragged_dot
+    monkeypatch.setitem(sys.modules, "tokamax", module)
+
+
+@pytest.mark.parametrize("backend", list(GMMBackend))
+def test_every_gmm_backend_equals_the_numpy_loop_over_experts(monkeypatch, backend):
+    calls = []
+    _fake_tokamax(monkeypatch, calls)
+    implementation = ["triton", "xla"] if backend is GMMBackend.TOKAMAX else None
+    layer = _drop_free_config(
+        gmm_backend=backend, tokamax_implementation=implementation
+    ).instantiate(parent=None)
+    params = layer.initialize_parameters_recursively(jax.random.PRNGKey(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 5, DIM))
+    y, _ = F(layer, state=params, inputs=(x,), prng_key=None, is_training=False)
+    params = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    np.testing.assert_allclose(y, _np_drop_free(params, np.asarray(x, np.float64)), atol=1e-5)
+    # Forward: the two input projections and the output one.
+    assert calls == ([("triton", "xla")] * 3 if backend is GMMBackend.TOKAMAX else [])
+
+
+def test_tokamax_backend_without_tokamax_fails_naming_the_field(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokamax", None)  # Not importable.
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "tokamax" else real_find_spec(name, *args),
+    )
+    with pytest.raises(ConfigError, match=r"moe\.gmm_backend: GMMBackend.TOKAMAX needs tokamax"):
+        _drop_free_config(gmm_backend=GMMBackend.TOKAMAX).instantiate(parent=None)
+
+
+def test_tokamax_implementation_without_the_tokamax_backend_is_refused():
+    cfg = _drop_free_config(gmm_backend=GMMBackend.PALLAS, tokamax_implementation=["xla"])
+    with pytest.raises(ConfigError, match=r"moe\.tokamax_implementation is set"):
+        cfg.instantiate(parent=None)
+
+
+def test_axlearn_gmm_backend_golden_lines_parse_dump_back_and_instantiate(monkeypatch):
+    _fake_tokamax(monkeypatch, [])
+    text = textwrap.dedent(
+        """\
+        ffn.gmm_backend: <GMMBackend.TOKAMAX: 'TOKAMAX'>
+        ffn.klass: 'axlearn.common.mixture_of_experts.TransformerFeedForwardDropFreeMoE'
+        ffn.tokamax_implementation: ['triton', 'xla']
+        """
+    )
+    ffn = parse_flat_text(text)["ffn"]
+    assert ffn.gmm_backend is GMMBackend.TOKAMAX
+    assert ffn.tokamax_implementation == ["triton", "xla"]
+    assert "gmm_backend: <GMMBackend.TOKAMAX: 'TOKAMAX'>" in ffn.debug_string().splitlines()
+    fields = {k: getattr(ffn, k) for k in ("gmm_backend", "tokamax_implementation")}
+    _drop_free_config(**fields).instantiate(parent=None)

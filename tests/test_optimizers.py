@@ -14,7 +14,8 @@ import pytest
 from axlearn.common import optimizers as opt
 from axlearn.common import schedule
 from axlearn.common.base_layer import ParameterSpec
-from axlearn.common.config import ConfigError, config_for_function, parse_flat_text
+from axlearn.common.config import ConfigError, config_for_function
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.learner import Learner
 from axlearn.common.param_init import FanAxes
 
@@ -597,8 +598,9 @@ def test_sgd_matches_torch(nesterov):
 
 
 def adafactor_reference(params, grads_seq, *, lr, b1, clip, eps, eps_scale, weight_decay,
-                        factored_names):
-    """Shazeer & Stern (2018), Algorithms 4-5, with row/column *sums* as in the paper."""
+                        factored_names, trust_ratio=False):
+    """Shazeer & Stern (2018), Algorithms 4-5, with row/column *sums* as in the paper;
+    `trust_ratio`: each step rescaled to ||p|| / (||step|| + eps) (LAMB)."""
     params = to_numpy(params)
     state = {k: {} for k in params}
     for t, grads in enumerate(to_numpy(grads_seq)):
@@ -617,7 +619,10 @@ def adafactor_reference(params, grads_seq, *, lr, b1, clip, eps, eps_scale, weig
             if b1 is not None:
                 u = s["m"] = b1 * s.get("m", 0.0) + (1 - b1) * u
             alpha = lr * max(eps_scale, np.sqrt(np.mean(params[name] ** 2)))
-            params[name] = params[name] - alpha * u - lr * weight_decay * params[name]
+            step = alpha * u + lr * weight_decay * params[name]
+            if trust_ratio:
+                step = step * np.linalg.norm(params[name]) / (np.linalg.norm(step) + eps)
+            params[name] = params[name] - step
     return params
 
 
@@ -638,6 +643,59 @@ def test_adafactor_matches_numpy():
     assert state.v_row["thin"] is None and state.v["thin"].shape == (6, 1)
     for name in shapes:
         np.testing.assert_allclose(got[name], expected[name], atol=1e-6, rtol=1e-5)
+
+
+def test_adafactor_scale_by_trust_ratio_matches_numpy():
+    rng = np.random.default_rng(RNG_SEED)
+    shapes = {"w": (6, 5), "b": (5,), "stack": (2, 4, 3)}
+    params = random_tree(rng, shapes)
+    grads_seq = [random_tree(rng, shapes) for _ in range(5)]
+    ours = opt.adafactor_optimizer(
+        0.01, b1=0.9, clipping_threshold=1.0, min_dim_size_to_factor=3, weight_decay=0.1,
+        apply_scale_by_trust_ratio=True,
+    )
+    got, _ = run_steps(ours, params, grads_seq)
+    expected = adafactor_reference(
+        params, grads_seq, lr=0.01, b1=0.9, clip=1.0, eps=1e-30, eps_scale=1e-3,
+        weight_decay=0.1, factored_names={"w", "stack"}, trust_ratio=True,
+    )
+    for name in shapes:
+        np.testing.assert_allclose(got[name], expected[name], atol=1e-5, rtol=1e-5)
+
+
+def test_axlearn_adafactor_golden_line_with_trust_ratio_parses_and_instantiates():
+    text = textwrap.dedent(
+        """\
+        optimizer.apply_scale_by_trust_ratio: True
+        optimizer.b1: 0.9
+        optimizer.clipping_threshold: 1.0
+        optimizer.fn: 'axlearn.common.optimizers.adafactor_optimizer'
+        optimizer.learning_rate: 0.01
+        """
+    )
+    optimizer = parse_flat_text(text)["optimizer"]
+    assert optimizer.apply_scale_by_trust_ratio is True
+    rng = np.random.default_rng(RNG_SEED)
+    params = random_tree(rng, {"w": (4, 3)})
+    tx = optimizer.instantiate()
+    updates, _ = tx.update(random_tree(rng, {"w": (4, 3)}), tx.init(params), params)
+    np.testing.assert_allclose(np.linalg.norm(updates["w"]), np.linalg.norm(params["w"]), 1e-5)
+
+
+def test_trust_ratio_scaling_matches_optax_scale_by_trust_ratio():
+    rng = np.random.default_rng(RNG_SEED)
+    updates = {"w": rng.normal(size=(4, 3)), "zero_param": rng.normal(size=(3,)),
+               "zero_update": np.zeros((2, 2))}
+    params = {"w": rng.normal(size=(4, 3)), "zero_param": np.zeros(3),
+              "zero_update": rng.normal(size=(2, 2))}
+    updates, params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), (updates, params))
+    reference = optax.scale_by_trust_ratio(eps=1e-30)
+    expected, _ = reference.update(updates, reference.init(params), params)
+    for name in updates:
+        got = opt._trust_ratio_scaled(  # pylint: disable=protected-access
+            updates[name], params[name], 1e-30
+        )
+        np.testing.assert_allclose(got, expected[name], rtol=1e-6)
 
 
 def test_adafactor_factors_the_axes_the_spec_names():
@@ -929,3 +987,31 @@ def test_adam_moments_are_sharded_like_their_parameters_and_counts_replicated():
     assert adam_state.count.shape == []
     assert adam_state.count.partition_spec == jax.sharding.PartitionSpec()
 
+
+# ----- chain's args -----
+# `chain` configured as AXLearn writes it: transformations in the `args` field (its *args),
+# dumped as `args[i]` lines and applied in order (checked against NumPy).
+
+
+def _chain_config():
+    return config_for_function(opt.chain).set(
+        args=[
+            config_for_function(opt.clip_by_global_norm).set(max_norm=1.0, eps=0.0),
+            config_for_function(opt.sgd_optimizer).set(learning_rate=0.5),
+        ]
+    )
+
+
+def test_chain_args_dump_as_indexed_lines_and_parse_back():
+    text = _chain_config().debug_string()
+    assert "args[0].fn: 'axlearn.common.optimizers.clip_by_global_norm'" in text.splitlines()
+    assert "args[1].learning_rate: 0.5" in text.splitlines()
+    assert parse_flat_text(text).debug_string() == text
+
+
+def test_chain_args_clip_then_step_in_order():
+    chain = _chain_config().instantiate()
+    grads = np.asarray([3.0, 4.0])
+    updates, _ = chain.update({"w": jnp.asarray(grads)}, chain.init({"w": jnp.zeros(2)}))
+    want = -0.5 * grads / np.linalg.norm(grads)  # Clipped to norm 1, then -lr * g.
+    np.testing.assert_allclose(updates["w"], want, rtol=1e-6)

@@ -9,6 +9,7 @@ import pytest
 
 from axlearn.common.base_layer import BaseLayer, ParameterSpec
 from axlearn.common.config import ConfigError, config_class, config_for_function
+from axlearn.common.golden_text import init_lines
 from axlearn.common.layers import Linear
 from axlearn.common.module import F
 from axlearn.common.param_init import FanAxes, constant_initializer, default_initializer_config
@@ -75,7 +76,7 @@ def test_stacked_weights_are_initialized_with_per_layer_fans():
     # fan_in is 300 (not 8 * 300): the layer axis is a batch axis.
     np.testing.assert_allclose(np.var(params["layer"]["weight"]), 1 / 300, rtol=0.05)
     # The `_init` golden line describes one layer's weight, as AXLearn's does: no layer axis.
-    weight_line = layer.describe_initializers()[0]
+    weight_line = init_lines(layer)[0]
     assert weight_line.startswith("layer/weight: normal(0, 1.0 / fan_in), shape=")
     assert re.search(r"shape=[\[(]300, 200[\])], ", weight_line), weight_line
     assert weight_line.endswith("axes=FanAxes(in_axis=-2, out_axis=-1, batch_axis=())")

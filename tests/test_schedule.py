@@ -23,7 +23,8 @@ def test_constant_schedule_is_constant():
 def test_polynomial_hits_both_ends_and_holds_outside():
     fn = schedule.polynomial(begin_step=10, begin_value=1.0, end_step=20, end_value=0.1, power=2.0)
     got = values(fn, [0, 10, 15, 20, 30])
-    expected = [1.0, 1.0, 0.1 + 0.9 * 0.5**2, 0.1, 0.1]
+    # AXLearn's form: begin + fraction ** power * (end - begin).
+    expected = [1.0, 1.0, 1.0 - 0.9 * 0.5**2, 0.1, 0.1]
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
@@ -99,10 +100,19 @@ def test_inverse_sqrt_warms_up_then_decays_as_one_over_sqrt_step():
     np.testing.assert_allclose(got, [0, 0.5, 1.0, 0.5, 0.1], rtol=1e-6)
 
 
-def test_schedules_run_under_jit_with_traced_steps():
-    fn = schedule.warmup_stable_decay(
-        1.0, max_step=1000, warmup_steps=100, decay_steps=200, decay_type="cosine"
-    )
+@pytest.mark.parametrize(
+    "fn",
+    [
+        schedule.warmup_stable_decay(
+            1.0, max_step=1000, warmup_steps=100, decay_steps=200, decay_type="cosine"
+        ),
+        schedule.stepwise([0.1, schedule.adafactor(warmup_steps=10)], start_step=[100]),
+        schedule.segment_wise(
+            [0.1, schedule.ema_schedule(0.9, warmup_steps=5)], segment_steps=[99]
+        ),
+    ],
+)
+def test_schedules_run_under_jit_with_traced_steps(fn):
     steps = jnp.array([0, 50, 100, 799, 800, 900, 1000, 1001])
     np.testing.assert_allclose(jax.jit(fn)(steps), values(fn, list(np.asarray(steps))), rtol=1e-6)
 
@@ -114,3 +124,180 @@ def test_as_schedule_fn_accepts_numbers_callables_and_configs():
     assert float(schedule.as_schedule_fn(cfg)(9)) == 0.5
     with pytest.raises(ConfigError, match="Expected a number"):
         schedule.as_schedule_fn("fast")
+
+
+STEPS = np.arange(0, 3001, 7)
+
+
+def test_polynomial_matches_numpy_at_many_steps():
+    fn = schedule.polynomial(begin_step=100, begin_value=2.0, end_step=2500, end_value=0.5, power=3)
+    frac = np.clip((STEPS - 100) / 2400, 0, 1)
+    np.testing.assert_allclose(fn(jnp.asarray(STEPS)), 2.0 + frac**3 * (0.5 - 2.0), rtol=1e-5)
+
+
+def test_exponential_is_geometric_between_its_ends():
+    fn = schedule.exponential(begin_step=200, begin_value=1e-2, end_step=2200, end_value=1e-5)
+    frac = np.clip((STEPS - 200) / 2000, 0, 1)
+    expected = 1e-2 * (1e-5 / 1e-2) ** frac
+    np.testing.assert_allclose(fn(jnp.asarray(STEPS)), expected, rtol=1e-4)
+
+
+def test_exponential_rejects_non_positive_values():
+    with pytest.raises(ConfigError, match="must both be positive"):
+        schedule.exponential(begin_value=0.0, end_value=1.0)
+
+
+@pytest.mark.parametrize("step_offset", [0, 1])
+def test_adafactor_is_the_transformer_schedule(step_offset):
+    scale, warmup, power = 2.0, 500, -0.5
+    fn = schedule.adafactor(scale, warmup_steps=warmup, decay_power=power, step_offset=step_offset)
+    t = (STEPS + step_offset).astype(np.float64)
+    with np.errstate(divide="ignore"):
+        expected = scale * np.minimum(t * warmup ** (power - 1), t**power)
+    np.testing.assert_allclose(fn(jnp.asarray(STEPS)), expected, rtol=1e-5)
+    # The peak, at warmup_steps, is scale * warmup_steps ** decay_power.
+    np.testing.assert_allclose(float(fn(warmup - step_offset)), scale * warmup**power, rtol=1e-6)
+
+
+def test_adafactor_from_config_in_golden_text_form():
+    cfg = config_for_function(schedule.adafactor).set(scale=1.0, warmup_steps=10000)
+    fn = schedule.as_schedule_fn(cfg)
+    np.testing.assert_allclose(values(fn, [0, 10000, 40000]), [0, 0.01, 0.005], rtol=1e-5)
+
+
+def _np_linear_warmup(steps, begin, peak, warmup):
+    return begin + (peak - begin) * np.clip(steps / warmup, 0, 1)
+
+
+@pytest.mark.parametrize("decay_begin_step", [None, 50, 400])
+def test_cosine_with_linear_warmup_holds_the_peak_until_decay_begin_step(decay_begin_step):
+    peak, warmup, max_step, alpha, begin = 3.0, 100, 2500, 0.1, 0.3
+    fn = schedule.cosine_with_linear_warmup(
+        peak,
+        max_step=max_step,
+        warmup_steps=warmup,
+        begin_value=begin,
+        alpha=alpha,
+        decay_begin_step=decay_begin_step,
+    )
+    # AXLearn's rule: a decay_begin_step within the warmup is ignored.
+    start = warmup if decay_begin_step is None or decay_begin_step <= warmup else decay_begin_step
+    t = np.clip((STEPS - start) / (max_step - start), 0, 1)
+    cosine = peak * ((1 - alpha) * 0.5 * (1 + np.cos(np.pi * t)) + alpha)
+    expected = np.where(STEPS < warmup, _np_linear_warmup(STEPS, begin, peak, warmup), cosine)
+    np.testing.assert_allclose(fn(jnp.asarray(STEPS)), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_warmup_stable_decay_takes_decay_begin_step_instead_of_decay_steps():
+    by_begin = schedule.warmup_stable_decay(
+        1.0, max_step=2000, warmup_steps=100, decay_begin_step=1500, decay_type="cosine"
+    )
+    t = np.clip((STEPS - 1500) / 500, 0, 1)
+    decayed = 0.5 * (1 + np.cos(np.pi * t))
+    expected = np.where(
+        STEPS < 100, _np_linear_warmup(STEPS, 0.0, 1.0, 100), np.where(STEPS < 1500, 1.0, decayed)
+    )
+    np.testing.assert_allclose(by_begin(jnp.asarray(STEPS)), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_warmup_stable_decay_wants_exactly_one_decay_start():
+    with pytest.raises(ConfigError, match="exactly one of decay_steps and decay_begin_step"):
+        schedule.warmup_stable_decay(
+            1.0, max_step=100, warmup_steps=10, decay_steps=20, decay_begin_step=80
+        )
+    with pytest.raises(ConfigError, match="exactly one"):
+        schedule.warmup_stable_decay(1.0, max_step=100, warmup_steps=10)
+
+
+def test_decay_bias_correction_makes_the_ema_a_weighted_mean():
+    decay = 0.9
+    fn = schedule.decay_bias_correction(decay)
+    t = STEPS.astype(np.float64)
+    expected = decay * (1 - decay**t) / (1 - decay ** (t + 1))
+    np.testing.assert_allclose(fn(jnp.asarray(STEPS)), expected, rtol=1e-5, atol=1e-7)
+    # An EMA driven by it equals the decay-weighted mean of the values so far.
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=20)
+    ema = 0.0
+    for step, x in enumerate(xs):
+        d = float(fn(step))
+        ema = ema * d + x * (1 - d)
+    weights = decay ** np.arange(len(xs))[::-1]
+    np.testing.assert_allclose(ema, np.sum(weights * xs) / np.sum(weights), rtol=1e-5)
+
+
+def test_stepwise_calls_each_sub_schedule_with_its_own_steps():
+    sub = [
+        config_for_function(schedule.polynomial).set(begin_value=0.0, end_step=100, end_value=1.0),
+        0.5,
+        config_for_function(schedule.polynomial).set(begin_value=0.5, end_step=1000, end_value=0.0),
+    ]
+    fn = schedule.stepwise(sub, start_step=[100, 700])
+    rel = STEPS - 700
+    expected = np.where(
+        STEPS < 100,
+        np.clip(STEPS / 100, 0, 1),
+        np.where(STEPS < 700, 0.5, 0.5 - 0.5 * np.clip(rel / 1000, 0, 1)),
+    )
+    np.testing.assert_allclose(fn(jnp.asarray(STEPS)), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_stepwise_rejects_mismatched_lengths_and_unsorted_starts():
+    with pytest.raises(ConfigError, match="need 1 start steps"):
+        schedule.stepwise([1.0, 2.0], start_step=[])
+    with pytest.raises(ConfigError, match="non-decreasing"):
+        schedule.stepwise([1.0, 2.0, 3.0], start_step=[10, 5])
+
+
+def test_segment_wise_counts_each_segment_from_one():
+    fn = schedule.segment_wise(
+        [lambda s: 1000.0 + s, lambda s: 2000.0 + s, lambda s: 3000.0 + s],
+        segment_steps=[10, 5],
+    )
+    steps = np.arange(-2, 40)
+    got = fn(jnp.asarray(steps))
+    # AXLearn: 0 for step <= 0; segment k serves (offset_k, offset_k+1] with step - offset_k.
+    expected = np.select(
+        [steps <= 0, steps <= 10, steps <= 15],
+        [0.0, 1000.0 + steps, 2000.0 + steps - 10],
+        3000.0 + steps - 15,
+    )
+    np.testing.assert_allclose(got, expected)
+
+
+def test_constant_with_linear_warmup_matches_numpy():
+    fn = schedule.constant_with_linear_warmup(2.0, warmup_steps=300, begin_value=0.2)
+    np.testing.assert_allclose(
+        fn(jnp.asarray(STEPS)), _np_linear_warmup(STEPS, 0.2, 2.0, 300), rtol=1e-5
+    )
+
+
+def test_linear_schedule_with_warmup_matches_numpy():
+    fn = schedule.linear_schedule_with_warmup(
+        1.5, max_step=2000, warmup_steps=200, begin_value=0.1, end_value=0.05
+    )
+    down = 1.5 + (0.05 - 1.5) * np.clip((STEPS - 200) / 1800, 0, 1)
+    expected = np.where(STEPS < 200, _np_linear_warmup(STEPS, 0.1, 1.5, 200), down)
+    np.testing.assert_allclose(fn(jnp.asarray(STEPS)), expected, rtol=1e-5)
+
+
+def test_ema_schedule_is_the_running_mean_then_constant():
+    fn = schedule.ema_schedule(0.999, warmup_steps=50)
+    t = STEPS.astype(np.float64)
+    expected = np.where(t < 50, t / (t + 1), 0.999)
+    np.testing.assert_allclose(fn(jnp.asarray(STEPS)), expected, rtol=1e-6)
+
+
+def test_new_schedules_are_golden_text_and_override_ready():
+    from axlearn.common.config import apply_overrides
+    from axlearn.common.golden_text import parse_flat_text
+
+    cfg = config_for_function(schedule.linear_schedule_with_warmup).set(
+        peak_lr=1.0, max_step=100, warmup_steps=10
+    )
+    text = cfg.debug_string()
+    assert "fn: 'axlearn.common.schedule.linear_schedule_with_warmup'" in text
+    parsed = parse_flat_text(text)
+    assert parsed.debug_string() == text
+    apply_overrides(parsed, ["end_value=0.5", "max_step=20"])
+    np.testing.assert_allclose(float(parsed.instantiate()(20)), 0.5, rtol=1e-6)

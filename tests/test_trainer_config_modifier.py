@@ -10,10 +10,11 @@ from axlearn.common.attention import (
     build_remat_spec,
 )
 from axlearn.common.base_layer import is_parameter_spec
-from axlearn.common.config import ConfigError
-from axlearn.common.trainer import select_mesh_rule
+from axlearn.common.config import ConfigError, config_for_function
+from axlearn.common.mesh_selection import select_mesh_rule
 from axlearn.common.trainer_config_modifier import (
     ChainConfigModifier,
+    GradientAccumulationModifier,
     MeshShapeModifier,
     ModuleConfigModifier,
     PartitionSpecModifier,
@@ -52,17 +53,19 @@ RULES = [
 
 
 def test_select_mesh_rule_picks_the_first_rule_whose_regex_fully_matches():
-    assert select_mesh_rule(RULES, "gpu-h100-8") == common.mesh_shape_from_axes(fsdp=-1)
+    assert select_mesh_rule(RULES, "gpu-h100-8") == RULES[0]
     # Both the first and second patterns match a prefix of 'gpu-h100-16'; only the second
     # matches all of it.
-    assert select_mesh_rule(RULES, "gpu-h100-16") == common.mesh_shape_from_axes(data=-1)
-    assert select_mesh_rule(RULES, "cpu") is RULES[2][1]
+    assert select_mesh_rule(RULES, "gpu-h100-16") == RULES[1]
+    assert select_mesh_rule(RULES, "cpu")[1] is RULES[2][1]
 
 
-def test_select_mesh_rule_returns_none_when_nothing_matches():
-    assert select_mesh_rule(RULES, "tpu-v5p-1024") is None
-    assert select_mesh_rule(RULES, "xgpu-h100-8") is None  # Search would match; fullmatch not.
-    assert select_mesh_rule(None, "cpu") is None
+@pytest.mark.parametrize("selector", ["tpu-v5p-1024", "xgpu-h100-8"])  # Search would match x...
+def test_select_mesh_rule_names_the_config_and_its_patterns_when_nothing_matches(selector):
+    with pytest.raises(ConfigError, match=rf"--mesh_selector={selector} matches none of gpt_x's"):
+        select_mesh_rule(RULES, selector, config_name="gpt_x")
+    with pytest.raises(ConfigError, match=r"mesh_rules: \[\]"):
+        select_mesh_rule(None, "cpu")
 
 
 def test_a_mesh_rule_value_may_be_a_mesh_shape_or_a_modifier():
@@ -314,3 +317,60 @@ def test_replace_layer_modifier_rejects_exclude_keys_the_source_lacks():
     modifier = _replace_feed_forward(num_experts=4).set(exclude_keys=["num_expert"])
     with pytest.raises(ConfigError, match=r"exclude_keys \['num_expert'\]"):
         _apply(modifier, _config())
+
+
+# ----- GradientAccumulationModifier -----
+# GradientAccumulationModifier: AXLearn's gradient accumulation as the trainer's
+# grad_acc_steps (the microbatch arithmetic itself is tested with the learner).
+
+
+def _modifier(steps: int):
+    return GradientAccumulationModifier.default_config().set(grad_acc_steps=steps)
+
+
+def test_modifier_makes_each_step_run_that_many_microbatches():
+    cfg = _modifier(4).instantiate()(tiny_trainer_config(trainer_dir=None, max_step=1))
+    assert cfg.grad_acc_steps == 4
+    trainer = cfg.instantiate(parent=None)
+    assert trainer.num_microbatches(cfg.input.global_batch_size) == 4
+
+
+def test_modifier_refuses_an_accumulator_other_than_metric_accumulator():
+    modifier = _modifier(2).set(metric_accumulator=config_for_function(sum).set(iterable=()))
+    with pytest.raises(ConfigError, match="only MetricAccumulator"):
+        modifier.instantiate()(tiny_trainer_config(trainer_dir=None, max_step=1))
+
+
+def test_trainer_refuses_grad_acc_steps_with_a_microbatch_size():
+    cfg = tiny_trainer_config(trainer_dir=None, max_step=1)
+    cfg.set(grad_acc_steps=2, per_device_microbatch_size=4)
+    with pytest.raises(ConfigError, match="grad_acc_steps must be None or an int >= 1, and not"):
+        cfg.instantiate(parent=None)
+
+
+def test_axlearn_replace_layer_golden_lines_set_the_gmm_backend_of_every_moe_layer():
+    """AXLearn's GPU mesh rules switch the MoE layers' grouped matmul this way: the excluded
+    keys take the source's values, every other field keeps the replaced layer's."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.config import parse_flat_text
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.mixture_of_experts import GMMBackend
+
+    moe = "'axlearn.common.mixture_of_experts.TransformerFeedForwardDropFreeMoE'"
+    text = "\n".join(
+        [
+            "m.exclude_keys[0]: 'gmm_backend'",
+            "m.klass: 'axlearn.common.trainer_config_modifier.ReplaceLayerConfigModifier'",
+            "m.source_config.gmm_backend: <GMMBackend.RAGGED_DOT: 'RAGGED_DOT'>",
+            f"m.source_config.klass: {moe}",
+            "m.source_config.num_experts: 64",
+            f"m.target_cls: {moe}",
+        ]
+    )
+    modifier = parse_flat_text(text)["m"]
+    cfg = _apply(_replace_feed_forward(num_experts=4, grouped_matmul="mosaic_gpu"), _config())
+    cfg = _apply(modifier, cfg)
+    ffn = cfg.model.decoder.transformer.layer.feed_forward
+    assert ffn.gmm_backend is GMMBackend.RAGGED_DOT  # Excluded: the source's value.
+    assert ffn.num_experts == 4 and ffn.grouped_matmul == "mosaic_gpu"  # Kept.
+    _param_specs(cfg)  # The model builds.

@@ -6,7 +6,7 @@ import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers
 
-from axlearn.common.config import parse_flat_text
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.input_vocab import VocabularyError
 from axlearn.experiments.text.gpt.vocabulary_fuji_v3 import FujiV3Vocabulary
 

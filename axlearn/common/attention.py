@@ -15,6 +15,10 @@ Pieces, bottom up:
 - `TransformerAttentionLayer`, `TransformerFeedForwardLayer`, `TransformerLayer` and the
   stacks `StackedTransformerLayer` (one child per layer) and `RepeatedTransformerLayer`
   (one scanned child with stacked parameters).
+- Attention logit biases, which a Decoder's `attention_mask` computes once for every
+  self-attention (`attention_logit_biases`): `CausalAttentionLogitBiasLayer` and
+  `ALiBiAttentionLogitBiasLayer` (ALiBi's linear position penalty); and
+  `SigmoidAttention`, an elementwise sigmoid in place of the softmax.
 
 Every layer that attends also decodes: `init_states(batch_size=, max_len=)` gives an
 empty key/value cache and `extend_step(cache, x, time_step=)` appends S new tokens per
@@ -58,6 +62,7 @@ from axlearn.common.layers import (
 )
 from axlearn.common.module import Module, Tensor
 from axlearn.common.param_init import FanAxes, constant_initializer
+from axlearn.common.pipeline import Pipeline
 from axlearn.common.repeat import Repeat
 from axlearn.common.sharding import whole_heads_if_uneven
 
@@ -840,11 +845,13 @@ class MultiheadAttention(BaseLayer):
         q_index: Optional[Tensor] = None,
         kv_valid: Optional[Tensor] = None,
         segment_ids: Optional[Tensor] = None,
+        logit_biases: Optional[Tensor] = None,
     ) -> Tensor:
         """softmax(q k^T) v: q [B,T,N,H], k/v [B,S,K,H] -> [B,T,N,H].
 
         q_index [B,T]: the index of each query among the keys (default: arange(T), i.e.
-        queries and keys are the same sequence); kv_valid [B,S]: which keys exist.
+        queries and keys are the same sequence); kv_valid [B,S]: which keys exist;
+        logit_biases [B,1|N,T,S]: added to the logits (an attention-mask layer's output).
         """
         cfg = self._config
         k, v = k.astype(q.dtype), v.astype(q.dtype)
@@ -852,9 +859,11 @@ class MultiheadAttention(BaseLayer):
             mask = None
             if segment_ids is not None:
                 mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+            bias = None if logit_biases is None else logit_biases.astype(q.dtype)
             # The query is already scaled (ScaleQuery), hence scale=1.
             return jax.nn.dot_product_attention(
-                q, k, v, mask=mask, scale=1.0, is_causal=bool(cfg.causal), implementation="cudnn"
+                q, k, v, bias=bias, mask=mask, scale=1.0, is_causal=bool(cfg.causal),
+                implementation="cudnn",
             )
         batch, q_len, num_heads, head_dim = q.shape
         kv_len, num_kv_heads = k.shape[1], k.shape[2]
@@ -863,13 +872,20 @@ class MultiheadAttention(BaseLayer):
         logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
         if cfg.atten_logit_cap is not None:
             logits = cfg.atten_logit_cap * jnp.tanh(logits / cfg.atten_logit_cap)
+        if logit_biases is not None:
+            heads = (num_kv_heads, groups) if logit_biases.shape[1] > 1 else (1, 1)
+            logits = logits + logit_biases.reshape(batch, *heads, q_len, kv_len)
         mask = self._mask(batch, q_len, kv_len, q_index, kv_valid, segment_ids)
         if mask is not None:
             logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
-        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        probs = self._probs(logits).astype(v.dtype)
         probs = self.dropout(probs)
         context = jnp.einsum("bkgts,bskh->btkgh", probs, v)
         return context.reshape(batch, q_len, num_heads, head_dim)
+
+    def _probs(self, logits: Tensor) -> Tensor:
+        """Attention probabilities from float32 logits [..., T, S]: softmax over S."""
+        return jax.nn.softmax(logits, axis=-1)
 
     def _mask(self, batch, q_len, kv_len, q_index, kv_valid, segment_ids) -> Optional[Tensor]:
         """[B,T,S] bool (True: attend), or None for no masking."""
@@ -899,17 +915,20 @@ class MultiheadAttention(BaseLayer):
         value: Optional[Tensor] = None,
         segment_ids: Optional[Tensor] = None,
         positions: Optional[Tensor] = None,
+        attention_logit_biases: Optional[Tensor] = None,
     ) -> Tensor:
         """query [B,T,D] (key/value [B,S,*] for cross-attention) -> [B,T,output_dim].
 
         segment_ids [B,T]: tokens attend only within their own segment (packed
         documents; self-attention only). positions [B,T]: rotary positions (default
-        arange(T)).
+        arange(T)). attention_logit_biases [B,1|N,T,S]: added to the logits (e.g. ALiBi's).
         """
         if segment_ids is not None and key is not None:
             raise ValueError(f"{self.path()}: segment_ids apply to self-attention only")
         q, k, v = self._project(query, key=key, value=value, query_positions=positions)
-        context = self._attend(q, k, v, segment_ids=segment_ids)
+        context = self._attend(
+            q, k, v, segment_ids=segment_ids, logit_biases=attention_logit_biases
+        )
         return self._output(context)
 
     def init_states(self, *, batch_size: int, max_len: int) -> dict[str, Tensor]:
@@ -924,12 +943,18 @@ class MultiheadAttention(BaseLayer):
         )
 
     def extend_step(
-        self, cached_states: dict[str, Tensor], query: Tensor, *, time_step: Tensor
+        self,
+        cached_states: dict[str, Tensor],
+        query: Tensor,
+        *,
+        time_step: Tensor,
+        attention_logit_biases: Optional[Tensor] = None,
     ) -> tuple[dict[str, Tensor], Tensor]:
         """Self-attention for query [B,S,D] at positions time_step[b] + arange(S).
 
         The new keys/values are written into the cache at those positions (the caller
         keeps time_step + S <= max_len). Returns (new cache, outputs [B,S,output_dim]).
+        attention_logit_biases [B,1|N,S,max_len]: added to the logits against the cache.
         """
         steps = query.shape[1]
         time_step = time_step.astype(jnp.int32)
@@ -939,7 +964,8 @@ class MultiheadAttention(BaseLayer):
             cached_states, k_proj=k, v_proj=v, time_step=time_step
         )
         context = self._attend(
-            q, cached.k_proj, cached.v_proj, q_index=q_index, kv_valid=cached.kv_valid
+            q, cached.k_proj, cached.v_proj, q_index=q_index, kv_valid=cached.kv_valid,
+            logit_biases=attention_logit_biases,
         )
         return new_states, self._output(context)
 
@@ -1041,14 +1067,20 @@ class TransformerAttentionLayer(BaseLayer):
         segment_ids: Optional[Tensor] = None,
         positions: Optional[Tensor] = None,
         residual_partition_spec: Optional[MeshAxes] = None,
+        attention_logit_biases: Optional[Tensor] = None,
     ) -> Tensor:
         """target [B,T,target_dim]; source [B,S,source_dim] for cross-attention.
         `residual_partition_spec`: how target is split over the mesh, if known (lets a
-        norm with a kernel run its backward per device)."""
+        norm with a kernel run its backward per device). `attention_logit_biases`
+        [B,1|N,T,S]: added to the attention logits."""
+        biases = {} if attention_logit_biases is None else dict(
+            attention_logit_biases=attention_logit_biases
+        )
         return self._residual(
             target,
             lambda x: self.attention(
-                x, key=source, value=source, segment_ids=segment_ids, positions=positions
+                x, key=source, value=source, segment_ids=segment_ids, positions=positions,
+                **biases,
             ),
             residual_partition_spec,
         )
@@ -1057,12 +1089,22 @@ class TransformerAttentionLayer(BaseLayer):
         return self.attention.init_states(batch_size=batch_size, max_len=max_len)
 
     def extend_step(
-        self, cached_states: dict[str, Tensor], target: Tensor, *, time_step: Tensor
+        self,
+        cached_states: dict[str, Tensor],
+        target: Tensor,
+        *,
+        time_step: Tensor,
+        attention_logit_biases: Optional[Tensor] = None,
     ) -> tuple[dict[str, Tensor], Tensor]:
         new_states = {}
+        biases = {} if attention_logit_biases is None else dict(
+            attention_logit_biases=attention_logit_biases
+        )
 
         def attend(x: Tensor) -> Tensor:
-            states, out = self.attention.extend_step(cached_states, x, time_step=time_step)
+            states, out = self.attention.extend_step(
+                cached_states, x, time_step=time_step, **biases
+            )
             new_states.update(states)
             return out
 
@@ -1254,13 +1296,15 @@ class TransformerLayer(BaseLayer):
         segment_ids: Optional[Tensor] = None,
         positions: Optional[Tensor] = None,
         cross_attention_data: Optional[Tensor] = None,
+        attention_logit_biases: Optional[Tensor] = None,
     ) -> Tensor:
-        """data [B,T,D] -> [B,T,D]."""
+        """data [B,T,D] -> [B,T,D]; attention_logit_biases [B,1|N,T,T] go to self-attention."""
         data = self.self_attention(
             data,
             segment_ids=segment_ids,
             positions=positions,
             residual_partition_spec=self.feed_forward.residual_partition_spec(),
+            attention_logit_biases=attention_logit_biases,
         )
         data = self._cross(data, cross_attention_data)
         return self.feed_forward(data)
@@ -1277,10 +1321,13 @@ class TransformerLayer(BaseLayer):
         *,
         time_step: Tensor,
         cross_attention_data: Optional[Tensor] = None,
+        attention_logit_biases: Optional[Tensor] = None,
     ) -> tuple[dict[str, Any], Tensor]:
-        """Decodes data [B,S,D] at positions time_step + arange(S); see the module doc."""
+        """Decodes data [B,S,D] at positions time_step + arange(S); see the module doc.
+        attention_logit_biases [B,1|N,S,max_len] go to self-attention."""
         states, data = self.self_attention.extend_step(
-            cached_states["self_attention"], data, time_step=time_step
+            cached_states["self_attention"], data, time_step=time_step,
+            attention_logit_biases=attention_logit_biases,
         )
         data = self._cross(data, cross_attention_data)
         return dict(self_attention=states), self.feed_forward(data)
@@ -1481,3 +1528,244 @@ def build_remat_spec(
         offload_dst=offload_dst,
     )
     return {"prevent_cse": prevent_cse, "policy": policy}
+
+
+# ----- pipeline parallelism -----
+
+
+class _TransformerPipeline(Pipeline):
+    """Pipeline whose stage is a transformer stack: data [B,T,D] -> [B,T,D].
+
+    The per-row keyword arguments (segment_ids, positions, ...) travel with their
+    microbatch through the stages; the others (None, flags) go to every stage as given.
+    """
+
+    def forward(self, data: Tensor, **kwargs) -> Tensor:
+        rows = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
+        fixed = {k: v for k, v in kwargs.items() if k not in rows}
+
+        def stage(carry: dict[str, Tensor]) -> dict[str, Tensor]:
+            per_row = {k: carry[k] for k in rows}
+            return dict(carry, data=self.layer(carry["data"], **per_row, **fixed))
+
+        return self._run(stage, dict(rows, data=data))["data"]
+
+    def init_states(self, *, batch_size: int, max_len: int) -> Any:
+        """One stage's caches stacked on a leading stage axis."""
+        one = self.layer.init_states(batch_size=batch_size, max_len=max_len)
+        num_stages = self.config.num_layers
+        return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_stages, *x.shape)), one)
+
+    def extend_step(
+        self, cached_states: Any, data: Tensor, *, time_step: Tensor, **kwargs
+    ) -> tuple[Any, Tensor]:
+        """Decodes through the stages one after another (a step has nothing to pipeline)."""
+
+        def stage(data, stage_states):
+            stage_states, data = self.layer.extend_step(
+                stage_states, data, time_step=time_step, **kwargs
+            )
+            return data, stage_states
+
+        data, new_states = self._run_in_sequence(stage, data, cached_states)
+        return new_states, data
+
+
+class PipelinedTransformerLayer(BaseStackedTransformerLayer):
+    """The layers split into `num_stages` equal stages, run as a pipeline over the
+    'pipeline' mesh axis (axlearn.common.pipeline): stage n holds layers
+    n * L/N .. (n + 1) * L/N - 1, its parameters stacked on a leading stage axis."""
+
+    @config_class
+    class Config(BaseStackedTransformerLayer.Config):
+        """Configures PipelinedTransformerLayer."""
+
+        num_stages: Required[int] = REQUIRED  # Pipeline stages; must divide num_layers.
+        num_microbatches: Required[int] = REQUIRED  # Must divide the batch size.
+        # One stage: a stack of num_layers / num_stages layers (input_dim, layer and
+        # num_layers are filled in).
+        stage: BaseLayer.Config = StackedTransformerLayer.default_config().set(layer=None)
+        # The pipeline (its schedule: pipeline.schedule); layer, num_layers and
+        # num_microbatches are filled in.
+        pipeline: Pipeline.Config = _TransformerPipeline.default_config()
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        cfg = self.config
+        if not isinstance(cfg.num_stages, int) or cfg.num_stages < 1:
+            raise ConfigError(
+                f"{self.path()}.num_stages: expected a positive int, got {cfg.num_stages!r}"
+            )
+        if cfg.num_layers % cfg.num_stages:
+            raise ConfigError(
+                f"{self.path()}.num_stages={cfg.num_stages} does not divide "
+                f"num_layers={cfg.num_layers}"
+            )
+        if isinstance(cfg.layer, (list, tuple)):
+            raise ConfigError(
+                f"{self.path()}.layer: the stages share one layer config; to alternate layer "
+                "kinds within a stage, set `stage`'s layers"
+            )
+        stage = cfg.stage.clone(
+            input_dim=cfg.input_dim,
+            layer=cfg.layer.clone(input_dim=cfg.input_dim),
+            num_layers=cfg.num_layers // cfg.num_stages,
+        )
+        self._add_child(
+            "pipeline",
+            cfg.pipeline.clone(
+                layer=stage, num_layers=cfg.num_stages, num_microbatches=cfg.num_microbatches
+            ),
+        )
+
+    def forward(self, data: Tensor, **kwargs) -> Tensor:
+        """data [B,T,D] -> [B,T,D]; kwargs (segment_ids, positions, ...) go to every layer."""
+        return self.pipeline(data, **kwargs)
+
+    def init_states(self, *, batch_size: int, max_len: int) -> Any:
+        """The stages' caches, stacked on a leading stage axis."""
+        return self.pipeline.init_states(batch_size=batch_size, max_len=max_len)
+
+    def extend_step(
+        self, cached_states: Any, data: Tensor, *, time_step: Tensor, **kwargs
+    ) -> tuple[Any, Tensor]:
+        """Decodes data [B,S,D] at time_step through the stages in order (not pipelined)."""
+        return self.pipeline.extend_step(cached_states, data, time_step=time_step, **kwargs)
+
+
+# ----- attention logit biases (AXLearn's `Decoder.attention_mask` layers) -----
+
+
+class AttentionLogitBiasLayer(BaseLayer):
+    """Base of the layers a Decoder's `attention_mask` names: (segment_ids [B,T],
+    positions [B,T]) -> logit biases [B,1|N,T,T] that every self-attention adds to its
+    logits (0 where a query may attend, a large negative number where it may not).
+
+    `biases` gives the same for queries and keys at different positions (decoding: the
+    new tokens against the whole cache)."""
+
+    def forward(self, *, segment_ids: Tensor, positions: Tensor) -> Tensor:
+        same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+        return self.biases(
+            query_positions=positions, key_positions=positions, same_segment=same_segment
+        )
+
+    def biases(
+        self,
+        *,
+        query_positions: Tensor,
+        key_positions: Tensor,
+        same_segment: Optional[Tensor] = None,
+    ) -> Tensor:
+        """query_positions [B,T], key_positions [B,S], same_segment [B,T,S] (None: one
+        segment) -> float32 biases [B,1|N,T,S]."""
+        raise NotImplementedError(type(self))
+
+
+class CausalAttentionLogitBiasLayer(AttentionLogitBiasLayer):
+    """Each token attends to tokens of its own segment at positions not after its own."""
+
+    def _values(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+        """[B,1|N,T,S] float32: the biases where attending is allowed."""
+        return jnp.zeros((query_positions.shape[0], 1, query_positions.shape[1], 1), jnp.float32)
+
+    def biases(
+        self,
+        *,
+        query_positions: Tensor,
+        key_positions: Tensor,
+        same_segment: Optional[Tensor] = None,
+    ) -> Tensor:
+        allowed = query_positions[:, :, None] >= key_positions[:, None, :]
+        if same_segment is not None:
+            allowed = jnp.logical_and(allowed, same_segment)
+        values = self._values(query_positions, key_positions)
+        return jnp.where(allowed[:, None], values, _NEG_INF).astype(jnp.float32)
+
+
+def alibi_get_slopes(num_heads: int) -> list[float]:
+    """ALiBi's per-head slopes (https://arxiv.org/abs/2108.12409): for n heads, a power of
+    two, the geometric sequence 2^(-8/n), 2^(-16/n), ...; otherwise those of the largest
+    power of two below n, then every other slope of twice that power."""
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if num_heads & (num_heads - 1) == 0:
+        return power_of_two_slopes(num_heads)
+    lower = 1 << (num_heads.bit_length() - 1)
+    return power_of_two_slopes(lower) + alibi_get_slopes(2 * lower)[0::2][: num_heads - lower]
+
+
+class ALiBiAttentionLogitBiasLayer(CausalAttentionLogitBiasLayer):
+    """Causal biases plus ALiBi's linear position penalty: head n adds
+    slope[n] * (position[key] - position[query]) (<= 0 where allowed) to its logits, in
+    place of position embeddings (https://arxiv.org/abs/2108.12409)."""
+
+    @config_class
+    class Config(CausalAttentionLogitBiasLayer.Config):
+        """Configures ALiBiAttentionLogitBiasLayer."""
+
+        num_heads: Required[int] = REQUIRED  # The attention's query heads, one slope each.
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        if not isinstance(cfg.num_heads, int) or cfg.num_heads < 1:
+            raise ConfigError(
+                f"{self.path()}.num_heads must be a positive int, not {cfg.num_heads!r}"
+            )
+
+    def _values(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+        slopes = jnp.asarray(alibi_get_slopes(self.config.num_heads), jnp.float32)
+        distance = (  # [B,T,S]: key position - query position.
+            key_positions[:, None, :].astype(jnp.float32)
+            - query_positions[:, :, None].astype(jnp.float32)
+        )
+        return slopes[None, :, None, None] * distance[:, None]
+
+
+# ----- sigmoid attention -----
+
+
+class SigmoidAttention(MultiheadAttention):
+    """Attention whose probabilities are sigmoid(logits - log(seq_len)) per key instead of a
+    softmax over keys (https://arxiv.org/abs/2409.04431). The -log(seq_len) bias starts each
+    query's total weight near softmax's 1 when logits are small; masked keys get 0.
+
+    Always computed on XLA (cuDNN's kernel is softmax-only); decoding works as for
+    MultiheadAttention. The input_linear may have fewer key/value heads (grouped queries).
+    """
+
+    @config_class
+    class Config(MultiheadAttention.Config):
+        """Configures SigmoidAttention."""
+
+        seq_len: Required[int] = REQUIRED  # The training sequence length (sets the bias).
+        # Whether to subtract log(seq_len) from the logits; False: plain sigmoid(logits).
+        subtract_seq_len_bias: bool = True
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        cfg = self.config
+        if not isinstance(cfg.seq_len, int) or cfg.seq_len < 1:
+            raise ConfigError(
+                f"{self.path()}.seq_len must be a positive int, not {cfg.seq_len!r}"
+            )
+        if cfg.attention_implementation == "cudnn":
+            raise ConfigError(
+                f"{self.path()}.attention_implementation: 'cudnn' computes a softmax; sigmoid "
+                "attention runs on 'xla' (or None)"
+            )
+
+    def _check_kv_heads(self, num_kv_heads: int) -> None:
+        GroupedQueryAttention._check_kv_heads(self, num_kv_heads)
+
+    def _use_cudnn(self, q: Tensor, k: Tensor) -> bool:
+        return False
+
+    def _probs(self, logits: Tensor) -> Tensor:
+        cfg = self.config
+        if cfg.subtract_seq_len_bias:
+            logits = logits - math.log(cfg.seq_len)
+        return jax.nn.sigmoid(logits)

@@ -311,25 +311,26 @@ class BaseLayer(Module):
             )
         return unflatten_paths(params)
 
-    def describe_initializers(self, *, prefix: str = "") -> list[str]:
-        """One `_init` golden line per parameter, `path: <initializer's debug_string>`, as
-        AXLearn writes them.
+    def parameter_initializers(
+        self, *, prefix: str = ""
+    ) -> list[tuple[str, Initializer, ParameterSpec]]:
+        """(path, initializer, spec) per parameter, in the order AXLearn initializes, for
+        the `_init` golden lines (`golden_text.init_lines`).
 
-        Lines follow the order in which AXLearn initializes: a layer's own parameters as
-        `_create_layer_parameter_specs` lists them, then its children in the order they were
-        added. Each line describes the parameter as its own layer declares it: a layer that
-        stacks its children's parameters (`Repeat`, `FusedQKVLinear`) initializes them one
-        slice at a time, so the stacked axis is not shown.
+        A layer's own parameters come as `_create_layer_parameter_specs` lists them, then
+        its children in the order they were added. Each parameter is described as its own
+        layer declares it: a layer that stacks its children's parameters (`Repeat`,
+        `FusedQKVLinear`) initializes them one slice at a time, so the stacked axis is not
+        in the spec.
         """
-        lines = []
+        entries = []
         for name, spec in self._create_layer_parameter_specs().items():
             path = f"{prefix}{name}"
-            init = self._initializer_for(path, spec)
-            lines.append(f"{path}: {init.debug_string(path, spec.shape, spec.fan_axes)}")
+            entries.append((path, self._initializer_for(path, spec), spec))
         for child_name, child in self._children.items():
             if isinstance(child, BaseLayer):
-                lines += child.describe_initializers(prefix=f"{prefix}{child_name}/")
-        return lines
+                entries += child.parameter_initializers(prefix=f"{prefix}{child_name}/")
+        return entries
 
     def _owners_of_specs(self) -> dict[str, "BaseLayer"]:
         """Parameter path (below this layer) -> the layer whose initializer applies."""

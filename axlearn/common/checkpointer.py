@@ -90,6 +90,11 @@ class CheckpointCorruptError(RuntimeError):
     """A committed checkpoint's files disagree with its index (torn, truncated or altered)."""
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's index does not fit the state template: another model's checkpoint,
+    or an index edited (its checksum recomputed) to name other arrays, shapes or dtypes."""
+
+
 # ----- save policies -----
 
 SavePolicy = Callable[[int], bool]
@@ -500,7 +505,7 @@ class TensorStoreStateStorage(Configurable):
         missing = [p for p, _ in entries if p not in arrays]
         unexpected = [] if subset else sorted(set(arrays) - {p for p, _ in entries})
         if missing or unexpected:
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"The state template does not match checkpoint {index_path}: "
                 f"missing from the checkpoint: {missing or 'none'}; "
                 f"in the checkpoint but not in the template: {unexpected or 'none'}"
@@ -548,7 +553,7 @@ def _check_leaf_matches(path: str, leaf: Any, meta: dict, index_path: str) -> No
     shape = tuple(np.shape(leaf)) if not hasattr(leaf, "shape") else tuple(leaf.shape)
     dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
     if shape != tuple(meta["shape"]) or str(dtype) != meta["dtype"]:
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"Parameter '{path}': the template has shape {shape} dtype {dtype}, but checkpoint "
             f"{index_path} holds shape {tuple(meta['shape'])} dtype {meta['dtype']}"
         )
@@ -959,6 +964,8 @@ class Checkpointer(Module):
                 read = self._storage.verify_and_read(step_dir, index, state, subset=subset)
             except CheckpointCorruptError as e:
                 error = e
+            except KeyError as e:  # An index (checksum recomputed) that lacks a field.
+                error = CheckpointCorruptError(f"{step_dir}/{INDEX_FILE} lacks the field {e}")
             # A template mismatch (ValueError) is the same on every process: it propagates.
             if not self._all_processes_verified(error is None) and error is None:
                 error = CheckpointCorruptError(f"Another process found {step_dir} corrupt")

@@ -7,21 +7,31 @@ field names the callable. `cfg.instantiate()` turns a config into the object it 
 
 The flat text form (`debug_string()`) is one `key: value` line per leaf, config fields
 sorted by name, dict entries in insertion order, sequence items in index order:
-`a.b` for nested configs, `[i]` for sequence items and `['k']` for dict keys, with
-classes, functions and dtypes written as quoted, fully qualified names. `parse_flat_text`
-reads that text back into a config tree.
+`a.b` for nested configs, `[i]` for sequence items and `['k']` for dict keys (and for
+the fields of dataclass, attrs and named-tuple values), with classes, functions and
+dtypes written as quoted, fully qualified names.
+`axlearn.common.golden_text.parse_flat_text` reads that text back into a config tree.
+Names read from text or overrides resolve only under trusted packages (`import_name`).
+
+The API is AXLearn's: the same names (`config_class`, `REQUIRED`, `register_validator`,
+`get_named_trainer_config`, ...) with the same behaviour and error classes, each of
+which is also a `ConfigError`. Field values are validated on assignment by the
+registered validators; field names must be lower_snake_case.
 
 This module is pure Python: importing it must not import jax.
 """
 
 import ast
+import collections
 import copy
 import dataclasses
 import difflib
 import enum
+import functools
 import importlib
 import inspect
 import json
+import os
 import re
 import sys
 import types
@@ -34,15 +44,86 @@ C = TypeVar("C", bound="ConfigBase")
 
 
 class ConfigError(ValueError):
-    """A config is malformed: an unknown field, a missing value or a value of the wrong type."""
+    """A config is malformed: an unknown field, a missing value or a value of the wrong type.
+
+    Every error below is a ConfigError and also the built-in exception AXLearn raises in
+    the same place (an AttributeError for an unknown field, a TypeError for a value of the
+    wrong type, ...), so that code written against either catches it.
+    """
 
 
 class UnknownFieldError(ConfigError, AttributeError):
     """A field name that the config class does not define."""
 
 
-class MissingRequiredFieldsError(ConfigError):
-    """`instantiate()` found fields still set to REQUIRED."""
+class UnknownKeyError(ConfigError, KeyError):
+    """A dict key, or a named trainer config, that does not exist."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""  # Not KeyError's quoted repr.
+
+
+class MissingConfigClassDecoratorError(ConfigError, TypeError):
+    """A ConfigBase subclass was instantiated without being declared with @config_class."""
+
+
+class InvalidConfigClassError(ConfigError, TypeError):
+    """@config_class was applied to a class that is not a ConfigBase."""
+
+
+class InvalidConfigNameError(ConfigError):
+    """A field name that is not lower_snake_case (`^[a-z][a-z0-9_]*$`)."""
+
+
+class InvalidConfigValueError(ConfigError, TypeError):
+    """A field value of a type no registered validator accepts, or of the wrong type."""
+
+
+class NonConfigFieldError(ConfigError):
+    """A config class attribute without a type annotation (so it would not be a field)."""
+
+
+class RequiredFieldMissingError(ConfigError):
+    """A field still set to REQUIRED where a value is needed."""
+
+
+class MissingRequiredFieldsError(RequiredFieldMissingError):
+    """`instantiate()` found fields still set to REQUIRED (all listed by path)."""
+
+
+class FrozenConfigError(ConfigError, RuntimeError):
+    """A field of a frozen config (see `ConfigBase.freeze`) was set."""
+
+
+def is_named_tuple(x: Any) -> bool:
+    """Whether `x` is an instance of a `collections.namedtuple` / `typing.NamedTuple`."""
+    return isinstance(x, tuple) and hasattr(x, "_fields") and hasattr(x, "_asdict")
+
+
+def is_attrs(x: Any) -> bool:
+    """Whether `x` is an instance (or class) of an attrs class; works without attrs."""
+    return hasattr(x, "__attrs_attrs__")
+
+
+def _attrs_asdict(x: Any) -> dict[str, Any]:
+    """The fields of attrs instance `x` by name, not recursing (attrs itself not needed)."""
+    return {a.name: getattr(x, a.name) for a in x.__attrs_attrs__}
+
+
+def _is_dataclass_instance(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def similar_names(name: str, candidates: Iterable[str]) -> list[str]:
+    """The candidates sharing more than half of `name`'s 3-character substrings, most
+    similar first (ties alphabetically): AXLearn's "did you mean" rule."""
+    grams = [name[i : i + 3] for i in range(len(name) - 2)]
+
+    def overlap(candidate: str) -> float:
+        return sum(g in candidate for g in grams) / max(len(grams), 1)
+
+    scored = [(overlap(c), c) for c in candidates]
+    return [c for score, c in sorted(scored, key=lambda p: (-p[0], p[1])) if score > 0.5]
 
 
 class RequiredFieldValue:
@@ -100,6 +181,93 @@ def _copy_value(value: Any) -> Any:
     return value
 
 
+# ----- field names and values -----
+
+# (match_fn, validate_fn) pairs in registration order; see `register_validator`.
+_config_field_validators: list[tuple[Callable[[Any], bool], Callable[[Any], None]]] = []
+
+
+def register_validator(
+    *, match_fn: Callable[[Any], bool], validate_fn: Callable[[Any], None]
+) -> None:
+    """Registers a validator of config field values: every value for which `match_fn`
+    returns True is passed to `validate_fn`, which raises InvalidConfigValueError if the
+    value is not a valid field value. A value that no `match_fn` matches is invalid."""
+    _config_field_validators.append((match_fn, validate_fn))
+
+
+def validate_config_field_name(name: str) -> None:
+    """Raises InvalidConfigNameError unless `name` is lower_snake_case."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise InvalidConfigNameError(
+            f'Invalid config field name "{name}": use lower_snake_case ([a-z][a-z0-9_]*)'
+        )
+
+
+def validate_config_field_value(value: Any) -> None:
+    """Runs every registered validator whose `match_fn` matches `value` (in registration
+    order); raises InvalidConfigValueError if none matches."""
+    matched = False
+    for match_fn, validate_fn in _config_field_validators:
+        if match_fn(value):
+            matched = True
+            validate_fn(value)
+    if not matched:
+        raise InvalidConfigValueError(
+            f"Invalid config value type {type(value).__qualname__} for value {value!r}; "
+            f"register a validator for it with `{register_validator.__name__}`"
+        )
+
+
+def _validate_each(values: Iterable[Any]) -> None:
+    for v in values:
+        validate_config_field_value(v)
+
+
+def _is_basic_value(value: Any) -> bool:
+    """Values AXLearn accepts as they are (plain data, classes, functions, enums, dtypes),
+    plus configs and, deliberately beyond AXLearn, what golden text here names or writes:
+    any callable object (functools.partial, jax's remat policies), numpy scalars and
+    dtypes, jax PartitionSpecs, ranges and values read from foreign golden text."""
+    return (
+        value is None
+        or isinstance(
+            value,
+            (RequiredFieldValue, ConfigBase, type, bool, int, float, complex, str, bytes, range),
+        )
+        or isinstance(value, enum.Enum)
+        or callable(value)
+        or _is_dtype_instance(value)
+        or type(value).__module__ == "numpy"  # numpy scalars such as np.float32(1).
+        or _is_partition_spec(value)
+        # Unresolved, defined with the parser below, is not yet defined while this module's
+        # own config classes validate their defaults.
+        or isinstance(value, globals().get("Unresolved", ()))
+    )
+
+
+register_validator(match_fn=_is_basic_value, validate_fn=lambda _: None)
+register_validator(
+    match_fn=lambda v: isinstance(v, (list, tuple, set, frozenset)), validate_fn=_validate_each
+)
+register_validator(
+    match_fn=lambda v: isinstance(v, dict), validate_fn=lambda v: _validate_each(v.values())
+)
+register_validator(
+    match_fn=_is_dataclass_instance,
+    validate_fn=lambda v: _validate_each(getattr(v, f.name) for f in dataclasses.fields(v)),
+)
+register_validator(
+    match_fn=lambda v: not isinstance(v, type) and is_attrs(v),
+    validate_fn=lambda v: _validate_each(_attrs_asdict(v).values()),
+)
+# Hugging Face configs (transformers.PretrainedConfig) hold plain data.
+register_validator(
+    match_fn=lambda v: not isinstance(v, (type, ConfigBase)) and hasattr(v, "from_pretrained"),
+    validate_fn=lambda v: validate_config_field_value(v.to_dict()),
+)
+
+
 class ConfigBase:
     """Base of all config classes. Subclasses are declared with `@config_class`."""
 
@@ -107,6 +275,10 @@ class ConfigBase:
     _fields: ClassVar[dict[str, ConfigField]] = {}
 
     def __init__(self, **kwargs):
+        if "_fields" not in type(self).__dict__:
+            raise MissingConfigClassDecoratorError(
+                f"{type(self).__qualname__} was not decorated with @config_class"
+            )
         for field in self._fields.values():
             object.__setattr__(self, field.name, _copy_value(field.default))
         for key, value in kwargs.items():
@@ -120,6 +292,11 @@ class ConfigBase:
                 f"{type(self).__qualname__} has no field '{name}'"
                 f"{_close_names(name, self._fields)}"
             )
+        if self.__dict__.get("_frozen", False):
+            raise FrozenConfigError(
+                f"{type(self).__qualname__} is frozen; cannot set '{name}' (clone() it to edit)"
+            )
+        validate_config_field_value(value)
         object.__setattr__(self, name, _copy_value(value))
 
     def __getattr__(self, name: str) -> Any:
@@ -133,14 +310,49 @@ class ConfigBase:
     def __contains__(self, name: str) -> bool:
         return name in self._fields
 
+    def __len__(self) -> int:
+        return len(self._fields)
+
     def keys(self) -> list[str]:
-        return list(self._fields)
+        """The field names, sorted (as AXLearn's, and as dumps list them)."""
+        return sorted(self._fields)
 
     def items(self) -> list[tuple[str, Any]]:
-        return [(name, getattr(self, name)) for name in self._fields]
+        """(name, value) of every field, sorted by name."""
+        return [(name, getattr(self, name)) for name in self.keys()]
 
     def fields(self) -> dict[str, ConfigField]:
+        """Field name -> ConfigField, in declaration order (base classes' fields first)."""
         return dict(self._fields)
+
+    def get_recursively(self, path: Union[str, Sequence[Any]]) -> Any:
+        """The value at `path` below this config: a sequence of field names, list indices
+        and dict keys (['model', 'decoder', 'dim']), or the same as text
+        ('model.decoder.dim'); self for an empty path. Raises UnknownFieldError (an
+        AttributeError) for a field the config does not have."""
+        return get_recursively(self, path)
+
+    def set_recursively(self, path: Union[str, Sequence[Any]], *, value: Any) -> None:
+        """Sets the value at `path` (as in `get_recursively`, not empty)."""
+        set_recursively(self, path, value)
+
+    def freeze(self: C) -> C:
+        """Makes this config and the configs nested in it read-only: setting a field then
+        raises FrozenConfigError. Returns self. Copies (`clone()`, `copy.deepcopy`) are not
+        frozen. Values inside a field (a list's items) are not guarded."""
+
+        def enter(path: str, value: Any) -> bool:
+            if isinstance(value, ConfigBase):
+                object.__setattr__(value, "_frozen", True)
+            return True
+
+        _visit(self, "", lambda path, value: None, enter)
+        return self
+
+    @property
+    def is_frozen(self) -> bool:
+        """Whether `freeze()` made this config read-only."""
+        return self.__dict__.get("_frozen", False)
 
     def set(self: C, **kwargs) -> C:
         """Sets fields by keyword and returns self, for chaining."""
@@ -163,9 +375,18 @@ class ConfigBase:
     def __deepcopy__(self, memo):
         result = object.__new__(type(self))
         memo[id(self)] = result
+        kept = self._uncopied_field()
         for name in self._fields:
-            object.__setattr__(result, name, copy.deepcopy(getattr(self, name), memo))
+            value = getattr(self, name)
+            if name != kept:
+                value = copy.deepcopy(value, memo)
+            object.__setattr__(result, name, value)
         return result
+
+    def _uncopied_field(self) -> Optional[str]:
+        """A field a copy shares instead of copying: the `fn` / `klass` that a function or
+        class config calls, which may be a proxy object (wrapt) that cannot be copied."""
+        return None
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={_value_repr(v)}" for k, v in self.items())
@@ -201,6 +422,12 @@ class ConfigBase:
                     child_path = f"{path}.{name}" if path else name
                     _visit(field_value, child_path, visit, enter)
                 return False
+            record = _record_fields(value)
+            if record is not None:  # As for config fields, omit defaults that are omitted.
+                for key, item, default in record:
+                    if not _is_omitted(item, default, omitted):
+                        _visit(item, f"{path}[{key!r}]", visit, enter)
+                return False
             return True
 
         def visit(path: str, value: Any) -> None:
@@ -228,11 +455,15 @@ class ConfigBase:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A nested dict of JSON-friendly values (callables as qualified names)."""
-        return _to_jsonable(self)
+        """A nested dict of the fields: configs, dataclasses, attrs instances and named
+        tuples become dicts, lists and tuples keep their type, ranges become lists,
+        classes and functions become their qualified names; other values are kept as
+        they are (None, REQUIRED, numbers, strings)."""
+        return {name: _to_dict_value(value) for name, value in self.items()}
 
     def to_json(self, **kwargs) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
+        """`to_dict()` as JSON, every value JSON-friendly (others by name or repr)."""
+        return json.dumps(_to_jsonable(self), **kwargs)
 
 
 def _is_omitted(value: Any, default: Any, omitted: list[Any]) -> bool:
@@ -241,8 +472,33 @@ def _is_omitted(value: Any, default: Any, omitted: list[Any]) -> bool:
     )
 
 
+def _record_fields(value: Any) -> Optional[list[tuple[str, Any, Any]]]:
+    """(name, value, default) of each field of a dataclass or attrs instance or named
+    tuple, which configs flatten like dicts (`x['name']`); None for other values, and
+    for such an object that a module names (jax's `dots_saveable`), written by name."""
+    if isinstance(value, (ConfigBase, str, int, float, list, dict)) or value is None:
+        return None  # The common values, quickly.
+    if not (_is_dataclass_instance(value) or is_attrs(value) or is_named_tuple(value)):
+        return None
+    if callable(value) and qualified_name(value) is not None:
+        return None
+    if _is_dataclass_instance(value):
+        return [(f.name, getattr(value, f.name), f.default) for f in dataclasses.fields(value)]
+    if is_attrs(value) and not isinstance(value, type):
+        return [(a.name, getattr(value, a.name), a.default) for a in value.__attrs_attrs__]
+    if is_named_tuple(value):
+        defaults = getattr(type(value), "_field_defaults", {})
+        return [(k, v, defaults.get(k, dataclasses.MISSING)) for k, v in value._asdict().items()]
+    return None
+
+
 def _visit(value, path, visit_fn, enter_fn) -> None:
-    if isinstance(value, ConfigBase):
+    record = _record_fields(value)
+    if record is not None:
+        if enter_fn is None or enter_fn(path, value):
+            for key, item, _ in record:
+                _visit(item, f"{path}[{key!r}]", visit_fn, enter_fn)
+    elif isinstance(value, ConfigBase):
         if enter_fn is None or enter_fn(path, value):
             for name in value._fields:
                 child_path = f"{path}.{name}" if path else name
@@ -352,6 +608,28 @@ def _value_repr(value: Any) -> str:
     return repr(value)
 
 
+def _to_dict_value(value: Any) -> Any:
+    if isinstance(value, ConfigBase):
+        return value.to_dict()
+    if isinstance(value, dict):
+        items = {k: _to_dict_value(v) for k, v in value.items()}
+        # A defaultdict's constructor differs from dict's: it becomes a plain dict.
+        return items if isinstance(value, collections.defaultdict) else type(value)(items)
+    if _is_dataclass_instance(value):
+        return {f.name: _to_dict_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if is_attrs(value) and not isinstance(value, type):
+        return {k: _to_dict_value(v) for k, v in _attrs_asdict(value).items()}
+    if is_named_tuple(value):
+        return {k: _to_dict_value(v) for k, v in value._asdict().items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_dict_value(v) for v in value)
+    if isinstance(value, range):
+        return [_to_dict_value(v) for v in value]
+    if isinstance(value, (type, types.FunctionType)):
+        return qualified_name(value)
+    return value
+
+
 def _to_jsonable(value: Any) -> Any:
     if isinstance(value, ConfigBase):
         return {name: _to_jsonable(v) for name, v in value.items()}
@@ -376,26 +654,50 @@ def config_class(cls: type[C]) -> type[C]:
     Fields of base config classes are inherited; a subclass may override a default by
     annotating the field again. Every field needs a default (`REQUIRED` for none).
     """
-    if not issubclass(cls, ConfigBase):
-        raise TypeError(f"@config_class expects a ConfigBase subclass, got {cls}")
+    if not isinstance(cls, type) or not issubclass(cls, ConfigBase):
+        raise InvalidConfigClassError(f"@config_class expects a ConfigBase subclass, got {cls}")
     fields: dict[str, ConfigField] = {}
     for base in reversed(cls.__mro__[1:]):
         fields.update(getattr(base, "_fields", {}))
-    for name, annotation in cls.__dict__.get("__annotations__", {}).items():
-        if typing.get_origin(annotation) is ClassVar or name.startswith("_"):
+    annotations = cls.__dict__.get("__annotations__", {})
+    _check_non_config_attributes(cls, annotations)
+    for name, annotation in annotations.items():
+        if typing.get_origin(annotation) is ClassVar or annotation is ClassVar:
             continue
+        validate_config_field_name(name)
         if name not in cls.__dict__:
             raise ConfigError(
                 f"Field '{name}' of {cls.__qualname__} has no default; use REQUIRED if the "
                 "user must set it."
             )
-        fields[name] = ConfigField(name=name, annotation=annotation, default=cls.__dict__[name])
+        default = cls.__dict__[name]
+        try:
+            validate_config_field_value(default)
+        except InvalidConfigValueError as e:
+            raise InvalidConfigValueError(f"{cls.__qualname__}.{name}: {e}") from e
+        fields[name] = ConfigField(name=name, annotation=annotation, default=default)
     for name in fields:
         # Defaults live in `_fields`; the class attributes would shadow `__getattr__`.
         if name in cls.__dict__:
             delattr(cls, name)
     cls._fields = fields
     return cls
+
+
+def _check_non_config_attributes(cls: type, annotations: dict[str, Any]) -> None:
+    """Raises NonConfigFieldError for a class attribute that looks like a field but has no
+    annotation (`foo = 10`): it would silently not be a field. Methods, properties,
+    nested classes and private (`_x`) attributes are allowed (AXLearn allows only
+    methods)."""
+    for name, value in cls.__dict__.items():
+        if name.startswith("_") or name in annotations:
+            continue
+        if isinstance(value, (types.FunctionType, classmethod, staticmethod, property, type)):
+            continue
+        raise NonConfigFieldError(
+            f"Non-config attribute is not supported: {cls.__qualname__}.{name}; annotate it "
+            "with a type to make it a field"
+        )
 
 
 def _check_required(cfg: "ConfigBase", path: str) -> list[str]:
@@ -417,6 +719,23 @@ def _check_required(cfg: "ConfigBase", path: str) -> list[str]:
     return missing
 
 
+class Unresolved:
+    """A value read from golden text (`golden_text.parse_flat_text`) that names something
+    this library does not have.
+
+    It dumps back as the text it was read from, so that a foreign config (AXLearn's)
+    round-trips; instantiating a config that holds one raises, naming the config path
+    and what is missing.
+    """
+
+    def __init__(self, where: str = "", reason: str = ""):
+        self.where = where  # 'source:line: config.path', for the error.
+        self.reason = reason  # What is missing.
+
+    def error(self) -> "ConfigError":
+        return ConfigError(f"{self.where}: {self.reason}")
+
+
 def _check_resolved(cfg: "ConfigBase") -> None:
     """Raises for the first value read from foreign text that names something missing
     here (see `Unresolved`), in `cfg` and its nested function configs."""
@@ -425,7 +744,7 @@ def _check_resolved(cfg: "ConfigBase") -> None:
         return value is cfg or not isinstance(value, ClassConfigBase)
 
     def visit(child_path: str, value: Any) -> None:
-        if isinstance(value, Unresolved):  # Defined with the parser, below.
+        if isinstance(value, Unresolved):
             raise value.error()
 
     _visit(cfg, "", visit, enter)
@@ -454,6 +773,9 @@ class ClassConfigBase(InstantiableConfig[T]):
 
     klass: type = REQUIRED
 
+    def _uncopied_field(self) -> Optional[str]:
+        return "klass"
+
     def instantiate(self, **kwargs) -> T:
         self.check_required_fields(kwargs.pop("config_path", ""))
         return self.klass(self, **kwargs)
@@ -464,6 +786,9 @@ class FunctionConfigBase(InstantiableConfig[T]):
     """A config whose fields are the keyword arguments of `fn`."""
 
     fn: Callable = REQUIRED
+
+    def _uncopied_field(self) -> Optional[str]:
+        return "fn"
 
     # The field that holds `fn`'s *args (AXLearn's `chain` takes its transformations as
     # `args`), passed positionally; None: fn takes no *args.
@@ -481,6 +806,9 @@ class CallableClassConfigBase(InstantiableConfig[T]):
     klass: type = REQUIRED
 
     _positional_field: ClassVar[Optional[str]] = None  # As in FunctionConfigBase.
+
+    def _uncopied_field(self) -> Optional[str]:
+        return "klass"
 
     def instantiate(self, **kwargs) -> T:
         self.check_required_fields(kwargs.pop("config_path", ""))
@@ -567,7 +895,10 @@ def config_for_function(fn: Callable[..., T], **kwargs) -> FunctionConfigBase[T]
 
 
 def config_for_class(klass: type[T], **kwargs) -> CallableClassConfigBase[T]:
-    """A config with one field per constructor parameter of `klass`."""
+    """A config with one field per constructor parameter of `klass`; for
+    `functools.partial`, a PartialFunctionConfig (fields `args` and `kwargs`)."""
+    if klass is functools.partial:
+        return PartialFunctionConfig(**kwargs)
     fields = _signature_fields(klass.__init__, skip=("self", "klass"))
     cls = _make_config_class(
         CallableClassConfigBase,
@@ -576,6 +907,34 @@ def config_for_class(klass: type[T], **kwargs) -> CallableClassConfigBase[T]:
         _positional_field(klass.__init__),
     )
     return cls(klass=klass, **kwargs)
+
+
+@config_class
+class PartialFunctionConfig(InstantiableConfig[Callable]):
+    """A config of `functools.partial(*args, **kwargs)`, where `args[0]` is the function;
+    it dumps as AXLearn's `config_for_class(functools.partial)` does (`klass`, `args[i]`,
+    `kwargs['name']`)."""
+
+    klass: type = functools.partial
+    args: Sequence[Any] = ()  # The function, then its leading positional arguments.
+    kwargs: dict[str, Any] = {}  # Keyword arguments bound to the function.
+
+    def instantiate(self, **kwargs) -> Callable:
+        self.check_required_fields(kwargs.pop("config_path", ""))
+        if not self.args or not callable(self.args[0]):
+            raise ConfigError(f"args[0] must be the function to bind, got {self.args!r}")
+        return self.klass(*self.args, **self.kwargs, **kwargs)
+
+
+def config_for_partial_function(
+    fn: Callable[..., T], /, *args, **kwargs
+) -> PartialFunctionConfig:
+    """A config that instantiates to `functools.partial(fn, *args, **kwargs)`; set more
+    bound keyword arguments through its `kwargs` field.
+
+    Example: `config_for_partial_function(pow, exp=2).instantiate()(3) == 9`.
+    """
+    return PartialFunctionConfig(args=(fn, *args), kwargs=kwargs)
 
 
 ConfigOr = Union[T, InstantiableConfig[T]]
@@ -594,6 +953,56 @@ def maybe_set_config(cfg: C, **kwargs) -> C:
         if key in cfg._fields:
             setattr(cfg, key, value)
     return cfg
+
+
+class ConfigModifier(Configurable):
+    """Maps a config to a modified one (`modifier(cfg) -> cfg`): a named, configurable
+    edit, e.g. a mesh rule's change of a trainer config. This base leaves `cfg`
+    unchanged; subclasses override `__call__`."""
+
+    def __call__(self, cfg: InstantiableConfig[T]) -> InstantiableConfig[T]:
+        return cfg
+
+
+# What an experiment module's `named_trainer_configs()` maps each config name to.
+TrainerConfigFn = Callable[[], InstantiableConfig]
+
+
+def with_overrides(trainer_config_fn: TrainerConfigFn, **kwargs) -> TrainerConfigFn:
+    """A TrainerConfigFn that builds `trainer_config_fn()` and sets `kwargs` on it."""
+
+    def fn() -> InstantiableConfig:
+        return trainer_config_fn().set(**kwargs)
+
+    return fn
+
+
+def get_named_trainer_config(
+    config_name: str, *, config_module: str, root_module: Optional[str] = None
+) -> TrainerConfigFn:
+    """The TrainerConfigFn named `config_name` in experiment module `config_module`.
+
+    The module, imported when this is called, is `{root_module}.experiments.{config_module}`
+    (AXLearn's layout, e.g. root_module='axlearn', config_module='text.gpt.fuji'), or
+    `experiments.{config_module}` (this repository's launcher modules) without
+    `root_module`. Its `named_trainer_configs()` returns {name: TrainerConfigFn}, or a
+    function of the name. An unknown name raises UnknownKeyError (a KeyError) naming
+    the similar names.
+    """
+    package = f"{root_module}.experiments" if root_module else "experiments"
+    module = importlib.import_module(f"{package}.{config_module}")
+    config_map = module.named_trainer_configs()
+    if callable(config_map):
+        return config_map(config_name)
+    if config_name in config_map:
+        return config_map[config_name]
+    similar = similar_names(config_name, config_map.keys())
+    hint = (
+        f"did you mean [{', '.join(similar)}]"
+        if similar
+        else f"{module.__name__} defines {', '.join(sorted(config_map)) or 'none'}"
+    )
+    raise UnknownKeyError(f"Unrecognized config {config_name}; {hint}")
 
 
 # ----- paths -----
@@ -656,7 +1065,7 @@ def _get_child(node: Any, key: Any, parts: Sequence[Any], depth: int) -> Any:
         return node[key]
     if isinstance(node, Mapping):
         if key not in node:
-            raise ConfigError(
+            raise UnknownKeyError(
                 f"{where} has no key {key!r}{_close_names(str(key), map(str, node))}"
             )
         return node[key]
@@ -705,9 +1114,74 @@ def _set_in(node: Any, parts: Sequence[Any], depth: int, value: Any) -> Any:
 # ----- overrides -----
 
 
+TRUSTED_PACKAGES_ENV = "AXLEARN_TRUSTED_PACKAGES"
+# The packages whose names config text may use: this library, the project's named
+# experiments, and what configs name of JAX, NumPy and optax (functions, dtypes, policies).
+DEFAULT_TRUSTED_PACKAGES = ("axlearn", "experiments", "jax", "numpy", "optax")
+_widened_packages: list[str] = []  # Added by `trust_packages` (the commands' flag).
+
+
+class UntrustedNameError(ConfigError):
+    """A name in config text or an override that is outside the trusted packages."""
+
+
+def trust_packages(packages: Union[str, Iterable[str]]) -> None:
+    """Lets config text name objects under `packages` too, for this process: a
+    comma-separated string or a sequence of top-level package names. The commands call
+    it with their `--trusted_packages` flag; `AXLEARN_TRUSTED_PACKAGES` does the same."""
+    if isinstance(packages, str):
+        packages = packages.split(",")
+    for package in packages:
+        package = package.strip()
+        if not package:
+            continue
+        if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", package):
+            raise ConfigError(f"Trusted package '{package}' is not a dotted Python name")
+        if package not in _widened_packages:
+            _widened_packages.append(package)
+
+
+def trusted_packages() -> tuple[str, ...]:
+    """The defaults, then `trust_packages`'s, then `$AXLEARN_TRUSTED_PACKAGES`'s."""
+    env = [p.strip() for p in os.environ.get(TRUSTED_PACKAGES_ENV, "").split(",") if p.strip()]
+    packages = [*DEFAULT_TRUSTED_PACKAGES, *_widened_packages, *env]
+    return tuple(dict.fromkeys(packages))
+
+
+def _is_trusted_module(module: str, packages: Sequence[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _module_of(obj: Any) -> str:
+    """The module that defines `obj`: a module's own name, a class's or function's
+    `__module__`, else its type's (a dtype instance, a policy object)."""
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    module = getattr(obj, "__module__", None)
+    return module if isinstance(module, str) else type(obj).__module__
+
+
+def _untrusted(name: str, where: str, what: str) -> UntrustedNameError:
+    packages = ", ".join(trusted_packages())
+    return UntrustedNameError(
+        f"{where}'{name}'{what} is not under a trusted package ({packages}); "
+        f"to allow it, set {TRUSTED_PACKAGES_ENV}=<package> or pass --trusted_packages"
+    )
+
+
 def import_name(name: str, *, where: str = "") -> Any:
-    """Imports 'package.module.attr' (attr may be nested, e.g. 'mod.Class.method')."""
+    """Imports 'package.module.attr' (attr may be nested, e.g. 'mod.Class.method').
+
+    Only names under `trusted_packages()` are imported, checked before anything is
+    imported, and the object reached must be defined there too, so that neither
+    `os.system` nor a trusted module's `os` attribute resolves. `where` prefixes errors.
+    """
+    packages = trusted_packages()
+    if not _is_trusted_module(name, packages):
+        raise _untrusted(name, where, "")
     parts = name.split(".")
+    if any(part.startswith("__") for part in parts):
+        raise ConfigError(f"{where}'{name}': names with dunder parts are not resolved")
     for split in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:split])
         try:
@@ -720,9 +1194,11 @@ def import_name(name: str, *, where: str = "") -> Any:
         try:
             for attr in parts[split:]:
                 obj = getattr(obj, attr)
-            return obj
         except AttributeError:
             break
+        if not _is_trusted_module(_module_of(obj), packages):
+            raise _untrusted(name, where, f" (defined in {_module_of(obj)})")
+        return obj
     raise ConfigError(f"{where}'{name}' does not name an importable class, function or dtype")
 
 
@@ -768,7 +1244,7 @@ def _coerce_override(field_path: str, field: Optional[ConfigField], current: Any
     if isinstance(value, str) and qualified_name(current) is not None and "." in value:
         return import_name(value, where=f"{field_path}: ")
     if field is not None and not _type_matches(value, field.annotation):
-        raise ConfigError(
+        raise InvalidConfigValueError(
             f"{field_path}: expected {_annotation_str(field.annotation)}, "
             f"got {value!r} ({type(value).__name__})"
         )
@@ -804,364 +1280,3 @@ def apply_overrides(cfg: C, overrides: Iterable[str]) -> C:
         field = parent._fields.get(parts[-1]) if isinstance(parent, ConfigBase) else None
         set_recursively(cfg, parts, _coerce_override(path, field, current, value))
     return cfg
-
-
-# ----- parsing golden text -----
-
-
-class Unresolved:
-    """A value read from golden text that names something this library does not have.
-
-    It dumps back as the text it was read from, so that a foreign config (AXLearn's)
-    round-trips; instantiating a config that holds one raises, naming the config path
-    and what is missing.
-    """
-
-    def __init__(self, where: str = "", reason: str = ""):
-        self.where = where  # 'source:line: config.path', for the error.
-        self.reason = reason  # What is missing.
-
-    def error(self) -> "ConfigError":
-        return ConfigError(f"{self.where}: {self.reason}")
-
-
-class UnresolvedName(str, Unresolved):
-    """A quoted qualified name ('pkg.module.name') that does not import here."""
-
-    def __new__(cls, name: str, where: str = "", reason: str = "") -> "UnresolvedName":
-        return super().__new__(cls, name)
-
-    def __init__(self, name: str, where: str = "", reason: str = ""):
-        del name  # Held by the str itself.
-        Unresolved.__init__(self, where, reason)
-
-
-class EnumText(Unresolved):
-    """An enum member written as `<Cls.NAME: value>` whose enum class is not known here."""
-
-    def __init__(self, text: str, class_name: str, member: str, where: str = ""):
-        reason = f"enum {class_name} (read as {text}) is not a type this field takes"
-        super().__init__(where, reason)
-        self.text, self.class_name, self.member = text, class_name, member
-
-    def __repr__(self) -> str:
-        return self.text
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, EnumText) and other.text == self.text
-
-    def __hash__(self) -> int:
-        return hash(self.text)
-
-
-@config_class
-class UnresolvedConfig(InstantiableConfig):
-    """A config whose `klass`/`fn` does not import here, or that sets fields its class
-    lacks. Each parsed one is an instance of its own subclass, whose fields are the
-    text's, so that it dumps back unchanged; `instantiate()` raises."""
-
-    _unresolved: ClassVar[Unresolved] = Unresolved()
-
-    def instantiate(self, **kwargs):
-        raise self._unresolved.error()
-
-
-def unresolved_values(cfg: Any, path: str = "") -> list[tuple[str, Unresolved]]:
-    """(path, value) of every unresolved name, enum or config in a config tree."""
-    found: list[tuple[str, Unresolved]] = []
-
-    def enter(child_path: str, value: Any) -> bool:
-        if isinstance(value, UnresolvedConfig):
-            found.append((child_path, value._unresolved))
-        return True
-
-    def visit(child_path: str, value: Any) -> None:
-        # An unresolved config's klass/fn is its own placeholder (a copy), listed once.
-        if isinstance(value, Unresolved) and all(value.where != f.where for _, f in found):
-            found.append((child_path, value))
-
-    _visit(cfg, path, visit, enter)
-    return found
-
-
-_ENUM_REPR = re.compile(r"<([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\.([A-Za-z_]\w*): (.*)>")
-
-
-def read_value(text: str) -> Any:
-    """One value of golden text: a Python literal, `PartitionSpec(...)` (a jax
-    PartitionSpec), `inf`/`nan`, or an enum member `<Cls.NAME: value>` (an EnumText
-    until a field of that enum type takes it)."""
-    match = _ENUM_REPR.fullmatch(text)
-    if match:
-        return EnumText(text, *match.group(1, 2))
-    return _literal(ast.parse(text, mode="eval").body)
-
-
-_SPECIAL_FLOATS = {"inf": float("inf"), "nan": float("nan")}
-
-
-def _literal(node: ast.AST) -> Any:
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        items = [_literal(item) for item in node.elts]
-        return {ast.Tuple: tuple, ast.List: list, ast.Set: set}[type(node)](items)
-    if isinstance(node, ast.Dict):
-        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        operand = _literal(node.operand)
-        if isinstance(operand, (int, float, complex)) and not isinstance(operand, bool):
-            return -operand if isinstance(node.op, ast.USub) else operand
-    if isinstance(node, ast.Name) and node.id in _SPECIAL_FLOATS:
-        return _SPECIAL_FLOATS[node.id]
-    if (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id == "PartitionSpec"
-        and not node.keywords
-    ):
-        from jax.sharding import PartitionSpec  # pylint: disable=import-outside-toplevel
-
-        return PartitionSpec(*(_literal(arg) for arg in node.args))
-    raise ValueError(f"not a literal: {ast.unparse(node)}")
-
-
-def _key_value(line: str, lineno: int, source: str) -> tuple[list[Any], Any]:
-    key, sep, text = line.partition(": ")
-    if not sep:
-        raise ConfigError(f"{source}:{lineno}: expected 'key: value', got {line!r}")
-    try:
-        value = read_value(text)
-    except (ValueError, SyntaxError) as e:
-        raise ConfigError(f"{source}:{lineno}: cannot read value {text!r}: {e}") from e
-    try:
-        return parse_path(key), value
-    except ConfigError as e:
-        raise ConfigError(f"{source}:{lineno}: {e}") from e
-
-
-class _Node(dict):
-    """An intermediate tree while parsing: child key -> _Node, or a leaf (value, lineno)."""
-
-
-def flat_lines(text: str) -> dict[str, str]:
-    """Key -> value text of each `key: value` line of golden text."""
-    out = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(": ")
-        if sep:
-            out[key] = value
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class _ParseContext:
-    source: str  # The file name, for errors.
-    foreign: bool  # Read as a dump of another library version (see parse_flat_text).
-
-    def where(self, lineno: int, path: Sequence[Any] = ()) -> str:
-        return f"{self.source}:{lineno}: {_format_path(path) or '<root>'}"
-
-
-def parse_flat_text(text: str, *, source: str = "<text>", foreign: bool = False) -> ConfigBase:
-    """Reads golden text back into a config tree.
-
-    `klass`/`fn` lines choose each config's class; quoted names in fields whose default
-    is a class, function or dtype are imported. Dumping the result reproduces `text`.
-
-    By default a name that does not import here, or a field its class lacks, raises;
-    a field the text leaves out keeps its default. With `foreign=True` the text is read
-    as the complete dump of another version of the library (AXLearn's own goldens):
-    - unknown names and fields are kept as `Unresolved` placeholders (an
-      `UnresolvedConfig` for a config) that dump back as the same text and raise,
-      naming their config path and what is missing, when instantiated;
-    - a field the text leaves out is None, since a dump omits exactly the fields that
-      are None or REQUIRED (its config gets a subclass whose default there is None).
-    """
-    root = _Node()
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        parts, value = _key_value(line, lineno, source)
-        node = root
-        for part in parts[:-1]:
-            node = node.setdefault(part, _Node())
-            if not isinstance(node, _Node):
-                raise ConfigError(f"{source}:{lineno}: {_format_path(parts)} nests under a leaf")
-        node[parts[-1]] = (value, lineno)
-    return _build(root, [], _ParseContext(source, foreign), default=None)
-
-
-def _first_lineno(node: Any) -> int:
-    if isinstance(node, tuple):
-        return node[1]
-    return min(_first_lineno(v) for v in node.values())
-
-
-def _annotation_names_object(annotation: Any) -> bool:
-    """Whether an annotation admits classes, callables or dtypes."""
-    if annotation is type or annotation is Callable or "dtype" in str(annotation):
-        return True
-    if typing.get_origin(annotation) in (type, Callable, typing.Callable):
-        return True
-    return any(_annotation_names_object(a) for a in typing.get_args(annotation))
-
-
-def _names_an_object(default: Any, annotation: Any) -> bool:
-    """Whether a quoted string for this field is the qualified name of a class/fn/dtype."""
-    return qualified_name(default) is not None or _annotation_names_object(annotation)
-
-
-def _enum_types(default: Any, annotation: Any) -> list[type]:
-    """The enum classes a field takes: its default's, and those its annotation names."""
-    types_ = [type(default)] if isinstance(default, enum.Enum) else []
-    candidates = [annotation, *typing.get_args(annotation)]
-    types_ += [a for a in candidates if isinstance(a, type) and issubclass(a, enum.Enum)]
-    return types_
-
-
-def _resolve_enum(value: EnumText, default: Any, annotation: Any) -> Any:
-    for enum_type in _enum_types(default, annotation):
-        if enum_type.__name__ == value.class_name.rsplit(".", 1)[-1]:
-            if value.member in enum_type.__members__:
-                return enum_type[value.member]
-    return value
-
-
-def _build_leaf(node: tuple, path: list[Any], ctx: _ParseContext, default, annotation) -> Any:
-    value, lineno = node
-    if isinstance(value, EnumText):
-        value.where = ctx.where(lineno, path)
-        resolved = _resolve_enum(value, default, annotation)
-        if resolved is value and not ctx.foreign:
-            raise value.error()
-        return resolved
-    if (
-        isinstance(value, str)
-        and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", value)
-        and _names_an_object(default, annotation)
-    ):
-        try:
-            return import_name(value, where=f"{ctx.source}:{lineno}: ")
-        except ConfigError as e:
-            if not ctx.foreign:
-                raise
-            return UnresolvedName(value, ctx.where(lineno, path), str(e).split(": ", 1)[-1])
-    return value
-
-
-def _build(node: Any, path: list[Any], ctx: _ParseContext, default: Any, annotation: Any = Any):
-    if isinstance(node, tuple):  # A leaf.
-        return _build_leaf(node, path, ctx, default, annotation)
-    if "klass" in node or "fn" in node:
-        return _build_config(node, path, ctx)
-    if all(isinstance(k, int) for k in node):
-        items = [node[i] for i in sorted(node)]
-        if sorted(node) != list(range(len(node))):
-            raise ConfigError(
-                f"{ctx.source}:{_first_lineno(node)}: {_format_path(path)} has gaps in its indices"
-            )
-        defaults = list(default) if isinstance(default, (list, tuple)) else []
-        built = [
-            _build(item, path + [i], ctx, defaults[i] if i < len(defaults) else None)
-            for i, item in enumerate(items)
-        ]
-        return list(built) if isinstance(default, list) else tuple(built)
-    defaults = default if isinstance(default, Mapping) else {}
-    return {k: _build(v, path + [k], ctx, defaults.get(k)) for k, v in node.items()}
-
-
-def _text_config_class(
-    base: type,
-    *,
-    extra: Sequence[str] = (),
-    none: Sequence[str] = (),
-    unresolved: Optional[Unresolved] = None,
-    name: Optional[str] = None,
-) -> type:
-    """A subclass of config class `base` for text it cannot express as it is: `extra`
-    fields (each defaulting to REQUIRED, so that every value the text sets, None
-    included, dumps back) and `none` fields whose default becomes None. With
-    `unresolved`, the subclass is an UnresolvedConfig whose instantiate() raises."""
-    bases = (base,)
-    namespace: dict[str, Any] = {field: REQUIRED for field in extra}
-    namespace.update({field: None for field in none})
-    annotations = {field: Any for field in extra}
-    annotations.update({field: base._fields[field].annotation for field in none})
-    if unresolved is not None:
-        if not issubclass(base, UnresolvedConfig):
-            bases = (base, UnresolvedConfig)
-        namespace.update(_unresolved=unresolved, instantiate=UnresolvedConfig.instantiate)
-    name = name or base.__qualname__
-    namespace.update(__annotations__=annotations, __module__=base.__module__, __qualname__=name)
-    return config_class(type(name.rsplit(".", 1)[-1], bases, namespace))
-
-
-def _build_config(node: _Node, path: list[Any], ctx: _ParseContext) -> ConfigBase:
-    key = "klass" if "klass" in node else "fn"
-    name, lineno = node[key]
-    try:
-        target = import_name(name, where=f"{ctx.source}:{lineno}: ")
-    except ConfigError as e:
-        if not ctx.foreign:
-            raise
-        reason = str(e).split(": ", 1)[-1]
-        unresolved = UnresolvedName(name, ctx.where(lineno, path), reason)
-        cls = _text_config_class(
-            UnresolvedConfig, extra=list(node), unresolved=unresolved, name=f"Unresolved[{name}]"
-        )
-        cfg = cls()
-        setattr(cfg, key, unresolved)
-        for field_name, child in node.items():
-            if field_name != key:
-                setattr(cfg, field_name, _build(child, path + [field_name], ctx, None))
-        return cfg
-    if key == "fn":
-        cfg = config_for_function(target)
-    elif isinstance(target, type) and issubclass(target, Configurable):
-        cfg = target.default_config()
-    else:
-        cfg = config_for_class(target)
-    unknown = [f for f in node if f != key and f not in cfg.keys()]
-    if unknown and not ctx.foreign:
-        first = _first_lineno(node[unknown[0]])
-        raise UnknownFieldError(
-            f"{ctx.source}:{first}: {_format_path(path + [unknown[0]])}: "
-            f"{name} has no field '{unknown[0]}'{_close_names(str(unknown[0]), cfg.keys())}"
-        )
-    if ctx.foreign:
-        cfg = _as_complete_dump(cfg, node, unknown, path, ctx, name)
-    for field_name, child in node.items():
-        if field_name == key:
-            continue
-        default = getattr(cfg, field_name)
-        annotation = cfg._fields[field_name].annotation
-        setattr(cfg, field_name, _build(child, path + [field_name], ctx, default, annotation))
-    return cfg
-
-
-def _as_complete_dump(
-    cfg: ConfigBase,
-    node: _Node,
-    unknown: list[str],
-    path: list[Any],
-    ctx: _ParseContext,
-    name: str,
-) -> ConfigBase:
-    """`cfg` re-typed so that `node`, read as a complete dump, dumps back unchanged: the
-    `unknown` fields are kept (and make instantiation fail), and fields the text leaves
-    out that are not None or REQUIRED here become None, the only values a dump omits."""
-    none = [
-        f
-        for f, value in cfg.items()
-        if f not in node and f not in ("klass", "fn") and not (value is None or value is REQUIRED)
-    ]
-    if not unknown and not none:
-        return cfg
-    unresolved = None
-    if unknown:
-        where = ctx.where(_first_lineno(node[unknown[0]]), path)
-        unresolved = Unresolved(where, f"{name} has no field(s) {', '.join(map(repr, unknown))}")
-    cls = _text_config_class(type(cfg), extra=unknown, none=none, unresolved=unresolved)
-    values = {f: v for f, v in cfg.items() if f not in none}
-    return cls(**values)

@@ -286,8 +286,10 @@ class Decoder(BaseLayer):
         vocab_size: Required[int] = REQUIRED
         dim: Required[int] = REQUIRED  # Model width: embeddings, transformer, output norm.
         # 'causal': the decoder turns on `causal` in every attention config of `transformer`;
-        # None: the transformer config is used as given (its attention must mask itself).
-        attention_mask: Optional[str] = "causal"
+        # None: the transformer config is used as given (its attention must mask itself);
+        # an attention-bias layer config (attention.ALiBiAttentionLogitBiasLayer, ...): its
+        # biases [B,1|N,T,T] go to every self-attention (which then need not be causal).
+        attention_mask: Optional[Union[str, InstantiableConfig]] = "causal"
         # Fills the `rate` of the embedding and output dropouts where those leave it None.
         dropout_rate: float = 0.0
         emb: InstantiableConfig = TransformerTextEmbeddings.default_config()
@@ -314,6 +316,8 @@ class Decoder(BaseLayer):
         transformer = cfg.transformer.clone(input_dim=cfg.dim)
         if cfg.attention_mask == "causal":
             _set_causal_attention(transformer)
+        elif isinstance(cfg.attention_mask, InstantiableConfig):
+            self._add_child("attention_mask", cfg.attention_mask)
         elif cfg.attention_mask is not None:
             raise ConfigError(
                 f"{self.path()}.attention_mask: '{cfg.attention_mask}' is not supported; "
@@ -360,7 +364,14 @@ class Decoder(BaseLayer):
     ) -> Tensor:
         """The states that feed the LM head: [B, T, dim] after output norm and dropout."""
         x = self.emb(input_ids, positions=positions)
-        x = self.transformer(x, segment_ids=segment_ids, positions=positions)
+        kwargs = {}
+        if "attention_mask" in self.children:
+            ones = jnp.ones(input_ids.shape, jnp.int32)
+            kwargs["attention_logit_biases"] = self.attention_mask(
+                segment_ids=ones if segment_ids is None else segment_ids,
+                positions=jnp.cumsum(ones, axis=-1) - 1 if positions is None else positions,
+            )
+        x = self.transformer(x, segment_ids=segment_ids, positions=positions, **kwargs)
         return self._output(x)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
@@ -387,8 +398,15 @@ class Decoder(BaseLayer):
     # ----- incremental decoding -----
 
     def init_states(self, *, batch_size: int, max_len: int) -> Any:
-        """An empty KV cache for `batch_size` sequences of up to `max_len` tokens."""
-        return dict(transformer=self.transformer.init_states(batch_size=batch_size, max_len=max_len))
+        """An empty KV cache for `batch_size` sequences of up to `max_len` tokens (and,
+        with an attention-bias layer, the cache's positions, which its biases need)."""
+        states = dict(
+            transformer=self.transformer.init_states(batch_size=batch_size, max_len=max_len)
+        )
+        if "attention_mask" in self.children:
+            positions = jnp.arange(max_len, dtype=jnp.int32)
+            states["key_positions"] = jnp.broadcast_to(positions, (batch_size, max_len))
+        return states
 
     def extend_step(
         self, cached_states: Any, input_ids: Tensor, *, time_step: Tensor
@@ -401,14 +419,19 @@ class Decoder(BaseLayer):
         steps = jnp.arange(input_ids.shape[1], dtype=jnp.int32)
         positions = time_step.astype(jnp.int32)[:, None] + steps[None, :]
         x = self.emb(input_ids, positions=positions)
+        kwargs = {}
+        if "attention_mask" in self.children:
+            kwargs["attention_logit_biases"] = self.attention_mask.biases(
+                query_positions=positions, key_positions=cached_states["key_positions"]
+            )
         transformer_cache, x = self.transformer.extend_step(
-            cached_states["transformer"], x, time_step=time_step
+            cached_states["transformer"], x, time_step=time_step, **kwargs
         )
         hidden_states = self._output(x)
         # No logits_partition_spec here: a few decoded positions (or a small decoding batch)
         # need not divide the mesh axes that training shards over.
         logits = self._logits(hidden_states)
-        return dict(transformer=transformer_cache), dict(
+        return dict(cached_states, transformer=transformer_cache), dict(
             logits=logits, hidden_states=hidden_states
         )
 

@@ -27,10 +27,16 @@ cast to FP8 rounds. Where a scale comes from:
 
 An amax is that of the whole tensor, over every device of the mesh (XLA reduces the
 shards' maxima), so a sharded run casts as a run on one device does.
+
+A checkpoint saved without delayed scaling (a bf16 run) holds no histories: a run that
+switches to FP8 resumes from it with the saved weights and fresh (zero) histories
+(`restore_with_fresh_scaling_state`), as a fresh FP8 run starts.
 """
 
 import functools
-from typing import NamedTuple, Optional, Union
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +46,7 @@ from axlearn.common.config import ConfigError, config_class
 from axlearn.common.module import Module, Tensor
 from axlearn.common.param_init import constant_initializer
 from axlearn.common.sharding import gathered_for_matmul
+from axlearn.common.utils import flatten_with_paths, tree_paths
 
 # The forward pass's operands: more precision. The gradients: more range.
 FORWARD_DTYPE = jnp.float8_e4m3fn
@@ -276,4 +283,45 @@ class Fp8Matmul(BaseLayer):
         if self.delayed:
             histories = AmaxHistories(*(self.parameters[name] for name in AMAX_HISTORY_NAMES))
         return fp8_einsum(spec, x, weight, histories=histories, partition_spec=partition_spec)
+
+
+# ----- resuming from a checkpoint without scaling state -----
+
+
+def is_scaling_state(path: str) -> bool:
+    """Whether the '/'-joined state path `path` is delayed-scaling state (a history, or
+    anything a learner keeps for one)."""
+    return re.fullmatch(STATE_REGEX, path) is not None
+
+
+def restore_with_fresh_scaling_state(
+    restore: Callable[[Any], tuple[Optional[int], Any, Any]],
+    template: Any,
+    fresh: Callable[[Sequence[str]], dict[str, Any]],
+) -> tuple[Optional[int], Any, Any]:
+    """`restore(template)` -> (step, state, extra), the checkpointer's restore into a state
+    template; where that fails because the checkpoint holds none of the template's scaling
+    state (it was saved without FP8 delayed scaling) but everything else, the rest is
+    restored and the scaling state is `fresh(paths)`: {path: value} for the template's
+    scaling-state paths (their initial values). Any other mismatch raises the full
+    restore's error.
+    """
+    try:
+        return restore(template)
+    except ValueError as error:
+        paths = [path for path, _ in flatten_with_paths(template) if is_scaling_state(path)]
+        if not paths:
+            raise
+        stateless = jax.tree.map(
+            lambda path, leaf: None if is_scaling_state(path) else leaf,
+            tree_paths(template),
+            template,
+        )
+        try:
+            step, restored, extra = restore(stateless)
+        except ValueError:
+            raise error from None
+    values = {**dict(flatten_with_paths(restored)), **fresh(paths)}
+    state = jax.tree.map(lambda path, _: values[path], tree_paths(template), template)
+    return step, state, extra
 

@@ -38,21 +38,24 @@ Usage:
 
     python -m axlearn.common.hf_llama export --trainer_dir=T [--step=N] --output=DIR \\
         [--dtype=bfloat16] [--max_shard_size=5GB] [--tokenizer=PATH]
+
+Export writes the run's parameter dtype unless --dtype says otherwise, and keeps the
+config.json fields of the Hugging Face model a run started from (--init_from_hf records
+them: bos_token_id, max_position_embeddings, ...).
 """
 
-import argparse
 import copy
 import dataclasses
 import logging
 import os
 import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from axlearn.common import fp8, hf_checkpoint
 from axlearn.common.attention import (
@@ -66,6 +69,8 @@ from axlearn.common.attention import (
     llama3_rope_scaling,
 )
 from axlearn.common.causal_lm import Model
+from axlearn.common.checkpointer import CheckpointCorruptError
+from axlearn.common.command_flags import parse_command_flags, usage_error
 from axlearn.common.config import (
     REQUIRED,
     ConfigBase,
@@ -521,19 +526,26 @@ def llama_dims(cfg: Model.Config) -> LlamaDims:
 # ----- to a Hugging Face config -----
 
 
-def hf_config_dict(cfg: Model.Config, *, dtype: str = "float32") -> dict[str, Any]:
+def hf_config_dict(
+    cfg: Model.Config, *, dtype: str = "float32", source: Optional[Mapping[str, Any]] = None
+) -> dict[str, Any]:
     """The config.json of a Llama equivalent to our Llama-shaped `cfg` (ConfigError naming
-    the fields a Llama cannot express)."""
+    the fields a Llama cannot express), with the `source` fields (`source_fields` of the
+    model it started from) it does not compute: bos_token_id, max_position_embeddings ..."""
+    source = dict(source or {})
     dims = llama_dims(cfg)
     rope = _attention_config(cfg).input_linear.rope_pos_emb_layer
     rope_scaling = _rope_scaling_of(rope.frequency_scaling, path=_ROPE_PATH)
     eos = token_id_list(cfg.decoder.eos_token_id)
     # Only sizes transformers' default caches: rotary embeddings have no length limit.
     max_positions = 2048
-    if rope_scaling is not None:
+    if "max_position_embeddings" in source:
+        max_positions = int(source["max_position_embeddings"])
+    elif rope_scaling is not None:
         original = rope_scaling.get("original_max_position_embeddings", max_positions)
         max_positions = int(original * rope_scaling["factor"])
     return {
+        **source,
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": dims.vocab_size,
@@ -558,10 +570,15 @@ def hf_config_dict(cfg: Model.Config, *, dtype: str = "float32") -> dict[str, An
     }
 
 
-def generation_config_dict(cfg: Model.Config) -> dict[str, Any]:
-    """generation_config.json: the EOS ids (all of them) and the pad id."""
+def generation_config_dict(
+    cfg: Model.Config, *, source: Optional[Mapping[str, Any]] = None
+) -> dict[str, Any]:
+    """generation_config.json: the EOS ids (all of them), the pad id, and the bos id of
+    the `source` fields (`source_fields`) where they name one."""
     eos = token_id_list(cfg.decoder.eos_token_id)
     result: dict[str, Any] = {"eos_token_id": eos[0] if len(eos) == 1 else eos}
+    if (source or {}).get("bos_token_id") is not None:
+        result["bos_token_id"] = source["bos_token_id"]
     if cfg.decoder.pad_token_id is not None:
         result["pad_token_id"] = cfg.decoder.pad_token_id
     return result
@@ -601,6 +618,34 @@ def warm_start_model_config(recipe: Model.Config, hf_directory: str) -> Model.Co
         if table is not None:
             model.decoder.lm_head.param_partition_spec = tuple(reversed(tuple(table)))
     return model
+
+
+# Fields of config.json that `hf_config_dict` writes from the model config (or that only
+# describe the file: its dtype, the rope spelling of another transformers version).
+_MODEL_FIELDS = frozenset(
+    (
+        "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+        "tie_word_embeddings", "attention_bias", "mlp_bias", "attention_dropout",
+        "pad_token_id", "eos_token_id", "torch_dtype", "dtype", "partial_rotary_factor",
+        "quantization_config", "transformers_version",
+    )
+)
+
+
+def source_fields(hf_directory: str) -> dict[str, Any]:
+    """The fields of the config.json in `hf_directory` that our model config does not
+    carry and export should keep: scalars outside `_MODEL_FIELDS` (bos_token_id,
+    max_position_embeddings, initializer_range, use_cache, ...)."""
+    config = hf_checkpoint.read_config(hf_directory)
+    return {
+        key: value
+        for key, value in sorted(config.items())
+        if key not in _MODEL_FIELDS
+        and isinstance(value, (bool, int, float, str))
+        and not key.startswith("_")
+    }
 
 
 # ----- parameters as views of the HF tensors -----
@@ -738,6 +783,10 @@ class HfLlamaWeights(Configurable):
         """Configures HfLlamaWeights."""
 
         path: Required[str] = REQUIRED  # A local Hugging Face model directory.
+        # Fields of its config.json that the model config does not carry (bos_token_id,
+        # max_position_embeddings, initializer_range, ...; `source_fields`), which export
+        # writes back. None: none recorded.
+        source_fields: Optional[dict[str, Any]] = None
 
     def load(self, *, model_config: Model.Config, param_specs: Any, shardings: Any) -> Any:
         """The parameters of `model_config` (whose sizes must be the checkpoint's) in the
@@ -837,13 +886,16 @@ def write_hf_model(
     dtype: str = "bfloat16",
     max_shard_size: int = hf_checkpoint.parse_size(hf_checkpoint.DEFAULT_MAX_SHARD_SIZE),
     tokenizer: Optional[str] = None,
+    source: Optional[Mapping[str, Any]] = None,
 ) -> list[str]:
-    """Writes our Llama-shaped model as a Hugging Face directory: config.json,
+    """Writes our Llama-shaped model as a Hugging Face directory: config.json (with the
+    `source` fields of the model it started from, `source_fields`),
     generation_config.json, safetensors weights in `dtype` (sharded above
     `max_shard_size` bytes) and, given a tokenizer file, its files. Returns the names."""
     if dtype not in _EXPORT_DTYPES:
         raise ConfigError(f"--dtype={dtype}: expected one of {_EXPORT_DTYPES}")
-    config = hf_config_dict(cfg, dtype=dtype)  # Refuses non-Llama configs before any write.
+    # Refuses non-Llama configs before any write.
+    config = hf_config_dict(cfg, dtype=dtype, source=source)
     if os.path.isdir(directory):
         # Weights left by an earlier export would mix with these (a stale index wins).
         old = sorted(f for f in os.listdir(directory) if "safetensors" in f)
@@ -861,7 +913,8 @@ def write_hf_model(
     written = hf_checkpoint.write_safetensors(state_dict, directory, max_shard_size=max_shard_size)
     hf_checkpoint.write_json(os.path.join(directory, hf_checkpoint.CONFIG_FILE), config)
     hf_checkpoint.write_json(
-        os.path.join(directory, hf_checkpoint.GENERATION_CONFIG_FILE), generation_config_dict(cfg)
+        os.path.join(directory, hf_checkpoint.GENERATION_CONFIG_FILE),
+        generation_config_dict(cfg, source=source),
     )
     written += [hf_checkpoint.CONFIG_FILE, hf_checkpoint.GENERATION_CONFIG_FILE]
     if tokenizer is not None:
@@ -874,20 +927,27 @@ def export_trainer_dir(
     output: str,
     *,
     step: Optional[int] = None,
-    dtype: str = "bfloat16",
+    dtype: Optional[str] = None,
     max_shard_size: str = hf_checkpoint.DEFAULT_MAX_SHARD_SIZE,
     tokenizer: Optional[str] = None,
-) -> tuple[int, list[str]]:
+) -> tuple[int, str, list[str]]:
     """Exports the model of `trainer_dir` at `step` (None: the latest checkpoint) as a
-    Hugging Face Llama directory `output`, with the tokenizer recorded with its data
+    Hugging Face Llama directory `output`: weights in `dtype` (None: the run's parameter
+    dtype, model.dtype), the config.json fields of the Hugging Face model the run started
+    from (`HfLlamaWeights.Config.source_fields`), and the tokenizer recorded with its data
     (`trainer_dir.recorded_tokenizer`) unless `tokenizer` names one. Returns (step, the
-    files written)."""
+    weights' dtype, the files written)."""
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common import trainer_dir as trainer_dir_lib
 
     trainer_cfg = trainer_dir_lib.read_trainer_config(trainer_dir)
     llama_dims(trainer_cfg.model)  # Refuses a model a Llama cannot express, before reading.
     limit = hf_checkpoint.parse_size(max_shard_size)
+    if dtype is None:
+        dtype = jnp.dtype(trainer_cfg.model.dtype or jnp.float32).name
+        log.info("Writing %s weights, the run's parameter dtype (--dtype to choose)", dtype)
+    init_params = trainer_cfg.init_params
+    source = getattr(init_params, "source_fields", None) if init_params is not None else None
     if tokenizer is None:
         tokenizer = trainer_dir_lib.recorded_tokenizer(trainer_cfg)
         if tokenizer == trainer_dir_lib.BYTES_TOKENIZER:
@@ -897,39 +957,61 @@ def export_trainer_dir(
             log.warning("The run records no tokenizer file: none exported (--tokenizer=PATH)")
     restored_step, params = trainer_dir_lib.restore_model_params(trainer_dir, step=step)
     written = write_hf_model(
-        params, trainer_cfg.model, output, dtype=dtype, max_shard_size=limit, tokenizer=tokenizer
+        params,
+        trainer_cfg.model,
+        output,
+        dtype=dtype,
+        max_shard_size=limit,
+        tokenizer=tokenizer,
+        source=source,
     )
-    return restored_step, written
+    return restored_step, dtype, written
 
 
-def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m axlearn.common.hf_llama")
-    commands = parser.add_subparsers(dest="command", required=True)
-    export = commands.add_parser("export", help="A trainer directory's model as an HF Llama.")
-    export.add_argument("--trainer_dir", required=True)
-    export.add_argument("--step", type=int, default=None, help="Default: the latest checkpoint.")
-    export.add_argument("--output", required=True, help="The Hugging Face directory to write.")
-    export.add_argument("--dtype", default="bfloat16", choices=_EXPORT_DTYPES)
-    export.add_argument(
-        "--max_shard_size",
-        default=hf_checkpoint.DEFAULT_MAX_SHARD_SIZE,
-        help="Largest safetensors file (e.g. 5GB, 500MB); above it the weights are sharded.",
+COMMANDS = ("export",)  # The command's subcommands: export writes a trainer directory's model.
+
+
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The flags of `export` (a trainer directory's model as an HF Llama), on `flag_values`."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_string("trainer_dir", None, "The trainer directory to export from.", **fv)
+    flags.DEFINE_integer("step", None, "The step to export. Default: the latest checkpoint.", **fv)
+    flags.DEFINE_string("output", None, "The Hugging Face directory to write.", **fv)
+    flags.DEFINE_enum(
+        "dtype",
+        None,
+        _EXPORT_DTYPES,
+        "The weights' dtype. Default: the run's parameter dtype (model.dtype).",
+        **fv,
     )
-    export.add_argument(
-        "--tokenizer",
-        default=None,
-        help="A tokenizer.json or SentencePiece .model to include; default: the one recorded "
+    flags.DEFINE_string(
+        "max_shard_size",
+        hf_checkpoint.DEFAULT_MAX_SHARD_SIZE,
+        "Largest safetensors file (e.g. 5GB, 500MB); above it the weights are sharded.",
+        **fv,
+    )
+    flags.DEFINE_string(
+        "tokenizer",
+        None,
+        "A tokenizer.json or SentencePiece .model to include; default: the one recorded "
         "with the run's data.",
+        **fv,
     )
-    return parser.parse_args(argv)
+    flags.mark_flags_as_required(["trainer_dir", "output"], flag_values=flag_values)
 
 
-def main(argv: Sequence[str]) -> None:
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """`export`: writes a trainer directory's model as a Hugging Face Llama directory."""
+    program = "axlearn.common.hf_llama"
+    args, commands = parse_command_flags(
+        define_flags, argv, program=program, doc=__doc__, positional=COMMANDS
+    )
+    if commands != ["export"]:
+        usage_error(program, f"give one command, {' or '.join(COMMANDS)}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # Its backend probes.
-    args = _parse_args(argv)
     try:
-        step, written = export_trainer_dir(
+        step, dtype, written = export_trainer_dir(
             args.trainer_dir,
             args.output,
             step=args.step,
@@ -937,10 +1019,13 @@ def main(argv: Sequence[str]) -> None:
             max_shard_size=args.max_shard_size,
             tokenizer=args.tokenizer,
         )
-    except (ConfigError, ValueError, KeyError) as e:
+    except (ConfigError, ValueError, KeyError, CheckpointCorruptError) as e:
         raise SystemExit(f"hf_llama export: {e}") from e
-    print(f"Exported step {step} of {args.trainer_dir} to {args.output}: {', '.join(written)}")
+    print(
+        f"Exported step {step} of {args.trainer_dir} to {args.output} ({dtype} weights): "
+        f"{', '.join(written)}"
+    )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -36,7 +36,7 @@ temporary file (in $TMPDIR, removed once mapped: the mapping keeps its data).
 Commands:
     python -m axlearn.common.input_tokens build --vocab=VOCAB --output=DIR/train FILE...
         Tokenizes documents into DIR/train-00000.tok, ... (and DIR/validation-*.tok with
-        --validation_fraction=F or --validation_files=...). Inputs by name: `.jsonl`
+        --validation_fraction=F or --validation_files=FILE, repeatable). Inputs by name: `.jsonl`
         (field `--text_field`, default "text", per line), `.parquet` (that column per row),
         `.jsonl.gz` / `.jsonl.zst`, any other file one document. VOCAB: 'bytes', a
         SentencePiece `.model` or a Hugging Face `tokenizer.json` (`input_vocab`). Every
@@ -45,12 +45,14 @@ Commands:
         whatever the vocabulary's pad id (the model masks targets equal to its
         `pad_token_id`). Uses `--num_workers` processes, default one per core; the output
         is the same for any number. A bad record is a one-line error naming its file and
-        line (or Parquet row); a failed or interrupted build leaves nothing behind.
+        line (or Parquet row); a failed or interrupted build leaves nothing behind. The
+        tokenizer file is copied into DIR, where generate and export find it from a run's
+        data paths. Progress: a bar with the token rate on a terminal, else a line every
+        PROGRESS_INTERVAL_S seconds.
 
 The loader's throughput for a named config: `python -m axlearn.bench --input_only`.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import gzip
@@ -62,16 +64,20 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import tempfile
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, BinaryIO, Optional
 
 import numpy as np
+from absl import flags
 
 from axlearn.common import file_system
+from axlearn.common.command_flags import parse_command_flags, usage_error
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.input_base import BaseInput, Batch, InputError
 from axlearn.common.input_packing import FEATURE_KEYS
@@ -87,7 +93,13 @@ from axlearn.common.input_token_format import (
     expand_paths,
     write_shard,
 )
-from axlearn.common.input_vocab import VocabularyError, load_vocabulary, vocabulary_name
+from axlearn.common.input_vocab import (
+    HF_TOKENIZER_FILE,
+    VocabularyError,
+    file_sha256,
+    load_vocabulary,
+    vocabulary_name,
+)
 from axlearn.common.module import Module
 
 log = logging.getLogger(__name__)
@@ -818,17 +830,69 @@ def vocabulary_record(vocab: Any) -> VocabularyRecord:
     )
 
 
+# Seconds between the build's progress lines where stderr is no terminal (a log file).
+PROGRESS_INTERVAL_S = 10.0
+
+
+class _ProgressLines:
+    """The build's progress where no terminal shows a bar: every `interval_s` seconds, a
+    line on `stream` with the tokens, their rate and the documents so far."""
+
+    def __init__(self, stream: Any, *, interval_s: float, clock: Any = time.monotonic):
+        self._stream = stream
+        self._interval_s = interval_s
+        self._clock = clock
+        self._start = self._last = clock()
+        self._tokens = 0
+
+    def update(self, tokens: int, documents: int) -> None:
+        self._tokens += tokens
+        now = self._clock()
+        if now - self._last >= self._interval_s:
+            self._last = now
+            rate = self._tokens / max(now - self._start, 1e-9)
+            print(
+                f"tokenizing: {self._tokens:,} tokens, {rate:,.0f} tok/s, {documents:,} "
+                f"documents, {now - self._start:.0f}s",
+                file=self._stream,
+                flush=True,
+            )
+
+
+class _ProgressBar:
+    """The build's progress as a tqdm bar of tokens, with their rate and the documents."""
+
+    def __init__(self, bar: Any):
+        self._bar = bar
+
+    def update(self, tokens: int, documents: int) -> None:
+        self._bar.set_postfix(documents=documents, refresh=False)
+        self._bar.update(tokens)
+
+
 @contextlib.contextmanager
-def _build_progress(show: bool):
-    """A bar of tokens, tokens/s and documents (None: no bar)."""
+def _build_progress(show: bool, *, stream: Any = None, interval_s: Optional[float] = None):
+    """A progress report with `update(tokens, documents so far)`: a bar where `stream`
+    (default stderr) is a terminal or AXLEARN_PROGRESS_BARS=1, lines every `interval_s`
+    (None: PROGRESS_INTERVAL_S) elsewhere (a log shows them as they come), None where not
+    `show`n or AXLEARN_PROGRESS_BARS=0."""
     if not show:
         yield None
         return
-    from axlearn.common.progress import progress_bar  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.progress import PROGRESS_BARS_ENV, progress_bar
 
-    with progress_bar(total=None, desc="tokenizing", unit="tok") as bar:
-        bar.unit_scale = True
-        yield bar
+    stream = stream or sys.stderr
+    setting = os.environ.get(PROGRESS_BARS_ENV, "").strip()
+    if setting == "0":
+        yield None
+    elif setting == "1" or stream.isatty():
+        with progress_bar(total=None, desc="tokenizing", unit="tok") as bar:
+            bar.unit_scale = True
+            yield _ProgressBar(bar)
+    else:
+        interval_s = PROGRESS_INTERVAL_S if interval_s is None else interval_s
+        yield _ProgressLines(stream, interval_s=interval_s)
 
 
 @dataclasses.dataclass
@@ -852,13 +916,15 @@ def build_splits(
     num_workers: int = 1,
     sources: Sequence[str] = (),
     progress: bool = False,
+    progress_stream: Any = None,
 ) -> BuildSummary:
     """Tokenizes (text, split) pairs into the shards of each split.
 
     A split of None is decided by `validation_share(text) < validation_fraction`.
     `prefixes` maps every split that receives documents to its shard path prefix. A split
     that ends with no tokens is refused, naming `sources`. Documents without tokens are
-    skipped. The result is the same for any `num_workers`.
+    skipped. The result is the same for any `num_workers`. `progress` reports on
+    `progress_stream` (default stderr; `_build_progress`).
     """
     if validation_fraction and "validation" not in prefixes:
         raise ValueError("validation_fraction needs a 'validation' prefix")
@@ -884,16 +950,15 @@ def build_splits(
             replace_newlines_with=replace_newlines_with,
             num_workers=num_workers,
         )
-        with contextlib.closing(chunks), _build_progress(progress) as bar:
+        with contextlib.closing(chunks), _build_progress(progress, stream=progress_stream) as bar:
             for ids, counts, splits in chunks:
                 ends = np.cumsum(counts[:, 0])
                 for end, (length, num_bytes), split in zip(ends, counts, splits):
                     if length:
                         writers[split].add(ids[end - length : end], int(num_bytes))
                 num_read += len(splits)
-                if bar is not None:
-                    bar.set_postfix(documents=num_read, refresh=False)
-                    bar.update(int(ends[-1]) + len(splits))  # Tokens, each document's EOS too.
+                if bar is not None:  # Tokens, each document's EOS too.
+                    bar.update(int(ends[-1]) + len(splits), num_read)
         for split, writer in writers.items():
             writer.flush()
             if not writer.num_docs:
@@ -972,6 +1037,60 @@ def output_prefixes(output: str, *, with_validation: bool) -> dict[str, str]:
     return prefixes
 
 
+# ----- the tokenizer beside the shards -----
+
+_HF_TOKENIZER_CONFIG = "tokenizer_config.json"  # Names a tokenizer.json's special tokens.
+
+
+def tokenizer_destination(vocab: Any, shard_dir: str) -> Optional[str]:
+    """Where `store_tokenizer` puts the vocabulary's model file: `shard_dir/<its name>`,
+    the name the shards' manifest records; None for a vocabulary without a file (bytes).
+    Raises InputError where another file of that name is there already."""
+    source = getattr(vocab, "model_file", None)
+    if not source:
+        return None
+    destination = os.path.join(shard_dir, os.path.basename(source))
+    if (
+        os.path.exists(destination)
+        and not os.path.samefile(source, destination)
+        and file_sha256(destination) != file_sha256(source)
+    ):
+        raise InputError(
+            f"{destination}: another tokenizer file of that name is beside the shards; the "
+            f"shards' tokenizer ({source}) goes there: move it, or write the shards elsewhere"
+        )
+    return destination
+
+
+def store_tokenizer(vocab: Any, shard_dir: str) -> Optional[str]:
+    """Copies the vocabulary's model file beside the shards (`tokenizer_destination`),
+    with a Hugging Face tokenizer's tokenizer_config.json where one is beside it, so that
+    the tokenizer of a run on these shards is found from its recorded data paths
+    (`trainer_dir.recorded_tokenizer`, by the manifest's name and SHA-256). Returns the
+    path; None for a vocabulary without a file."""
+    destination = tokenizer_destination(vocab, shard_dir)
+    if destination is None:
+        return None
+    source = vocab.model_file
+    copies = [(source, destination)]
+    config = os.path.join(os.path.dirname(source), _HF_TOKENIZER_CONFIG)
+    if os.path.basename(source) == HF_TOKENIZER_FILE and os.path.isfile(config):
+        config_destination = os.path.join(shard_dir, _HF_TOKENIZER_CONFIG)
+        if not os.path.exists(config_destination):
+            copies.append((config, config_destination))
+    for src, dst in copies:
+        if os.path.exists(dst) and os.path.samefile(src, dst):
+            continue
+        tmp = f"{dst}.partial-{os.getpid()}"
+        try:
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return destination
+
+
 def _one_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
@@ -980,18 +1099,18 @@ def _one_line(error: BaseException) -> str:
 # ----- commands -----
 
 
-def _build_command(args: argparse.Namespace) -> None:
-    validation_files = args.validation_files or []
+def _build_command(args: flags.FlagValues, files: Sequence[str]) -> None:
+    validation_files = list(args.validation_files)
     if not 0 <= args.validation_fraction < 1:
         raise InputError(f"--validation_fraction={args.validation_fraction}: expected 0 <= F < 1")
     if validation_files and args.validation_fraction:
         raise InputError("Give --validation_fraction or --validation_files, not both")
-    both = sorted(set(args.files) & set(validation_files))
+    both = sorted(set(files) & set(validation_files))
     if both:
         raise InputError(f"{both[0]}: given both as a training file and in --validation_files")
     if args.num_workers < 1 or args.tokens_per_shard < 1:
         raise InputError("--num_workers and --tokens_per_shard must be positive")
-    sources = [*args.files, *validation_files]
+    sources = [*files, *validation_files]
     for path in sources:
         if not os.path.isfile(path):
             raise InputError(f"{path}: input text file does not exist")
@@ -1002,10 +1121,12 @@ def _build_command(args: argparse.Namespace) -> None:
     prefixes = output_prefixes(
         args.output, with_validation=bool(validation_files or args.validation_fraction)
     )
+    shard_dir = os.path.dirname(os.path.abspath(prefixes["train"]))
+    tokenizer_destination(vocab, shard_dir)  # Refused before any work, not after.
     train_split = None if args.validation_fraction else "train"  # None: by document hash.
     field = args.text_field
     documents = itertools.chain(
-        ((text, train_split) for text in iter_documents(args.files, text_field=field)),
+        ((text, train_split) for text in iter_documents(files, text_field=field)),
         ((text, "validation") for text in iter_documents(validation_files, text_field=field)),
     )
     summary = build_splits(
@@ -1034,69 +1155,86 @@ def _build_command(args: argparse.Namespace) -> None:
     )
     for path in summary.removed_stale:
         print(f"{path}: removed (a shard of an earlier build with this prefix)")
+    stored = store_tokenizer(vocab, shard_dir)
+    if stored is not None:
+        print(f"{stored}: the shards' tokenizer (generate and export find it there)")
+
+
+COMMANDS = ("build",)  # The command's subcommands: build tokenizes files into shards.
+
+
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The flags of `build`, on `flag_values`."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_string(
+        "vocab",
+        "bytes",
+        "'bytes', a SentencePiece .model, or a Hugging Face tokenizer.json (or the directory "
+        "holding it); a name, or a path (relative names not found are looked up in "
+        "$AXLEARN_VOCAB_DIR). Its file is copied beside the shards, where generate and "
+        "export find it.",
+        **fv,
+    )
+    flags.DEFINE_string(
+        "eos_token",
+        None,
+        "The token that ends every document, if not the tokenizer's own eos.",
+        **fv,
+    )
+    flags.DEFINE_string(
+        "bos_token", None, "Hugging Face tokenizers: the bos token (recorded only).", **fv
+    )
+    flags.DEFINE_string(
+        "output",
+        None,
+        "Shard path prefix, e.g. data/golf/train (writes data/golf/train-00000.tok, ...; a "
+        "validation split goes beside it as validation-*.tok), or a directory (ending in '/') "
+        "for DIR/train-*.tok and DIR/validation-*.tok.",
+        **fv,
+    )
+    flags.DEFINE_string(
+        "text_field", "text", "JSON field or Parquet column holding the text.", **fv
+    )
+    flags.DEFINE_float(
+        "validation_fraction",
+        0.0,
+        "Share of documents held out for validation, chosen by a hash of each text.",
+        **fv,
+    )
+    flags.DEFINE_multi_string(
+        "validation_files",
+        [],
+        "An input file of the validation split; repeat the flag for several.",
+        **fv,
+    )
+    flags.DEFINE_integer(
+        "num_workers",
+        os.cpu_count() or 1,
+        "Tokenizing processes (default: one per core); the output does not depend on it.",
+        **fv,
+    )
+    flags.DEFINE_integer("tokens_per_shard", 1 << 28, "Tokens (EOS included) per shard.", **fv)
+    flags.DEFINE_string(
+        "replace_newlines_with",
+        None,
+        "Replaces '\\n' before tokenizing, for vocabularies without a newline token.",
+        **fv,
+    )
+    flags.mark_flag_as_required("output", flag_values=flag_values)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m axlearn.common.input_tokens")
-    commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser(
-        "build",
-        help="Tokenize text, JSON-lines or Parquet files into shards.",
-        description="Tokenizes documents into token shards. Inputs by name: *.jsonl (one "
-        "JSON object per line), *.parquet (one row each), *.jsonl.gz / *.jsonl.zst "
-        "(compressed JSON lines), any other file is one document (.gz/.zst decompressed).",
+    """`build FILES...`: tokenizes documents into token shards (see the module doc)."""
+    program = "axlearn.common.input_tokens"
+    args, positional = parse_command_flags(
+        define_flags, argv, program=program, doc=__doc__, free_positional=True
     )
-    build.add_argument("files", nargs="+", help="Input files (put them before --validation_files).")
-    build.add_argument(
-        "--vocab",
-        default="bytes",
-        help="'bytes', a SentencePiece .model, or a Hugging Face tokenizer.json (or the "
-        "directory holding it); a name, or a path (relative names not found are looked up "
-        "in $AXLEARN_VOCAB_DIR).",
-    )
-    build.add_argument(
-        "--eos_token",
-        default=None,
-        help="The token that ends every document, if not the tokenizer's own eos.",
-    )
-    build.add_argument(
-        "--bos_token", default=None, help="Hugging Face tokenizers: the bos token (recorded only)."
-    )
-    build.add_argument(
-        "--output",
-        required=True,
-        help="Shard path prefix, e.g. data/golf/train (writes data/golf/train-00000.tok, ...; "
-        "a validation split goes beside it as validation-*.tok), or a directory (ending in "
-        "'/') for DIR/train-*.tok and DIR/validation-*.tok.",
-    )
-    build.add_argument(
-        "--text_field", default="text", help="JSON field or Parquet column holding the text."
-    )
-    build.add_argument(
-        "--validation_fraction",
-        type=float,
-        default=0.0,
-        help="Share of documents held out for validation, chosen by a hash of each text.",
-    )
-    build.add_argument(
-        "--validation_files", nargs="+", default=None, help="Input files of the validation split."
-    )
-    build.add_argument(
-        "--num_workers",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="Tokenizing processes (default: one per core); the output does not depend on it.",
-    )
-    build.add_argument(
-        "--tokens_per_shard", type=int, default=1 << 28, help="Tokens (EOS included) per shard."
-    )
-    build.add_argument(
-        "--replace_newlines_with",
-        default=None,
-        help="Replaces '\\n' before tokenizing, for vocabularies without a newline token.",
-    )
-    args = parser.parse_args(argv)
-    _build_command(args)
+    if not positional or positional[0] not in COMMANDS:
+        usage_error(program, f"give a command first, one of {', '.join(COMMANDS)}")
+    files = positional[1:]
+    if not files:
+        usage_error(program, "build: give the input FILES to tokenize")
+    _build_command(args, files)
 
 
 def _cli(argv: Sequence[str]) -> int:

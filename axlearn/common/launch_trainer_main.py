@@ -87,5 +87,18 @@ def _is_divergence(error: Exception) -> bool:
     return trainer is not None and isinstance(error, trainer.TrainingDivergedError)
 
 
+def exit_on_help(argv: list[str]) -> None:
+    """Prints the help absl's --help prints and exits 0 (absl's exits 1): asking for help
+    is no error. --helpfull adds every module's flags."""
+    if "--helpfull" in argv:
+        print(flags.FLAGS.get_help())
+    elif any(arg in ("-h", "--help", "--helpshort", "-?") for arg in argv):
+        print(__doc__.strip(), flags.FLAGS.main_module_help(), sep="\n\n")
+    else:
+        return
+    raise SystemExit(0)
+
+
 if __name__ == "__main__":
+    exit_on_help(sys.argv[1:])
     app.run(main)

@@ -11,8 +11,8 @@
 `update_rules` freeze parameters by path; `compute_gradients(..., num_microbatches=k)`
 (k from the trainer's `per_device_microbatch_size`) splits a batch into microbatches
 whose averaged gradients equal the full batch's.
-`regularizer_lines` lists each parameter's effective weight-decay scale for the
-`_regularizer.txt` golden files.
+`weight_decay_scales` gives each parameter's effective weight-decay scale (the
+`_regularizer.txt` golden files).
 """
 
 import functools
@@ -307,13 +307,7 @@ def _combine_microbatches(auxes: Nested) -> Nested:
     return jax.tree.map(combine, auxes, is_leaf=lambda x: isinstance(x, WeightedScalar))
 
 
-# ----- golden regularizer dumps -----
-
-
-def _format_scale(value: float) -> str:
-    """1.0 -> '1', 0.0 -> '0', 0.25 -> '0.25'."""
-    value = float(value)
-    return str(int(value)) if value.is_integer() else repr(value)
+# ----- effective weight-decay scales -----
 
 
 def _per_param_weight_decay_fns(optimizer_cfg: Any) -> list[Callable]:
@@ -332,12 +326,12 @@ def _per_param_weight_decay_fns(optimizer_cfg: Any) -> list[Callable]:
     return fns
 
 
-def regularizer_lines(
+def weight_decay_scales(
     optimizer_cfg_or_learner: Union[InstantiableConfig, Learner.Config, Learner],
     param_specs: Nested,
-) -> list[str]:
-    """The `_regularizer.txt` golden lines: a header, then 'path: scale' per parameter,
-    sorted by path, where scale is the effective weight-decay scale: the spec's
+) -> dict[str, float]:
+    """Parameter path -> its effective weight-decay scale, as the `_regularizer.txt`
+    golden files list it (`golden_text.regularizer_lines`): the spec's
     weight_decay_scale (None: 1) times every weight_decay_per_param_scale set in the
     optimizer config, and 0 for parameters the learner's update rules freeze."""
     learner = None
@@ -358,6 +352,4 @@ def regularizer_lines(
         scales = [s * float(e) for s, e in zip(scales, extra)]
     if learner is not None:
         scales = [s if learner.update_type(p) == "all" else 0.0 for p, s in zip(paths, scales)]
-    lines = [f"{'=' * 20}weight_decay_scale root.optimizer{'=' * 20}"]
-    lines += [f"{p}: {_format_scale(s)}" for p, s in sorted(zip(paths, scales))]
-    return lines
+    return dict(zip(paths, scales))

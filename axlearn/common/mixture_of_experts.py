@@ -15,7 +15,8 @@ norm, residual and activation fields):
 - `TransformerFeedForwardDropFreeMoE`: top-k routing without capacity
   (`TopKDropFreeGating`). Each token's k copies are sorted by expert and every expert's
   rows go through a grouped matmul (`jax.lax.ragged_dot`, or on Hopper GPUs jax's Mosaic
-  GPU grouped-GEMM kernels: `kernels.grouped_matmul`). On a mesh the layer runs under
+  GPU grouped-GEMM kernels: `kernels.grouped_matmul`; or tokamax's, chosen by AXLearn's
+  `gmm_backend`). On a mesh the layer runs under
   `shard_map`: each device routes its own tokens; with the experts split over the
   'expert' axis, rows travel to the device that holds their expert and back with two
   all-to-alls (expert parallelism); with the experts' weights split over FSDP axes instead,
@@ -31,7 +32,9 @@ Letters in `dim_to_mesh_axis_map` keys name tensor dims: O outer batch, G groups
 of a group (or of a sequence), B batch, E experts, C capacity, M model dim, H hidden dim.
 """
 
+import enum
 import functools
+import importlib.util
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Optional, Union
@@ -627,13 +630,12 @@ def _grouped_ffn(
     wi: Sequence[Tensor],
     wo: Tensor,
     hidden: Callable[[Sequence[Tensor]], Tensor],
-    use_kernels: bool,
+    matmul: "GroupedMatmul",
 ) -> Tensor:
     """The experts' MLP on `rows` [N, M] sorted by expert, `group_sizes[e]` rows for
     expert e: [N, M], zero in rows past the groups."""
-    matmul = functools.partial(grouped_matmul, group_sizes=group_sizes, use_kernels=use_kernels)
-    h = hidden([matmul(rows, w) for w in wi])
-    return matmul(h.astype(rows.dtype), wo).astype(rows.dtype)
+    h = hidden([matmul(rows, w, group_sizes) for w in wi])
+    return matmul(h.astype(rows.dtype), wo, group_sizes).astype(rows.dtype)
 
 
 def _expert_parallel_ffn(
@@ -647,7 +649,7 @@ def _expert_parallel_ffn(
     expert_axes: tuple[str, ...],
     num_shards: int,
     buffer_rows: int,
-    use_kernels: bool,
+    matmul: "GroupedMatmul",
 ) -> tuple[Tensor, Tensor]:
     """`_grouped_ffn` of this device's `rows` [N, M], sorted by their `experts` [N], when
     the experts are split in `num_shards` blocks over `expert_axes` (wi, wo: this device's
@@ -685,7 +687,7 @@ def _expert_parallel_ffn(
     inverse = _inverse_permutation(order)
     group_sizes = jnp.bincount(received_experts, length=local_experts)
     out = _grouped_ffn(
-        _take_rows(received, order, inverse), group_sizes, wi, wo, hidden, use_kernels
+        _take_rows(received, order, inverse), group_sizes, wi, wo, hidden, matmul
     )
     returned = exchange(_take_rows(out, inverse, order))
     return _take_rows(returned, slot_of_row, row_of_slot), jnp.sum(~kept)
@@ -704,7 +706,7 @@ def _route_tokens(
     num_shards: int,
     model_axes: tuple[str, ...],
     capacity_factor: Optional[float],
-    use_kernels: bool,
+    matmul: "GroupedMatmul",
 ) -> tuple[Tensor, Tensor]:
     """One device's part of the drop-free layer: its tokens x [B, S, M], their experts and
     weights [B, S, K]. Returns (outputs [B, S, M], rows dropped, shaped [1])."""
@@ -717,7 +719,7 @@ def _route_tokens(
     rows = _take_rows(jnp.repeat(x.reshape(-1, dim), k, axis=0), order, inverse)
     if num_shards == 1:
         group_sizes = jnp.bincount(experts, length=num_experts)
-        out = _grouped_ffn(rows, group_sizes, wi, wo, hidden, use_kernels)
+        out = _grouped_ffn(rows, group_sizes, wi, wo, hidden, matmul)
         dropped = jnp.zeros([], jnp.int32)
     else:
         num_rows = rows.shape[0]
@@ -734,13 +736,41 @@ def _route_tokens(
             expert_axes=expert_axes,
             num_shards=num_shards,
             buffer_rows=buffer_rows,
-            use_kernels=use_kernels,
+            matmul=matmul,
         )
     if model_axes:  # The hidden dim is split: each device holds a partial sum.
         out = jax.lax.psum(out, model_axes)
     out = _take_rows(out, inverse, order).reshape(-1, k, dim)
     y = jnp.einsum("tkm,tk->tm", out.astype(jnp.float32), weights.reshape(-1, k))
     return y.astype(x.dtype).reshape(*batch_shape, dim), dropped.reshape(1)
+
+
+# (x [rows, k] sorted by group, w [groups, k, n], group_sizes [groups]) -> [rows, n], zero
+# in rows past the groups.
+GroupedMatmul = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+class GMMBackend(enum.Enum):
+    """AXLearn's names for how TransformerFeedForwardDropFreeMoE's grouped matmuls run."""
+
+    # Pallas kernels: jax's Mosaic GPU grouped GEMMs on a Hopper GPU where they fit
+    # (grouped_matmul='mosaic_gpu'), jax.lax.ragged_dot elsewhere.
+    PALLAS = "PALLAS"
+    RAGGED_DOT = "RAGGED_DOT"  # jax.lax.ragged_dot (grouped_matmul='ragged_dot').
+    TOKAMAX = "TOKAMAX"  # tokamax.ragged_dot (the tokamax package), tokamax_implementation.
+
+
+def _tokamax_grouped_matmul(
+    x: Tensor, w: Tensor, group_sizes: Tensor, *, implementation: Optional[Sequence[str]]
+) -> Tensor:
+    """tokamax.ragged_dot(x, w, group_sizes) with the given implementations (tried in
+    order; None: tokamax's choice), zero in rows past the groups."""
+    tokamax = importlib.import_module("tokamax")
+    if implementation is not None:
+        implementation = tuple(implementation)
+    y = tokamax.ragged_dot(x, w.astype(x.dtype), group_sizes, implementation=implementation)
+    in_groups = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(in_groups[:, None], y, jnp.zeros_like(y))
 
 
 class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
@@ -767,6 +797,12 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
         # fit, `kernels.grouped_matmul`; ragged_dot elsewhere). XLA's ragged dot on GPUs
         # multiplies densely by every expert.
         grouped_matmul: str = "ragged_dot"
+        # AXLearn's choice of grouped matmul, which overrides `grouped_matmul` (see
+        # GMMBackend); None: `grouped_matmul` decides.
+        gmm_backend: Optional[GMMBackend] = None
+        # TOKAMAX only: the tokamax implementations to try in order (e.g. ['triton', 'xla']);
+        # None: tokamax's default.
+        tokamax_implementation: Optional[Sequence[str]] = None
 
     _MESH_AXIS_KEYS = ("me", "emh", "ehm", "bsm")
     _GROUPED_MATMULS = ("ragged_dot", "mosaic_gpu")
@@ -792,6 +828,7 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
                 f"{self.path()}.grouped_matmul: '{cfg.grouped_matmul}' is not one of "
                 f"{self._GROUPED_MATMULS}"
             )
+        self._check_gmm_backend()
         if cfg.expert_parallel_capacity is not None and cfg.expert_parallel_capacity <= 0:
             raise ConfigError(f"{self.path()}.expert_parallel_capacity must be > 0 or None")
         bsm = cfg.dim_to_mesh_axis_map["bsm"]
@@ -800,6 +837,47 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
                 f"{self.path()}.dim_to_mesh_axis_map['bsm']={bsm}: expected (batch, seq, None); "
                 "the model dim of the tokens cannot be split"
             )
+
+    def _check_gmm_backend(self) -> None:
+        cfg = self.config
+        if cfg.gmm_backend is not None and not isinstance(cfg.gmm_backend, GMMBackend):
+            raise ConfigError(
+                f"{self.path()}.gmm_backend: {cfg.gmm_backend!r} is not one of "
+                f"{[str(b) for b in GMMBackend]} or None"
+            )
+        if cfg.gmm_backend is not GMMBackend.TOKAMAX:
+            if cfg.tokamax_implementation is not None:
+                raise ConfigError(
+                    f"{self.path()}.tokamax_implementation is set but gmm_backend is "
+                    f"{cfg.gmm_backend}: it applies to GMMBackend.TOKAMAX only"
+                )
+            return
+        if importlib.util.find_spec("tokamax") is None:
+            raise ConfigError(
+                f"{self.path()}.gmm_backend: GMMBackend.TOKAMAX needs tokamax, "
+                "a package not installed here (pip install tokamax); or choose PALLAS or RAGGED_DOT"
+            )
+
+    def _backend(self) -> str:
+        """The grouped matmul that runs: 'ragged_dot', 'mosaic_gpu' or 'tokamax'."""
+        backend = self.config.gmm_backend
+        if backend is None:
+            return self.config.grouped_matmul
+        return {
+            GMMBackend.PALLAS: "mosaic_gpu",
+            GMMBackend.RAGGED_DOT: "ragged_dot",
+            GMMBackend.TOKAMAX: "tokamax",
+        }[backend]
+
+    def _grouped_matmul(self, *, kernels: bool) -> GroupedMatmul:
+        """The configured grouped matmul; without `kernels` (several devices outside
+        shard_map, where a kernel opaque to the partitioner cannot run), ragged_dot."""
+        backend = self._backend() if kernels else "ragged_dot"
+        if backend == "tokamax":
+            return functools.partial(
+                _tokamax_grouped_matmul, implementation=self.config.tokamax_implementation
+            )
+        return functools.partial(grouped_matmul, use_kernels=backend == "mosaic_gpu")
 
     def residual_partition_spec(self) -> Optional[MeshAxes]:
         """Like the tokens the layer routes: dim_to_mesh_axis_map['bsm']."""
@@ -827,7 +905,7 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
             y, _ = route(
                 x, gating.gate_assignment, gating.expert_weights, wi, wo,
                 expert_axes=(), num_shards=1, model_axes=(),
-                use_kernels=one_device and cfg.grouped_matmul == "mosaic_gpu",
+                matmul=self._grouped_matmul(kernels=one_device),
             )
             return y
         y, dropped = self._sharded(route, x, gating, wi, wo, token_spec, mesh_axes)
@@ -863,19 +941,19 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
         routing_spec = pspec(token_spec[0], token_spec[1], None)
         wi_spec, wo_spec = pspec(emh[0], None, emh[2]), pspec(ehm[0], ehm[1], None)
         every_device = pspec(tuple(mesh_axes))
-        use_kernels = cfg.grouped_matmul == "mosaic_gpu"
+        kernels = self._backend() != "ragged_dot"
         sharded = jax.shard_map(
             functools.partial(
                 route,
                 expert_axes=expert_axes,
                 num_shards=num_shards,
                 model_axes=model_axes,
-                use_kernels=use_kernels,
+                matmul=self._grouped_matmul(kernels=True),
             ),
             in_specs=(token_spec, routing_spec, routing_spec, [wi_spec] * len(wi), wo_spec),
             out_specs=(token_spec, every_device),
             # A Pallas call has no rule for varying manual axes.
-            check_vma=not use_kernels,
+            check_vma=not kernels,
         )
         return sharded(x, gating.gate_assignment, gating.expert_weights, wi, wo)
 

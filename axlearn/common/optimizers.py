@@ -226,6 +226,17 @@ def _rms(x: Tensor) -> Tensor:
     return jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
 
 
+def _trust_ratio_scaled(update: Tensor, param: Tensor, eps: float) -> Tensor:
+    """LAMB's layer-wise adaptation (https://arxiv.org/abs/1904.00962): update times
+    ||param|| / (||update|| + eps), or unchanged where either norm is 0."""
+    param_norm = jnp.linalg.norm(param.astype(jnp.float32).ravel())
+    update_norm = jnp.linalg.norm(update.astype(jnp.float32).ravel())
+    ratio = jnp.where(
+        (param_norm == 0) | (update_norm == 0), 1.0, param_norm / (update_norm + eps)
+    )
+    return (update * ratio).astype(update.dtype)
+
+
 def _require_params(params: Optional[Nested], what: str) -> Nested:
     if params is None:
         raise ValueError(f"{what} needs the parameters: call update(updates, state, params)")
@@ -1193,6 +1204,7 @@ def adafactor_optimizer(
     min_dim_size_to_factor: int = 128,
     weight_decay: float = 0.0,
     weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]] = None,
+    apply_scale_by_trust_ratio: bool = False,
 ) -> PartitionedGradientTransformation:
     """Adafactor (Shazeer & Stern, 2018). Per step t and parameter p with gradient g:
 
@@ -1206,6 +1218,8 @@ def adafactor_optimizer(
         if b1: m = b1 * m + (1 - b1) * u;  u = m
         a_t = lr_t * max(eps_scale, rms(p)) if multiply_by_parameter_scale else lr_t
         p -= a_t * u + lr_t * weight_decay * scale * p
+        (apply_scale_by_trust_ratio, LAMB: that step is first rescaled to the norm of p,
+        x ||p|| / (||step|| + eps), unless either norm is 0)
 
     Which axes are 'row' and 'col' comes from the spec's `factorization`; without one, the
     last two axes of a parameter whose last two dims are both >= min_dim_size_to_factor
@@ -1304,6 +1318,13 @@ def adafactor_optimizer(
             wd_multiplier=lr_t,
             what="adafactor_optimizer",
         )
+        if apply_scale_by_trust_ratio:
+            step = treedef.unflatten(
+                [
+                    _trust_ratio_scaled(s, p, eps)
+                    for s, p in zip(treedef.flatten_up_to(step), _values_list(params))
+                ]
+            )
         new_state = AdafactorState(
             state.count + 1, *(treedef.unflatten(x) for x in (new_r, new_c, new_v, new_m))
         )

@@ -7,7 +7,8 @@ does not count its FLOPs gets step time, tokens/s and memory, but no TFLOP/s or 
 
 The step time is `StepTimer`'s: the mean over the steps since the last report, without the
 time the host spent compiling or the loop spent evaluating and saving. The console line
-(`progress_line`) adds the time left at that rate.
+(`progress_line`) adds the time left at that rate and shows the loss as the mean over the
+same window (`WindowMean`); `compile_notice` says when the first step compiles.
 """
 
 import contextlib
@@ -256,6 +257,42 @@ class StepTimer:
         return total / self._steps
 
 
+@contextlib.contextmanager
+def compile_notice(
+    what: str, log: Callable[[str], None], *, compile_clock: Callable[[], float] = compile_seconds
+) -> Iterator[None]:
+    """Says that `what` compiles before it runs (a first call's dispatch can take minutes,
+    in which nothing else is printed), and once dispatched, how long compiling took
+    (`compile_clock`: see `compile_seconds`)."""
+    log(f"Compiling {what}...")
+    before = compile_clock()
+    yield
+    seconds = compile_clock() - before
+    took = f"{seconds:.1f}s" if seconds < 60 else format_duration(seconds)
+    log(f"Compiled {what} in {took}")
+
+
+class WindowMean:
+    """The mean of the values added since it was last taken: the console's loss over the
+    steps since its last line, which shows the trend one noisy step hides."""
+
+    def __init__(self):
+        self._sum = 0.0
+        self._count = 0
+
+    def add(self, value: float) -> None:
+        self._sum += value
+        self._count += 1
+
+    def take(self) -> Optional[tuple[float, int]]:
+        """(the mean, how many values) since the last take, or None for none; starts over."""
+        if not self._count:
+            return None
+        result = (self._sum / self._count, self._count)
+        self._sum, self._count = 0.0, 0
+        return result
+
+
 def eta_seconds(step: int, max_step: int, step_time_s: Optional[float]) -> Optional[float]:
     """Seconds until `max_step` at `step_time_s` a step; None where the step time is unknown."""
     if step_time_s is None:
@@ -291,9 +328,17 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     )
 
 
-def progress_line(step: int, max_step: int, summaries: dict[str, Any]) -> str:
-    """One console line a person can follow. The time left ('eta') is the steps left at the
-    reported step time: training only, as the step time leaves evaluation and saving out."""
+def progress_line(
+    step: int,
+    max_step: int,
+    summaries: dict[str, Any],
+    *,
+    mean_loss: Optional[tuple[float, int]] = None,
+) -> str:
+    """One console line a person can follow. The loss is `mean_loss` (the mean of the
+    window's steps and their count; `WindowMean.take`) where given, else the step's. The
+    time left ('eta') is the steps left at the reported step time: training only, as the
+    step time leaves evaluation and saving out."""
 
     def get(name, fmt, default="-"):
         value = summaries.get(name)
@@ -303,7 +348,7 @@ def progress_line(step: int, max_step: int, summaries: dict[str, Any]) -> str:
     eta = eta_seconds(step, max_step, step_time if isinstance(step_time, (int, float)) else None)
     parts = [
         f"step {step:>{len(str(max_step))}}/{max_step}",
-        f"loss {get('loss', '.4f')}",
+        _loss_column(summaries, mean_loss),
         f"lr {get('learner/learning_rate', '.3e')}",
         f"gnorm {get('learner/gradient_norm', '.3f')}",
         f"{get('perf/step_time_s', '.3f')} s/step",
@@ -316,3 +361,13 @@ def progress_line(step: int, max_step: int, summaries: dict[str, Any]) -> str:
     if "perf/peak_memory_gib" in summaries:
         parts.append(f"mem {summaries['perf/peak_memory_gib']:.1f} GiB")
     return " | ".join(parts)
+
+
+def _loss_column(summaries: dict[str, Any], mean_loss: Optional[tuple[float, int]]) -> str:
+    """'loss 2.3456', or over a window of several steps 'loss 2.3456 (mean of 25)'."""
+    if mean_loss is not None and mean_loss[1] > 1:
+        return f"loss {mean_loss[0]:.4f} (mean of {mean_loss[1]})"
+    if mean_loss is not None:
+        return f"loss {mean_loss[0]:.4f}"
+    loss = summaries.get("loss")
+    return f"loss {loss:.4f}" if isinstance(loss, (int, float)) else "loss -"

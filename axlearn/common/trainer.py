@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from axlearn.common import perf, preemption, run_lock
+from axlearn.common import fp8, perf, preemption, run_lock
 from axlearn.common.base_layer import (
     BaseLayer,
     ParameterSpec,
@@ -320,6 +320,7 @@ class SpmdTrainer(Module):
         self._skipped_steps = 0  # The optimizer's count of skipped steps, as last checked.
         self._bad_steps = BadStepCounts()
         self._checked_step: Optional[int] = None  # The last step `_check_finite` checked.
+        self._window_loss = perf.WindowMean()  # Losses checked since the last console line.
         self._input_state: Optional[dict[str, Any]] = None  # After the last consumed batch.
         self._state: Optional[TrainerState] = None
         self._jit_train_step = None
@@ -550,6 +551,21 @@ class SpmdTrainer(Module):
             )
         )
 
+    def _initial_state_values(self, paths: Sequence[str], *, seed: int) -> dict[str, jax.Array]:
+        """{path: value} of a fresh run's checkpointed state at `paths`, in their shardings
+        (only these are computed: XLA drops the rest of the initialization)."""
+        shardings = dict(flatten_with_paths(_to_state_dict(self._checkpointed_shardings())))
+
+        def init(key):
+            state = _to_state_dict(self._checkpointed(self._init_fn(key)))
+            flat = dict(flatten_with_paths(state))
+            return {path: flat[path] for path in paths}
+
+        with jax.set_mesh(self._mesh):
+            return jax.jit(init, out_shardings={path: shardings[path] for path in paths})(
+                jax.random.PRNGKey(seed)
+            )
+
     def _carried(self, state: TrainerState) -> TrainerState:
         """A restored (checkpointed) `state` as the train step carries it."""
         if not self._config.carry_train_dtype_weights:
@@ -580,7 +596,11 @@ class SpmdTrainer(Module):
         cfg = self._config
         seed = 0 if cfg.seed is None else cfg.seed
         if "checkpointer" in self.children:
-            step, restored, extra = self.checkpointer.restore(state=self._state_template())
+            step, restored, extra = fp8.restore_with_fresh_scaling_state(
+                lambda template: self.checkpointer.restore(state=template),
+                self._state_template(),
+                functools.partial(self._initial_state_values, seed=seed),
+            )
             if step is not None:
                 self._state = self._carried(_from_state_dict(restored))
                 self._step = step
@@ -722,9 +742,12 @@ class SpmdTrainer(Module):
 
     def train_step(self, input_batch: dict[str, jax.Array]) -> dict[str, Any]:
         """Runs one step on a global batch; returns its summaries (device arrays)."""
-        if self._jit_train_step is None:
+        first = self._jit_train_step is None
+        if first:
             self._jit_train_step = self._compile_train_step()
-        with jax.set_mesh(self._mesh):
+        # The first call compiles: said before it starts, with its time after.
+        compiling = perf.compile_notice("the train step", log.info) if first else None
+        with jax.set_mesh(self._mesh), compiling or contextlib.nullcontext():
             self._state, summaries = self._jit_train_step(self._state, input_batch)
         self._step += 1
         return summaries
@@ -857,7 +880,8 @@ class SpmdTrainer(Module):
                     if writer_due:
                         self.summary_writer(step, host)
                     if must_log:
-                        log.info(perf.progress_line(step, cfg.max_step, host))
+                        mean_loss = self._window_loss.take()
+                        log.info(perf.progress_line(step, cfg.max_step, host, mean_loss=mean_loss))
                     last = host
                 due = self._due_evalers(step)
                 if due or saving:
@@ -952,6 +976,7 @@ class SpmdTrainer(Module):
         """
         learner_summaries = summaries.get("learner", {})
         loss = float(summaries["loss"])
+        self._window_loss.add(loss)
         skipped = learner_summaries.get("skipped_steps")
         skipped = None if skipped is None else int(skipped)
         newly_skipped = skipped is not None and skipped > self._skipped_steps
@@ -1078,12 +1103,3 @@ class SpmdTrainer(Module):
 def _shapes(batch: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return {key: tuple(getattr(value, "shape", ())) for key, value in batch.items()}
 
-
-def select_mesh_rule(mesh_rules: Optional[Sequence[tuple[str, Any]]], mesh_selector: str) -> Any:
-    """The value of the first rule whose regex fully matches `mesh_selector`, or None."""
-    import re  # pylint: disable=import-outside-toplevel
-
-    for pattern, value in mesh_rules or ():
-        if re.fullmatch(pattern, mesh_selector):
-            return value
-    return None

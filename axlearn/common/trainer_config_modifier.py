@@ -13,20 +13,13 @@ from axlearn.common.config import (
     REQUIRED,
     ConfigBase,
     ConfigError,
-    Configurable,
+    ConfigModifier,
     Required,
     config_class,
     get_recursively,
     set_recursively,
 )
 from axlearn.common.metrics import MetricAccumulator
-
-
-class ConfigModifier(Configurable):
-    """Maps a trainer config to a modified copy."""
-
-    def __call__(self, cfg: ConfigBase) -> ConfigBase:
-        raise NotImplementedError(type(self))
 
 
 class MeshShapeModifier(ConfigModifier):

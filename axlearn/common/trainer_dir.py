@@ -18,7 +18,8 @@ import jax
 from axlearn.common import file_system
 from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.checkpointer import Checkpointer
-from axlearn.common.config import ConfigBase, ConfigError, parse_flat_text, qualified_name
+from axlearn.common.config import ConfigBase, ConfigError, qualified_name
+from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.input_token_format import TokenShard, TokenShardError
 from axlearn.common.input_vocab import (
     BYTES_VOCAB_NAME,

@@ -1,6 +1,6 @@
 """Generic pytree helpers ('/'-joined leaf paths, floating-point casts) and the
 rematerialization policies that configs name (`utils.save_and_offload_only_these_names_regex`,
-`utils.combine_remat_policies`).
+`utils.offload_dots_with_no_batch_dims`, `utils.combine_remat_policies`).
 
 A leaf's path is the keys, attribute names and sequence indices that lead to it, joined
 by '/' (`{'a': {'b': [x, y]}}` holds 'a/b/0' and 'a/b/1'): the names that checkpoints,
@@ -120,6 +120,24 @@ def save_and_offload_only_these_names_regex(
         return False
 
     return policy
+
+
+def offload_dots_with_no_batch_dims(prim: Any, *_, **params) -> Any:
+    """A remat policy: offload the output of every matmul without batch dimensions (x @ W:
+    the attention projections and the feed-forward layers) from device to pinned host
+    memory, and recompute the rest (norms, activations, attention's own products).
+
+    Where device memory cannot hold the activations, the backward pass reads the matmul
+    outputs back from the host instead of recomputing them. A remat_spec names it as
+    'axlearn.common.utils.offload_dots_with_no_batch_dims'; its save-on-device
+    counterpart is jax's 'dots_with_no_batch_dims_saveable'.
+    """
+    if getattr(prim, "name", None) != "dot_general":
+        return False
+    _, (lhs_batch, rhs_batch) = params["dimension_numbers"]
+    if lhs_batch or rhs_batch:
+        return False
+    return _remat_types()[2](src="device", dst="pinned_host")
 
 
 def _remat_type(decision: Any) -> Any:

@@ -14,7 +14,8 @@ and mesh; MESH_RULES each size's layouts on TPU, GPU and Trainium fleets. A new 
 version is a new row. `named_trainer_configs()` registers AXLearn's names for them
 (`fuji-7B-v2-flash`, ...).
 
-The remat policies below are named by the mesh rules (`remat_spec['policy']`).
+The configs are built from AXLearn's `c4_trainer` layout (`c4.py`). The remat policies
+below are named by the mesh rules (`remat_spec['policy']`).
 """
 
 import dataclasses
@@ -47,7 +48,7 @@ from axlearn.common.trainer_config_modifier import (
     RematSpecModifier,
 )
 from axlearn.common.utils import combine_remat_policies, save_and_offload_only_these_names_regex
-from axlearn.experiments.text.gpt import common
+from axlearn.experiments.text.gpt import c4, common
 from axlearn.experiments.text.gpt.common import mesh_shape_from_axes
 from axlearn.experiments.text.gpt.vocabulary_fuji_v3 import FujiV3Vocabulary
 from axlearn.experiments.trainer_config_utils import (
@@ -488,22 +489,22 @@ def fuji_trainer(
     max_sequence_length, global_batch_size = _batch_shape(size, spec, single_host=single_host)
     max_step = size.max_step or spec.total_tokens[size_name] // spec.tokens_per_batch
     vocab_size, eos_id, pad_id = spec.vocab_size, 1, 0
-    vocab_cfg = common.sentencepiece_vocab_config(spec.sentencepiece_model_name)
+    vocab_cfg = c4.sentencepiece_vocab_config(spec.sentencepiece_model_name)
     if tiktoken:
         vocab_size, eos_id, pad_id = TIKTOKEN_VOCAB_SIZE, TIKTOKEN_EOS_ID, TIKTOKEN_PAD_ID
         vocab_cfg = FujiV3Vocabulary.default_config().set(filename=TIKTOKEN_FILENAME)
 
     grouped = version.value >= size.gqa_since.value
-    attention = common.attention_config(
+    attention = c4.attention_config(
         num_heads=size.num_heads,
         num_kv_heads=size.num_kv_heads if grouped else None,
         rope_theta=spec.rope_theta,
         flash_attention=flash_attention,
     )
-    layer = common.transformer_layer_config(
+    layer = c4.transformer_layer_config(
         attention=attention, hidden_dim=_hidden_dim(size), remat_spec=build_remat_spec()
     )
-    model = common.causal_lm_config(
+    model = c4.causal_lm_config(
         dim=size.dim,
         vocab_size=size.vocab_size or vocab_size,
         transformer=RepeatedTransformerLayer.default_config().set(
@@ -513,9 +514,9 @@ def fuji_trainer(
         pad_token_id=pad_id,
         shared_lm_head=size.shared_lm_head,
     )
-    return common.c4_trainer_config(
+    return c4.c4_trainer_config(
         model=model,
-        learner=common.adamw_learner_config(
+        learner=c4.adamw_learner_config(
             peak_lr=size.peak_lr, weight_decay=size.weight_decay, max_step=max_step
         ),
         vocab_cfg=vocab_cfg,
