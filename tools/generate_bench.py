@@ -28,15 +28,17 @@ import json
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from axlearn.common import generate, hf_llama
+from axlearn.common.command_flags import parse_command_flags
 from axlearn.common.config import ConfigBase, ConfigError
 from axlearn.common.utils import flatten_with_paths
 
@@ -49,10 +51,7 @@ SHAPES = {
 # Standard deviation of the random weight matrices (norm scales are ones).
 WEIGHT_STD = 0.02
 
-FLAGS = flags.FLAGS
-
-
-def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+def define_flags(flag_values: flags.FlagValues) -> None:
     """The benchmark's flags."""
     fv = dict(flag_values=flag_values)
     flags.DEFINE_list("shapes", ["gpt_1b"], f"Model shapes among {sorted(SHAPES)}.", **fv)
@@ -233,18 +232,18 @@ def run(fv: flags.FlagValues) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    import warnings  # pylint: disable=import-outside-toplevel
-
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """The command line `argv` (None: sys.argv's) run."""
+    flag_values, _ = parse_command_flags(
+        define_flags, argv, program="tools/generate_bench.py", doc=__doc__
+    )
+    # Donation is what lets a chunk update the cache in place; a CPU ignores it.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     try:
-        run(FLAGS)
+        run(flag_values)
     except ConfigError as e:
         raise SystemExit(f"generate_bench: {e}") from e
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    main()

@@ -43,11 +43,12 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from axlearn.common import hf_checkpoint, hf_llama, trainer_dir
 from axlearn.common.attention import FusedGroupedQKVLinear, GroupedQKVLinear
+from axlearn.common.command_flags import parse_command_flags
 from axlearn.common.config import ConfigBase, ConfigError
 from axlearn.common.decoder import greedy_choice, sampling_choice, token_id_list
 from axlearn.common.input_vocab import (
@@ -701,10 +702,10 @@ class TextStream:
 
 # ----- the command -----
 
-FLAGS = flags.FLAGS
+PROGRAM = "axlearn.common.generate"
 
 
-def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+def define_flags(flag_values: flags.FlagValues) -> None:
     """The command's flags."""
     fv = dict(flag_values=flag_values)
     flags.DEFINE_string(
@@ -743,12 +744,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     )
 
 
-def parse_flags(argv: Sequence[str]) -> flags.FlagValues:
-    """Flags of the command line `argv` (without the program name) in a FlagValues of
-    their own, checked; a ConfigError for a wrong combination."""
-    flag_values = flags.FlagValues()
-    define_flags(flag_values)
-    flag_values(["generate", *argv])
+def parse_flags(argv: Optional[Sequence[str]]) -> flags.FlagValues:
+    """Flags of the command line `argv` (without the program name; None: sys.argv's) in
+    a FlagValues of their own, checked: `--help` exits 0, a wrong flag is a usage error
+    (exit 2), a wrong combination a ConfigError."""
+    flag_values, _ = parse_command_flags(define_flags, argv, program=PROGRAM, doc=__doc__)
     check_flags(flag_values)
     return flag_values
 
@@ -825,32 +825,18 @@ def run(fv: flags.FlagValues, out=None) -> GenerationStats:
     return stats
 
 
-def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """The command line `argv` (None: sys.argv's) run; errors a user can cause are one
+    line and a non-zero exit."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # Its backend probes.
     # Donation is what lets a chunk update the cache in place; a CPU ignores it.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     try:
-        check_flags(FLAGS)
-        run(FLAGS)
+        run(parse_flags(argv))
     except (ConfigError, ValueError, KeyError) as e:
         raise SystemExit(f"generate: {e}") from e
 
 
-_HELP_ARGS = ("--help", "-h", "-?", "--helpshort")
-
-
-def cli(argv: Sequence[str]) -> None:
-    """The entry point: absl's `app.run`, except that asking for help prints it and exits 0
-    (absl exits 1)."""
-    define_flags()
-    if any(arg in _HELP_ARGS for arg in argv[1:]):
-        print(f"Usage: python -m axlearn.common.generate [flags]\n\n{FLAGS.main_module_help()}")
-        raise SystemExit(0)
-    app.run(main, argv=list(argv))
-
-
 if __name__ == "__main__":
-    cli(sys.argv)
+    main()
