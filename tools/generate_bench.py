@@ -1,9 +1,9 @@
 r"""Generation speed of the `generate` command's own code path, on random Llamas of the
 project's shapes, over one device or several.
 
-    PYTHONPATH=$PWD python3 tools/generate_bench.py --shapes=gpt_1b --batch_sizes=1,32 \
+    PYTHONPATH=$PWD python tools/generate_bench.py --shapes=gpt_1b --batch_sizes=1,32 \
         --prompt_len=128 --new_tokens=128 --devices=1
-    PYTHONPATH=$PWD python3 tools/generate_bench.py --shapes=gpt_7b,70B --batch_sizes=1 \
+    PYTHONPATH=$PWD python tools/generate_bench.py --shapes=gpt_7b,70B --batch_sizes=1 \
         --devices=1,4      # 70B is skipped where its weights do not fit the devices.
 
 Each shape (`gpt_1b`, `gpt_7b`, `70B`: `experiments/gpt.py`'s sizes, 128-wide heads; or
@@ -235,7 +235,8 @@ def run(fv: flags.FlagValues) -> list[dict[str, Any]]:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """The command line `argv` (None: sys.argv's) run."""
     flag_values, _ = parse_command_flags(
-        define_flags, argv, program="tools/generate_bench.py", doc=__doc__
+        define_flags, argv, program="tools/generate_bench.py",
+        doc=f"usage: generate_bench.py [flags]\n\n{__doc__}",
     )
     # Donation is what lets a chunk update the cache in place; a CPU ignores it.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
