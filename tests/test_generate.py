@@ -1,6 +1,8 @@
 """generate: batched decoding against transformers' `generate`, and the command."""
 
 import json
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 
 from axlearn.common import generate, hf_llama
 from axlearn.common.decoder import prompt_lengths_of
+from tests.fresh_python import REPO, fresh_env
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -15,13 +18,13 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 64
 
 
-def _hf_model(seed=1):
+def _hf_model(seed=1, num_kv_heads=2):
     """A random Llama without pad, bos or eos ids; weights of std 0.2 (the default 0.02
     makes a tiny model repeat its last token)."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+        num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=8, rope_theta=10000.0,
         initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
     return transformers.LlamaForCausalLM(config).eval()
@@ -97,7 +100,7 @@ def test_the_command_generates_from_a_hf_directory_with_its_tokenizer(tmp_path, 
     hf.save_pretrained(tmp_path, max_shard_size="20KB")  # Sharded, with an index.
     _tokenizer_files(tmp_path)
     prompts = ["w3 ! w7", "! w12"]
-    args = generate._parse_args([
+    args = generate.parse_flags([
         f"--hf_dir={tmp_path}", f"--prompt={prompts[0]}", f"--prompt={prompts[1]}",
         "--max_new_tokens=6", "--batch_size=2", "--dtype=float32",
     ])
@@ -110,3 +113,181 @@ def test_the_command_generates_from_a_hf_directory_with_its_tokenizer(tmp_path, 
         new = _hf_greedy(hf, ids, 6, None)
         words = ["!" if i == 0 else f"w{i - 3}" for i in new]
         assert " ".join(text.split() + words) in printed
+
+
+def test_streaming_delivers_the_first_token_after_prefill_then_each_chunk():
+    hf = _hf_model(seed=4)
+    prompt = [3, 9, 27]
+    expected = _hf_greedy(hf, prompt, 8, None)
+    cfg = hf_llama.llama_config_from_hf(hf.config)
+    generator = generate.Generator(cfg, hf_llama.params_from_hf(hf.state_dict(), cfg))
+    pieces = []
+    outputs, _ = generator.generate(
+        [prompt], max_new_tokens=8, batch_size=1, chunk_size=3,
+        on_tokens=lambda index, ids: pieces.append((index, ids)),
+    )
+    # 1 token from prefill, then 7 in chunks of 3 (the last one cut at max_new_tokens).
+    assert [len(ids) for _, ids in pieces] == [1, 3, 3, 1]
+    assert [t for _, ids in pieces for t in ids] == outputs[0] == expected
+
+
+def _save_hf_dir(directory, *, seed, num_kv_heads=2):
+    hf = _hf_model(seed=seed, num_kv_heads=num_kv_heads)
+    hf.save_pretrained(directory)
+    _tokenizer_files(directory)
+    return hf
+
+
+def _run_command(*args, devices):
+    return subprocess.run(
+        [sys.executable, "-m", "axlearn.common.generate", *args],
+        cwd=REPO, env=fresh_env(devices), capture_output=True, text=True, timeout=300,
+        check=False,
+    )
+
+
+class _Writes:
+    """A text stream that keeps each write apart."""
+
+    def __init__(self):
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.slow
+def test_the_command_streams_a_completion_in_pieces_that_make_the_printed_text(tmp_path):
+    hf = _save_hf_dir(tmp_path, seed=5)
+    fv = generate.parse_flags([
+        f"--hf_dir={tmp_path}", "--prompt=w3 ! w7", "--max_new_tokens=7", "--batch_size=1",
+        "--chunk_size=2", "--dtype=float32",
+    ])
+    out = _Writes()
+    generate.run(fv, out=out)
+    new = _hf_greedy(hf, [1, 6, 0, 10], 7, None)
+    words = ["!" if i == 0 else f"w{i - 3}" for i in new]
+    completion = " ".join(["w3", "!", "w7", *words])
+    # The prompt with the first token, then the words of each chunk of 2 as they came.
+    text_writes = out.writes[: out.writes.index("\n")]
+    assert "".join(text_writes) == completion
+    assert len(text_writes) == 4
+
+
+@pytest.mark.slow
+def test_the_command_on_four_devices_prints_the_text_of_one_device(tmp_path):
+    _save_hf_dir(tmp_path, seed=6, num_kv_heads=4)
+    args = [
+        f"--hf_dir={tmp_path}", "--prompt=w3 ! w7", "--prompt=w12", "--prompt=! ! w40 w2",
+        "--max_new_tokens=10", "--batch_size=3", "--dtype=float32", "--chunk_size=4",
+    ]
+    one = _run_command(*args, "--devices=1", devices=4)
+    four = _run_command(*args, "--devices=4", devices=4)
+    assert one.returncode == 0 and four.returncode == 0, one.stderr[-2000:] + four.stderr[-2000:]
+    completions = lambda out: out.split("tokens generated")[0].rsplit("\n", 2)[0]
+    assert "1 device(s)" in one.stdout and "4 device(s)" in four.stdout
+    assert completions(one.stdout).count("w") >= 20
+    assert completions(four.stdout) == completions(one.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "devices, message",
+    [
+        ("3", "generate: --devices=3 does not divide the model's 4 attention heads, "
+              "2 key/value heads"),
+        ("5", "generate: --devices=5: this host has 4 cpu device(s)"),
+    ],
+)
+def test_the_command_refuses_a_device_count_in_one_line(tmp_path, devices, message):
+    _save_hf_dir(tmp_path, seed=7)
+    result = _run_command(
+        f"--hf_dir={tmp_path}", "--prompt=w3", f"--devices={devices}", devices=4
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == message
+    assert "Traceback" not in result.stderr
+
+
+def test_help_exits_zero_and_lists_the_flags():
+    result = subprocess.run(
+        [sys.executable, "-m", "axlearn.common.generate", "--help"], cwd=REPO,
+        env=fresh_env(), capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    for flag in ("--hf_dir", "--devices", "--[no]stream", "--chunk_size", "--max_new_tokens"):
+        assert flag in result.stdout
+
+
+_SHARDS_SCRIPT = """
+import json, sys
+from axlearn.common import generate
+from axlearn.common.utils import flatten_with_paths
+generator, _ = generate.from_hf_dir(sys.argv[1], dtype="float32", devices=4)
+print(json.dumps({
+    path: [x.shape, x.addressable_shards[0].data.shape, len(x.devices())]
+    for path, x in flatten_with_paths(generator.params)
+}))
+"""
+
+
+@pytest.mark.slow
+def test_four_devices_each_load_a_quarter_of_every_head_and_mlp_weight(tmp_path):
+    _save_hf_dir(tmp_path, seed=8, num_kv_heads=4)
+    result = subprocess.run(
+        [sys.executable, "-c", _SHARDS_SCRIPT, str(tmp_path)], cwd=REPO, env=fresh_env(4),
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    shards = {
+        path: (tuple(shape), tuple(shard), devices)
+        for path, (shape, shard, devices) in json.loads(result.stdout.splitlines()[-1]).items()
+    }
+    layer = "decoder/transformer/layer0/"
+    attention = layer + "self_attention/attention/"
+    # [D, heads, H] split by head; [D, F] and [F, D] by hidden unit; the LM head by vocab.
+    assert shards[attention + "i_proj/i_proj/q_proj/weight"][:2] == ((32, 4, 8), (32, 1, 8))
+    assert shards[attention + "i_proj/i_proj/k_proj/weight"][:2] == ((32, 4, 8), (32, 1, 8))
+    assert shards[attention + "i_proj/i_proj/v_proj/weight"][:2] == ((32, 4, 8), (32, 1, 8))
+    assert shards[attention + "o_proj/weight"][:2] == ((32, 4, 8), (32, 1, 8))
+    assert shards[layer + "feed_forward/linear1_0/weight"][:2] == ((32, 48), (32, 12))
+    assert shards[layer + "feed_forward/linear2/weight"][:2] == ((48, 32), (12, 32))
+    assert shards["decoder/lm_head/weight"][:2] == ((32, VOCAB), (32, VOCAB // 4))
+    assert shards["decoder/emb/token_emb/weight"][:2] == ((VOCAB, 32), (VOCAB, 32))
+    assert all(devices == 4 for *_, devices in shards.values())
+
+
+@pytest.mark.slow
+def test_the_benchmark_prints_a_row_per_shape_devices_and_batch_size():
+    result = subprocess.run(
+        [sys.executable, "tools/generate_bench.py", "--shapes=32x2x4x2x64x128",
+         "--devices=1,2,8", "--batch_sizes=1,2", "--prompt_len=32", "--new_tokens=5",
+         "--chunk_size=2", "--repeats=1"],
+        cwd=REPO, env=fresh_env(2), capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 32x2x4x2x64x128")]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert [(c[1], c[2]) for c in cells] == [
+        ("1", "1"), ("1", "2"), ("2", "1"), ("2", "2"), ("8", "1"), ("8", "2")
+    ]
+    # Measured rows give a first-token time and speeds; 8 devices (of 2) are skipped.
+    assert all(float(c[5].replace(",", "")) > 0 and float(c[6].replace(",", "")) > 0
+               for c in cells[:4])
+    assert all("too few devices" in c[5] for c in cells[4:])
+
+
+def test_the_split_qkv_layout_for_several_devices_decodes_as_transformers():
+    hf = _hf_model(seed=9)
+    prompts = [[5, 0, 17], [40, 2, 2, 9]]
+    expected = [_hf_greedy(hf, p, 6, None) for p in prompts]
+    fused = hf_llama.llama_config_from_hf(hf.config)
+    split = generate.decoding_config(fused, num_devices=2)
+    params = generate.unfuse_qkv(hf_llama.params_from_hf(hf.state_dict(), fused), fused, split)
+    attention = params["decoder"]["transformer"]["repeat"]["layer"]["self_attention"]["attention"]
+    assert sorted(attention["i_proj"]["i_proj"]) == ["k_proj", "q_proj", "v_proj"]
+    outputs, _ = generate.Generator(split, params).generate(prompts, max_new_tokens=6)
+    assert outputs == expected

@@ -13,8 +13,8 @@ _TOOLS = sorted(p.stem for p in (pathlib.Path(REPO) / "tools").glob("*.py"))
 
 def test_the_tools_are_the_maintained_ones():
     assert _TOOLS == [
-        "attention_check", "checkpoint_check", "kernel_check", "matmul_check", "op_profile",
-        "step_breakdown", "sweep_7b",
+        "attention_check", "checkpoint_check", "generate_bench", "kernel_check", "matmul_check",
+        "op_profile", "step_breakdown", "sweep_7b",
     ]
 
 
