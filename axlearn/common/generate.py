@@ -748,7 +748,9 @@ def parse_flags(argv: Optional[Sequence[str]]) -> flags.FlagValues:
     """Flags of the command line `argv` (without the program name; None: sys.argv's) in
     a FlagValues of their own, checked: `--help` exits 0, a wrong flag is a usage error
     (exit 2), a wrong combination a ConfigError."""
-    flag_values, _ = parse_command_flags(define_flags, argv, program=PROGRAM, doc=__doc__)
+    flag_values, _ = parse_command_flags(
+        define_flags, argv, program=PROGRAM, doc=__doc__, reads_config_text=True
+    )
     check_flags(flag_values)
     return flag_values
 
