@@ -71,8 +71,18 @@ class ConsecutiveBadStepsError(TrainingDivergedError):
     """`SpmdTrainer.Config.max_consecutive_bad_steps` steps in a row were bad."""
 
 
+class ParameterNormBlowUpError(TrainingDivergedError):
+    """The parameter norm grew over MAX_PARAMETER_NORM_GROWTH times that of the newest good
+    state, though the loss stayed finite."""
+
+
 # SpmdTrainer.Config.max_consecutive_bad_steps when None.
 DEFAULT_MAX_CONSECUTIVE_BAD_STEPS = 20
+# A parameter norm (checked where the loop logs or saves) over this many times that of the
+# newest good state (at a run's start: the restored or initial one) stops the run with
+# ParameterNormBlowUpError: an update blew the parameters up, even if the loss stays
+# finite (saturated units with zero gradients).
+MAX_PARAMETER_NORM_GROWTH = 100.0
 
 
 def infer_mesh_shape(mesh_shape: MeshShape, num_devices: int) -> tuple[int, ...]:
@@ -320,6 +330,14 @@ class SpmdTrainer(Module):
         self._skipped_steps = 0  # The optimizer's count of skipped steps, as last checked.
         self._bad_steps = BadStepCounts()
         self._checked_step: Optional[int] = None  # The last step `_check_finite` checked.
+        # (step, its parameter norm or None) of the saved (or restored) step whose verdict
+        # waits for the check of the step after it (`_judge_saved_step`); None: none waits.
+        self._awaiting_verdict: Optional[tuple[int, Optional[float]]] = None
+        # The parameter norm of the newest state judged good (at the start: the restored or
+        # initial state's); None: not known.
+        self._good_param_norm: Optional[float] = None
+        self._checked_param_norm: Optional[float] = None  # Of the last checked step, if known.
+        self._restore_step: Optional[int] = None  # run()'s or evaluate()'s restore_step.
         self._input_state: Optional[dict[str, Any]] = None  # After the last consumed batch.
         self._state: Optional[TrainerState] = None
         self._jit_train_step = None
@@ -579,9 +597,18 @@ class SpmdTrainer(Module):
     def _restore_or_init(self) -> None:
         cfg = self._config
         seed = 0 if cfg.seed is None else cfg.seed
+        if self._restore_step is not None and "checkpointer" not in self.children:
+            raise ConfigError(
+                f"restore_step={self._restore_step}: {self.path()}.dir is not set, so there "
+                "are no checkpoints"
+            )
         if "checkpointer" in self.children:
-            step, restored, extra = self.checkpointer.restore(state=self._state_template())
+            step, restored, extra = self.checkpointer.restore(
+                step=self._restore_step, state=self._state_template()
+            )
             if step is not None:
+                if self.checkpointer.verdict(step) is not True:
+                    self._awaiting_verdict = (step, None)
                 self._state = self._carried(_from_state_dict(restored))
                 self._step = step
                 if cfg.save_input_iterator and extra and "input_iterator" in extra:
@@ -745,10 +772,11 @@ class SpmdTrainer(Module):
 
     # ----- evaluation alone -----
 
-    def evaluate(self) -> dict[str, dict[str, Any]]:
-        """Evaluates without training: restores the latest checkpoint (a fresh run:
-        initializes, from `init_params` if set), runs every evaler once at that step,
-        whatever its eval_policy, and returns {evaler name: its metrics}."""
+    def evaluate(self, *, restore_step: Optional[int] = None) -> dict[str, dict[str, Any]]:
+        """Evaluates without training: restores the latest checkpoint, or `restore_step`
+        (a fresh run: initializes, from `init_params` if set), runs every evaler once at
+        that step, whatever its eval_policy, and returns {evaler name: its metrics}."""
+        self._restore_step = restore_step
         self._restore_or_init()
         model_params = self.model_params()
         results = {}
@@ -763,8 +791,16 @@ class SpmdTrainer(Module):
 
     # ----- the loop -----
 
-    def run(self, prng_key: Optional[jax.Array] = None) -> dict[str, Any]:
+    def run(
+        self, prng_key: Optional[jax.Array] = None, *, restore_step: Optional[int] = None
+    ) -> dict[str, Any]:
         """Trains until max_step; returns the last logged step's summaries (host values).
+
+        Resumes from the newest checkpoint not judged bad, or from `restore_step` (the
+        launcher's --restore_step; RestoreStepError, one line listing the committed steps,
+        if it is not there or fails its checks). Resumed from `restore_step`, the newer
+        checkpoints are judged bad: the run goes on from the chosen step, and replaces
+        them as it reaches their steps.
 
         Holds the directory's lock while it runs (`run_lock`: a second trainer there fails
         at once). SIGTERM or SIGINT stops it early: it finishes the current step, saves
@@ -774,6 +810,7 @@ class SpmdTrainer(Module):
         """
         del prng_key  # The key comes from cfg.seed, so that restarts are reproducible.
         cfg = self._config
+        self._restore_step = restore_step
         grace = cfg.preemption_grace_period_s or preemption.DEFAULT_GRACE_PERIOD_S
         with contextlib.ExitStack() as stack:
             if cfg.dir is not None:
@@ -790,6 +827,11 @@ class SpmdTrainer(Module):
         """run()'s loop, with the lock held and the stop signals caught."""
         cfg = self._config
         self._restore_or_init()
+        if "checkpointer" in self.children:
+            # What saved states' parameter norms are measured against (_judge_saved_step).
+            self._good_param_norm = float(self.parameter_norm())
+        self._set_aside_newer_checkpoints()
+        self._drop_summaries_after(self._step)
         accounting = perf.StepAccounting.for_trainer(self)
         has_writer = "summary_writer" in self.children
         has_checkpointer = "checkpointer" in self.children
@@ -890,6 +932,33 @@ class SpmdTrainer(Module):
             last = {"step": self._step}
         return last
 
+    def _set_aside_newer_checkpoints(self) -> None:
+        """After a restore of an explicit restore_step, judges the newer checkpoints bad:
+        they are not this run's past any more, so no later resume may pick them."""
+        if self._restore_step is None:
+            return
+        checkpointer = self.checkpointer
+        newer = [s for s in checkpointer.committed_steps() if s > self._step]
+        for step in newer:
+            checkpointer.set_verdict(
+                step, False, reason=f"set aside: the run was restarted from step {self._step}"
+            )
+        checkpointer.wait_until_finished()
+        if newer:
+            log.warning(
+                "Restored step %d as asked: the newer checkpoints %s are set aside (judged "
+                "bad) and replaced as training reaches them", self._step, newer,
+            )
+
+    def _drop_summaries_after(self, step: int) -> None:
+        """Drops the summary records past `step` (the restored step, 0 for a fresh run):
+        the steps after it are trained, and written, again."""
+        writers = [self] + list(self._evalers.values())
+        for owner in writers:
+            writer = owner.children.get("summary_writer")
+            if hasattr(writer, "drop_records_after"):
+                writer.drop_records_after(step)
+
     def vlog(self, level: int, message: str, *args) -> None:
         """Logs `message % args` if the config's `vlog` is at least `level`."""
         vlog = self._config.vlog
@@ -948,7 +1017,10 @@ class SpmdTrainer(Module):
         A step whose update the optimizer skipped is bad: counted, warned about, and
         ConsecutiveBadStepsError once max_consecutive_bad_steps come in a row. A
         non-finite loss or parameter norm the optimizer did not skip raises
-        NonFiniteLossError.
+        NonFiniteLossError; a parameter norm over MAX_PARAMETER_NORM_GROWTH times the
+        newest good state's, ParameterNormBlowUpError. Each of those first judges bad the
+        checkpoints not judged good yet. The check also gives the checkpoint saved at the
+        step before `step` its verdict (`_judge_saved_step`).
         """
         learner_summaries = summaries.get("learner", {})
         loss = float(summaries["loss"])
@@ -958,14 +1030,35 @@ class SpmdTrainer(Module):
         if skipped is not None:
             self._skipped_steps = skipped
         self._checked_step = step
+        # Step `step` trained on the state before it: that state's verdict, if it waits.
+        grad_norm = learner_summaries.get("gradient_norm")
+        self._judge_saved_step(
+            step,
+            good=not newly_skipped
+            and math.isfinite(loss)
+            and (grad_norm is None or math.isfinite(float(grad_norm))),
+        )
         # The parameter norm after the update (on the steps the loop logs or saves) catches a
         # finite loss whose update overflowed.
         param_norm = learner_summaries.get("parameter_norm")
         param_norm = 0.0 if param_norm is None else float(param_norm)
+        self._checked_param_norm = param_norm if "parameter_norm" in learner_summaries else None
+        reference = self._good_param_norm
+        if reference and param_norm > MAX_PARAMETER_NORM_GROWTH * reference:
+            what = (
+                f"The parameter norm grew from {reference:.4g} (the last good state) to "
+                f"{param_norm:.4g} at step {step}, over {MAX_PARAMETER_NORM_GROWTH:g} times"
+            )
+            self._condemn_unjudged_steps(f"the run diverged at step {step}: {what}")
+            raise ParameterNormBlowUpError(
+                f"{what}: an update blew the parameters up (loss {loss}). Nothing was saved "
+                f"after it; {self._last_good_checkpoint()}. Lower the learning rate."
+            )
         if not math.isfinite(param_norm) or not (math.isfinite(loss) or newly_skipped):
             what = f"Loss became {loss}" if not math.isfinite(loss) else (
                 f"The parameter norm became {param_norm} (loss {loss})"
             )
+            self._condemn_unjudged_steps(f"the run diverged at step {step}: {what}")
             raise NonFiniteLossError(
                 f"{what} at step {step}. Nothing was saved after it; "
                 f"{self._last_good_checkpoint()}. Lower the learning rate, enable "
@@ -983,6 +1076,9 @@ class SpmdTrainer(Module):
         bad.record(step, bad=True, loss_finite=math.isfinite(loss))
         limit = self._config.max_consecutive_bad_steps or DEFAULT_MAX_CONSECUTIVE_BAD_STEPS
         if bad.consecutive >= limit:
+            self._condemn_unjudged_steps(
+                f"the run diverged: {bad.consecutive} bad steps in a row (steps {bad.first}-{step})"
+            )
             raise ConsecutiveBadStepsError(
                 f"{bad.consecutive} bad steps in a row (steps {bad.first}-{step}): the optimizer "
                 f"skipped every update (last loss {loss}). Nothing was saved from step "
@@ -998,6 +1094,39 @@ class SpmdTrainer(Module):
                 step, loss, skipped, bad.consecutive, limit,
             )
 
+    def _judge_saved_step(self, step: int, *, good: bool) -> None:
+        """Gives the saved step awaiting its verdict one, once `step` (the step after it)
+        is checked: good where `step` had a finite loss and gradient norm and was not
+        skipped. A saved state is judged by the step that trains on it, so that a state
+        whose update blew up (finite, but too large to train on) is never named good; its
+        parameter norm is then what later ones are measured against.
+        Without a verdict, a step is judged bad if the run diverges before a later step
+        is judged good (`_condemn_unjudged_steps`)."""
+        if self._awaiting_verdict is None or step != self._awaiting_verdict[0] + 1:
+            return
+        saved, norm = self._awaiting_verdict
+        self._awaiting_verdict = None
+        if good:
+            self.checkpointer.set_verdict(saved, True)
+            if norm is not None:
+                self._good_param_norm = norm
+        else:
+            log.warning("Checkpoint step %d stays without a verdict: step %d was bad", saved, step)
+
+    def _condemn_unjudged_steps(self, reason: str) -> None:
+        """Records a bad verdict on every committed step newer than the newest good one:
+        none of them has been seen to train on, so a rerun must not restore them (an
+        explicit restore_step still can)."""
+        if "checkpointer" not in self.children:
+            return
+        checkpointer = self.checkpointer
+        checkpointer.wait_until_finished()
+        good = checkpointer.latest_good_step()
+        for step in checkpointer.committed_steps():
+            if (good is None or step > good) and checkpointer.verdict(step) is not True:
+                checkpointer.set_verdict(step, False, reason=reason)
+        checkpointer.wait_until_finished()
+
     def _last_good_checkpoint(self) -> str:
         """Names the newest checkpoint saved as good (after any save in flight)."""
         if "checkpointer" not in self.children:
@@ -1011,8 +1140,8 @@ class SpmdTrainer(Module):
         if latest is None:
             return "no checkpoint was committed before it"
         return (
-            f"the latest checkpoint is step {latest} in {checkpointer.directory}, saved "
-            "without a verdict on its loss"
+            f"no checkpoint in {checkpointer.directory} is judged good (committed: "
+            f"{checkpointer.committed_steps()}; --restore_step=N restores one anyway)"
         )
 
     def _host_summaries(self, summaries: dict[str, Any]) -> dict[str, Any]:
@@ -1045,8 +1174,9 @@ class SpmdTrainer(Module):
                 log.info("eval %s step %d: %s", name, step, perf.format_metrics(headline))
 
     def _save(self, step: int, model_params: Any) -> bool:
-        """Saves the state at `step` with `model_params` (the float32 parameters) as a good
-        checkpoint, unless `step` is bad or follows bad steps; returns whether it saved.
+        """Saves the state at `step` with `model_params` (the float32 parameters), unless
+        `step` is bad or follows bad steps; returns whether it saved. The checkpoint gets
+        its verdict once the next step is checked (`_judge_saved_step`).
 
         `step` must be checked first (`_check_finite`): no state is committed whose loss
         was not seen to be finite. Summaries up to `step` are flushed to disk first, so that
@@ -1071,7 +1201,8 @@ class SpmdTrainer(Module):
         if self._config.save_input_iterator:
             extra["input_iterator"] = self._input_state
         state = dataclasses.replace(self._state, model=model_params)
-        self.checkpointer.save(step, _to_state_dict(state), extra=extra, good=True)
+        self.checkpointer.save(step, _to_state_dict(state), extra=extra)
+        self._awaiting_verdict = (step, self._checked_param_norm)
         return True
 
 
