@@ -968,6 +968,7 @@ class Checkpointer(Module):
                     f"Recording the verdict of checkpoint step {step} in {step_dir} failed: "
                     f"{_describe(e)}"
                 ) from e
+        self._gc_safely()  # The newest good step may have moved: older ones may go.
 
     def stop(self) -> None:
         """Finishes the save in flight and stops background garbage collection."""
