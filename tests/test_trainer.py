@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import threading
-import types
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,7 @@ from axlearn.common.config import ConfigError, apply_overrides
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.trainer import NonFiniteLossError, SpmdTrainer, infer_mesh_shape
 from axlearn.common.utils import flatten_with_paths
+from axlearn.common.weight_copies import uses_float32_weight_grads
 from axlearn.experiments.text.gpt import common
 from tests.fresh_python import assert_prints_ok, fresh_env
 from tests.trainer_script import (
@@ -209,7 +209,9 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_
     cfg.summary_writer.write_every_n_steps = 100  # Only saves force a check of the loss.
     with pytest.raises(NonFiniteLossError) as error:
         cfg.instantiate(parent=None).run()
-    last_good = 2 if bad_step == 4 else 4
+    # Step 4 between saves: its checkpoint is kept, but the step after it did not train on
+    # it, so the last good one is step 2 either way.
+    last_good = 2
     message = str(error.value)
     assert f"at step {bad_step}" in message and f"checkpoint is step {last_good}" in message
     assert _committed_steps(tmp_path) == ([2] if bad_step == 4 else [2, 4])
@@ -418,7 +420,9 @@ def test_bf16_microbatches_give_weights_float32_gradients_that_match_the_whole_b
     trainer._restore_or_init()
     state = trainer.trainer_state
     batch = trainer.global_batch(next(iter(trainer.input)))
-    params = trainer._train_dtype_params(state.model, state.weight_copies, float32_weight_grads=True)
+    params = trainer._weight_copies.train_dtype_params(
+        state.model, state.weight_copies, float32_weight_grads=True
+    )
     by_path = dict(flatten_with_paths(params, is_leaf=lambda x: isinstance(x, WeightWithCopy)))
     assert isinstance(by_path["decoder/emb/token_emb/weight"], WeightWithCopy)
     assert all(x.dtype == jnp.bfloat16 for p, x in by_path.items() if p.endswith("scale"))
@@ -447,15 +451,10 @@ def test_bf16_microbatches_give_weights_float32_gradients_that_match_the_whole_b
 
 
 def test_float32_weight_gradients_only_for_microbatches_on_one_device():
-    # pylint: disable=protected-access
-    one = _bf16_trainer_config(None, max_step=1, carry=True).instantiate(
-        parent=None, devices=jax.devices()[:1]
-    )
-    assert one._uses_float32_weight_grads(4) and one._uses_float32_weight_grads(2)
-    assert not one._uses_float32_weight_grads(1)
-    # On a mesh of two devices (only its size is read), microbatches keep bf16 gradients.
-    one._mesh = types.SimpleNamespace(size=2)
-    assert not one._uses_float32_weight_grads(4)
+    assert uses_float32_weight_grads(4, 1) and uses_float32_weight_grads(2, 1)
+    assert not uses_float32_weight_grads(1, 1)
+    # On a mesh of two devices, microbatches keep bf16 gradients.
+    assert not uses_float32_weight_grads(4, 2)
 
 
 def _assert_copies_are_the_weights_cast(state) -> dict:

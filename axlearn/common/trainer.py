@@ -21,12 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from axlearn.common import perf, preemption, run_lock
-from axlearn.common.base_layer import (
-    BaseLayer,
-    ParameterSpec,
-    cast_floats_with_copies,
-    is_parameter_spec,
-)
+from axlearn.common.base_layer import BaseLayer, ParameterSpec, is_parameter_spec
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import (
     REQUIRED,
@@ -48,10 +43,10 @@ from axlearn.common.sharding import (
     microbatch_count,
     named_sharding,
 )
-from axlearn.common.split_float import join_float32, split_float32
 from axlearn.common.summary import WeightedScalar, scalar_value
 from axlearn.common.summary_writer import SummaryWriter
-from axlearn.common.utils import cast_floats, flatten_with_paths
+from axlearn.common.utils import flatten_with_paths
+from axlearn.common.weight_copies import WeightCopies, uses_float32_weight_grads
 
 log = logging.getLogger(__name__)
 
@@ -253,16 +248,12 @@ class SpmdTrainer(Module):
                 f"{self.path()}: mesh_shape {tuple(cfg.mesh_shape)} and mesh_axis_names "
                 f"{tuple(cfg.mesh_axis_names)} differ in length"
             )
-        if cfg.carry_train_dtype_weights and cfg.train_dtype is None:
-            raise ConfigError(f"{self.path()}.carry_train_dtype_weights needs a train_dtype")
-        if cfg.split_carried_weights and not (
-            cfg.carry_train_dtype_weights and cfg.train_dtype == jnp.bfloat16
-        ):
-            raise ConfigError(
-                f"{self.path()}.split_carried_weights needs carry_train_dtype_weights and "
-                f"train_dtype bfloat16 (got {cfg.carry_train_dtype_weights!r} and "
-                f"{cfg.train_dtype!r})"
-            )
+        WeightCopies.check_options(
+            self.path(),
+            train_dtype=cfg.train_dtype,
+            carry=cfg.carry_train_dtype_weights,
+            split=cfg.split_carried_weights,
+        )
         max_bad = cfg.max_consecutive_bad_steps
         if max_bad is not None and (not isinstance(max_bad, int) or max_bad < 1):
             raise ConfigError(
@@ -309,7 +300,14 @@ class SpmdTrainer(Module):
             )
         self._model_param_specs = self.model.create_parameter_specs_recursively()
         self._check_parameters_split_evenly()
-        self._check_split_weights_are_float32()
+        # What a step carries of the weights besides (or instead of) their float32 values.
+        self._weight_copies = WeightCopies(
+            self._model_param_specs,
+            train_dtype=cfg.train_dtype,
+            carry=cfg.carry_train_dtype_weights,
+            split=cfg.split_carried_weights,
+            path=self.path(),
+        )
         self._evalers = {}
         for name, evaler_cfg in cfg.evalers.items():
             # Evaluation batches are split over the same mesh axes as training batches.
@@ -386,16 +384,6 @@ class SpmdTrainer(Module):
                     "divide the model's dimensions (docs/mesh_rules.md)."
                 )
 
-    def _check_split_weights_are_float32(self) -> None:
-        if not self._config.split_carried_weights:
-            return
-        for path, spec in flatten_with_paths(self._model_param_specs, is_leaf=is_parameter_spec):
-            if self._has_weight_copy(spec) and spec.dtype != jnp.float32:
-                raise ConfigError(
-                    f"{self.path()}.split_carried_weights splits float32 weights only; model "
-                    f"parameter {path} is {jnp.dtype(spec.dtype).name}"
-                )
-
     def _param_shardings(self, specs: Any) -> Any:
         def to_sharding(spec):
             if isinstance(spec, ParameterSpec):
@@ -418,9 +406,9 @@ class SpmdTrainer(Module):
         )
 
     def _state_shardings(self) -> TrainerState:
-        """The shardings of the state as the train step carries it (`_carried_model`)."""
+        """The shardings of the state as the train step carries it (`WeightCopies.carry`)."""
         state = self._checkpointed_shardings()
-        model, copies, low_bits = self._carried_model(state.model, cast=False)
+        model, copies, low_bits = self._weight_copies.carry(state.model, cast=False)
         return dataclasses.replace(
             state, model=model, weight_copies=copies, weight_low_bits=low_bits
         )
@@ -438,76 +426,22 @@ class SpmdTrainer(Module):
 
     # ----- state -----
 
-    def _has_weight_copy(self, spec: ParameterSpec) -> bool:
-        """Whether the parameter of `spec` has a carried train_dtype copy: the weights of
-        matrix products and embeddings (the parameters with fan axes), not norm scales
-        or biases, whose casts XLA fuses into their users."""
-        return (
-            spec.fan_axes is not None
-            and jnp.issubdtype(spec.dtype, jnp.floating)
-            and spec.dtype != self._config.train_dtype
+    def _carried_state(
+        self, prng_key: jax.Array, params: Any, learner_state: Any
+    ) -> TrainerState:
+        """The state a step carries for float32 `params` (`WeightCopies.carry`)."""
+        model, copies, low_bits = self._weight_copies.carry(params)
+        return TrainerState(
+            prng_key=prng_key,
+            model=model,
+            learner=learner_state,
+            weight_copies=copies,
+            weight_low_bits=low_bits,
         )
-
-    def _weights(self, tree: Any) -> Any:
-        """`tree` (shaped like the parameters) with None in place of every parameter that
-        `_has_weight_copy` leaves out."""
-        return jax.tree.map(
-            lambda spec, x: x if self._has_weight_copy(spec) else None,
-            self._model_param_specs,
-            tree,
-            is_leaf=is_parameter_spec,
-        )
-
-    def _copied_weights(self, tree: Any) -> Any:
-        """`_weights(tree)`, or None if no copies are carried."""
-        if not self._config.carry_train_dtype_weights:
-            return None
-        return self._weights(tree)
-
-    def _train_dtype_copies(self, weights: Any) -> Any:
-        """Each leaf of `weights` (None leaves are empty subtrees: skipped) cast to
-        train_dtype."""
-        return jax.tree.map(lambda p: p.astype(self._config.train_dtype), weights)
-
-    def _carried_model(self, params: Any, *, cast: bool = True) -> tuple[Any, Any, Any]:
-        """(model, weight_copies, weight_low_bits) of TrainerState for float32 `params`.
-
-        Without carried copies: (params, None, None). With them: (params, the weights'
-        train_dtype copies, None). With split weights: (params less the weights, their
-        `split_float32` high halves, their low halves). `cast=False` maps a tree shaped
-        like the parameters (their shardings) to the same places without converting.
-        """
-        weights = self._copied_weights(params)
-        if weights is None:
-            return params, None, None
-        if not self._config.split_carried_weights:
-            return params, self._train_dtype_copies(weights) if cast else weights, None
-        kept = jax.tree.map(
-            lambda spec, x: None if self._has_weight_copy(spec) else x,
-            self._model_param_specs,
-            params,
-            is_leaf=is_parameter_spec,
-        )
-        if not cast:
-            return kept, weights, weights
-        # Split each weight once; `weights` marks where its (high, low) pairs stand.
-        halves = jax.tree.map(split_float32, weights)
-        high = jax.tree.map(lambda _, pair: pair[0], weights, halves)
-        low = jax.tree.map(lambda _, pair: pair[1], weights, halves)
-        return kept, high, low
 
     def _joined_params(self, state: TrainerState) -> Any:
-        """The float32 model parameters of `state`: its split weights joined again."""
-        if state.weight_low_bits is None:
-            return state.model
-        return jax.tree.map(
-            lambda spec, x, high, low: x if low is None else join_float32(high, low),
-            self._model_param_specs,
-            state.model,
-            state.weight_copies,
-            state.weight_low_bits,
-            is_leaf=is_parameter_spec,
-        )
+        """The float32 model parameters of `state` (`WeightCopies.join`)."""
+        return self._weight_copies.join(state.model, state.weight_copies, state.weight_low_bits)
 
     def _init_fn(self, prng_key: jax.Array, params: Any = None) -> TrainerState:
         """The initial state: `params` (None: drawn by the model's param_init), a fresh
@@ -516,14 +450,7 @@ class SpmdTrainer(Module):
         if params is None:
             params = self.model.initialize_parameters_recursively(init_key)
         learner_state = self.learner.init(params, param_specs=self._model_param_specs)
-        model, copies, low_bits = self._carried_model(params)
-        return TrainerState(
-            prng_key=train_key,
-            model=model,
-            learner=learner_state,
-            weight_copies=copies,
-            weight_low_bits=low_bits,
-        )
+        return self._carried_state(train_key, params, learner_state)
 
     def init_state(self, prng_key: jax.Array) -> TrainerState:
         """Initializes model and learner state directly in their shardings."""
@@ -575,9 +502,9 @@ class SpmdTrainer(Module):
         carried = self._state_shardings()
         shardings = (carried.model, carried.weight_copies, carried.weight_low_bits)
         with jax.set_mesh(self._mesh):
-            model, copies, low_bits = jax.jit(self._carried_model, out_shardings=shardings)(
-                state.model
-            )
+            model, copies, low_bits = jax.jit(
+                self._weight_copies.carry, out_shardings=shardings
+            )(state.model)
         return dataclasses.replace(
             state, model=model, weight_copies=copies, weight_low_bits=low_bits
         )
@@ -635,29 +562,10 @@ class SpmdTrainer(Module):
 
     # ----- the train step -----
 
-    def _train_dtype_params(
-        self, model_params, weight_copies, *, float32_weight_grads: bool
-    ) -> Any:
-        """The parameters as the model gets them in a train step: cast to train_dtype, the
-        carried copies (if any) standing for the casts of their weights.
-
-        With float32_weight_grads, each weight that has a copy (carried, or cast here) goes
-        to its layer as a `WeightWithCopy` instead, so that its gradient leaves the matmul
-        in the weight's float32 (see `_uses_float32_weight_grads`)."""
-        if float32_weight_grads and weight_copies is None:
-            # The casts that carried copies would be, made here.
-            weight_copies = self._train_dtype_copies(self._weights(model_params))
-        dtype = self._config.train_dtype
-        if weight_copies is None:
-            return cast_floats(model_params, dtype)
-        return cast_floats_with_copies(
-            model_params, weight_copies, dtype, as_pairs=float32_weight_grads
-        )
-
     def _loss_fn(
         self, model_params, input_batch, prng_key, weight_copies=None, float32_weight_grads=False
     ):
-        params = self._train_dtype_params(
+        params = self._weight_copies.train_dtype_params(
             model_params, weight_copies, float32_weight_grads=float32_weight_grads
         )
         (loss, aux), collection = functional(
@@ -689,16 +597,6 @@ class SpmdTrainer(Module):
             )
         return count
 
-    def _uses_float32_weight_grads(self, num_microbatches: int) -> bool:
-        """Whether a step gives its weights their gradients in float32 out of the matmuls.
-
-        Only where it pays: a step that sums several microbatches' gradients, on one
-        device. The learner's float32 sum then folds into each weight-gradient matmul
-        instead of taking a pass of its own. On several devices each microbatch's weight
-        gradients are reduced across them, and in float32 that moves twice the bytes of bf16.
-        """
-        return num_microbatches > 1 and self._mesh.size == 1
-
     def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
         prng_key, step_key = jax.random.split(state.prng_key)
         partition = getattr(self.input, "partition_batch", None)  # BaseInput's, if any.
@@ -715,7 +613,7 @@ class SpmdTrainer(Module):
         loss_fn = functools.partial(
             self._loss_fn,
             weight_copies=state.weight_copies,
-            float32_weight_grads=self._uses_float32_weight_grads(num_microbatches),
+            float32_weight_grads=uses_float32_weight_grads(num_microbatches, self._mesh.size),
         )
         # Split weights are joined here and split again below; XLA fuses both into the
         # update, whose fusions then read and write the halves, never float32 weights.
@@ -728,15 +626,7 @@ class SpmdTrainer(Module):
                 params, grads, state.learner, param_specs=self._model_param_specs, loss=loss
             )
         summaries = dict(loss=loss, learner=learner_summaries, model=aux["summaries"])
-        model, copies, low_bits = self._carried_model(new_params)
-        new_state = TrainerState(
-            prng_key=prng_key,
-            model=model,
-            learner=new_learner_state,
-            weight_copies=copies,
-            weight_low_bits=low_bits,
-        )
-        return new_state, summaries
+        return self._carried_state(prng_key, new_params, new_learner_state), summaries
 
     def _compile_train_step(self):
         shardings = self._state_shardings()
@@ -1043,6 +933,16 @@ class SpmdTrainer(Module):
         param_norm = learner_summaries.get("parameter_norm")
         param_norm = 0.0 if param_norm is None else float(param_norm)
         self._checked_param_norm = param_norm if "parameter_norm" in learner_summaries else None
+        if not math.isfinite(param_norm) or not (math.isfinite(loss) or newly_skipped):
+            what = f"Loss became {loss}" if not math.isfinite(loss) else (
+                f"The parameter norm became {param_norm} (loss {loss})"
+            )
+            self._condemn_unjudged_steps(f"the run diverged at step {step}: {what}")
+            raise NonFiniteLossError(
+                f"{what} at step {step}. Nothing was saved after it; "
+                f"{self._last_good_checkpoint()}. Lower the learning rate, enable "
+                "skip_and_clip_by_global_norm, or check the input."
+            )
         reference = self._good_param_norm
         if reference and param_norm > MAX_PARAMETER_NORM_GROWTH * reference:
             what = (
@@ -1053,16 +953,6 @@ class SpmdTrainer(Module):
             raise ParameterNormBlowUpError(
                 f"{what}: an update blew the parameters up (loss {loss}). Nothing was saved "
                 f"after it; {self._last_good_checkpoint()}. Lower the learning rate."
-            )
-        if not math.isfinite(param_norm) or not (math.isfinite(loss) or newly_skipped):
-            what = f"Loss became {loss}" if not math.isfinite(loss) else (
-                f"The parameter norm became {param_norm} (loss {loss})"
-            )
-            self._condemn_unjudged_steps(f"the run diverged at step {step}: {what}")
-            raise NonFiniteLossError(
-                f"{what} at step {step}. Nothing was saved after it; "
-                f"{self._last_good_checkpoint()}. Lower the learning rate, enable "
-                "skip_and_clip_by_global_norm, or check the input."
             )
         bad = self._bad_steps
         if not newly_skipped:
