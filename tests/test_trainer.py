@@ -32,7 +32,6 @@ from axlearn.common.config import ConfigError, apply_overrides
 from axlearn.common.input_builtin import BuiltinTextInput
 from axlearn.common.trainer import NonFiniteLossError, SpmdTrainer, infer_mesh_shape
 from axlearn.common.utils import flatten_with_paths
-from axlearn.common.weight_copies import uses_float32_weight_grads
 from axlearn.experiments.text.gpt import common
 from tests.fresh_python import assert_prints_ok, fresh_env
 from tests.trainer_script import (
@@ -448,13 +447,6 @@ def test_bf16_microbatches_give_weights_float32_gradients_that_match_the_whole_b
         rel = np.linalg.norm(np.asarray(g4) - np.asarray(g1)) / np.linalg.norm(np.asarray(g1))
         is_matrix = isinstance(by_path[path], WeightWithCopy)  # Norm scales: small sums.
         assert rel < (0.02 if is_matrix else 0.1), (path, rel)
-
-
-def test_float32_weight_gradients_only_for_microbatches_on_one_device():
-    assert uses_float32_weight_grads(4, 1) and uses_float32_weight_grads(2, 1)
-    assert not uses_float32_weight_grads(1, 1)
-    # On a mesh of two devices, microbatches keep bf16 gradients.
-    assert not uses_float32_weight_grads(4, 2)
 
 
 def _assert_copies_are_the_weights_cast(state) -> dict:
