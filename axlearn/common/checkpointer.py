@@ -12,8 +12,11 @@ The commit protocol makes the newest committed checkpoint whole at every instant
 3. process 0 writes `index.json` (tree paths, shapes, dtypes, chunking, file sizes and
    checksums, the caller's `extra` metadata and verdict `good`, and the sha256 of all
    that) to a temporary file, fsyncs it, renames it into place and fsyncs the directory.
-A step directory without `index.json` is not a checkpoint: it is never restored, and
-garbage collection removes it. Restore re-checks the index's own sha256 and the sizes and
+A verdict given later (`set_verdict`: the trainer's, once the next step trained on the
+state) rewrites the index the same way; restore skips steps judged bad unless asked for
+one by step. A step directory without `index.json` is not a checkpoint: it is never
+restored, and garbage collection removes it. A save that fails removes its directory once
+every write it started has ended. Restore re-checks the index's own sha256 and the sizes and
 checksums of the files it reads, so an edited index or a torn or altered file is
 detected; the previous committed step is then used, and the step that failed is saved
 again when training reaches it (`save` replaces it instead of keeping it as committed).

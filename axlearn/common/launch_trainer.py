@@ -983,8 +983,8 @@ EVAL_ONLY_METRICS = ("loss", "perplexity", "bits_per_byte", "accuracy")
 def evaluate_only(
     cfg: ConfigBase, trainer_dir: str, *, restore_step: Optional[int] = None
 ) -> dict[str, Any]:
-    """--eval_only: every evaler once on the run's latest checkpoint (a fresh run: its
-    initial weights); prints one JSON line of metrics per evaler (loss, perplexity, bits
+    """--eval_only: every evaler once on the run's latest checkpoint, or `restore_step` (a
+    fresh run: its initial weights); prints one JSON line of metrics per evaler (loss, perplexity, bits
     per byte where the input counts bytes, accuracy) and returns them all. Records no config: the
     evaluation is no start of the run."""
     import jax  # pylint: disable=import-outside-toplevel
