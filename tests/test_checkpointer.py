@@ -1,6 +1,7 @@
 """Tests of axlearn.common.checkpointer: the promise is that the newest committed checkpoint
 is always whole, a restart resumes exactly, and failures are loud and harmless."""
 
+import concurrent.futures
 import errno
 import json
 import logging
@@ -513,6 +514,23 @@ def test_unwritable_directory_raises_clear_error_and_keeps_previous(
     assert checkpointer.committed_steps() == [1]
     _, restored, _ = checkpointer.restore(state=_template(_random_state(0)))
     _assert_trees_equal(restored, _random_state(1))
+
+
+def test_a_failed_write_is_raised_only_once_the_writes_still_running_end():
+    # A save's clean-up removes its directory: no write may still be adding files then.
+    release, finished = threading.Event(), []
+
+    def slow_write():
+        release.wait(timeout=30)
+        finished.append(True)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        failed = pool.submit(lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+        running = pool.submit(slow_write)
+        threading.Timer(0.2, release.set).start()
+        errors = checkpointer_lib._wait_for_all([failed, running], timeout=60)
+    assert finished == [True] and running.done()
+    assert [e.errno for e in errors] == [errno.ENOSPC]
 
 
 def test_failed_save_does_not_block_later_saves(make_checkpointer, monkeypatch):
