@@ -73,10 +73,10 @@ class ParameterNormBlowUpError(TrainingDivergedError):
 
 # SpmdTrainer.Config.max_consecutive_bad_steps when None.
 DEFAULT_MAX_CONSECUTIVE_BAD_STEPS = 20
-# A parameter norm (checked where the loop logs or saves) over this many times that of the
-# newest good state (at a run's start: the restored or initial one) stops the run with
-# ParameterNormBlowUpError: an update blew the parameters up, even if the loss stays
-# finite (saturated units with zero gradients).
+# In a run with a directory, a parameter norm (checked where the loop logs or saves) over
+# this many times that of the newest good state (at a run's start: the restored or initial
+# one) stops the run with ParameterNormBlowUpError: an update blew the parameters up, even
+# if the loss stays finite (saturated units with zero gradients).
 MAX_PARAMETER_NORM_GROWTH = 100.0
 
 
@@ -718,7 +718,7 @@ class SpmdTrainer(Module):
         cfg = self._config
         self._restore_or_init()
         if "checkpointer" in self.children:
-            # What saved states' parameter norms are measured against (_judge_saved_step).
+            # What later parameter norms are measured against (_check_finite).
             self._good_param_norm = float(self.parameter_norm())
         self._set_aside_newer_checkpoints()
         self._drop_summaries_after(self._step)
