@@ -208,12 +208,17 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_
     cfg.summary_writer.write_every_n_steps = 100  # Only saves force a check of the loss.
     with pytest.raises(NonFiniteLossError) as error:
         cfg.instantiate(parent=None).run()
-    # Step 4 between saves: its checkpoint is kept, but the step after it did not train on
-    # it, so the last good one is step 2 either way.
+    # With the bad step between saves (5), step 4 is saved and kept, but step 5 did not
+    # train on it: it is judged bad, and the last good checkpoint is step 2 either way.
     last_good = 2
     message = str(error.value)
     assert f"at step {bad_step}" in message and f"checkpoint is step {last_good}" in message
     assert _committed_steps(tmp_path) == ([2] if bad_step == 4 else [2, 4])
+    checkpointer = Checkpointer.default_config().set(
+        name="checkpointer", dir=os.path.join(tmp_path, "checkpoints")
+    ).instantiate(parent=None)
+    verdicts = [checkpointer.verdict(step) for step in _committed_steps(tmp_path)]
+    assert verdicts == ([True] if bad_step == 4 else [True, False])
 
     # The kept checkpoint is finite and restores: a rerun without the poison resumes there.
     trainer = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=last_good).instantiate(
