@@ -198,8 +198,9 @@ def test_a_corrupted_latest_step_is_rewritten_when_the_restarted_run_reaches_it(
     trainer = cfg.instantiate(parent=None)
     trainer.run()
     assert trainer.step == 4
-    # Steps 3 and 4 were trained again from step 2, as before.
-    assert [r["step"] for r in read_metrics(trainer_dir)] == [1, 2, 3, 4, 3, 4]
+    # Steps 3 and 4 were trained again from step 2, as before; their records replace the
+    # first run's.
+    assert [r["step"] for r in read_metrics(trainer_dir)] == [1, 2, 3, 4]
     assert losses_by_step(trainer_dir) == reference
     # Step 4 is a fresh commit: its index checks out and every file matches its record.
     index = _read(os.path.join(step_dir, INDEX_FILE))

@@ -1,6 +1,7 @@
 """Tests of axlearn.common.checkpointer: the promise is that the newest committed checkpoint
 is always whole, a restart resumes exactly, and failures are loud and harmless."""
 
+import concurrent.futures
 import errno
 import json
 import logging
@@ -24,6 +25,7 @@ from axlearn.common.checkpointer import (
     Checkpointer,
     CheckpointCorruptError,
     CheckpointSaveError,
+    RestoreStepError,
     TensorStoreStateStorage,
     every_n_steps_and_last_policy,
     every_n_steps_policy,
@@ -183,6 +185,79 @@ def test_restore_picks_the_latest_committed_step_or_the_one_asked(make_checkpoin
     _assert_trees_equal(restored, _random_state(2))
 
 
+def test_restore_of_a_step_not_committed_is_one_line_listing_the_committed_ones(
+    make_checkpointer, tmp_path
+):
+    checkpointer = make_checkpointer(keep_last_n=5)
+    for step in (2, 4):
+        checkpointer.save(step, _random_state(step))
+    with pytest.raises(RestoreStepError) as error:
+        checkpointer.restore(step=3, state=_template(_random_state(0)))
+    assert str(error.value) == (
+        f"No committed checkpoint for step 3 in {tmp_path / 'ckpt'}; committed steps: [2, 4]"
+    )
+
+
+# ----- verdicts -----
+
+
+def _index(directory, step: int) -> dict:
+    with open(os.path.join(directory, step_dir_name(step), INDEX_FILE), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_a_verdict_is_recorded_in_an_index_that_still_checks_out(make_checkpointer, tmp_path):
+    checkpointer = make_checkpointer(keep_last_n=5)
+    checkpointer.save(1, _random_state(1))
+    checkpointer.set_verdict(1, False, reason="diverged")
+    checkpointer.wait_until_finished()
+    index = _index(tmp_path / "ckpt", 1)
+    assert (index["good"], index["verdict_reason"]) == (False, "diverged")
+    body = {k: v for k, v in index.items() if k != "index_sha256"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    assert index["index_sha256"] == __import__("hashlib").sha256(canonical.encode()).hexdigest()
+    checkpointer.set_verdict(1, True)
+    checkpointer.wait_until_finished()
+    assert checkpointer.verdict(1) is True and "verdict_reason" not in _index(tmp_path / "ckpt", 1)
+    # The explicit step restores: the rewritten index passes its checks.
+    step, restored, _ = checkpointer.restore(step=1, state=_template(_random_state(0)))
+    assert step == 1
+    _assert_trees_equal(restored, _random_state(1))
+
+
+def test_restore_skips_steps_judged_bad_unless_asked_for_one(make_checkpointer):
+    checkpointer = make_checkpointer(keep_last_n=5)
+    for step in (1, 2, 3):
+        checkpointer.save(step, _random_state(step))
+    checkpointer.set_verdict(3, False, reason="diverged")
+    template = _template(_random_state(0))
+    step, restored, _ = checkpointer.restore(state=template)
+    assert step == 2
+    _assert_trees_equal(restored, _random_state(2))
+    step, restored, _ = checkpointer.restore(step=3, state=template)
+    assert step == 3
+    _assert_trees_equal(restored, _random_state(3))
+
+
+def test_when_every_step_is_judged_bad_restore_asks_for_one(make_checkpointer):
+    checkpointer = make_checkpointer(keep_last_n=5)
+    checkpointer.save(1, _random_state(1))
+    checkpointer.set_verdict(1, False)
+    with pytest.raises(RestoreStepError, match=r"judged bad \(steps \[1\]\).*--restore_step"):
+        checkpointer.restore(state=_template(_random_state(0)))
+
+
+def test_a_step_judged_bad_is_replaced_when_saved_again(make_checkpointer):
+    checkpointer = make_checkpointer(keep_last_n=5)
+    checkpointer.save(1, _random_state(1))
+    checkpointer.set_verdict(1, False)
+    checkpointer.save(1, _random_state(7))
+    checkpointer.wait_until_finished()
+    assert checkpointer.verdict(1) is None
+    _, restored, _ = checkpointer.restore(step=1, state=_template(_random_state(0)))
+    _assert_trees_equal(restored, _random_state(7))
+
+
 def test_save_returns_before_the_files_are_written(make_checkpointer, monkeypatch):
     checkpointer = make_checkpointer()
     release = threading.Event()
@@ -326,8 +401,10 @@ def test_corrupt_explicit_step_raises(make_checkpointer, tmp_path):
     checkpointer.save(1, _random_state(1))
     checkpointer.wait_until_finished()
     os.truncate(_chunk_file(tmp_path / "ckpt", 1, "model/w"), 3)
-    with pytest.raises(CheckpointCorruptError, match="step_00000001/arrays/model/w/0.0"):
+    with pytest.raises(CheckpointCorruptError, match="step_00000001/arrays/model/w/0.0") as error:
         checkpointer.restore(step=1, state=_template(_random_state(0)))
+    assert isinstance(error.value, RestoreStepError)  # One line from the launcher.
+    assert str(error.value).endswith("; committed steps: [1]") and "\n" not in str(error.value)
 
 
 def test_unreadable_index_is_skipped(make_checkpointer, tmp_path):
@@ -437,6 +514,23 @@ def test_unwritable_directory_raises_clear_error_and_keeps_previous(
     assert checkpointer.committed_steps() == [1]
     _, restored, _ = checkpointer.restore(state=_template(_random_state(0)))
     _assert_trees_equal(restored, _random_state(1))
+
+
+def test_a_failed_write_is_raised_only_once_the_writes_still_running_end():
+    # A save's clean-up removes its directory: no write may still be adding files then.
+    release, finished = threading.Event(), []
+
+    def slow_write():
+        release.wait(timeout=30)
+        finished.append(True)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        failed = pool.submit(lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+        running = pool.submit(slow_write)
+        threading.Timer(0.2, release.set).start()
+        errors = checkpointer_lib._wait_for_all([failed, running], timeout=60)
+    assert finished == [True] and running.done()
+    assert [e.errno for e in errors] == [errno.ENOSPC]
 
 
 def test_failed_save_does_not_block_later_saves(make_checkpointer, monkeypatch):

@@ -1,5 +1,6 @@
 """Tests of axlearn.common.summary_writer: event files, metrics.jsonl and write policy."""
 
+import errno
 import json
 import os
 
@@ -11,7 +12,8 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from axlearn.common.config import ConfigError
 from axlearn.common.summary import WeightedScalar
-from axlearn.common.summary_writer import JSONL_FILE_NAME, SummaryWriter
+from axlearn.common import summary_writer as summary_writer_lib
+from axlearn.common.summary_writer import JSONL_FILE_NAME, SummaryWriter, SummaryWriteError
 
 
 def _writer(tmp_path, **kwargs) -> SummaryWriter:
@@ -163,3 +165,45 @@ def test_unsupported_values_are_an_error_naming_the_summary(tmp_path):
 def test_bad_write_every_n_steps_is_rejected(tmp_path):
     with pytest.raises(ConfigError, match="write_every_n_steps"):
         _writer(tmp_path, write_every_n_steps=0)
+
+
+# ----- a full disk, and resuming -----
+
+
+def test_a_write_cut_off_by_a_full_disk_leaves_only_whole_lines(tmp_path, monkeypatch):
+    writer = _writer(tmp_path)
+    writer(0, {"x": 1.0})
+    real_write = os.write
+
+    def full_after_a_few_bytes(fd, data):
+        real_write(fd, bytes(data[:7]))  # Part of the line lands, then the disk is full.
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(summary_writer_lib.os, "write", full_after_a_few_bytes)
+    path = os.path.join(tmp_path, JSONL_FILE_NAME)
+    with pytest.raises(SummaryWriteError) as error:
+        writer(1, {"x": 2.0})
+    assert str(error.value) == f"Writing summaries to {path} failed: No space left on device"
+    monkeypatch.undo()
+    assert _jsonl(tmp_path) == [{"step": 0, "x": 1.0}]
+
+
+def test_records_past_the_resumed_step_and_a_cut_off_line_are_dropped(tmp_path):
+    lines = [json.dumps({"step": step, "x": float(step)}) + "\n" for step in range(1, 7)]
+    with open(os.path.join(tmp_path, JSONL_FILE_NAME), "w", encoding="utf-8") as f:
+        f.write("".join(lines) + '{"step": 7, "x"')  # Step 7 was cut off by a crash.
+    writer = _writer(tmp_path)
+    writer.drop_records_after(4)
+    writer(5, {"x": 50.0})
+    writer.close()
+    assert _jsonl(tmp_path) == [{"step": s, "x": float(s)} for s in range(1, 5)] + [
+        {"step": 5, "x": 50.0}
+    ]
+
+
+def test_dropping_records_after_the_files_opened_is_an_error(tmp_path):
+    writer = _writer(tmp_path)
+    writer.open()
+    with pytest.raises(RuntimeError, match="drop_records_after"):
+        writer.drop_records_after(0)
+    writer.close()

@@ -12,8 +12,11 @@ The commit protocol makes the newest committed checkpoint whole at every instant
 3. process 0 writes `index.json` (tree paths, shapes, dtypes, chunking, file sizes and
    checksums, the caller's `extra` metadata and verdict `good`, and the sha256 of all
    that) to a temporary file, fsyncs it, renames it into place and fsyncs the directory.
-A step directory without `index.json` is not a checkpoint: it is never restored, and
-garbage collection removes it. Restore re-checks the index's own sha256 and the sizes and
+A verdict given later (`set_verdict`: the trainer's, once the next step trained on the
+state) rewrites the index the same way; restore skips steps judged bad unless asked for
+one by step. A step directory without `index.json` is not a checkpoint: it is never
+restored, and garbage collection removes it. A save that fails removes its directory once
+every write it started has ended. Restore re-checks the index's own sha256 and the sizes and
 checksums of the files it reads, so an edited index or a torn or altered file is
 detected; the previous committed step is then used, and the step that failed is saved
 again when training reaches it (`save` replaces it instead of keeping it as committed).
@@ -71,6 +74,8 @@ _FORMAT = "axlearn.checkpoint.v1"
 # The index field holding the sha256 of the rest of the index (`_index_digest`). Indexes
 # written before it existed have none: they restore with a warning (see `_load_index`).
 INDEX_CHECKSUM = "index_sha256"
+# The index field saying why a step's verdict (`good`) is what it is, where one is given.
+VERDICT_REASON = "verdict_reason"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # Large arrays are cut into chunks of at most this many bytes, so that TensorStore writes
 # and reads them in parallel and a restore on another mesh reads little it does not need.
@@ -93,6 +98,15 @@ class CheckpointCorruptError(RuntimeError):
 class CheckpointMismatchError(ValueError):
     """A checkpoint's index does not fit the state template: another model's checkpoint,
     or an index edited (its checksum recomputed) to name other arrays, shapes or dtypes."""
+
+
+class RestoreStepError(ConfigError):
+    """The step asked to restore (`restore(step=N)`, the launcher's --restore_step) is not
+    committed; the one-line message lists the committed steps."""
+
+
+class CorruptRestoreStepError(RestoreStepError, CheckpointCorruptError):
+    """The step asked to restore is committed but fails its checks."""
 
 
 # ----- save policies -----
@@ -381,6 +395,17 @@ def _start_host_copy(
     return lambda: _LeafSnapshot(path, _array_dir_name(path), meta, host_shards())
 
 
+def _wait_for_all(futures: Sequence[Any], timeout: float) -> list[BaseException]:
+    """Waits for every future; returns the errors of those that failed, in order."""
+    errors = []
+    for future in futures:
+        try:
+            future.result(timeout=timeout)
+        except Exception as e:  # pylint: disable=broad-except
+            errors.append(e)
+    return errors
+
+
 def _check_unique_paths(paths: Sequence[str]) -> None:
     names = [_array_dir_name(p) for p in paths]
     if len(set(names)) != len(names):
@@ -458,17 +483,22 @@ class TensorStoreStateStorage(Configurable):
         ]
         files = []
         writes = []
-        for leaf, future in zip(snapshot.leaves, opened):
-            array = future.result(timeout=cfg.timeout_secs)
-            for bounds, data in leaf.shards:
-                index = tuple(slice(start, stop) for start, stop in bounds)
-                writes.append(array[index].write(np.asarray(data)))
-                chunk_files = _chunk_files(leaf.meta["chunks"], bounds)
-                files += [f"arrays/{leaf.array_dir}/{f}" for f in chunk_files]
-            if jax.process_index() == 0:
-                files.append(f"arrays/{leaf.array_dir}/.zarray")
-        for write in writes:
-            write.result(timeout=cfg.timeout_secs)
+        try:
+            for leaf, future in zip(snapshot.leaves, opened):
+                array = future.result(timeout=cfg.timeout_secs)
+                for bounds, data in leaf.shards:
+                    index = tuple(slice(start, stop) for start, stop in bounds)
+                    writes.append(array[index].write(np.asarray(data)))
+                    chunk_files = _chunk_files(leaf.meta["chunks"], bounds)
+                    files += [f"arrays/{leaf.array_dir}/{f}" for f in chunk_files]
+                if jax.process_index() == 0:
+                    files.append(f"arrays/{leaf.array_dir}/.zarray")
+        finally:
+            # Every started write ends (or fails) before this returns or raises, so that
+            # the clean-up of a failed step finds no write still adding files to it.
+            errors = _wait_for_all([*opened, *writes], cfg.timeout_secs)
+        if errors:
+            raise errors[0]
         return _checksums(step_dir, sorted(set(files)))
 
     @staticmethod
@@ -690,6 +720,8 @@ class Checkpointer(Module):
             max_workers=1, thread_name_prefix="checkpoint-writer"
         )
         self._pending: Optional[concurrent.futures.Future] = None
+        # Verdicts (`set_verdict`) queued behind the save in flight, in the writer thread.
+        self._pending_verdicts: list[concurrent.futures.Future] = []
         self._in_flight_step: Optional[int] = None
         # Committed steps that failed their checks in `restore`, with the reason: not
         # checkpoints for garbage collection, and replaced when saved again.
@@ -742,13 +774,15 @@ class Checkpointer(Module):
         """Starts saving `state` as `step`; returns once the arrays are copied to host.
 
         `extra` is small JSON-able metadata (e.g. the input iterator's position), committed
-        with the arrays. `good` is the caller's verdict on the state (the trainer's: the
-        step's loss was finite and not inside a run of bad steps), recorded in the index;
-        garbage collection always keeps the newest step committed with good=True. None:
-        no verdict. Raises the error of a previous save that failed. While
+        with the arrays. `good` is the caller's verdict on the state, recorded in the index
+        (`set_verdict` gives or changes it later; the trainer's is given once the step
+        after it passed its checks); garbage collection always keeps the newest step
+        whose verdict is good, and `restore()` skips steps judged bad. None: no verdict.
+        Raises the error of a previous save that failed. While
         `temporary_save_interval_seconds` is set, a step the save policy does not choose
         is saved as a temporary checkpoint. A step that is already committed is not saved
-        again, unless it fails its checks (`_commit_problem`): then it is replaced.
+        again, unless it fails its checks or was judged bad (`_commit_problem`): then it
+        is replaced.
         """
         if self._stopped:
             raise RuntimeError(f"{self.path()}: save() after stop()")
@@ -790,13 +824,16 @@ class Checkpointer(Module):
 
     def _commit_problem(self, step: int, step_dir: str) -> Optional[str]:
         """Why committed `step` is no valid checkpoint, or None: it failed its checks in
-        `restore`, or its index fails them now (the index only: the files are not reread)."""
+        `restore`, its index fails them now (the index only: the files are not reread), or
+        its verdict is bad."""
         if step in self._failed_steps:
             return self._failed_steps[step]
         try:
-            self._load_index(step_dir)
+            index = self._load_index(step_dir)
         except CheckpointCorruptError as e:
             return str(e)
+        if index.get("good") is False:
+            return f"judged bad: {index.get(VERDICT_REASON) or 'no reason recorded'}"
         return None
 
     def _agree_on_nonce(self) -> int:
@@ -880,14 +917,66 @@ class Checkpointer(Module):
         _write_json_atomically(file_system.join(step_dir, INDEX_FILE), index)
 
     def wait_until_finished(self) -> None:
-        """Blocks until the save in flight is committed; raises its error if it failed."""
+        """Blocks until the save in flight is committed and the queued verdicts are
+        recorded; raises the first error among them."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return
+        verdicts, self._pending_verdicts = self._pending_verdicts, []
+        errors = []
         try:
-            pending.result()
+            if pending is not None:
+                errors = _wait_for_all([pending], timeout=None)
         finally:
             self._in_flight_step = None
+        errors += _wait_for_all(verdicts, timeout=None)
+        if errors:
+            raise errors[0]
+
+    # --- verdicts ---
+
+    def verdict(self, step: int) -> Optional[bool]:
+        """The verdict committed `step`'s index records: True (good), False (bad), or None
+        (none given, or the step is not committed)."""
+        try:
+            index = _read_json(file_system.join(self._dir, step_dir_name(step), INDEX_FILE))
+        except (OSError, ValueError):
+            return None
+        good = index.get("good") if isinstance(index, dict) else None
+        return good if isinstance(good, bool) else None
+
+    def set_verdict(self, step: int, good: bool, *, reason: Optional[str] = None) -> None:
+        """Records `good` (with `reason`, if given) as committed `step`'s verdict, without
+        blocking: in the writer thread, after the save in flight. Process 0 rewrites the
+        step's index with its new checksum, atomically. A step that is not committed then
+        (its save failed) is left alone with a warning."""
+        if jax.process_index() != 0:
+            return
+        self._pending_verdicts.append(
+            self._executor.submit(self._write_verdict, step, bool(good), reason)
+        )
+
+    def _write_verdict(self, step: int, good: bool, reason: Optional[str]) -> None:
+        step_dir = file_system.join(self._dir, step_dir_name(step))
+        with self._gc_lock:  # Garbage collection reads verdicts; it must not see one torn.
+            if not file_system.isfile(file_system.join(step_dir, INDEX_FILE)):
+                _log.warning("No verdict for step %d: it is not committed in %s", step, self._dir)
+                return
+            try:
+                index = self._load_index(step_dir)
+            except CheckpointCorruptError as e:
+                _log.warning("No verdict for step %d: %s", step, e)
+                return
+            index = {k: v for k, v in index.items() if k not in (INDEX_CHECKSUM, VERDICT_REASON)}
+            index["good"] = good
+            if reason:
+                index[VERDICT_REASON] = reason
+            try:
+                self._commit(step_dir, index)
+            except BaseException as e:
+                raise CheckpointSaveError(
+                    f"Recording the verdict of checkpoint step {step} in {step_dir} failed: "
+                    f"{_describe(e)}"
+                ) from e
+        self._gc_safely()  # The newest good step may have moved: older ones may go.
 
     def stop(self) -> None:
         """Finishes the save in flight and stops background garbage collection."""
@@ -943,18 +1032,30 @@ class Checkpointer(Module):
         committed. With step=None, a checkpoint failing its checks is skipped with a
         warning naming the file that failed, and the previous committed one is used; the
         skipped step is then no checkpoint for garbage collection, and `save` replaces it.
+        Steps judged bad (`set_verdict`) are skipped too. An explicit `step` is restored
+        whatever its verdict; RestoreStepError (one line, listing the committed steps) if
+        it is not committed or fails its checks.
         """
         self.wait_until_finished()
         if step is not None:
             step_dir = file_system.join(self._dir, step_dir_name(step))
             if not file_system.isfile(file_system.join(step_dir, INDEX_FILE)):
-                raise ValueError(
-                    f"No committed checkpoint for step {step} in {self._dir} "
-                    f"(committed: {self.committed_steps()})"
+                raise RestoreStepError(
+                    f"No committed checkpoint for step {step} in {self._dir}; committed "
+                    f"steps: {self.committed_steps()}"
                 )
             candidates = [step]
         else:
-            candidates = list(reversed(self.committed_steps()))
+            candidates = []
+            for candidate in reversed(self.committed_steps()):
+                if self.verdict(candidate) is False:
+                    _log.warning(
+                        "Skipping checkpoint step %d: judged bad (%s). --restore_step=%d "
+                        "restores it anyway.", candidate,
+                        self._verdict_reason(candidate) or "no reason recorded", candidate,
+                    )
+                    continue
+                candidates.append(candidate)
         problems = []
         for candidate in candidates:
             step_dir = file_system.join(self._dir, step_dir_name(candidate))
@@ -971,7 +1072,10 @@ class Checkpointer(Module):
                 error = CheckpointCorruptError(f"Another process found {step_dir} corrupt")
             if error is not None:
                 if step is not None:
-                    raise error
+                    raise CorruptRestoreStepError(
+                        f"Checkpoint step {step} in {self._dir} cannot be restored: {error}; "
+                        f"committed steps: {self.committed_steps()}"
+                    ) from error
                 _log.warning(
                     "Skipping checkpoint step %d: %s. It is saved again when training "
                     "reaches that step.", candidate, error,
@@ -986,7 +1090,19 @@ class Checkpointer(Module):
             raise CheckpointCorruptError(
                 f"Every committed checkpoint in {self._dir} failed its checks: {problems}"
             )
+        if self.committed_steps():
+            raise RestoreStepError(
+                f"Every committed checkpoint in {self._dir} was judged bad (steps "
+                f"{self.committed_steps()}); choose one with --restore_step=N"
+            )
         return None, state, None
+
+    def _verdict_reason(self, step: int) -> Optional[str]:
+        try:
+            index = _read_json(file_system.join(self._dir, step_dir_name(step), INDEX_FILE))
+        except (OSError, ValueError):
+            return None
+        return index.get(VERDICT_REASON) if isinstance(index, dict) else None
 
     def _load_index(self, step_dir: str) -> dict:
         path = file_system.join(step_dir, INDEX_FILE)

@@ -120,6 +120,13 @@ FLAGS_TABLE = (
         "fresh run only: a run with checkpoints resumes from them.",
     ),
     (
+        flags.DEFINE_integer,
+        "restore_step",
+        None,
+        "Restore this committed step of --trainer_dir instead of the newest one not judged "
+        "bad; newer checkpoints are set aside and replaced as training reaches them.",
+    ),
+    (
         flags.DEFINE_bool,
         "eval_only",
         False,
@@ -389,7 +396,7 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
     from axlearn.common import run_lock  # pylint: disable=import-outside-toplevel
 
     if flag_values.eval_only:
-        return evaluate_only(cfg, flag_values.trainer_dir)
+        return evaluate_only(cfg, flag_values.trainer_dir, restore_step=flag_values.restore_step)
     # Locked before the config is recorded: a second run on the directory fails before it
     # writes anything there. The trainer holds the lock again while it trains (re-entrant).
     with run_lock.hold_on_process_0(flag_values.trainer_dir):
@@ -409,7 +416,7 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         # Raises preemption.Preempted on SIGTERM or SIGINT, once the step it reached is
         # saved; launch_trainer_main turns that into preemption.PREEMPTED_EXIT_CODE.
         with _checkpoint_errors_as_config_errors(flag_values.trainer_dir):
-            return trainer.run()
+            return trainer.run(restore_step=flag_values.restore_step)
 
 
 @contextlib.contextmanager
@@ -420,6 +427,8 @@ def _checkpoint_errors_as_config_errors(trainer_dir: str) -> Iterator[None]:
 
     try:
         yield
+    except checkpointer.RestoreStepError:
+        raise  # Names the step asked for and the committed ones.
     except (checkpointer.CheckpointCorruptError, checkpointer.CheckpointMismatchError) as e:
         directory = file_system.join(trainer_dir, CHECKPOINTS)
         raise ConfigError(
@@ -432,9 +441,11 @@ def _checkpoint_errors_as_config_errors(trainer_dir: str) -> Iterator[None]:
 EVAL_ONLY_METRICS = ("loss", "perplexity", "bits_per_byte", "accuracy")
 
 
-def evaluate_only(cfg: ConfigBase, trainer_dir: str) -> dict[str, Any]:
-    """--eval_only: every evaler once on the run's latest checkpoint (a fresh run: its
-    initial weights); prints one JSON line of metrics per evaler (loss, perplexity, bits
+def evaluate_only(
+    cfg: ConfigBase, trainer_dir: str, *, restore_step: Optional[int] = None
+) -> dict[str, Any]:
+    """--eval_only: every evaler once on the run's latest checkpoint, or `restore_step` (a
+    fresh run: its initial weights); prints one JSON line of metrics per evaler (loss, perplexity, bits
     per byte where the input counts bytes, accuracy) and returns them all. Records no config: the
     evaluation is no start of the run."""
     import jax  # pylint: disable=import-outside-toplevel
@@ -445,7 +456,7 @@ def evaluate_only(cfg: ConfigBase, trainer_dir: str) -> dict[str, Any]:
         raise ConfigError("--eval_only: the config has no evalers")
     with run_lock.hold_on_process_0(trainer_dir), _checkpoint_errors_as_config_errors(trainer_dir):
         trainer = cfg.instantiate(parent=None)
-        results = trainer.evaluate()
+        results = trainer.evaluate(restore_step=restore_step)
     if jax.process_index() == 0:
         for name, metrics in results.items():
             headline = {k: v for k, v in metrics.items() if k in EVAL_ONLY_METRICS}

@@ -67,6 +67,10 @@ def main(argv) -> None:
             raise SystemExit(
                 f"launch_trainer_main: {e} (--data_dir=DIR for token shards, FAKE or BUILTIN)"
             ) from e
+        if _is_storage_error(e):
+            # A save or summary write failed (a full disk): the message names the path and
+            # the cause; earlier checkpoints are intact.
+            raise SystemExit(f"launch_trainer_main: {e}") from e
         if _is_divergence(e):
             # The run stopped on a bad loss: the message names the step and the last good
             # checkpoint. Exit status 1, as SystemExit with a message gives.
@@ -78,6 +82,16 @@ def _is_input_error(error: Exception) -> bool:
     """Whether `error` is an input_base.InputError (looked up as _is_divergence does)."""
     input_base = sys.modules.get("axlearn.common.input_base")
     return input_base is not None and isinstance(error, input_base.InputError)
+
+
+def _is_storage_error(error: Exception) -> bool:
+    """Whether `error` is a failed checkpoint save or summary write (looked up as
+    _is_divergence does)."""
+    checkpointer = sys.modules.get("axlearn.common.checkpointer")
+    writer = sys.modules.get("axlearn.common.summary_writer")
+    return (checkpointer is not None and isinstance(error, checkpointer.CheckpointSaveError)) or (
+        writer is not None and isinstance(error, writer.SummaryWriteError)
+    )
 
 
 def _is_divergence(error: Exception) -> bool:

@@ -27,6 +27,7 @@ times the optional `weight_decay_per_param_scale(params)`.
 """
 
 import dataclasses
+import functools
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -949,6 +950,107 @@ class AdastarState(NamedTuple):
     update_ema: Nested  # None leaves when update_ema_decay is None.
 
 
+def _ema(old: Tensor, x: Tensor, decay: float, debias: bool, count: Tensor):
+    """(new EMA state, its value after optional debiasing) of e = decay * e + (1 - decay) * x."""
+    new = (decay * old + (1 - decay) * x).astype(old.dtype)
+    return new, (_debias(new, decay, count) if debias else new)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AdastarRule:
+    """The per-parameter part of adastar_optimizer (its arguments of the same names)."""
+
+    gradient_ema_decay: Optional[float]
+    gradient_ema_debias: Optional[bool]
+    gradient_square_ema_decay: float
+    gradient_square_ema_debias: bool
+    eps: float
+    eps_square: float
+    raw_update_clipping_threshold: Optional[float]
+    update_ema_decay: Optional[float]
+    update_ema_debias: bool
+
+    def check(self) -> None:
+        """ConfigError where a debias flag of a set decay is not a bool."""
+        for decay, debias, name in (
+            (self.gradient_ema_decay, self.gradient_ema_debias, "gradient_ema"),
+            (self.update_ema_decay, self.update_ema_debias, "update_ema"),
+        ):
+            if decay is not None and not isinstance(debias, bool):
+                raise ConfigError(
+                    f"adastar_optimizer: {name}_debias must be True or False when "
+                    f"{name}_decay is set, got {debias!r}"
+                )
+
+    def state(self, count: Any, like: Nested, nothing: Nested) -> AdastarState:
+        """The state (or its specs) from `like` trees for the EMAs kept, `nothing` else."""
+        return AdastarState(
+            count=count,
+            gradient_ema=like if self.gradient_ema_decay is not None else nothing,
+            gradient_square_ema=like,
+            update_ema=like if self.update_ema_decay is not None else nothing,
+        )
+
+    def update_one(self, g: Tensor, m: Any, v: Tensor, u: Any, count: Tensor):
+        """New (m, v, u) state of one parameter, its raw update, its smoothed update and
+        whether the raw update was clipped (None without clipping)."""
+        g = g.astype(jnp.float32)
+        m_hat = g
+        if self.gradient_ema_decay is not None:
+            m, m_hat = _ema(m, g, self.gradient_ema_decay, self.gradient_ema_debias, count)
+        v, v_hat = _ema(
+            v,
+            g * g + self.eps_square,
+            self.gradient_square_ema_decay,
+            self.gradient_square_ema_debias,
+            count,
+        )
+        raw = m_hat / (jnp.sqrt(v_hat) + self.eps)
+        clipped = None
+        threshold = self.raw_update_clipping_threshold
+        if threshold is not None:
+            raw_rms = _rms(raw)
+            clipped = raw_rms > threshold
+            raw = raw / jnp.maximum(1.0, raw_rms / threshold)
+        u_hat = raw
+        if self.update_ema_decay is not None:
+            u, u_hat = _ema(u, raw, self.update_ema_decay, self.update_ema_debias, count)
+        return m, v, u, raw, u_hat, clipped
+
+    def update_all(self, grads: Nested, state: AdastarState, count: Tensor):
+        """(new AdastarState, raw updates, smoothed updates as a tree like `grads`, clipped
+        flags) of every parameter."""
+        g_leaves, treedef = jax.tree_util.tree_flatten(grads)
+        per_param = zip(
+            g_leaves,
+            treedef.flatten_up_to(state.gradient_ema),  # None leaves without a gradient EMA.
+            treedef.flatten_up_to(state.gradient_square_ema),
+            treedef.flatten_up_to(state.update_ema),  # None leaves without an update EMA.
+        )
+        results = [self.update_one(g, m, v, u, count) for g, m, v, u in per_param]
+        m, v, u, raws, smoothed, clipped = (
+            (list(x) for x in zip(*results)) if results else ([],) * 6
+        )
+        new_state = AdastarState(count, *(treedef.unflatten(x) for x in (m, v, u)))
+        return new_state, raws, treedef.unflatten(smoothed), clipped
+
+    def print_statistics(self, count: Tensor, raws: list, clipped: list, verbosity: int) -> None:
+        """adastar_optimizer's `verbosity` output of one step."""
+        if verbosity >= 1:
+            raw_rms = global_norm(raws) / jnp.sqrt(sum(r.size for r in raws))
+            jax.debug.print("adastar step {} raw update rms {}", count, raw_rms)
+        if verbosity >= 2 and self.raw_update_clipping_threshold is not None and raws:
+            sizes = jnp.array([r.size for r in raws], jnp.float32)
+            was_clipped = jnp.stack(clipped)
+            jax.debug.print(
+                "adastar step {} clipped raw updates: {} of {} weights, {} of the parameters",
+                count,
+                was_clipped.sum(),
+                len(raws),
+                (sizes * was_clipped).sum() / sizes.sum(),
+            )
+
+
 def adastar_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -983,87 +1085,36 @@ def adastar_optimizer(
     `verbosity` >= 1 prints the step and the global RMS of the raw updates each step; >= 2
     also how many weights' raw updates were clipped and their share of the parameters.
     """
-    for decay, debias, name in (
-        (gradient_ema_decay, gradient_ema_debias, "gradient_ema"),
-        (update_ema_decay, update_ema_debias, "update_ema"),
-    ):
-        if decay is not None and not isinstance(debias, bool):
-            raise ConfigError(
-                f"adastar_optimizer: {name}_debias must be True or False when {name}_decay "
-                f"is set, got {debias!r}"
-            )
+    rule = _AdastarRule(
+        gradient_ema_decay=gradient_ema_decay,
+        gradient_ema_debias=gradient_ema_debias,
+        gradient_square_ema_decay=gradient_square_ema_decay,
+        gradient_square_ema_debias=gradient_square_ema_debias,
+        eps=eps,
+        eps_square=eps_square,
+        raw_update_clipping_threshold=raw_update_clipping_threshold,
+        update_ema_decay=update_ema_decay,
+        update_ema_debias=update_ema_debias,
+    )
+    rule.check()
     lr = as_schedule_fn(learning_rate)
     schedule = as_schedule_fn(update_schedule)
     extra = maybe_instantiate(adam_update_transformation)
 
-    def ema(old, x, decay, debias, count):
-        """(new EMA state, its value after optional debiasing)."""
-        new = (decay * old + (1 - decay) * x).astype(old.dtype)
-        return new, (_debias(new, decay, count) if debias else new)
-
-    def update_one(g, m, v, u, count):
-        """New (m, v, u) state of one parameter, its raw update, its smoothed update and
-        whether the raw update was clipped (None without clipping)."""
-        g = g.astype(jnp.float32)
-        m_hat = g
-        if gradient_ema_decay is not None:
-            m, m_hat = ema(m, g, gradient_ema_decay, gradient_ema_debias, count)
-        v, v_hat = ema(
-            v, g * g + eps_square, gradient_square_ema_decay, gradient_square_ema_debias, count
-        )
-        raw = m_hat / (jnp.sqrt(v_hat) + eps)
-        clipped = None
-        if raw_update_clipping_threshold is not None:
-            raw_rms = _rms(raw)
-            clipped = raw_rms > raw_update_clipping_threshold
-            raw = raw / jnp.maximum(1.0, raw_rms / raw_update_clipping_threshold)
-        u_hat = raw
-        if update_ema_decay is not None:
-            u, u_hat = ema(u, raw, update_ema_decay, update_ema_debias, count)
-        return m, v, u, raw, u_hat, clipped
-
     def init(params):
         values = param_values(params)
         zeros = jax.tree.map(jnp.zeros_like, values)
-        nothing = _nothing_like(values)
-        state = AdastarState(
-            count=_count_init(),
-            gradient_ema=zeros if gradient_ema_decay is not None else nothing,
-            gradient_square_ema=zeros,
-            update_ema=zeros if update_ema_decay is not None else nothing,
-        )
+        state = rule.state(_count_init(), zeros, _nothing_like(values))
         return state, (extra.init(params) if extra is not None else EmptyState())
 
     def update(grads, state, params=None):
         opt, extra_state = state
         count = opt.count + 1
-        g_leaves, treedef = jax.tree_util.tree_flatten(grads)
-        per_param = zip(
-            g_leaves,
-            treedef.flatten_up_to(opt.gradient_ema),  # None leaves without a gradient EMA.
-            treedef.flatten_up_to(opt.gradient_square_ema),
-            treedef.flatten_up_to(opt.update_ema),  # None leaves without an update EMA.
-        )
-        results = [update_one(g, m, v, u, count) for g, m, v, u in per_param]
-        m, v, u, raws, smoothed, clipped = (
-            (list(x) for x in zip(*results)) if results else ([],) * 6
-        )
-        if verbosity >= 1:
-            raw_rms = global_norm(raws) / jnp.sqrt(sum(r.size for r in raws))
-            jax.debug.print("adastar step {} raw update rms {}", count, raw_rms)
-        if verbosity >= 2 and raw_update_clipping_threshold is not None and raws:
-            sizes = jnp.array([r.size for r in raws], jnp.float32)
-            was_clipped = jnp.stack(clipped)
-            jax.debug.print(
-                "adastar step {} clipped raw updates: {} of {} weights, {} of the parameters",
-                count,
-                was_clipped.sum(),
-                len(raws),
-                (sizes * was_clipped).sum() / sizes.sum(),
-            )
+        new_state, raws, smoothed, clipped = rule.update_all(grads, opt, count)
+        rule.print_statistics(count, raws, clipped, verbosity)
         s_t = schedule(opt.count)
         step, extra_state = _decayed_update(
-            treedef.unflatten(smoothed),
+            smoothed,
             grads,
             params,
             weight_decay=weight_decay,
@@ -1074,17 +1125,10 @@ def adastar_optimizer(
             extra=extra,
             extra_state=extra_state,
         )
-        new_state = AdastarState(count, *(treedef.unflatten(x) for x in (m, v, u)))
         return step, (new_state, extra_state)
 
     def partition(param_specs):
-        like, nothing = _like_params(param_specs), _nothing_like(param_specs)
-        state = AdastarState(
-            count=_scalar_spec(),
-            gradient_ema=like if gradient_ema_decay is not None else nothing,
-            gradient_square_ema=like,
-            update_ema=like if update_ema_decay is not None else nothing,
-        )
+        state = rule.state(_scalar_spec(), _like_params(param_specs), _nothing_like(param_specs))
         return state, (extra.partition(param_specs) if extra is not None else EmptyState())
 
     return PartitionedGradientTransformation(
@@ -1231,54 +1275,20 @@ def adafactor_optimizer(
     """
     lr = as_schedule_fn(learning_rate)
     decay = as_schedule_fn(b2) if b2 is not None else adafactor_decay_rate()
-
-    def axes_of(info):
-        return _factored_axes(
-            info, factored=factored, min_dim_size_to_factor=min_dim_size_to_factor
-        )
-
-    def layout(tree, make_full, make_reduced):
-        """State trees (v_row, v_col, v) from per-parameter constructors."""
-        infos = _param_infos(tree)
-        _, treedef = _flatten_params(tree)
-        v_row, v_col, v = [], [], []
-        for info in infos:
-            axes = axes_of(info)
-            row, col = axes if axes is not None else (None, None)
-            v_row.append(None if axes is None else make_reduced(info, col))
-            v_col.append(None if axes is None else make_reduced(info, row))
-            v.append(make_full(info) if axes is None else None)
-        return tuple(treedef.unflatten(x) for x in (v_row, v_col, v))
+    axes_of = functools.partial(
+        _factored_axes, factored=factored, min_dim_size_to_factor=min_dim_size_to_factor
+    )
 
     def init(params):
-        def full(info):
-            return jnp.zeros(info.shape, info.dtype)
-
-        def reduced(info, axis):
-            return jnp.zeros(info.shape[:axis] + info.shape[axis + 1:], info.dtype)
-
-        v_row, v_col, v = layout(params, full, reduced)
+        v_row, v_col, v = _adafactor_layout(
+            params,
+            axes_of,
+            lambda info: jnp.zeros(info.shape, info.dtype),
+            lambda info, axis: jnp.zeros(info.shape[:axis] + info.shape[axis + 1 :], info.dtype),
+        )
         values = param_values(params)
         momentum = jax.tree.map(jnp.zeros_like, values) if b1 is not None else _nothing_like(values)
         return AdafactorState(_count_init(), v_row, v_col, v, momentum)
-
-    def second_moment(info, g2, r, c, v, beta):
-        """New (r, c, v) state of one parameter and its second-moment estimate."""
-        axes = axes_of(info)
-        if axes is None:
-            v = (beta * v + (1 - beta) * g2).astype(v.dtype)
-            return r, c, v, v
-        row, col = axes
-        r = (beta * r + (1 - beta) * jnp.mean(g2, axis=col)).astype(r.dtype)
-        c = (beta * c + (1 - beta) * jnp.mean(g2, axis=row)).astype(c.dtype)
-        # r lacks the col axis and c the row axis: put them back to broadcast.
-        r_mean = jnp.mean(r, axis=row if row < col else row - 1)
-        estimate = (
-            jnp.expand_dims(r, col)
-            * jnp.expand_dims(c, row)
-            / jnp.expand_dims(r_mean, sorted((row, col)))
-        )
-        return r, c, v, estimate
 
     def update(grads, state, params=None):
         params = _require_params(params, "adafactor_optimizer")
@@ -1294,13 +1304,10 @@ def adafactor_optimizer(
         new_r, new_c, new_v, new_m, directions = [], [], [], [], []
         for info, p, g, r, c, v, m in per_param:
             g = g.astype(jnp.float32)
-            r, c, v, v_hat = second_moment(info, jnp.square(g) + eps, r, c, v, beta)
-            u = g / jnp.sqrt(v_hat)
-            if clipping_threshold is not None:
-                u = u / jnp.maximum(1.0, _rms(u) / clipping_threshold)
-            if b1 is not None:
-                m = (b1 * m + (1 - b1) * u).astype(m.dtype)
-                u = m
+            r, c, v, v_hat = _adafactor_second_moment(
+                axes_of(info), jnp.square(g) + eps, r, c, v, beta
+            )
+            u, m = _adafactor_direction(g, v_hat, m, clipping_threshold=clipping_threshold, b1=b1)
             step_size = lr_t
             if multiply_by_parameter_scale:  # A relative step: scaled by the parameter's RMS.
                 step_size = lr_t * jnp.maximum(eps_scale, _rms(p))
@@ -1331,8 +1338,9 @@ def adafactor_optimizer(
         return step, new_state
 
     def partition(param_specs):
-        v_row, v_col, v = layout(
+        v_row, v_col, v = _adafactor_layout(
             param_specs,
+            axes_of,
             lambda info: _state_spec(info),
             lambda info, axis: _state_spec(info, drop_axes=(axis,)),
         )
@@ -1342,6 +1350,59 @@ def adafactor_optimizer(
     return PartitionedGradientTransformation(
         init, update, partition, lambda state: lr(state.count)
     )
+
+
+def _adafactor_layout(
+    tree: Nested, axes_of: Callable, make_full: Callable, make_reduced: Callable
+) -> tuple[Nested, Nested, Nested]:
+    """Adafactor's second-moment state trees (v_row, v_col, v) for the parameters (or
+    specs) `tree`: `make_reduced(info, axis)` (the statistics without `axis`) of factored
+    parameters, `make_full(info)` of the others, None elsewhere."""
+    infos = _param_infos(tree)
+    _, treedef = _flatten_params(tree)
+    v_row, v_col, v = [], [], []
+    for info in infos:
+        axes = axes_of(info)
+        row, col = axes if axes is not None else (None, None)
+        v_row.append(None if axes is None else make_reduced(info, col))
+        v_col.append(None if axes is None else make_reduced(info, row))
+        v.append(make_full(info) if axes is None else None)
+    return tuple(treedef.unflatten(x) for x in (v_row, v_col, v))
+
+
+def _adafactor_second_moment(
+    axes: Optional[tuple[int, int]], g2: Tensor, r: Any, c: Any, v: Any, beta: Tensor
+):
+    """New (r, c, v) state of one parameter and its second-moment estimate, from its
+    squared gradient `g2`; `axes`: its (row, col) axes if factored, else None."""
+    if axes is None:
+        v = (beta * v + (1 - beta) * g2).astype(v.dtype)
+        return r, c, v, v
+    row, col = axes
+    r = (beta * r + (1 - beta) * jnp.mean(g2, axis=col)).astype(r.dtype)
+    c = (beta * c + (1 - beta) * jnp.mean(g2, axis=row)).astype(c.dtype)
+    # r lacks the col axis and c the row axis: put them back to broadcast.
+    r_mean = jnp.mean(r, axis=row if row < col else row - 1)
+    estimate = (
+        jnp.expand_dims(r, col)
+        * jnp.expand_dims(c, row)
+        / jnp.expand_dims(r_mean, sorted((row, col)))
+    )
+    return r, c, v, estimate
+
+
+def _adafactor_direction(
+    g: Tensor, v_hat: Tensor, m: Any, *, clipping_threshold: Optional[float], b1: Optional[float]
+):
+    """(update direction, new momentum state) of one parameter: g / sqrt(v_hat), clipped
+    to RMS `clipping_threshold`, then averaged into the momentum if `b1` is set."""
+    u = g / jnp.sqrt(v_hat)
+    if clipping_threshold is not None:
+        u = u / jnp.maximum(1.0, _rms(u) / clipping_threshold)
+    if b1 is not None:
+        m = (b1 * m + (1 - b1) * u).astype(m.dtype)
+        u = m
+    return u, m
 
 
 # ----- Muon -----

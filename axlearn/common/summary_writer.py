@@ -7,7 +7,11 @@ in `cfg.dir`:
   its `EventFileWriter`, because that one imports TensorFlow (seconds of start-up, and not
   installed on the GPU machines) just to open a local file.
 - `metrics.jsonl`: one JSON object per write, `{"step": step, name: value, ...}`, holding
-  the scalars and strings of that write (histograms stay in the event file only).
+  the scalars and strings of that write (histograms stay in the event file only). The
+  file only ever ends in a whole line: a write that fails part way (a full disk) is cut
+  back off. `drop_records_after(step)`, called by a resuming trainer, drops the records
+  past the restored step (and a cut-off last line of an older crash), so that each step
+  appears once.
 
 `cfg.dir` may be a local path or a storage URL (`gs://`, `s3://`, `memory://`, see
 `file_system`). Object stores have no append: there, both files are held in memory and
@@ -39,6 +43,92 @@ _FLUSH_SECS = 120.0
 # Buckets of a histogram summary.
 _HISTOGRAM_BUCKETS = 30
 JSONL_FILE_NAME = "metrics.jsonl"
+
+
+class SummaryWriteError(RuntimeError):
+    """Writing summaries failed (e.g. the disk is full); the message names the file."""
+
+
+def _write_whole(fd: int, data: bytes) -> None:
+    """Appends `data` to the file open as `fd`, or nothing: a write that fails part way
+    is cut back off, so the file still ends where it did."""
+    start = os.fstat(fd).st_size
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        os.ftruncate(fd, start)
+        raise
+
+
+class _JsonLines:
+    """A JSON-lines file appended to a whole line at a time. Lines are queued in memory
+    until `flush`; a local file gets them in one write (`_write_whole`), an object store
+    a rewrite of the whole object."""
+
+    def __init__(self, path: str):
+        self._path = path
+        self._lines: list[str] = []
+        if file_system.is_local(path):
+            local = file_system.local_path(path)
+            self._fd: Optional[int] = os.open(local, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._object = None
+        else:
+            self._fd, self._object = None, file_system.open_append(path)
+
+    def append(self, record: dict[str, Any]) -> None:
+        self._lines.append(json.dumps(record) + "\n")
+
+    def flush(self, *, durable: bool = False) -> None:
+        data, self._lines = "".join(self._lines).encode("utf-8"), []
+        try:
+            if self._fd is not None:
+                if data:
+                    _write_whole(self._fd, data)
+                if durable:
+                    os.fsync(self._fd)
+            elif data:
+                self._object.write(data)
+                self._object.flush()
+        except OSError as e:
+            raise SummaryWriteError(
+                f"Writing summaries to {self._path} failed: {e.strerror or e}"
+            ) from e
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            elif self._object is not None:
+                self._object.close()
+
+
+def drop_records_after(path: str, step: int) -> int:
+    """Rewrites the JSON-lines file `path` (if any) without its records past `step` and
+    without lines that are not whole records (a last line cut off by a crash); returns
+    how many lines it dropped. The rewrite replaces the file atomically."""
+    try:
+        text = file_system.read_text(path)
+    except FileNotFoundError:
+        return 0
+    kept, dropped = [], 0
+    for line in text.splitlines(keepends=True):
+        try:
+            record = json.loads(line) if line.endswith("\n") else None
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            if record["step"] <= step:
+                kept.append(line)
+                continue
+        dropped += 1
+    if dropped:
+        file_system.write_text(path, "".join(kept))
+    return dropped
 
 
 def flatten_summaries(summaries: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -185,7 +275,7 @@ class SummaryWriter(Module):
                 f"{self.path()}.max_queue must be None or a positive int, got {cfg.max_queue!r}"
             )
         self._event_file: Optional[_EventFile] = None
-        self._jsonl = None
+        self._jsonl: Optional[_JsonLines] = None
         self._opened = False
         self._pending = 0  # Writes since the last flush.
         self._last_flush = time.time()
@@ -216,7 +306,21 @@ class SummaryWriter(Module):
                 JSONL_FILE_NAME,
                 cfg.dir,
             )
-        self._jsonl = file_system.open_append(file_system.join(cfg.dir, JSONL_FILE_NAME))
+        self._jsonl = _JsonLines(file_system.join(cfg.dir, JSONL_FILE_NAME))
+
+    def drop_records_after(self, step: int) -> None:
+        """Drops the records of metrics.jsonl past `step` (and a cut-off last line), before
+        the writer opens it: a run resumed from a checkpoint at `step` writes the later
+        steps again. Process 0 only, like every write."""
+        cfg = self._config
+        if self._opened:
+            raise RuntimeError(f"{self.path()}: drop_records_after() after the files opened")
+        if jax.process_index() != 0 or not cfg.dir:
+            return
+        path = file_system.join(cfg.dir, JSONL_FILE_NAME)
+        dropped = drop_records_after(path, step)
+        if dropped:
+            logging.info("Dropped %d records past step %d from %s", dropped, step, path)
 
     def _to_writable(self, name: str, value: Any) -> Any:
         """A str or a NumPy array of numbers for one summary value."""
@@ -253,7 +357,7 @@ class SummaryWriter(Module):
                 record[name] = value
             elif value.ndim == 0:
                 record[name] = _python_scalar(value)
-        self._jsonl.write((json.dumps(record) + "\n").encode("utf-8"))
+        self._jsonl.append(record)
         self._pending += 1
         max_queue = self._config.max_queue
         if (
@@ -267,11 +371,14 @@ class SummaryWriter(Module):
         """Writes every pending summary to storage; `durable` also fsyncs local files, so
         they survive a power loss as a checkpoint does (the trainer flushes so at every save)."""
         if self._event_file is not None:
-            self._event_file.flush(durable=durable)
+            try:
+                self._event_file.flush(durable=durable)
+            except OSError as e:
+                raise SummaryWriteError(
+                    f"Writing summaries to {self._config.dir} failed: {e.strerror or e}"
+                ) from e
         if self._jsonl is not None:
-            self._jsonl.flush()
-            if durable:
-                file_system.fsync(self._jsonl)
+            self._jsonl.flush(durable=durable)
         self._pending = 0
         self._last_flush = time.time()
 

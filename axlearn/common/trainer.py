@@ -21,12 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from axlearn.common import fp8, perf, preemption, run_lock
-from axlearn.common.base_layer import (
-    BaseLayer,
-    ParameterSpec,
-    cast_floats_with_copies,
-    is_parameter_spec,
-)
+from axlearn.common.base_layer import BaseLayer, ParameterSpec, is_parameter_spec
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import (
     REQUIRED,
@@ -48,10 +43,10 @@ from axlearn.common.sharding import (
     microbatch_count,
     named_sharding,
 )
-from axlearn.common.split_float import join_float32, split_float32
 from axlearn.common.summary import WeightedScalar, scalar_value
 from axlearn.common.summary_writer import SummaryWriter
-from axlearn.common.utils import cast_floats, flatten_with_paths
+from axlearn.common.utils import flatten_with_paths
+from axlearn.common.weight_copies import WeightCopies, uses_float32_weight_grads
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +66,18 @@ class ConsecutiveBadStepsError(TrainingDivergedError):
     """`SpmdTrainer.Config.max_consecutive_bad_steps` steps in a row were bad."""
 
 
+class ParameterNormBlowUpError(TrainingDivergedError):
+    """The parameter norm grew over MAX_PARAMETER_NORM_GROWTH times that of the newest good
+    state, though the loss stayed finite."""
+
+
 # SpmdTrainer.Config.max_consecutive_bad_steps when None.
 DEFAULT_MAX_CONSECUTIVE_BAD_STEPS = 20
+# In a run with a directory, a parameter norm (checked where the loop logs or saves) over
+# this many times that of the newest good state (at a run's start: the restored or initial
+# one) stops the run with ParameterNormBlowUpError: an update blew the parameters up, even
+# if the loss stays finite (saturated units with zero gradients).
+MAX_PARAMETER_NORM_GROWTH = 100.0
 
 
 def infer_mesh_shape(mesh_shape: MeshShape, num_devices: int) -> tuple[int, ...]:
@@ -243,16 +248,12 @@ class SpmdTrainer(Module):
                 f"{self.path()}: mesh_shape {tuple(cfg.mesh_shape)} and mesh_axis_names "
                 f"{tuple(cfg.mesh_axis_names)} differ in length"
             )
-        if cfg.carry_train_dtype_weights and cfg.train_dtype is None:
-            raise ConfigError(f"{self.path()}.carry_train_dtype_weights needs a train_dtype")
-        if cfg.split_carried_weights and not (
-            cfg.carry_train_dtype_weights and cfg.train_dtype == jnp.bfloat16
-        ):
-            raise ConfigError(
-                f"{self.path()}.split_carried_weights needs carry_train_dtype_weights and "
-                f"train_dtype bfloat16 (got {cfg.carry_train_dtype_weights!r} and "
-                f"{cfg.train_dtype!r})"
-            )
+        WeightCopies.check_options(
+            self.path(),
+            train_dtype=cfg.train_dtype,
+            carry=cfg.carry_train_dtype_weights,
+            split=cfg.split_carried_weights,
+        )
         max_bad = cfg.max_consecutive_bad_steps
         if max_bad is not None and (not isinstance(max_bad, int) or max_bad < 1):
             raise ConfigError(
@@ -299,7 +300,14 @@ class SpmdTrainer(Module):
             )
         self._model_param_specs = self.model.create_parameter_specs_recursively()
         self._check_parameters_split_evenly()
-        self._check_split_weights_are_float32()
+        # What a step carries of the weights besides (or instead of) their float32 values.
+        self._weight_copies = WeightCopies(
+            self._model_param_specs,
+            train_dtype=cfg.train_dtype,
+            carry=cfg.carry_train_dtype_weights,
+            split=cfg.split_carried_weights,
+            path=self.path(),
+        )
         self._evalers = {}
         for name, evaler_cfg in cfg.evalers.items():
             # Evaluation batches are split over the same mesh axes as training batches.
@@ -321,6 +329,14 @@ class SpmdTrainer(Module):
         self._bad_steps = BadStepCounts()
         self._checked_step: Optional[int] = None  # The last step `_check_finite` checked.
         self._window_loss = perf.WindowMean()  # Losses checked since the last console line.
+        # (step, its parameter norm or None) of the saved (or restored) step whose verdict
+        # waits for the check of the step after it (`_judge_saved_step`); None: none waits.
+        self._awaiting_verdict: Optional[tuple[int, Optional[float]]] = None
+        # The parameter norm of the newest state judged good (at the start: the restored or
+        # initial state's); None: not known.
+        self._good_param_norm: Optional[float] = None
+        self._checked_param_norm: Optional[float] = None  # Of the last checked step, if known.
+        self._restore_step: Optional[int] = None  # run()'s or evaluate()'s restore_step.
         self._input_state: Optional[dict[str, Any]] = None  # After the last consumed batch.
         self._state: Optional[TrainerState] = None
         self._jit_train_step = None
@@ -369,16 +385,6 @@ class SpmdTrainer(Module):
                     "divide the model's dimensions (docs/mesh_rules.md)."
                 )
 
-    def _check_split_weights_are_float32(self) -> None:
-        if not self._config.split_carried_weights:
-            return
-        for path, spec in flatten_with_paths(self._model_param_specs, is_leaf=is_parameter_spec):
-            if self._has_weight_copy(spec) and spec.dtype != jnp.float32:
-                raise ConfigError(
-                    f"{self.path()}.split_carried_weights splits float32 weights only; model "
-                    f"parameter {path} is {jnp.dtype(spec.dtype).name}"
-                )
-
     def _param_shardings(self, specs: Any) -> Any:
         def to_sharding(spec):
             if isinstance(spec, ParameterSpec):
@@ -401,9 +407,9 @@ class SpmdTrainer(Module):
         )
 
     def _state_shardings(self) -> TrainerState:
-        """The shardings of the state as the train step carries it (`_carried_model`)."""
+        """The shardings of the state as the train step carries it (`WeightCopies.carry`)."""
         state = self._checkpointed_shardings()
-        model, copies, low_bits = self._carried_model(state.model, cast=False)
+        model, copies, low_bits = self._weight_copies.carry(state.model, cast=False)
         return dataclasses.replace(
             state, model=model, weight_copies=copies, weight_low_bits=low_bits
         )
@@ -421,76 +427,22 @@ class SpmdTrainer(Module):
 
     # ----- state -----
 
-    def _has_weight_copy(self, spec: ParameterSpec) -> bool:
-        """Whether the parameter of `spec` has a carried train_dtype copy: the weights of
-        matrix products and embeddings (the parameters with fan axes), not norm scales
-        or biases, whose casts XLA fuses into their users."""
-        return (
-            spec.fan_axes is not None
-            and jnp.issubdtype(spec.dtype, jnp.floating)
-            and spec.dtype != self._config.train_dtype
+    def _carried_state(
+        self, prng_key: jax.Array, params: Any, learner_state: Any
+    ) -> TrainerState:
+        """The state a step carries for float32 `params` (`WeightCopies.carry`)."""
+        model, copies, low_bits = self._weight_copies.carry(params)
+        return TrainerState(
+            prng_key=prng_key,
+            model=model,
+            learner=learner_state,
+            weight_copies=copies,
+            weight_low_bits=low_bits,
         )
-
-    def _weights(self, tree: Any) -> Any:
-        """`tree` (shaped like the parameters) with None in place of every parameter that
-        `_has_weight_copy` leaves out."""
-        return jax.tree.map(
-            lambda spec, x: x if self._has_weight_copy(spec) else None,
-            self._model_param_specs,
-            tree,
-            is_leaf=is_parameter_spec,
-        )
-
-    def _copied_weights(self, tree: Any) -> Any:
-        """`_weights(tree)`, or None if no copies are carried."""
-        if not self._config.carry_train_dtype_weights:
-            return None
-        return self._weights(tree)
-
-    def _train_dtype_copies(self, weights: Any) -> Any:
-        """Each leaf of `weights` (None leaves are empty subtrees: skipped) cast to
-        train_dtype."""
-        return jax.tree.map(lambda p: p.astype(self._config.train_dtype), weights)
-
-    def _carried_model(self, params: Any, *, cast: bool = True) -> tuple[Any, Any, Any]:
-        """(model, weight_copies, weight_low_bits) of TrainerState for float32 `params`.
-
-        Without carried copies: (params, None, None). With them: (params, the weights'
-        train_dtype copies, None). With split weights: (params less the weights, their
-        `split_float32` high halves, their low halves). `cast=False` maps a tree shaped
-        like the parameters (their shardings) to the same places without converting.
-        """
-        weights = self._copied_weights(params)
-        if weights is None:
-            return params, None, None
-        if not self._config.split_carried_weights:
-            return params, self._train_dtype_copies(weights) if cast else weights, None
-        kept = jax.tree.map(
-            lambda spec, x: None if self._has_weight_copy(spec) else x,
-            self._model_param_specs,
-            params,
-            is_leaf=is_parameter_spec,
-        )
-        if not cast:
-            return kept, weights, weights
-        # Split each weight once; `weights` marks where its (high, low) pairs stand.
-        halves = jax.tree.map(split_float32, weights)
-        high = jax.tree.map(lambda _, pair: pair[0], weights, halves)
-        low = jax.tree.map(lambda _, pair: pair[1], weights, halves)
-        return kept, high, low
 
     def _joined_params(self, state: TrainerState) -> Any:
-        """The float32 model parameters of `state`: its split weights joined again."""
-        if state.weight_low_bits is None:
-            return state.model
-        return jax.tree.map(
-            lambda spec, x, high, low: x if low is None else join_float32(high, low),
-            self._model_param_specs,
-            state.model,
-            state.weight_copies,
-            state.weight_low_bits,
-            is_leaf=is_parameter_spec,
-        )
+        """The float32 model parameters of `state` (`WeightCopies.join`)."""
+        return self._weight_copies.join(state.model, state.weight_copies, state.weight_low_bits)
 
     def _init_fn(self, prng_key: jax.Array, params: Any = None) -> TrainerState:
         """The initial state: `params` (None: drawn by the model's param_init), a fresh
@@ -499,14 +451,7 @@ class SpmdTrainer(Module):
         if params is None:
             params = self.model.initialize_parameters_recursively(init_key)
         learner_state = self.learner.init(params, param_specs=self._model_param_specs)
-        model, copies, low_bits = self._carried_model(params)
-        return TrainerState(
-            prng_key=train_key,
-            model=model,
-            learner=learner_state,
-            weight_copies=copies,
-            weight_low_bits=low_bits,
-        )
+        return self._carried_state(train_key, params, learner_state)
 
     def init_state(self, prng_key: jax.Array) -> TrainerState:
         """Initializes model and learner state directly in their shardings."""
@@ -573,9 +518,9 @@ class SpmdTrainer(Module):
         carried = self._state_shardings()
         shardings = (carried.model, carried.weight_copies, carried.weight_low_bits)
         with jax.set_mesh(self._mesh):
-            model, copies, low_bits = jax.jit(self._carried_model, out_shardings=shardings)(
-                state.model
-            )
+            model, copies, low_bits = jax.jit(
+                self._weight_copies.carry, out_shardings=shardings
+            )(state.model)
         return dataclasses.replace(
             state, model=model, weight_copies=copies, weight_low_bits=low_bits
         )
@@ -595,13 +540,20 @@ class SpmdTrainer(Module):
     def _restore_or_init(self) -> None:
         cfg = self._config
         seed = 0 if cfg.seed is None else cfg.seed
+        if self._restore_step is not None and "checkpointer" not in self.children:
+            raise ConfigError(
+                f"restore_step={self._restore_step}: {self.path()}.dir is not set, so there "
+                "are no checkpoints"
+            )
         if "checkpointer" in self.children:
             step, restored, extra = fp8.restore_with_fresh_scaling_state(
-                lambda template: self.checkpointer.restore(state=template),
+                lambda template: self.checkpointer.restore(step=self._restore_step, state=template),
                 self._state_template(),
                 functools.partial(self._initial_state_values, seed=seed),
             )
             if step is not None:
+                if self.checkpointer.verdict(step) is not True:
+                    self._awaiting_verdict = (step, None)
                 self._state = self._carried(_from_state_dict(restored))
                 self._step = step
                 if cfg.save_input_iterator and extra and "input_iterator" in extra:
@@ -628,29 +580,10 @@ class SpmdTrainer(Module):
 
     # ----- the train step -----
 
-    def _train_dtype_params(
-        self, model_params, weight_copies, *, float32_weight_grads: bool
-    ) -> Any:
-        """The parameters as the model gets them in a train step: cast to train_dtype, the
-        carried copies (if any) standing for the casts of their weights.
-
-        With float32_weight_grads, each weight that has a copy (carried, or cast here) goes
-        to its layer as a `WeightWithCopy` instead, so that its gradient leaves the matmul
-        in the weight's float32 (see `_uses_float32_weight_grads`)."""
-        if float32_weight_grads and weight_copies is None:
-            # The casts that carried copies would be, made here.
-            weight_copies = self._train_dtype_copies(self._weights(model_params))
-        dtype = self._config.train_dtype
-        if weight_copies is None:
-            return cast_floats(model_params, dtype)
-        return cast_floats_with_copies(
-            model_params, weight_copies, dtype, as_pairs=float32_weight_grads
-        )
-
     def _loss_fn(
         self, model_params, input_batch, prng_key, weight_copies=None, float32_weight_grads=False
     ):
-        params = self._train_dtype_params(
+        params = self._weight_copies.train_dtype_params(
             model_params, weight_copies, float32_weight_grads=float32_weight_grads
         )
         (loss, aux), collection = functional(
@@ -682,16 +615,6 @@ class SpmdTrainer(Module):
             )
         return count
 
-    def _uses_float32_weight_grads(self, num_microbatches: int) -> bool:
-        """Whether a step gives its weights their gradients in float32 out of the matmuls.
-
-        Only where it pays: a step that sums several microbatches' gradients, on one
-        device. The learner's float32 sum then folds into each weight-gradient matmul
-        instead of taking a pass of its own. On several devices each microbatch's weight
-        gradients are reduced across them, and in float32 that moves twice the bytes of bf16.
-        """
-        return num_microbatches > 1 and self._mesh.size == 1
-
     def _train_step(self, state: TrainerState, input_batch: dict[str, jax.Array]):
         prng_key, step_key = jax.random.split(state.prng_key)
         partition = getattr(self.input, "partition_batch", None)  # BaseInput's, if any.
@@ -708,7 +631,7 @@ class SpmdTrainer(Module):
         loss_fn = functools.partial(
             self._loss_fn,
             weight_copies=state.weight_copies,
-            float32_weight_grads=self._uses_float32_weight_grads(num_microbatches),
+            float32_weight_grads=uses_float32_weight_grads(num_microbatches, self._mesh.size),
         )
         # Split weights are joined here and split again below; XLA fuses both into the
         # update, whose fusions then read and write the halves, never float32 weights.
@@ -721,15 +644,7 @@ class SpmdTrainer(Module):
                 params, grads, state.learner, param_specs=self._model_param_specs, loss=loss
             )
         summaries = dict(loss=loss, learner=learner_summaries, model=aux["summaries"])
-        model, copies, low_bits = self._carried_model(new_params)
-        new_state = TrainerState(
-            prng_key=prng_key,
-            model=model,
-            learner=new_learner_state,
-            weight_copies=copies,
-            weight_low_bits=low_bits,
-        )
-        return new_state, summaries
+        return self._carried_state(prng_key, new_params, new_learner_state), summaries
 
     def _compile_train_step(self):
         shardings = self._state_shardings()
@@ -768,10 +683,11 @@ class SpmdTrainer(Module):
 
     # ----- evaluation alone -----
 
-    def evaluate(self) -> dict[str, dict[str, Any]]:
-        """Evaluates without training: restores the latest checkpoint (a fresh run:
-        initializes, from `init_params` if set), runs every evaler once at that step,
-        whatever its eval_policy, and returns {evaler name: its metrics}."""
+    def evaluate(self, *, restore_step: Optional[int] = None) -> dict[str, dict[str, Any]]:
+        """Evaluates without training: restores the latest checkpoint, or `restore_step`
+        (a fresh run: initializes, from `init_params` if set), runs every evaler once at
+        that step, whatever its eval_policy, and returns {evaler name: its metrics}."""
+        self._restore_step = restore_step
         self._restore_or_init()
         model_params = self.model_params()
         results = {}
@@ -786,8 +702,16 @@ class SpmdTrainer(Module):
 
     # ----- the loop -----
 
-    def run(self, prng_key: Optional[jax.Array] = None) -> dict[str, Any]:
+    def run(
+        self, prng_key: Optional[jax.Array] = None, *, restore_step: Optional[int] = None
+    ) -> dict[str, Any]:
         """Trains until max_step; returns the last logged step's summaries (host values).
+
+        Resumes from the newest checkpoint not judged bad, or from `restore_step` (the
+        launcher's --restore_step; RestoreStepError, one line listing the committed steps,
+        if it is not there or fails its checks). Resumed from `restore_step`, the newer
+        checkpoints are judged bad: the run goes on from the chosen step, and replaces
+        them as it reaches their steps.
 
         Holds the directory's lock while it runs (`run_lock`: a second trainer there fails
         at once). SIGTERM or SIGINT stops it early: it finishes the current step, saves
@@ -797,6 +721,7 @@ class SpmdTrainer(Module):
         """
         del prng_key  # The key comes from cfg.seed, so that restarts are reproducible.
         cfg = self._config
+        self._restore_step = restore_step
         grace = cfg.preemption_grace_period_s or preemption.DEFAULT_GRACE_PERIOD_S
         with contextlib.ExitStack() as stack:
             if cfg.dir is not None:
@@ -813,6 +738,11 @@ class SpmdTrainer(Module):
         """run()'s loop, with the lock held and the stop signals caught."""
         cfg = self._config
         self._restore_or_init()
+        if "checkpointer" in self.children:
+            # What later parameter norms are measured against (_check_finite).
+            self._good_param_norm = float(self.parameter_norm())
+        self._set_aside_newer_checkpoints()
+        self._drop_summaries_after(self._step)
         accounting = perf.StepAccounting.for_trainer(self)
         has_writer = "summary_writer" in self.children
         has_checkpointer = "checkpointer" in self.children
@@ -914,6 +844,33 @@ class SpmdTrainer(Module):
             last = {"step": self._step}
         return last
 
+    def _set_aside_newer_checkpoints(self) -> None:
+        """After a restore of an explicit restore_step, judges the newer checkpoints bad:
+        they are not this run's past any more, so no later resume may pick them."""
+        if self._restore_step is None:
+            return
+        checkpointer = self.checkpointer
+        newer = [s for s in checkpointer.committed_steps() if s > self._step]
+        for step in newer:
+            checkpointer.set_verdict(
+                step, False, reason=f"set aside: the run was restarted from step {self._step}"
+            )
+        checkpointer.wait_until_finished()
+        if newer:
+            log.warning(
+                "Restored step %d as asked: the newer checkpoints %s are set aside (judged "
+                "bad) and replaced as training reaches them", self._step, newer,
+            )
+
+    def _drop_summaries_after(self, step: int) -> None:
+        """Drops the summary records past `step` (the restored step, 0 for a fresh run):
+        the steps after it are trained, and written, again."""
+        writers = [self] + list(self._evalers.values())
+        for owner in writers:
+            writer = owner.children.get("summary_writer")
+            if hasattr(writer, "drop_records_after"):
+                writer.drop_records_after(step)
+
     def vlog(self, level: int, message: str, *args) -> None:
         """Logs `message % args` if the config's `vlog` is at least `level`."""
         vlog = self._config.vlog
@@ -972,7 +929,10 @@ class SpmdTrainer(Module):
         A step whose update the optimizer skipped is bad: counted, warned about, and
         ConsecutiveBadStepsError once max_consecutive_bad_steps come in a row. A
         non-finite loss or parameter norm the optimizer did not skip raises
-        NonFiniteLossError.
+        NonFiniteLossError; a parameter norm over MAX_PARAMETER_NORM_GROWTH times the
+        newest good state's, ParameterNormBlowUpError. Each of those first judges bad the
+        checkpoints not judged good yet. The check also gives the checkpoint saved at the
+        step before `step` its verdict (`_judge_saved_step`).
         """
         learner_summaries = summaries.get("learner", {})
         loss = float(summaries["loss"])
@@ -983,18 +943,39 @@ class SpmdTrainer(Module):
         if skipped is not None:
             self._skipped_steps = skipped
         self._checked_step = step
+        # Step `step` trained on the state before it: that state's verdict, if it waits.
+        grad_norm = learner_summaries.get("gradient_norm")
+        self._judge_saved_step(
+            step,
+            good=not newly_skipped
+            and math.isfinite(loss)
+            and (grad_norm is None or math.isfinite(float(grad_norm))),
+        )
         # The parameter norm after the update (on the steps the loop logs or saves) catches a
         # finite loss whose update overflowed.
         param_norm = learner_summaries.get("parameter_norm")
         param_norm = 0.0 if param_norm is None else float(param_norm)
+        self._checked_param_norm = param_norm if "parameter_norm" in learner_summaries else None
         if not math.isfinite(param_norm) or not (math.isfinite(loss) or newly_skipped):
             what = f"Loss became {loss}" if not math.isfinite(loss) else (
                 f"The parameter norm became {param_norm} (loss {loss})"
             )
+            self._condemn_unjudged_steps(f"the run diverged at step {step}: {what}")
             raise NonFiniteLossError(
                 f"{what} at step {step}. Nothing was saved after it; "
                 f"{self._last_good_checkpoint()}. Lower the learning rate, enable "
                 "skip_and_clip_by_global_norm, or check the input."
+            )
+        reference = self._good_param_norm
+        if reference and param_norm > MAX_PARAMETER_NORM_GROWTH * reference:
+            what = (
+                f"The parameter norm grew from {reference:.4g} (the last good state) to "
+                f"{param_norm:.4g} at step {step}, over {MAX_PARAMETER_NORM_GROWTH:g} times"
+            )
+            self._condemn_unjudged_steps(f"the run diverged at step {step}: {what}")
+            raise ParameterNormBlowUpError(
+                f"{what}: an update blew the parameters up (loss {loss}). Nothing was saved "
+                f"after it; {self._last_good_checkpoint()}. Lower the learning rate."
             )
         bad = self._bad_steps
         if not newly_skipped:
@@ -1008,6 +989,9 @@ class SpmdTrainer(Module):
         bad.record(step, bad=True, loss_finite=math.isfinite(loss))
         limit = self._config.max_consecutive_bad_steps or DEFAULT_MAX_CONSECUTIVE_BAD_STEPS
         if bad.consecutive >= limit:
+            self._condemn_unjudged_steps(
+                f"the run diverged: {bad.consecutive} bad steps in a row (steps {bad.first}-{step})"
+            )
             raise ConsecutiveBadStepsError(
                 f"{bad.consecutive} bad steps in a row (steps {bad.first}-{step}): the optimizer "
                 f"skipped every update (last loss {loss}). Nothing was saved from step "
@@ -1023,6 +1007,39 @@ class SpmdTrainer(Module):
                 step, loss, skipped, bad.consecutive, limit,
             )
 
+    def _judge_saved_step(self, step: int, *, good: bool) -> None:
+        """Gives the saved step awaiting its verdict one, once `step` (the step after it)
+        is checked: good where `step` had a finite loss and gradient norm and was not
+        skipped. A saved state is judged by the step that trains on it, so that a state
+        whose update blew up (finite, but too large to train on) is never named good; its
+        parameter norm is then what later ones are measured against.
+        Without a verdict, a step is judged bad if the run diverges before a later step
+        is judged good (`_condemn_unjudged_steps`)."""
+        if self._awaiting_verdict is None or step != self._awaiting_verdict[0] + 1:
+            return
+        saved, norm = self._awaiting_verdict
+        self._awaiting_verdict = None
+        if good:
+            self.checkpointer.set_verdict(saved, True)
+            if norm is not None:
+                self._good_param_norm = norm
+        else:
+            log.warning("Checkpoint step %d stays without a verdict: step %d was bad", saved, step)
+
+    def _condemn_unjudged_steps(self, reason: str) -> None:
+        """Records a bad verdict on every committed step newer than the newest good one:
+        none of them has been seen to train on, so a rerun must not restore them (an
+        explicit restore_step still can)."""
+        if "checkpointer" not in self.children:
+            return
+        checkpointer = self.checkpointer
+        checkpointer.wait_until_finished()
+        good = checkpointer.latest_good_step()
+        for step in checkpointer.committed_steps():
+            if (good is None or step > good) and checkpointer.verdict(step) is not True:
+                checkpointer.set_verdict(step, False, reason=reason)
+        checkpointer.wait_until_finished()
+
     def _last_good_checkpoint(self) -> str:
         """Names the newest checkpoint saved as good (after any save in flight)."""
         if "checkpointer" not in self.children:
@@ -1036,8 +1053,8 @@ class SpmdTrainer(Module):
         if latest is None:
             return "no checkpoint was committed before it"
         return (
-            f"the latest checkpoint is step {latest} in {checkpointer.directory}, saved "
-            "without a verdict on its loss"
+            f"no checkpoint in {checkpointer.directory} is judged good (committed: "
+            f"{checkpointer.committed_steps()}; --restore_step=N restores one anyway)"
         )
 
     def _host_summaries(self, summaries: dict[str, Any]) -> dict[str, Any]:
@@ -1070,8 +1087,9 @@ class SpmdTrainer(Module):
                 log.info("eval %s step %d: %s", name, step, perf.format_metrics(headline))
 
     def _save(self, step: int, model_params: Any) -> bool:
-        """Saves the state at `step` with `model_params` (the float32 parameters) as a good
-        checkpoint, unless `step` is bad or follows bad steps; returns whether it saved.
+        """Saves the state at `step` with `model_params` (the float32 parameters), unless
+        `step` is bad or follows bad steps; returns whether it saved. The checkpoint gets
+        its verdict once the next step is checked (`_judge_saved_step`).
 
         `step` must be checked first (`_check_finite`): no state is committed whose loss
         was not seen to be finite. Summaries up to `step` are flushed to disk first, so that
@@ -1096,7 +1114,8 @@ class SpmdTrainer(Module):
         if self._config.save_input_iterator:
             extra["input_iterator"] = self._input_state
         state = dataclasses.replace(self._state, model=model_params)
-        self.checkpointer.save(step, _to_state_dict(state), extra=extra, good=True)
+        self.checkpointer.save(step, _to_state_dict(state), extra=extra)
+        self._awaiting_verdict = (step, self._checked_param_norm)
         return True
 
 
