@@ -91,6 +91,8 @@ def main(argv) -> None:
     except Exception as e:  # pylint: disable=broad-except
         status, line = exit_for(e)
         watch = peer_watch.current_watch()
+        if watch is not None and status == PREEMPTED_EXIT_CODE:
+            watch.finish()  # Every process stopped after the same step.
         if watch is None:  # One process: a normal exit.
             if line is None and status == 1:
                 raise
@@ -100,6 +102,9 @@ def main(argv) -> None:
                 sys.stderr.write(f"{line}\n")
             raise SystemExit(status) from e
         _exit_multi_process(e, status, line, watch)
+    watch = peer_watch.current_watch()
+    if watch is not None:
+        watch.finish()
 
 
 def exit_for(error: Exception) -> tuple[int, Optional[str]]:

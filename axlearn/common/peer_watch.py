@@ -9,8 +9,13 @@ runs a watcher thread: it bumps its own counter in jax.distributed's key-value s
 every HEARTBEAT_S and reads the others'. A counter that has not moved for PEER_TIMEOUT_S,
 or a store that cannot be reached for that long (process 0, which hosts it, is gone),
 makes the watcher log one line naming the process and exit with PEER_LOST_EXIT_CODE
-(after `on_exit`, e.g. releasing the run's lock). PEER_TIMEOUT_S is well inside jax's own
+(after `on_exit`, e.g. releasing the run's lock). A process whose run finished or was
+preempted says so (`finish`) before it leaves, and is not waited for. PEER_TIMEOUT_S is well inside jax's own
 heartbeat timeout, so the watcher speaks first.
+
+Not covered: when process 0, which hosts jax's coordination service, is killed, jax's
+client in every other process aborts it at once (SIGABRT, status 134) as it loses the
+service; jaxlib's client takes its error callback only from C++.
 """
 
 import logging
@@ -29,6 +34,7 @@ PEER_LOST_EXIT_CODE = 69
 HEARTBEAT_S = 1.0  # How often each process bumps its counter and reads the others'.
 PEER_TIMEOUT_S = 20.0  # A counter still this long means its process is gone.
 _KEY_PREFIX = "axlearn_peer_watch/"
+FINISHED = "finished"  # A process's value once it ended by design (`PeerWatch.finish`).
 WATCH_THREAD = "peer-watch"
 
 
@@ -84,6 +90,17 @@ class PeerWatch:
     def stop(self) -> None:
         self._stopped.set()
 
+    def finish(self) -> None:
+        """Stops watching and tells the others that this process ended by design (its run
+        finished or was preempted), so that its silence from now on is no loss."""
+        self.stop()
+        try:
+            self._client.key_value_set(
+                f"{_KEY_PREFIX}{self._process_id}", FINISHED, allow_overwrite=True
+            )
+        except Exception as e:  # pylint: disable=broad-except
+            log.warning("Could not tell the other processes that this one finished: %s", e)
+
     def _loop(self) -> None:
         while not self._stopped.wait(self._heartbeat_s):
             line = self.check()
@@ -114,7 +131,9 @@ class PeerWatch:
         self._unreachable_since = None
         for process, (last, since) in list(self._seen.items()):
             value = counters.get(f"{_KEY_PREFIX}{process}")
-            if value != last:
+            if value == FINISHED:
+                del self._seen[process]
+            elif value != last:
                 self._seen[process] = (value, now)
             elif now - since >= self._timeout_s:
                 return self._verdict(
@@ -180,3 +199,4 @@ def start_watch(on_exit: Optional[Callable[[], None]] = None) -> Optional[PeerWa
 def current_watch() -> Optional[PeerWatch]:
     """The watcher `start_watch` started in this process; None if none."""
     return _WATCH
+
