@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from axlearn.common.launch_trainer_main import STORAGE_EXIT_CODE
+from axlearn.common.launch_trainer_main import STORAGE_EXIT_CODE, exit_for
 from tests.fresh_python import REPO, fresh_env
 
 NOBODY = 65534
@@ -28,7 +28,8 @@ def _as_user() -> list[str]:
 
 def _launch(trainer_dir, home, max_step: int) -> subprocess.CompletedProcess:
     command = [
-        *_as_user(), sys.executable, "-m", "axlearn.common.launch_trainer_main", "--config=gpt_test",
+        *_as_user(), sys.executable, "-m", "axlearn.common.launch_trainer_main",
+        "--config=gpt_test",
         "--data_dir=FAKE", f"--trainer_dir={trainer_dir}", "--jax_backend=cpu",
         "--config_override=input.global_batch_size=2",
         "--config_override=input.max_sequence_length=16",
@@ -117,3 +118,25 @@ def test_a_read_only_trainer_dir_exits_naming_it(trained, scratch):
     assert last.startswith("launch_trainer_main: cannot write the run's files:")
     assert "Permission denied" in last and str(run) in last
     assert "Traceback" not in result.stderr
+
+
+# ----- which errors are the trainer directory's -----
+
+
+def test_a_permission_error_in_the_trainer_dir_is_a_storage_exit(tmp_path):
+    path = str(tmp_path / "run" / "checkpoints" / "step_00000004")
+    error = RuntimeError("save failed")
+    error.__cause__ = PermissionError(13, "Permission denied", path)
+    status, line = exit_for(error, trainer_dir=str(tmp_path / "run"))
+    assert status == STORAGE_EXIT_CODE and path in line and "Permission denied" in line
+
+
+def test_a_permission_error_elsewhere_is_no_storage_exit(tmp_path):
+    error = PermissionError(13, "Permission denied", str(tmp_path / "data" / "train-00000.tok"))
+    assert exit_for(error, trainer_dir=str(tmp_path / "run")) == (1, None)
+
+
+def test_a_full_disk_is_a_storage_exit(tmp_path):
+    error = OSError(28, "No space left on device")
+    status, line = exit_for(error, trainer_dir=str(tmp_path / "run"))
+    assert status == STORAGE_EXIT_CODE and "No space left on device" in line

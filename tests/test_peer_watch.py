@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from axlearn.common.peer_watch import PEER_LOST_EXIT_CODE, PEER_TIMEOUT_S, PeerWatch
+from axlearn.common.peer_watch import PEER_LOST_EXIT_CODE, PeerWatch
 from tests.fresh_python import REPO, fresh_env
 
 
@@ -52,8 +52,9 @@ def _pair(store, clock, timeout_s=10.0) -> list[PeerWatch]:
         for i in range(2)
     ]
     now = clock()
+    # pylint: disable=protected-access
     for watch in watches:  # start() without the thread: the test runs the rounds.
-        watch._seen = {j: (None, now) for j in range(2) if j != watch._process_id}  # pylint: disable=protected-access
+        watch._seen = {j: (None, now) for j in range(2) if j != watch._process_id}
     return watches
 
 

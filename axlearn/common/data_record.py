@@ -104,29 +104,34 @@ def describe_source(cfg: ConfigBase) -> dict[str, Any]:
     return {"kind": name or type(cfg).__qualname__}
 
 
+def _sources(root_path: str, root: ConfigBase) -> dict[str, ConfigBase]:
+    """{config path: config} of the token shard, BUILTIN and FAKE inputs in `root` (itself,
+    or a mixture's sources), or {root_path: root} where it holds none of them."""
+    found: dict[str, ConfigBase] = {}
+
+    def enter(path: str, value: Any) -> bool:
+        if not isinstance(value, ConfigBase):
+            return True
+        if qualified_name(getattr(value, "klass", None)) not in _DESCRIBED:
+            return True
+        found[f"{root_path}.{path}" if path else root_path] = value
+        return False
+
+    if enter("", root):
+        root.visit(lambda path, value: None, enter)
+    return found or {root_path: root}
+
+
 def describe_data(cfg: ConfigBase) -> dict[str, dict[str, Any]]:
     """{config path of an input source: its description}, for the training input and
-    every evaler's: the token shard, BUILTIN and FAKE inputs inside each (a mixture's
-    sources each), or the input itself where it holds none of them."""
+    every evaler's (see `_sources`)."""
     roots = {"input": cfg.input}
     roots.update({f"evalers['{name}'].input": e.input for name, e in cfg.evalers.items()})
-    described: dict[str, dict[str, Any]] = {}
-    for root_path, root in roots.items():
-        found: dict[str, ConfigBase] = {}
-
-        def enter(path: str, value: Any, root_path=root_path, found=found) -> bool:
-            if isinstance(value, ConfigBase) and qualified_name(
-                getattr(value, "klass", None)
-            ) in _DESCRIBED:
-                found[f"{root_path}.{path}" if path else root_path] = value
-                return False
-            return True
-
-        if enter("", root):
-            root.visit(lambda path, value: None, enter)
-        for path, source in (found or {root_path: root}).items():
-            described[path] = describe_source(source)
-    return described
+    return {
+        path: describe_source(source)
+        for root_path, root in roots.items()
+        for path, source in _sources(root_path, root).items()
+    }
 
 
 # ----- comparing with the last start's -----

@@ -89,7 +89,7 @@ def main(argv) -> None:
         launch.setup_from_flags(flags.FLAGS)
         launch_trainer.run_from_flags(flags.FLAGS)
     except Exception as e:  # pylint: disable=broad-except
-        status, line = exit_for(e)
+        status, line = exit_for(e, trainer_dir=flags.FLAGS.trainer_dir)
         watch = peer_watch.current_watch()
         if watch is not None and status == PREEMPTED_EXIT_CODE:
             watch.finish()  # Every process stopped after the same step.
@@ -107,15 +107,16 @@ def main(argv) -> None:
         watch.finish()
 
 
-def exit_for(error: Exception) -> tuple[int, Optional[str]]:
-    """(exit status, the one line to print, or None: the traceback) of a failed run."""
+def exit_for(error: Exception, trainer_dir: Optional[str] = None) -> tuple[int, Optional[str]]:
+    """(exit status, the one line to print, or None: the traceback) of a failed run in
+    `trainer_dir`."""
     if isinstance(error, (ConfigError, RunLockError)):
         # A wrong flag or config, or a directory in use: the message says what to change.
         return 1, f"launch_trainer_main: {error}"
     if isinstance(error, Preempted):
         # The trainer logged where it saved; the status tells a scheduler to restart it.
         return PREEMPTED_EXIT_CODE, None
-    storage = _storage_error(error)
+    storage = _storage_error(error, trainer_dir)
     if storage is not None:
         return STORAGE_EXIT_CODE, f"launch_trainer_main: cannot write the run's files: {storage}"
     if _is_input_error(error):
@@ -127,13 +128,17 @@ def exit_for(error: Exception) -> tuple[int, Optional[str]]:
     return 1, None
 
 
-def _storage_error(error: BaseException) -> Optional[OSError]:
-    """The OSError of a file system that will not take a file, in `error`'s chain; None."""
+def _storage_error(error: BaseException, trainer_dir: Optional[str]) -> Optional[OSError]:
+    """The OSError of a file system that will not take a file of `trainer_dir` (one that
+    names no file: any), in `error`'s chain; None."""
+    root = os.path.abspath(trainer_dir) if trainer_dir and "://" not in trainer_dir else None
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS:
-            return error
+            name = error.filename
+            if root is None or not name or os.path.abspath(str(name)).startswith(root):
+                return error
         error = error.__cause__ or error.__context__
     return None
 

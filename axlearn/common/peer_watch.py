@@ -9,9 +9,9 @@ runs a watcher thread: it bumps its own counter in jax.distributed's key-value s
 every HEARTBEAT_S and reads the others'. A counter that has not moved for PEER_TIMEOUT_S,
 or a store that cannot be reached for that long (process 0, which hosts it, is gone),
 makes the watcher log one line naming the process and exit with PEER_LOST_EXIT_CODE
-(after `on_exit`, e.g. releasing the run's lock). A process whose run finished or was
-preempted says so (`finish`) before it leaves, and is not waited for. PEER_TIMEOUT_S is well inside jax's own
-heartbeat timeout, so the watcher speaks first.
+(after `on_exit`, e.g. releasing the run's lock). PEER_TIMEOUT_S is well inside jax's
+own heartbeat timeout (100 s), so the watcher speaks first. A process whose run finished
+or was preempted says so (`finish`) before it leaves, and is not waited for.
 
 Not covered: when process 0, which hosts jax's coordination service, is killed, jax's
 client in every other process aborts it at once (SIGABRT, status 134) as it loses the
