@@ -64,16 +64,11 @@ class _EarlyExit:
         self._installed = False
         self._paused = 0  # StopRequests installed: they handle the signals meanwhile.
         self._on_exit: Optional[Callable[[], None]] = None
-        self._exit_fn: Callable[[int], Any] = os._exit
 
-    def install(
-        self,
-        on_exit: Optional[Callable[[], None]] = None,
-        exit_fn: Callable[[int], Any] = os._exit,
-    ) -> None:
+    def install(self, on_exit: Optional[Callable[[], None]] = None) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("exit_on_stop_signals must be called in the main thread")
-        self._on_exit, self._exit_fn = on_exit, exit_fn
+        self._on_exit = on_exit
         for signum in STOP_SIGNALS:
             if signal.getsignal(signum) is not signal.SIG_IGN:  # e.g. nohup's SIGINT.
                 signal.signal(signum, self._handle)
@@ -84,7 +79,7 @@ class _EarlyExit:
         os.set_blocking(write_fd, False)
         try:
             signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        except ValueError:  # A wakeup fd the embedding program relies on: handlers only.
+        except ValueError:  # Refused (not the main interpreter): the handlers alone.
             os.close(read_fd)
             os.close(write_fd)
             return
@@ -128,7 +123,7 @@ class _EarlyExit:
                 self._on_exit()
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
-            self._exit_fn(PREEMPTED_EXIT_CODE)
+            os._exit(PREEMPTED_EXIT_CODE)  # pylint: disable=protected-access
 
 
 _EARLY_EXIT = _EarlyExit()
