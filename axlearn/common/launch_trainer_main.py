@@ -89,7 +89,7 @@ def main(argv) -> None:
         launch.setup_from_flags(flags.FLAGS)
         launch_trainer.run_from_flags(flags.FLAGS)
     except Exception as e:  # pylint: disable=broad-except
-        status, line = exit_for(e, trainer_dir=flags.FLAGS.trainer_dir)
+        status, line = exit_for(e, trainer_dir=flags.FLAGS["trainer_dir"].value)
         watch = peer_watch.current_watch()
         if watch is not None and status == PREEMPTED_EXIT_CODE:
             watch.finish()  # Every process stopped after the same step.
