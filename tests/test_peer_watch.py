@@ -192,3 +192,9 @@ def test_a_process_that_finished_is_not_waited_for():
     for _ in range(30):
         clock.now += 1.0
         assert survivor.check() is None
+
+
+def test_a_store_that_fails_from_the_start_starts_no_watcher():
+    store = _Store()
+    store.down = True
+    assert PeerWatch(store, process_id=0, num_processes=2).start() is None

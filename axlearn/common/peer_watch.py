@@ -80,7 +80,17 @@ class PeerWatch:
         self._lost_event.wait(timeout_s)
         return self._lost
 
-    def start(self) -> "PeerWatch":
+    def start(self) -> Optional["PeerWatch"]:
+        """Starts the watcher thread; None (no thread) where the store does not answer
+        the first round: a jax whose client differs must not end a healthy run."""
+        try:
+            self._client.key_value_set(
+                f"{_KEY_PREFIX}{self._process_id}", "0", allow_overwrite=True
+            )
+            self._client.key_value_dir_get(_KEY_PREFIX)
+        except Exception as e:  # pylint: disable=broad-except
+            log.warning("No watch for lost processes: jax's key-value store failed (%s)", e)
+            return None
         now = self._clock()
         self._seen = {i: (None, now) for i in range(self._num_processes) if i != self._process_id}
         thread = threading.Thread(target=self._loop, name=WATCH_THREAD, daemon=True)
@@ -181,7 +191,7 @@ def start_watch(on_exit: Optional[Callable[[], None]] = None) -> Optional[PeerWa
         # pylint: disable-next=import-outside-toplevel
         from jax._src.distributed import global_state
 
-        client = global_state.client
+        client = getattr(global_state, "client", None)
     except ImportError:
         client = None
     if client is None:
