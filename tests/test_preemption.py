@@ -348,3 +348,58 @@ def test_the_launcher_turns_a_preempted_run_into_its_exit_status(monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         launch_trainer_main.main(["launch_trainer_main"])
     assert exit_info.value.code == PREEMPTED_EXIT_CODE == preemption.PREEMPTED_EXIT_CODE
+
+
+# ----- before the trainer runs: the launcher's first handlers -----
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether process `pid` has a handler for SIGTERM installed (its SigCgt mask)."""
+    with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+        mask = next(line.split()[1] for line in f if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def _start_launcher(tmp_path, *flags: str) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "axlearn.common.launch_trainer_main", "--config=gpt_test",
+        "--data_dir=FAKE", f"--trainer_dir={tmp_path / 'run'}", "--jax_backend=cpu", *flags,
+    ]
+    return subprocess.Popen(
+        command, env=fresh_env(1), cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+def test_a_sigterm_right_after_the_launcher_starts_exits_with_the_preempted_status(tmp_path):
+    process = _start_launcher(tmp_path)
+    deadline = time.monotonic() + TIMEOUT_S
+    # The first moment a SIGTERM can be told from the default one: its handler is in place.
+    while not _catches_sigterm(process.pid):
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.001)
+    os.kill(process.pid, signal.SIGTERM)
+    output = process.communicate(timeout=TIMEOUT_S)[0]
+    assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    assert output.strip().splitlines()[-1].startswith("SIGTERM received before training started")
+    assert not os.path.exists(tmp_path / "run")  # Nothing was written.
+
+
+def test_a_sigterm_while_joining_other_processes_exits_at_once(tmp_path):
+    # Process 1 of 2 waits in jax.distributed's C++ connect for a coordinator that never
+    # comes (300 s by default): Python's own handler would run only once that returns.
+    command = [f"--distributed_coordinator=localhost:{_free_port()}", "--num_processes=2",
+               "--process_id=1"]
+    process = _start_launcher(tmp_path, *command)
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if "Connecting to JAX distributed service" in line:
+            break
+    else:
+        raise AssertionError("".join(seen)[-3000:])
+    os.kill(process.pid, signal.SIGTERM)
+    output = "".join(seen) + process.communicate(timeout=60)[0]
+    assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    assert "SIGTERM received before training started" in output

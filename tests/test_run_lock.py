@@ -273,3 +273,18 @@ def test_release_all_releases_the_held_locks_for_a_forced_exit(tmp_path):
         assert not os.path.exists(_lock_path(tmp_path / "b"))
     # Leaving the holds afterwards neither fails nor touches a lock taken since.
     assert not os.path.exists(_lock_path(tmp_path / "a"))
+
+
+def test_a_lock_that_cannot_be_removed_leaves_the_run_s_own_error_standing(
+    tmp_path, monkeypatch, caplog
+):
+    def read_only(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    with pytest.raises(ValueError, match="the save failed"):
+        with caplog.at_level(logging.WARNING, logger="axlearn.common.run_lock"):
+            with run_lock.hold(str(tmp_path)):
+                # The directory turns read-only under the run, whose save then fails.
+                monkeypatch.setattr(run_lock._LockFiles, "remove", staticmethod(read_only))
+                raise ValueError("the save failed")
+    assert f"Could not remove the lock {_lock_path(tmp_path)}" in caplog.text

@@ -2,7 +2,8 @@
 
 A multi-process run (one process per GPU, or per host) joins through jax.distributed with
 the placement `cluster_env.process_placement` finds: from the flags, or from SLURM's or a
-Kubernetes indexed Job's environment (docs/cluster.md).
+Kubernetes indexed Job's environment (docs/cluster.md); then `peer_watch` stops it within
+a minute, with one line, should another process of the run be gone.
 """
 
 import logging
@@ -12,7 +13,7 @@ from typing import Optional
 
 from absl import flags
 
-from axlearn.common import cluster_env
+from axlearn.common import cluster_env, peer_watch, run_lock
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,8 @@ def setup(
         source,
         jax.local_device_count(),
     )
+    # A process that is gone stops the others within a minute, with one line.
+    peer_watch.start_watch(on_exit=run_lock.release_all)
 
 
 def setup_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from absl import flags
 
-from axlearn.common import file_system
+from axlearn.common import data_record, file_system
 from axlearn.common.command_flags import TRUSTED_PACKAGES_HELP
 from axlearn.common.config import (
     ConfigBase,
@@ -109,6 +109,13 @@ FLAGS_TABLE = (
         False,
         "Resume in a --trainer_dir whose recorded config differs in more than max_step and "
         "the log, summary, eval and checkpoint cadences.",
+    ),
+    (
+        flags.DEFINE_bool,
+        "allow_data_change",
+        False,
+        "Resume in a --trainer_dir whose recorded data (data.json: each input's vocabulary, "
+        "shard count and shard header fingerprint) differs from this start's.",
     ),
     (
         flags.DEFINE_string,
@@ -400,6 +407,10 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
     # Locked before the config is recorded: a second run on the directory fails before it
     # writes anything there. The trainer holds the lock again while it trains (re-entrant).
     with run_lock.hold_on_process_0(flag_values.trainer_dir):
+        data = data_record.describe_data(cfg)
+        data_record.check_data_record(
+            flag_values.trainer_dir, data, allow_change=flag_values.allow_data_change
+        )
         record_config(
             flag_values.trainer_dir,
             cfg.debug_string(),
@@ -407,6 +418,8 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
             write=jax.process_index() == 0,
             all_have_read=_sync_processes,
         )
+        if jax.process_index() == 0:  # After record_config's barrier: all have compared.
+            data_record.write_data_record(flag_values.trainer_dir, data)
         trainer = cfg.instantiate(parent=None)
         if jax.process_index() == 0:
             log.info(

@@ -6,19 +6,44 @@
 of training; `--mesh_selector` picks a mesh rule (unset: named from the devices, e.g.
 gpu-h100-1); `--config_override=path=value` (repeatable) edits any field.
 
-Exit status: 0 when the run reached max_step; `preemption.PREEMPTED_EXIT_CODE` (75) when
-SIGTERM or SIGINT stopped it (the step it reached is saved unless the grace period ran
-out; restart with the same flags to resume); 130 on a second SIGINT during that stop;
-1 on a config error, a directory another trainer holds, or a failure.
+Exit status (every failure but an unexpected one ends with one line naming its cause):
+- 0: the run reached max_step.
+- 1: a config error (a flag, an override, a restart on a changed config or on other data:
+  --allow_config_change, --allow_data_change), a directory another trainer holds, data
+  that cannot be read, a diverged run, or an unexpected failure (with its traceback).
+- 69 (`peer_watch.PEER_LOST_EXIT_CODE`): another process of a multi-process run is gone
+  (killed, out of memory, its host lost); every survivor exits within a minute. Restart
+  the whole run: it resumes from its last checkpoint.
+- 74 (`STORAGE_EXIT_CODE`): the trainer directory cannot be written (read-only, no
+  permission, disk full); the line names the file and the system's error.
+- 75 (`preemption.PREEMPTED_EXIT_CODE`): SIGTERM or SIGINT stopped the run (the step it
+  reached is saved unless the grace period ran out; before training started there is
+  nothing to save); restart with the same flags to resume.
+- 130: a second SIGINT during that stop.
 """
 
-import logging
 import sys
+
+if __name__ == "__main__":
+    # First, before anything slow (imports, jax, joining the other processes): from here on
+    # a SIGTERM or SIGINT exits with PREEMPTED_EXIT_CODE, until the trainer's handlers
+    # take over (they save first).
+    from axlearn.common import preemption as _preemption
+    from axlearn.common import run_lock as _run_lock
+
+    _preemption.exit_on_stop_signals(on_exit=_run_lock.release_all)
+
+# pylint: disable=wrong-import-position
+import errno
+import logging
+import os
+import traceback
+from typing import Optional
 
 from absl import app, flags
 from absl import logging as absl_logging
 
-from axlearn.common import launch, launch_trainer
+from axlearn.common import launch, launch_trainer, peer_watch, run_lock
 from axlearn.common.config import ConfigError
 from axlearn.common.preemption import PREEMPTED_EXIT_CODE, Preempted
 from axlearn.common.run_lock import RunLockError
@@ -46,6 +71,15 @@ def quiet_tpu_probe() -> None:
         logging.getLogger("jax._src.xla_bridge").addFilter(_TpuProbeFilter())
 
 
+# sysexits' EX_IOERR: the trainer directory cannot be written (read-only, no permission,
+# disk full).
+STORAGE_EXIT_CODE = 74
+# The errors of a file system that will not take the run's files.
+_STORAGE_ERRNOS = frozenset(
+    {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+)
+
+
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -54,37 +88,95 @@ def main(argv) -> None:
     try:
         launch.setup_from_flags(flags.FLAGS)
         launch_trainer.run_from_flags(flags.FLAGS)
-    except (ConfigError, RunLockError) as e:
-        # A wrong flag or config, or a directory in use: the message says what to change;
-        # a traceback adds nothing.
-        raise SystemExit(f"launch_trainer_main: {e}") from e
-    except Preempted as e:
-        # The trainer logged where it saved; the status tells a scheduler to restart it.
-        raise SystemExit(PREEMPTED_EXIT_CODE) from e
     except Exception as e:  # pylint: disable=broad-except
-        if _is_input_error(e):
-            # Data that cannot be read: the message names the input; no traceback.
-            raise SystemExit(
-                f"launch_trainer_main: {e} (--data_dir=DIR for token shards, FAKE or BUILTIN)"
-            ) from e
-        if _is_storage_error(e):
-            # A save or summary write failed (a full disk): the message names the path and
-            # the cause; earlier checkpoints are intact.
-            raise SystemExit(f"launch_trainer_main: {e}") from e
-        if _is_divergence(e):
-            # The run stopped on a bad loss: the message names the step and the last good
-            # checkpoint. Exit status 1, as SystemExit with a message gives.
-            raise SystemExit(f"launch_trainer_main: {e}") from e
-        raise
+        status, line = exit_for(e, trainer_dir=flags.FLAGS["trainer_dir"].value)
+        watch = peer_watch.current_watch()
+        if watch is not None and status == PREEMPTED_EXIT_CODE:
+            watch.finish()  # Every process stopped after the same step.
+        if watch is None:  # One process: a normal exit.
+            if line is None and status == 1:
+                raise
+            if line is not None and status == 1:
+                raise SystemExit(line) from e  # Printed, with status 1.
+            if line is not None:
+                sys.stderr.write(f"{line}\n")
+            raise SystemExit(status) from e
+        _exit_multi_process(e, status, line, watch)
+    watch = peer_watch.current_watch()
+    if watch is not None:
+        watch.finish()
 
 
-def _is_input_error(error: Exception) -> bool:
+def exit_for(error: Exception, trainer_dir: Optional[str] = None) -> tuple[int, Optional[str]]:
+    """(exit status, the one line to print, or None: the traceback) of a failed run in
+    `trainer_dir`."""
+    if isinstance(error, (ConfigError, RunLockError)):
+        # A wrong flag or config, or a directory in use: the message says what to change.
+        return 1, f"launch_trainer_main: {error}"
+    if isinstance(error, Preempted):
+        # The trainer logged where it saved; the status tells a scheduler to restart it.
+        return PREEMPTED_EXIT_CODE, None
+    storage = _storage_error(error, trainer_dir)
+    if storage is not None:
+        return STORAGE_EXIT_CODE, f"launch_trainer_main: cannot write the run's files: {storage}"
+    if _is_storage_error(error):
+        # A save or summary write failed: the message names the path and the cause; the
+        # earlier checkpoints are intact.
+        return STORAGE_EXIT_CODE, f"launch_trainer_main: {error}"
+    if _is_input_error(error):
+        # Data that cannot be read: the message names the input.
+        return 1, f"launch_trainer_main: {error} (--data_dir=DIR for token shards, FAKE or BUILTIN)"
+    if _is_divergence(error):
+        # The run stopped on a bad loss: the message names the step and the last good checkpoint.
+        return 1, f"launch_trainer_main: {error}"
+    return 1, None
+
+
+def _storage_error(error: BaseException, trainer_dir: Optional[str]) -> Optional[OSError]:
+    """The OSError of a file system that will not take a file of `trainer_dir` (one that
+    names no file: any), in `error`'s chain; None."""
+    root = os.path.abspath(trainer_dir) if trainer_dir and "://" not in trainer_dir else None
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS:
+            name = error.filename
+            if root is None or not name or os.path.abspath(str(name)).startswith(root):
+                return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _exit_multi_process(
+    error: Exception, status: int, line: Optional[str], watch: "peer_watch.PeerWatch"
+) -> None:
+    """Ends one process of a multi-process run that failed. An unexpected failure waits
+    for the peer watch's verdict first: a collective that failed because another process
+    is gone exits with PEER_LOST_EXIT_CODE. The exit skips jax's shutdown barrier, which
+    would wait for processes that are gone or stuck, and then abort."""
+    if status == PREEMPTED_EXIT_CODE:  # Every process stopped after the same step.
+        raise SystemExit(status) from error
+    if line is None:
+        lost = watch.wait_for_loss(peer_watch.PEER_TIMEOUT_S + 3 * peer_watch.HEARTBEAT_S)
+        if lost is not None:
+            status, line = peer_watch.PEER_LOST_EXIT_CODE, f"launch_trainer_main: {lost}"
+        else:
+            traceback.print_exception(error)
+    if line is not None:
+        sys.stderr.write(f"{line}\n")
+    run_lock.release_all()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)  # pylint: disable=protected-access
+
+
+def _is_input_error(error: BaseException) -> bool:
     """Whether `error` is an input_base.InputError (looked up as _is_divergence does)."""
     input_base = sys.modules.get("axlearn.common.input_base")
     return input_base is not None and isinstance(error, input_base.InputError)
 
 
-def _is_storage_error(error: Exception) -> bool:
+def _is_storage_error(error: BaseException) -> bool:
     """Whether `error` is a failed checkpoint save or summary write (looked up as
     _is_divergence does)."""
     checkpointer = sys.modules.get("axlearn.common.checkpointer")
@@ -94,7 +186,7 @@ def _is_storage_error(error: Exception) -> bool:
     )
 
 
-def _is_divergence(error: Exception) -> bool:
+def _is_divergence(error: BaseException) -> bool:
     """Whether `error` is the trainer's TrainingDivergedError. Looked up where training
     loaded it, so that the launcher does not import the trainer (and jax) to start."""
     trainer = sys.modules.get("axlearn.common.trainer")

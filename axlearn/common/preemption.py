@@ -10,6 +10,10 @@ turns into exit status PREEMPTED_EXIT_CODE; a restart resumes from the saved ste
 - A second SIGINT during the stop exits at once with INTERRUPTED_EXIT_CODE.
 - A signal may reach only one process of a multi-process run; `StopVote` makes all of
   them stop after the same step.
+- Before the trainer runs (imports, joining the other processes, building the config),
+  and after, `exit_on_stop_signals` makes SIGTERM and SIGINT exit at once with
+  PREEMPTED_EXIT_CODE: there is nothing to save yet, and a restart starts the same way.
+  The launcher installs it first thing, before importing jax.
 """
 
 import logging
@@ -19,8 +23,6 @@ import sys
 import threading
 from collections.abc import Callable
 from typing import Any, Optional
-
-import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 DEFAULT_GRACE_PERIOD_S = 25.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DEADLINE_THREAD = "preemption-deadline"  # The thread that exits once the grace period ends.
+EARLY_EXIT_THREAD = "preemption-early-exit"  # The thread `exit_on_stop_signals` wakes.
 
 
 class Preempted(Exception):
@@ -44,6 +47,97 @@ class Preempted(Exception):
         self.step = step  # The last step trained.
         self.saved_step = saved_step  # The checkpoint saved at the stop; None: none.
         self.signal_name = signal_name
+
+
+class _EarlyExit:
+    """SIGTERM and SIGINT exit at once with PREEMPTED_EXIT_CODE, while installed and no
+    StopRequest is (see `exit_on_stop_signals`).
+
+    Python runs a signal handler only in the main thread between bytecodes, which a long
+    C call (joining the other processes of a run, say) can delay for minutes. So the
+    handler also wakes a watcher thread through `signal.set_wakeup_fd` (written by the
+    C-level handler the moment the signal arrives), and whichever comes first exits.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._installed = False
+        self._paused = 0  # StopRequests installed: they handle the signals meanwhile.
+        self._on_exit: Optional[Callable[[], None]] = None
+
+    def install(self, on_exit: Optional[Callable[[], None]] = None) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("exit_on_stop_signals must be called in the main thread")
+        self._on_exit = on_exit
+        for signum in STOP_SIGNALS:
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # e.g. nohup's SIGINT.
+                signal.signal(signum, self._handle)
+        if self._installed:
+            return
+        self._installed = True
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        try:
+            signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:  # Refused (not the main interpreter): the handlers alone.
+            os.close(read_fd)
+            os.close(write_fd)
+            return
+        watcher = threading.Thread(
+            target=self._watch, args=(read_fd,), name=EARLY_EXIT_THREAD, daemon=True
+        )
+        watcher.start()
+
+    def pause(self) -> None:
+        with self._lock:
+            self._paused += 1
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused -= 1
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        del frame
+        self._exit(signum)
+
+    def _watch(self, read_fd: int) -> None:
+        while True:
+            data = os.read(read_fd, 64)
+            if not data:
+                return
+            for signum in data:
+                if signum in STOP_SIGNALS:
+                    self._exit(signum)
+
+    def _exit(self, signum: int) -> None:
+        with self._lock:
+            if self._paused or not self._installed:
+                return
+            name = signal.Signals(signum).name
+            sys.stderr.write(
+                f"{name} received before training started (or after it ended): exiting with "
+                f"status {PREEMPTED_EXIT_CODE}, nothing to save; a restart with the same flags "
+                "starts the same way\n"
+            )
+            if self._on_exit is not None:
+                self._on_exit()
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os._exit(PREEMPTED_EXIT_CODE)  # pylint: disable=protected-access
+
+
+_EARLY_EXIT = _EarlyExit()
+
+
+def exit_on_stop_signals(on_exit: Optional[Callable[[], None]] = None) -> None:
+    """From now on, SIGTERM and SIGINT exit this process at once with PREEMPTED_EXIT_CODE,
+    except while a StopRequest is installed (a trainer runs: it saves first).
+
+    For a launcher, before anything slow (importing jax, joining the other processes,
+    compiling): there is nothing to save yet. `on_exit` runs just before the exit (e.g.
+    releasing locks). Main thread only.
+    """
+    _EARLY_EXIT.install(on_exit)
 
 
 class StopRequest:
@@ -88,6 +182,8 @@ class StopRequest:
                 continue  # The parent asked this process to ignore it (e.g. nohup).
             self._previous[signum] = previous
             signal.signal(signum, self._handle)
+        if self._previous:
+            _EARLY_EXIT.pause()
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -98,6 +194,8 @@ class StopRequest:
         for signum, previous in self._previous.items():
             # None: the handler was not installed from Python; the default stands for it.
             signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        if self._previous:
+            _EARLY_EXIT.resume()
         self._previous.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -179,6 +277,7 @@ def dispatch_any_on_mesh(mesh: Any) -> Callable[[bool], Any]:
     """A `StopVote.dispatch_any` over the devices of `mesh` (all the run's processes)."""
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
     from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
 
     # One entry a device, each process writing its flag into its own devices' entries.
@@ -203,4 +302,6 @@ class _Vote:
         self._result = result
 
     def __bool__(self) -> bool:
+        import numpy as np  # pylint: disable=import-outside-toplevel
+
         return bool(np.asarray(self._result.addressable_data(0)))

@@ -7,7 +7,8 @@ holder. A lock left by a process of this host that no longer runs (no process ha
 pid, or the one that has started after the lock was taken) is taken over, with a warning
 naming the old holder; a lock of another host cannot be checked, so it is refused, and
 the error says how to delete it. The holder deletes the file when its run returns,
-by an error or a preemption too.
+by an error or a preemption too; where it cannot (a directory that became read-only), it
+warns and the run's own error stands.
 
 Every file operation goes through `_LockFiles`, so that another storage can stand in
 for local files.
@@ -256,14 +257,22 @@ class RunLock:
         text, self._text = self._text, None
         if text is None:
             return
-        current = _LockFiles.read(self._path)
-        if current != text:
+        try:
+            current = _LockFiles.read(self._path)
+            if current != text:
+                log.warning(
+                    "%s was removed or replaced while this process held it (now: %r); left as "
+                    "is", self._path, current,
+                )
+                return
+            _LockFiles.remove(self._path)
+        except OSError as e:
+            # A directory that became read-only, say: the run's own error says why it ended,
+            # and must not be hidden behind this one. A stale lock is taken over on restart.
             log.warning(
-                "%s was removed or replaced while this process held it (now: %r); left as is",
-                self._path, current,
+                "Could not remove the lock %s (%s); the next start on this host takes it over",
+                self._path, e,
             )
-            return
-        _LockFiles.remove(self._path)
 
 
 # The locks this process holds: {lock path: [the lock, the holding thread, depth]}.
