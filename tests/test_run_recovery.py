@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from axlearn.common.checkpointer import INDEX_FILE, Checkpointer, step_dir_name
+from axlearn.common.launch_trainer_main import STORAGE_EXIT_CODE
 from tests.fresh_python import REPO, fresh_env
 from tests.trainer_script import read_metrics, tiny_trainer_config
 
@@ -202,7 +203,7 @@ def test_a_full_disk_at_a_save_removes_the_partial_step_and_stops_in_one_line(tm
         *TINY_RUN, f"--trainer_dir={trainer_dir}", "--config_override=max_step=6",
         script=_FULL_DISK_AT_CHECKPOINT_3,
     )
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == STORAGE_EXIT_CODE, result.stderr[-3000:]
     step_dir = trainer_dir / "checkpoints" / step_dir_name(3)
     assert _last_line(result) == (
         f"launch_trainer_main: Saving checkpoint step 3 to {step_dir} failed: the disk is full "
@@ -222,7 +223,7 @@ def test_a_full_disk_at_a_metrics_write_leaves_whole_lines_and_stops_in_one_line
         *TINY_RUN, f"--trainer_dir={trainer_dir}", "--config_override=max_step=6",
         script=_FULL_DISK_AT_METRICS_3,
     )
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == STORAGE_EXIT_CODE, result.stderr[-3000:]
     path = trainer_dir / "summaries" / "train" / "metrics.jsonl"
     assert _last_line(result) == (
         f"launch_trainer_main: Writing summaries to {path} failed: No space left on device"

@@ -46,6 +46,7 @@ from absl import logging as absl_logging
 from axlearn.common import launch, launch_trainer, peer_watch, run_lock
 from axlearn.common.config import ConfigError
 from axlearn.common.preemption import PREEMPTED_EXIT_CODE, Preempted
+from axlearn.common.run_record import TrainerDirNotWritableError
 from axlearn.common.run_lock import RunLockError
 
 launch.define_flags()
@@ -110,19 +111,21 @@ def main(argv) -> None:
 def exit_for(error: Exception, trainer_dir: Optional[str] = None) -> tuple[int, Optional[str]]:
     """(exit status, the one line to print, or None: the traceback) of a failed run in
     `trainer_dir`."""
+    if isinstance(error, TrainerDirNotWritableError):
+        return STORAGE_EXIT_CODE, f"launch_trainer_main: {error}"
     if isinstance(error, (ConfigError, RunLockError)):
         # A wrong flag or config, or a directory in use: the message says what to change.
         return 1, f"launch_trainer_main: {error}"
     if isinstance(error, Preempted):
         # The trainer logged where it saved; the status tells a scheduler to restart it.
         return PREEMPTED_EXIT_CODE, None
-    storage = _storage_error(error, trainer_dir)
-    if storage is not None:
-        return STORAGE_EXIT_CODE, f"launch_trainer_main: cannot write the run's files: {storage}"
     if _is_storage_error(error):
         # A save or summary write failed: the message names the path and the cause; the
         # earlier checkpoints are intact.
         return STORAGE_EXIT_CODE, f"launch_trainer_main: {error}"
+    storage = _storage_error(error, trainer_dir)
+    if storage is not None:
+        return STORAGE_EXIT_CODE, f"launch_trainer_main: cannot write the run's files: {storage}"
     if _is_input_error(error):
         # Data that cannot be read: the message names the input.
         return 1, f"launch_trainer_main: {error} (--data_dir=DIR for token shards, FAKE or BUILTIN)"

@@ -66,6 +66,10 @@ def config_changes(
     ]
 
 
+class TrainerDirNotWritableError(ConfigError):
+    """The trainer directory exists but this process may not write in it."""
+
+
 def check_trainer_dir(trainer_dir: str) -> None:
     """Raises ConfigError for a --trainer_dir URL that no storage driver accepts, and for
     a local path that names a file or cannot be created as a directory (made here)."""
@@ -85,7 +89,10 @@ def check_trainer_dir(trainer_dir: str) -> None:
             f"--trainer_dir={trainer_dir}: cannot create the directory ({e.strerror or e})"
         ) from e
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"--trainer_dir={trainer_dir}: the directory is not writable")
+        raise TrainerDirNotWritableError(
+            f"--trainer_dir={trainer_dir}: cannot write the run's files: the directory is not "
+            "writable (Permission denied)"
+        )
 
 
 def has_checkpoint(trainer_dir: str) -> bool:
