@@ -69,16 +69,9 @@ class Run:
 
 
 RUNS = (
-    Run(
-        "7b_noremat",
-        "gpt_7b",
-        "no remat, carried bf16 weights, 4 microbatches of 2",
-        (f"{_LAYER}.remat_spec=None", "carry_train_dtype_weights=True"),
-    ),
+    Run("7b_rule", "gpt_7b", "rule: no remat, carried bf16 weights, 4 microbatches of 2"),
     Run("7b_fp8_best", "gpt_7b_fp8", "FP8 with the fastest gpt_7b run's settings", best_of="gpt_7b"),
     Run("moe_ep", "moe_8x1b", "rule: experts over 4 GPUs, 4 microbatches of 2", cap_s=150),
-    Run("moe_fsdp", "moe_8x1b_fsdp", "rule: every expert on every GPU, Mosaic GPU kernels", cap_s=180),
-    Run("7b_rule", "gpt_7b", "rule: remat saves qkvo+context, 4 microbatches of 2"),
     # The grouped matmuls as XLA's ragged dot (dense over the 8 experts) beside the Mosaic
     # GPU kernels: whether the kernels are what keeps the FSDP layout compiling.
     Run(
@@ -88,17 +81,16 @@ RUNS = (
         (f"{_LAYER}.feed_forward.grouped_matmul='ragged_dot'",),
         cap_s=150,
     ),
-    Run(
-        "7b_rule_mb4",
-        "gpt_7b",
-        "rule's remat, 2 microbatches of 4",
-        ("per_device_microbatch_size=4",),
-    ),
+    Run("moe_fsdp", "moe_8x1b_fsdp", "rule: every expert on every GPU, Mosaic GPU kernels", cap_s=180),
     Run(
         "7b_dots",
         "gpt_7b",
         "remat saves every matmul output without batch dims, 4 microbatches of 2",
-        (f"{_LAYER}.remat_spec['policy']=dots_with_no_batch_dims_saveable",),
+        (
+            f"{_LAYER}.remat_spec={{'prevent_cse': True, "
+            "'policy': 'dots_with_no_batch_dims_saveable'}",
+            "carry_train_dtype_weights=False",
+        ),
     ),
     Run(
         "7b_rule_combine512",
