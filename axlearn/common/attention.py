@@ -1407,12 +1407,15 @@ class StackedTransformerLayer(BaseStackedTransformerLayer):
         return new_states, data
 
 
-class _TransformerRepeat(Repeat):
-    """Repeat with the transformer layer's decoding methods (caches stacked per layer)."""
+class _StackedDecoding(BaseLayer):
+    """Decoding methods of a stack of `num_layers` copies of `layer` (a Repeat's layers, a
+    Pipeline's stages) whose caches are stacked on a leading axis; `_scan_in_order(fn,
+    carry, xs)` runs `(carry, y_n) = fn(carry, xs[n])` over the copies, one after another."""
 
     def init_states(self, *, batch_size: int, max_len: int) -> Any:
+        """One copy's caches stacked on a leading axis."""
         one = self.layer.init_states(batch_size=batch_size, max_len=max_len)
-        num_layers = self._config.num_layers
+        num_layers = self.config.num_layers
         return jax.tree_util.tree_map(
             lambda x: jnp.broadcast_to(x, (num_layers, *x.shape)), one
         )
@@ -1420,14 +1423,23 @@ class _TransformerRepeat(Repeat):
     def extend_step(
         self, cached_states: Any, data: Tensor, *, time_step: Tensor, **kwargs
     ) -> tuple[Any, Tensor]:
+        """Decodes data [B,S,D] at time_step through the copies in order."""
+
         def step(data, layer_states):
             layer_states, data = self.layer.extend_step(
                 layer_states, data, time_step=time_step, **kwargs
             )
             return data, layer_states
 
-        data, new_states = self._run(step, data, cached_states)
+        data, new_states = self._scan_in_order(step, data, cached_states)
         return new_states, data
+
+
+class _TransformerRepeat(_StackedDecoding, Repeat):
+    """Repeat with the transformer layer's decoding methods (caches stacked per layer)."""
+
+    def _scan_in_order(self, fn, carry, xs):
+        return self._run(fn, carry, xs)
 
 
 class RepeatedTransformerLayer(BaseStackedTransformerLayer):
@@ -1533,7 +1545,7 @@ def build_remat_spec(
 # ----- pipeline parallelism -----
 
 
-class _TransformerPipeline(Pipeline):
+class _TransformerPipeline(_StackedDecoding, Pipeline):
     """Pipeline whose stage is a transformer stack: data [B,T,D] -> [B,T,D].
 
     The per-row keyword arguments (segment_ids, positions, ...) travel with their
@@ -1550,25 +1562,9 @@ class _TransformerPipeline(Pipeline):
 
         return self._run(stage, dict(rows, data=data))["data"]
 
-    def init_states(self, *, batch_size: int, max_len: int) -> Any:
-        """One stage's caches stacked on a leading stage axis."""
-        one = self.layer.init_states(batch_size=batch_size, max_len=max_len)
-        num_stages = self.config.num_layers
-        return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_stages, *x.shape)), one)
-
-    def extend_step(
-        self, cached_states: Any, data: Tensor, *, time_step: Tensor, **kwargs
-    ) -> tuple[Any, Tensor]:
-        """Decodes through the stages one after another (a step has nothing to pipeline)."""
-
-        def stage(data, stage_states):
-            stage_states, data = self.layer.extend_step(
-                stage_states, data, time_step=time_step, **kwargs
-            )
-            return data, stage_states
-
-        data, new_states = self._run_in_sequence(stage, data, cached_states)
-        return new_states, data
+    def _scan_in_order(self, fn, carry, xs):
+        # Decoding runs the stages one after another: a step has nothing to pipeline.
+        return self._run_in_sequence(fn, carry, xs)
 
 
 class PipelinedTransformerLayer(BaseStackedTransformerLayer):
