@@ -44,6 +44,7 @@ def _decoder(cfg):
     return decoder, decoder.initialize_parameters_recursively(jax.random.PRNGKey(0))
 
 
+@pytest.mark.slow  # A decoder compiled at several lengths: ~15 s.
 def test_alibi_decoder_logits_depend_only_on_earlier_tokens_of_the_same_document():
     decoder, params = _decoder(gala.gala_sigmoid_test_trainer())
 
@@ -68,6 +69,7 @@ def test_alibi_decoder_logits_depend_only_on_earlier_tokens_of_the_same_document
     assert not np.allclose(logits(later, segments, positions)[0, 2:4], base[0, 2:4])
 
 
+@pytest.mark.slow  # A decoder compiled at several lengths: ~15 s.
 def test_alibi_decoder_decodes_like_forward_one_token_and_two_at_a_time():
     decoder, params = _decoder(gala.gala_sigmoid_test_trainer())
 

@@ -115,12 +115,13 @@ def test_stage_parameters_are_stacked_on_an_axis_over_pipeline():
 @pytest.mark.parametrize(
     "schedule,num_stages,num_microbatches",
     [
-        (GPipeSchedule, 3, 3),
         (GPipeSchedule, 3, 5),  # More microbatches than stages, not a multiple.
-        (GPipeSchedule, 4, 2),  # Fewer microbatches than stages.
-        (StreamSchedule, 3, 3),
         (StreamSchedule, 3, 9),  # Outputs rotated by (N - 1) % (M / N) = 2.
-        (StreamSchedule, 2, 8),
+        # The same check at other sizes, in the whole suite (slow).
+        pytest.param(GPipeSchedule, 3, 3, marks=pytest.mark.slow),
+        pytest.param(GPipeSchedule, 4, 2, marks=pytest.mark.slow),  # Fewer microbatches.
+        pytest.param(StreamSchedule, 3, 3, marks=pytest.mark.slow),
+        pytest.param(StreamSchedule, 2, 8, marks=pytest.mark.slow),
     ],
 )
 def test_pipeline_computes_the_stages_in_sequence(schedule, num_stages, num_microbatches):
