@@ -42,6 +42,19 @@ def test_a_wrong_flag_is_one_line_and_exit_status_2(argv, capsys):
     assert err.startswith("p: error: ") and err.count("\n") == 1
 
 
+def test_several_missing_required_flags_are_one_line(capsys):
+    def define(flag_values: flags.FlagValues) -> None:
+        for name in ("profile_dir", "steps"):
+            flags.DEFINE_string(name, None, "Required.", flag_values=flag_values)
+            flags.mark_flag_as_required(name, flag_values=flag_values)
+
+    with pytest.raises(SystemExit) as e:
+        parse_command_flags(define, [], program="p", doc=None)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--profile_dir" in err and "--steps" in err
+
+
 @pytest.mark.parametrize(
     "main, flag",
     [(bench.main, "--compare_data_dirs"), (golden_config.main, "--summarize_diff"),

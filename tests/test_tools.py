@@ -28,3 +28,15 @@ def test_help_names_the_tool_s_command_line(tool):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith(f"usage: {tool}.py")
     assert f"python tools/{tool}.py" in proc.stdout  # The docstring's command line.
+    assert f"\nflags of python tools/{tool}.py:\n  --" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", _TOOLS)
+def test_a_wrong_flag_is_one_line_and_exit_status_2(tool):
+    proc = subprocess.run(
+        [sys.executable, f"tools/{tool}.py", "--no_such_flag=1"],
+        cwd=REPO, env=fresh_env(), capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr == f"tools/{tool}.py: error: Unknown command line flag 'no_such_flag'\n"

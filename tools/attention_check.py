@@ -30,7 +30,6 @@ be close to those of its xla counterpart; one far above them is a wrong kernel. 
 that fails prints its error and the others still run.
 """
 
-import argparse
 import functools
 import json
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from axlearn.bench import gpu_time_ms, write_json
 from axlearn.common.attention import (
@@ -46,6 +46,7 @@ from axlearn.common.attention import (
     GroupedQueryAttention,
     RoFormerQKVLinear,
 )
+from axlearn.common.command_flags import parse_command_flags, usage_error
 from axlearn.common.module import functional
 from axlearn.common.param_init import default_initializer_config
 
@@ -93,7 +94,7 @@ def build_layer(implementation: str, *, num_heads: int, num_kv_heads: int, head_
     return cfg.instantiate(parent=None)
 
 
-def check_layer(args: argparse.Namespace) -> dict[str, Any]:
+def check_layer(args: flags.FlagValues) -> dict[str, Any]:
     """The layer part: one entry per (implementation, segment ids or not)."""
     shape = dict(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
     dim = args.num_heads * args.head_dim
@@ -184,9 +185,9 @@ def op_paths(scale: float) -> dict[str, Callable]:
 
     def tokamax_path(implementation, q, k, v):
         import tokamax  # pylint: disable=import-outside-toplevel
-        from absl import flags  # pylint: disable=import-outside-toplevel
 
-        # tokamax reads absl flags, which would otherwise parse our argparse command line.
+        # tokamax reads absl's global flags, which this command (its own FlagValues) leaves
+        # unparsed.
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()
         return tokamax.dot_product_attention(
@@ -222,7 +223,7 @@ def _forward_backward(attention: Callable) -> Callable:
     return jax.jit(run)
 
 
-def check_op(args: argparse.Namespace) -> dict[str, Any]:
+def check_op(args: flags.FlagValues) -> dict[str, Any]:
     """The op part: one entry per flash path."""
     rng = np.random.default_rng(0)
     shape_q = (args.batch, args.seq_len, args.num_heads, args.head_dim)
@@ -258,20 +259,26 @@ def check_op(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The check's flags."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_enum("part", "all", ("all",) + _PARTS, "The part to run.", **fv)
+    flags.DEFINE_integer("batch", 4, "Sequences.", **fv)
+    flags.DEFINE_integer("seq_len", 4096, "Tokens of a sequence.", **fv)
+    flags.DEFINE_integer("num_heads", 16, "Query heads.", **fv)
+    flags.DEFINE_integer("num_kv_heads", 8, "Key/value heads.", **fv)
+    flags.DEFINE_integer("head_dim", 128, "Dim of a head.", **fv)
+    flags.DEFINE_string("json_out", None, "Write every entry as JSON.", **fv)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    """The command line `argv` (None: sys.argv's) run; returns every entry."""
+    program = "tools/attention_check.py"
+    args, _ = parse_command_flags(
+        define_flags, argv, program=program, doc=f"usage: attention_check.py [flags]\n\n{__doc__}"
     )
-    parser.add_argument("--part", choices=("all",) + _PARTS, default="all")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq_len", type=int, default=4096)
-    parser.add_argument("--num_heads", type=int, default=16, help="Query heads.")
-    parser.add_argument("--num_kv_heads", type=int, default=8)
-    parser.add_argument("--head_dim", type=int, default=128)
-    parser.add_argument("--json_out", default=None, help="Write every entry as JSON.")
-    args = parser.parse_args(argv)
     if args.num_heads % args.num_kv_heads:
-        parser.error(f"--num_heads={args.num_heads} is no multiple of --num_kv_heads")
+        usage_error(program, f"--num_heads={args.num_heads} is no multiple of --num_kv_heads")
     results = {"jax_version": jax.__version__, "device": jax.devices()[0].device_kind}
     checks = {"layer": check_layer, "op": check_op}
     for part in _PARTS if args.part == "all" else (args.part,):

@@ -15,18 +15,21 @@ sets the storage's `host_memory_kind` (where `save()` copies the shards): by def
 pinned host memory, or `numpy` for new numpy arrays.
 """
 
-import argparse
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 from jax.sharding import NamedSharding, PartitionSpec
 
 from axlearn.common.checkpointer import Checkpointer, TensorStoreStateStorage
+from axlearn.common.command_flags import parse_command_flags
 from axlearn.common.sharding import create_mesh
 
 _COLUMNS = 4096
@@ -47,22 +50,28 @@ def build_state(size: float, leaves: int, dtype: jnp.dtype) -> dict[str, jax.Arr
     return state
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The check's flags."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_float("size", 1e9, "Parameters in the state.", **fv)
+    flags.DEFINE_integer("leaves", 8, "Arrays the state is split into.", **fv)
+    flags.DEFINE_string("dtype", "float32", "The state's dtype.", **fv)
+    flags.DEFINE_integer("repeats", 3, "Saves timed.", **fv)
+    flags.DEFINE_string("dir", None, "Default: a new temporary directory.", **fv)
+    flags.DEFINE_bool("keep", False, "Keep the checkpoint files.", **fv)
+    flags.DEFINE_string(
+        "host_memory_kind", None,
+        "A host memory kind of the devices, or 'numpy' (default: the storage's, pinned_host).",
+        **fv,
     )
-    parser.add_argument("--size", type=float, default=1e9, help="Parameters in the state.")
-    parser.add_argument("--leaves", type=int, default=8, help="Arrays the state is split into.")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="Default: a new temporary directory.")
-    parser.add_argument("--keep", action="store_true", help="Keep the checkpoint files.")
-    parser.add_argument(
-        "--host_memory_kind",
-        default=None,
-        help="A host memory kind of the devices, or 'numpy' (default: the storage's, pinned_host).",
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """The command line `argv` (None: sys.argv's) run."""
+    args, _ = parse_command_flags(
+        define_flags, argv, program="tools/checkpoint_check.py",
+        doc=f"usage: checkpoint_check.py [flags]\n\n{__doc__}",
     )
-    args = parser.parse_args()
 
     directory = args.dir or tempfile.mkdtemp(prefix="ckpt_bench_")
     state = build_state(args.size, args.leaves, jnp.dtype(args.dtype))

@@ -23,7 +23,6 @@ Alone, XLA may fuse an expression differently than inside a train step, where
 `tools/op_profile.py` shows the step's kernels.
 """
 
-import argparse
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -31,9 +30,11 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from axlearn.bench import gpu_time_ms, write_json
 from axlearn.common import layers
+from axlearn.common.command_flags import parse_command_flags
 from axlearn.common.kernels.gated_product import gated_product_backward
 from axlearn.common.kernels.rms_norm import rms_norm_backward
 
@@ -174,20 +175,22 @@ def check_rms_norm(tokens: int, hidden: int, *, sweep: bool) -> dict[str, Any]:
     return results
 
 
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The check's flags."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_integer("tokens", 16384, "Tokens (rows) of a step.", **fv)
+    flags.DEFINE_integer("hidden", 2048, "Model dim (the normalized rows' width).", **fv)
+    flags.DEFINE_integer("mlp_hidden", 8192, "The gated MLP's hidden dim.", **fv)
+    flags.DEFINE_bool("sweep", False, "Also time other block shapes.", **fv)
+    flags.DEFINE_string("json_out", None, "Write every entry as JSON.", **fv)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    """The command line `argv` (None: sys.argv's) run; returns every entry."""
+    args, _ = parse_command_flags(
+        define_flags, argv, program="tools/kernel_check.py",
+        doc=f"usage: kernel_check.py [flags]\n\n{__doc__}",
     )
-    parser.add_argument("--tokens", type=int, default=16384, help="Tokens (rows) of a step.")
-    parser.add_argument(
-        "--hidden", type=int, default=2048, help="Model dim (the normalized rows' width)."
-    )
-    parser.add_argument(
-        "--mlp_hidden", type=int, default=8192, help="The gated MLP's hidden dim."
-    )
-    parser.add_argument("--sweep", action="store_true", help="Also time other block shapes.")
-    parser.add_argument("--json_out", default=None, help="Write every entry as JSON.")
-    args = parser.parse_args(argv)
     results = {"jax_version": jax.__version__, "device": jax.devices()[0].device_kind}
     results.update(check_gated_product(args.tokens, args.mlp_hidden, sweep=args.sweep))
     results.update(check_rms_norm(args.tokens, args.hidden, sweep=args.sweep))

@@ -18,7 +18,6 @@ its clock under a long run of matmuls: the later tenths then run slower, as the 
 of a real step do. Compare the last tenth with the first to see how much.
 """
 
-import argparse
 import tempfile
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -26,8 +25,10 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from axlearn.bench import gpu_kernel_events, gpu_time_ms, write_json
+from axlearn.common.command_flags import parse_command_flags, usage_error
 
 # gpt_1b: 16,384 tokens a step; weight name -> (input dim, output dim, uses a step).
 _TOKENS = 16384
@@ -58,18 +59,26 @@ def _back_to_back_ms(fn, args, calls: int) -> list[float]:
     return [e.ms for e in events if not e.name.startswith("Memset")]
 
 
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The check's flags."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_integer(
+        "back_to_back", 0, "Then time this many back-to-back calls of one matmul (0: skip).",
+        lower_bound=0, **fv,
+    )
+    flags.DEFINE_string("json_out", None, "Write every entry as JSON.", **fv)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    """The command line `argv` (None: sys.argv's) run; returns every entry."""
+    program = "tools/matmul_check.py"
+    args, _ = parse_command_flags(
+        define_flags, argv, program=program, doc=f"usage: matmul_check.py [flags]\n\n{__doc__}"
     )
-    parser.add_argument(
-        "--back_to_back", type=int, default=0, metavar="N",
-        help="Then time N back-to-back calls of one matmul (0: skip).",
-    )
-    parser.add_argument("--json_out", default=None, help="Write every entry as JSON.")
-    args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
-        parser.error(f"it times GPU kernels; this machine's backend is {jax.default_backend()}")
+        usage_error(
+            program, f"it times GPU kernels; this machine's backend is {jax.default_backend()}"
+        )
     rng = np.random.default_rng(0)
     results, step_ms = {}, 0.0
     for name, (d_in, d_out, uses) in _WEIGHTS.items():

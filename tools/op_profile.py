@@ -29,7 +29,6 @@ a little slower):
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python -m axlearn.bench ... --profile_dir=...
 """
 
-import argparse
 import collections
 import glob
 import json
@@ -38,7 +37,10 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple, Optional
 
+from absl import flags
+
 from axlearn.bench import KernelEvent, gpu_kernel_events
+from axlearn.common.command_flags import parse_command_flags, usage_error
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -163,22 +165,32 @@ def top_ops(rows: Sequence[dict]) -> list[dict]:
     return sorted(merged.values(), key=lambda r: -r["ms_per_step"])
 
 
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The tool's flags."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_string("profile_dir", None, "bench's --profile_dir.", **fv)
+    flags.DEFINE_string("xla_dump_dir", None, "bench's --xla_dump_dir.", **fv)
+    flags.DEFINE_integer("steps", None, "How many steps the trace holds.", lower_bound=1, **fv)
+    flags.DEFINE_string("json_out", None, "Write one row per HLO op as JSON.", **fv)
+    flags.DEFINE_integer("top", 40, "Rows printed per listing.", **fv)
+    for name in ("profile_dir", "xla_dump_dir", "steps"):
+        flags.mark_flag_as_required(name, **fv)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    """The command line `argv` (None: sys.argv's) run."""
+    program = "tools/op_profile.py"
+    args, _ = parse_command_flags(
+        define_flags, argv, program=program, doc=f"usage: op_profile.py [flags]\n\n{__doc__}"
     )
-    parser.add_argument("--profile_dir", required=True, help="bench's --profile_dir.")
-    parser.add_argument("--xla_dump_dir", required=True, help="bench's --xla_dump_dir.")
-    parser.add_argument("--steps", type=int, required=True, help="How many steps the trace holds.")
-    parser.add_argument("--json_out", default=None, help="Write one row per HLO op as JSON.")
-    parser.add_argument("--top", type=int, default=40, help="Rows printed per listing.")
-    args = parser.parse_args(argv)
     events = gpu_kernel_events(args.profile_dir)
     if not events:
-        parser.error(f"--profile_dir={args.profile_dir}: no GPU kernels in a trace there")
+        usage_error(program, f"--profile_dir={args.profile_dir}: no GPU kernels in a trace there")
     names = hlo_op_names(args.xla_dump_dir)
     if not names:
-        parser.error(f"--xla_dump_dir={args.xla_dump_dir}: no *after_optimizations.txt there")
+        usage_error(
+            program, f"--xla_dump_dir={args.xla_dump_dir}: no *after_optimizations.txt there"
+        )
     rows = op_rows(events, names, args.steps)
     total = sum(r["ms_per_step"] for r in rows)
     groups = collections.defaultdict(float)

@@ -14,16 +14,17 @@ parts need not add up to the whole step, which XLA fuses and schedules as one pr
 they say where to look, then `tools/op_profile.py` says which ops.
 """
 
-import argparse
 import time
 from collections.abc import Sequence
 from typing import Optional
 
 import jax
 import numpy as np
+from absl import flags
 
 from axlearn.bench import build_benchmark_config
 from axlearn.common import launch
+from axlearn.common.command_flags import parse_command_flags
 
 
 def timeit(fn, *args, iters: int = 10) -> float:
@@ -37,16 +38,21 @@ def timeit(fn, *args, iters: int = 10) -> float:
     return float(np.median(times)) * 1e3
 
 
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The tool's flags."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_string("config", None, "The named trainer config.", **fv)
+    flags.DEFINE_string("mesh_selector", None, "As for axlearn.bench.", **fv)
+    flags.DEFINE_multi_string("config_override", [], "PATH=VALUE; may repeat.", **fv)
+    flags.mark_flag_as_required("config", **fv)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    """The command line `argv` (None: sys.argv's) run."""
+    args, _ = parse_command_flags(
+        define_flags, argv, program="tools/step_breakdown.py",
+        doc=f"usage: step_breakdown.py [flags]\n\n{__doc__}",
     )
-    parser.add_argument("--config", required=True, help="The named trainer config.")
-    parser.add_argument("--mesh_selector", default=None, help="As for axlearn.bench.")
-    parser.add_argument(
-        "--config_override", action="append", default=[], help="PATH=VALUE; may repeat."
-    )
-    args = parser.parse_args(argv)
     launch.setup()
     cfg = build_benchmark_config(
         args.config, mesh_selector=args.mesh_selector, overrides=args.config_override

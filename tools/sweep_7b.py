@@ -22,7 +22,6 @@ or stepping).
 `--dry_run` builds every run's config on this machine (no device) and prints the plan.
 """
 
-import argparse
 import dataclasses
 import faulthandler
 import json
@@ -34,6 +33,10 @@ import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
+
+from absl import flags
+
+from axlearn.common.command_flags import parse_command_flags, usage_error
 
 # The host the sweep is for, and 8 sequences a GPU on it.
 MESH_SELECTOR = "gpu-h200-4"
@@ -262,34 +265,42 @@ def check_runs(runs: Sequence[Run], mesh_selector: str) -> None:
                         ) from e
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The sweep's flags."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_float("budget_s", 530, "Wall-clock budget of all runs.", **fv)
+    flags.DEFINE_float("min_run_s", 90, "Skip a run with less left.", **fv)
+    flags.DEFINE_list("only", None, "Comma-separated run names (default: all).", **fv)
+    flags.DEFINE_string("mesh_selector", MESH_SELECTOR, "The mesh rule the runs take.", **fv)
+    flags.DEFINE_string("json_out", None, "Write every run's result here.", **fv)
+    flags.DEFINE_bool("dry_run", False, "Check the configs; run nothing.", **fv)
+    flags.DEFINE_string(
+        "_child", None, "Internal: 'spec_path,out_path' of one run, run in this process.", **fv
     )
-    parser.add_argument("--budget_s", type=float, default=530, help="Wall-clock budget of all runs.")
-    parser.add_argument("--min_run_s", type=float, default=90, help="Skip a run with less left.")
-    parser.add_argument("--only", default=None, help="Comma-separated run names (default: all).")
-    parser.add_argument("--mesh_selector", default=MESH_SELECTOR)
-    parser.add_argument("--json_out", default=None, help="Write every run's result here.")
-    parser.add_argument("--dry_run", action="store_true", help="Check the configs; run nothing.")
-    parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line `argv` (None: sys.argv's) run; returns the exit status."""
+    program = "tools/sweep_7b.py"
+    args, _ = parse_command_flags(
+        define_flags, argv, program=program, doc=f"usage: sweep_7b.py [flags]\n\n{__doc__}"
+    )
     if args._child:  # pylint: disable=protected-access
         _child(*args._child.split(","))  # pylint: disable=protected-access
         return 0
     runs = list(RUNS)
     if args.only:
-        names = args.only.split(",")
+        names = args.only
         unknown = sorted(set(names) - {r.name for r in RUNS})
         if unknown:
-            parser.error(f"--only: unknown runs {unknown}; known: {[r.name for r in RUNS]}")
+            usage_error(program, f"--only: unknown runs {unknown}; known: {[r.name for r in RUNS]}")
         runs = [r for r in RUNS if r.name in names]
     check_runs(runs, args.mesh_selector)
     if args.dry_run:
         for run in runs:
-            flags = f" XLA_FLAGS+={run.xla_flags}" if run.xla_flags else ""
+            xla_flags = f" XLA_FLAGS+={run.xla_flags}" if run.xla_flags else ""
             best = f" (settings of the fastest {run.best_of} run)" if run.best_of else ""
-            print(f"{run.name}: {run.config} {' '.join(run_overrides(run))}{flags}{best}, cap {run.cap_s} s")
+            print(f"{run.name}: {run.config} {' '.join(run_overrides(run))}{xla_flags}{best}, cap {run.cap_s} s")
         return 0
     deadline = time.perf_counter() + args.budget_s
     results: list[dict[str, Any]] = []

@@ -61,7 +61,9 @@ def parse_command_flags(
         define_trusted_packages(flag_values)
     if any(arg in HELP_ARGS for arg in argv):
         print((doc or "").strip())
-        print(f"\nflags of python -m {program}:")
+        # A script (tools/x.py) runs as `python tools/x.py`, a module as `python -m module`.
+        runner = "python" if program.endswith(".py") else "python -m"
+        print(f"\nflags of {runner} {program}:")
         # absl heads each defining module's flags with its file name: left out.
         help_text = flag_values.get_help(include_special_flags=False)
         print("\n".join(line for line in help_text.splitlines() if line.startswith(" ")))
@@ -69,7 +71,8 @@ def parse_command_flags(
     try:
         rest = flag_values([program, *argv])[1:]
     except flags.Error as e:
-        usage_error(program, str(e))
+        # absl puts each of several failed validators (required flags) on a line of its own.
+        usage_error(program, "; ".join(str(e).splitlines()))
     unexpected = [] if free_positional else [arg for arg in rest if arg not in positional]
     if unexpected:
         usage_error(program, f"unexpected arguments: {' '.join(unexpected)}")
