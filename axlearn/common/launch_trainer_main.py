@@ -90,7 +90,7 @@ _STORAGE_ERRNOS = frozenset(
 
 def _main(argv) -> None:
     """`main`; in a process of a multi-process run, in a supervised child (module docstring)."""
-    placement = _supervised_placement(flags.FLAGS)
+    placement = supervised_placement(flags.FLAGS)
     if placement is None:
         main(argv)
         return
@@ -105,7 +105,7 @@ def _main(argv) -> None:
     )
 
 
-def _supervised_placement(
+def supervised_placement(
     flag_values: flags.FlagValues,
 ) -> Optional[tuple[Optional[str], str]]:
     """(process 0's host:port or None, "process I of N") of a process of a multi-process run that

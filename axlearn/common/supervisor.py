@@ -64,15 +64,16 @@ def supervise(
     coordinator: Optional[str],
     process: str,
     prefix: str,
-    stderr: Optional[BinaryIO] = None,
+    release_s: float = RELEASE_S,
 ) -> int:
     """Runs `command` as a supervised child (module docstring); its exit status.
 
     `coordinator`: process 0's host:port (None: unknown); `process`: this process, e.g.
     "process 1 of 2"; `prefix`: the start of the line printed for a lost coordinator, e.g.
-    "launch_trainer_main". Main thread only (it installs signal handlers).
+    "launch_trainer_main"; `release_s`: how long a held report waits for the abort. Main
+    thread only (it installs signal handlers).
     """
-    out = sys.stderr.buffer if stderr is None else stderr
+    out = sys.stderr.buffer
     sys.stderr.flush()
     child = subprocess.Popen(  # pylint: disable=consider-using-with
         list(command),
@@ -82,8 +83,9 @@ def supervise(
     )
     signal.set_wakeup_fd(-1)  # The launcher's early-exit watcher no longer wakes.
     for signum in FORWARDED_SIGNALS:
-        signal.signal(signum, lambda signum, frame: child.send_signal(signum))
-    held = _forward(child.stderr.fileno(), out)
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # e.g. nohup's SIGINT.
+            signal.signal(signum, lambda signum, frame: child.send_signal(signum))
+    held = _forward(child.stderr.fileno(), out, release_s)
     status = child.wait()
     if status == -signal.SIGABRT and held:
         where = f", {coordinator}" if coordinator else ""
@@ -103,9 +105,9 @@ def supervise(
     return status if status >= 0 else 128 - status
 
 
-def _forward(fd: int, out: BinaryIO) -> list[bytes]:
+def _forward(fd: int, out: BinaryIO, release_s: float) -> list[bytes]:
     """Copies lines from `fd` to `out` until EOF, holding back a fatal report of jax's
-    coordination service unless the writer lives RELEASE_S past it; the held lines."""
+    coordination service unless the writer lives `release_s` past it; the held lines."""
     pending = b""  # A line not yet complete.
     held: list[bytes] = []
     held_since: Optional[float] = None
@@ -124,7 +126,7 @@ def _forward(fd: int, out: BinaryIO) -> list[bytes]:
                 else:
                     held.append(line + b"\n")
             out.flush()
-        if held_since is not None and time.monotonic() - held_since > RELEASE_S:
+        if held_since is not None and time.monotonic() - held_since > release_s:
             out.writelines(held)
             out.flush()
             held, held_since = [], None
