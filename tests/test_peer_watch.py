@@ -3,9 +3,11 @@ exits within a minute with one line and PEER_LOST_EXIT_CODE.
 
 The watcher's rounds are tested against a fake key-value store and a fake clock; the
 whole exit with real processes: two launchers joined through jax.distributed on the CPU,
-one killed with SIGKILL."""
+one killed with SIGKILL (process 1, or process 0: the coordinator, whose loss the
+survivor's supervisor reports)."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -151,8 +153,6 @@ def _read_until(process: subprocess.Popen, marker: str, lines: list[str]) -> Non
     raise AssertionError(f"exited before {marker!r}: {''.join(lines)[-3000:]}")
 
 
-# Process 1 is killed: when process 0 is, jax's client aborts the survivor at once (see
-# the peer_watch docstring).
 @pytest.mark.slow
 def test_the_survivor_of_a_killed_process_exits_within_a_minute_with_one_line(tmp_path):
     killed = 1
@@ -181,6 +181,33 @@ def test_the_survivor_of_a_killed_process_exits_within_a_minute_with_one_line(tm
     assert f"process {killed}" in last and "is gone" in last
     assert "Fatal Python error" not in output and "Aborted" not in output
     assert not os.path.exists(tmp_path / "run" / "LOCK")
+
+
+@pytest.mark.slow
+def test_the_survivor_of_a_killed_coordinator_exits_with_one_line_and_no_stack_dump(tmp_path):
+    port = _free_port()
+    coordinator, survivor = [_launch(tmp_path / "run", port, i) for i in range(2)]
+    lines: list[str] = []
+    try:
+        _read_until(survivor, "step      2/", lines)
+        coordinator.kill()  # Its supervisor: the training child dies with it.
+        coordinator.wait()
+        lines.extend(survivor.stdout)
+        survivor.wait(timeout=60)
+    finally:
+        for process in (coordinator, survivor):
+            if process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+                process.wait()
+    output = "".join(lines)
+    assert survivor.returncode == PEER_LOST_EXIT_CODE, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(
+        f"launch_trainer_main: process 0 (the coordinator, localhost:{port}) is gone; "
+        "process 1 of 2 stops"
+    ), output[-3000:]
+    assert "Aborted" not in output and "Check failure" not in output, output[-3000:]
+    assert not re.search(r"^\s*@\s+0x[0-9a-f]+", output, re.MULTILINE), output[-3000:]
 
 
 def test_a_process_that_finished_is_not_waited_for():

@@ -14,6 +14,10 @@ Exit status (every failure but an unexpected one ends with one line naming its c
 - 69 (`peer_watch.PEER_LOST_EXIT_CODE`): another process of a multi-process run is gone
   (killed, out of memory, its host lost); every survivor exits within a minute. Restart
   the whole run: it resumes from its last checkpoint.
+  Process 0 hosts jax's coordination service, whose loss jax's client answers with an
+  immediate abort (a C++ stack dump): so each process of a multi-process run trains in a
+  child process under a `supervisor`, which prints one line naming the lost coordinator
+  instead and exits 69. A single process runs with no child.
 - 74 (`STORAGE_EXIT_CODE`): the trainer directory cannot be written (read-only, no
   permission, disk full); the line names the file and the system's error.
 - 75 (`preemption.PREEMPTED_EXIT_CODE`): SIGTERM or SIGINT stopped the run (the step it
@@ -25,6 +29,9 @@ Exit status (every failure but an unexpected one ends with one line naming its c
 import sys
 
 if __name__ == "__main__":
+    from axlearn.common import supervisor as _supervisor
+
+    _supervisor.die_with_parent()  # Only in a supervised child (see `_main`).
     # First, before anything slow (imports, jax, joining the other processes): from here on
     # a SIGTERM or SIGINT exits with PREEMPTED_EXIT_CODE, until the trainer's handlers
     # take over (they save first).
@@ -43,7 +50,7 @@ from typing import Optional
 from absl import app, flags
 from absl import logging as absl_logging
 
-from axlearn.common import launch, launch_trainer, peer_watch, run_lock
+from axlearn.common import cluster_env, launch, launch_trainer, peer_watch, run_lock, supervisor
 from axlearn.common.config import ConfigError
 from axlearn.common.preemption import PREEMPTED_EXIT_CODE, Preempted
 from axlearn.common.run_record import TrainerDirNotWritableError
@@ -79,6 +86,51 @@ STORAGE_EXIT_CODE = 74
 _STORAGE_ERRNOS = frozenset(
     {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 )
+
+
+def _main(argv) -> None:
+    """`main`; in a process of a multi-process run, in a supervised child (module docstring)."""
+    placement = supervised_placement(flags.FLAGS)
+    if placement is None:
+        main(argv)
+        return
+    coordinator, process = placement
+    raise SystemExit(
+        supervisor.supervise(
+            [sys.executable, *sys.orig_argv[1:]],
+            coordinator=coordinator,
+            process=process,
+            prefix="launch_trainer_main",
+        )
+    )
+
+
+def supervised_placement(
+    flag_values: flags.FlagValues,
+) -> Optional[tuple[Optional[str], str]]:
+    """(process 0's host:port or None, "process I of N") of a process of a multi-process run that
+    is not yet supervised; None: run here (one process, a supervised child, or a placement
+    error, which `launch.setup` reports)."""
+    if supervisor.is_child():
+        return None
+    if flag_values.distributed_auto:
+        return None, "this process"
+    try:
+        placement = cluster_env.process_placement(
+            coordinator_address=flag_values.distributed_coordinator,
+            num_processes=flag_values.num_processes,
+            process_id=flag_values.process_id,
+            local_device_ids=cluster_env.parse_device_ids(flag_values.local_device_ids),
+            cluster_env=flag_values.cluster_env,
+        )
+    except (ConfigError, ValueError):
+        return None
+    if placement is None:
+        return None
+    return (
+        placement.coordinator_address,
+        f"process {placement.process_id} of {placement.num_processes}",
+    )
 
 
 def main(argv) -> None:
@@ -210,4 +262,4 @@ def exit_on_help(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     exit_on_help(sys.argv[1:])
-    app.run(main)
+    app.run(_main)

@@ -13,9 +13,9 @@ makes the watcher log one line naming the process and exit with PEER_LOST_EXIT_C
 own heartbeat timeout (100 s), so the watcher speaks first. A process whose run finished
 or was preempted says so (`finish`) before it leaves, and is not waited for.
 
-Not covered: when process 0, which hosts jax's coordination service, is killed, jax's
-client in every other process aborts it at once (SIGABRT, status 134) as it loses the
-service; jaxlib's client takes its error callback only from C++.
+When process 0, which hosts jax's coordination service, is killed, jax's client in every
+other process aborts it at once, before this watcher can speak; `supervisor` turns that
+abort into one line and PEER_LOST_EXIT_CODE.
 """
 
 import logging
