@@ -34,6 +34,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from axlearn.common.config import register_validator
+
 PAD_ID = 0
 EOS_ID = 1
 NO_ID = -1  # A special token the vocabulary does not have.
@@ -104,6 +106,11 @@ class Vocabulary:
     def _ids_before_eos(self, ids: Sequence[int]) -> list[int]:
         ids = [int(i) for i in ids]
         return ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids
+
+
+# A vocabulary object may be a config field's value (an input's `vocab_cfg`), as AXLearn
+# lets seqio vocabularies be: it is read, never copied into golden text as data.
+register_validator(match_fn=lambda value: isinstance(value, Vocabulary), validate_fn=lambda _: None)
 
 
 class ByteVocabulary(Vocabulary):
