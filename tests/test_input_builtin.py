@@ -1,7 +1,6 @@
 """Specification of axlearn.common.input_builtin: the stdlib corpus, split, cached and packed."""
 
 import os
-import time
 
 import numpy as np
 import pytest
@@ -107,10 +106,8 @@ def _builtin(tmp_path, **kwargs):
     return cfg.instantiate(parent=None)
 
 
-def test_training_batches_are_stdlib_bytes_and_load_fast(tmp_path):
-    start = time.perf_counter()
+def test_training_batches_are_stdlib_bytes(tmp_path):
     batch = next(iter(_builtin(tmp_path, is_training=True, model_vocab_size=384)))
-    assert time.perf_counter() - start < 20
     assert batch["input_ids"].shape == (4, 256)
     # Byte ids: every live target is a byte (>= 3) or EOS (1).
     live = batch["target_labels"][batch["input_segment_ids"] > 0]
