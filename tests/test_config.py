@@ -246,6 +246,14 @@ def test_apply_overrides_literals_and_type_checks():
         apply_overrides(cfg, ["leaf.eps"])
 
 
+def test_an_override_that_is_no_literal_where_a_number_stands_names_the_field():
+    cfg = _spec_like_tree()
+    with pytest.raises(config_lib.InvalidConfigValueError) as error:
+        apply_overrides(cfg, ["fn.b=-1e9x"])
+    assert str(error.value) == "fn.b=-1e9x: fn.b holds a number (2.0); '-1e9x' is not one"
+    assert cfg.fn.b == 2.0
+
+
 def test_to_dict_is_json_serializable():
     data = json.loads(_spec_like_tree().to_json())
     assert data["leaf"]["dtype"] == "jax.numpy.bfloat16" and data["leaf"]["dim"] == 8

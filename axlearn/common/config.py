@@ -1263,20 +1263,26 @@ def apply_overrides(cfg: C, overrides: Iterable[str]) -> C:
     """Applies 'path=value' strings, values as Python literals, type-checked per field.
 
     Example: `apply_overrides(cfg, ["learner.optimizer.peak_lr=3e-4", "max_step=100"])`.
-    A value that is not a literal is taken as a string (`model.dtype=jax.numpy.float32`).
+    A value that is not a literal is taken as a string (`model.dtype=jax.numpy.float32`),
+    except where the field holds a number (`lr=-1e9x`): that is an error naming the field,
+    which a string would otherwise reach only once built, without its name.
     """
     for override in overrides:
         if "=" not in override:
             raise ConfigError(f"Override '{override}' is not of the form path=value")
         path, text = override.split("=", 1)
         path, text = path.strip(), text.strip()
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text
         parts = parse_path(path)
         parent = get_recursively(cfg, parts[:-1])
         current = _get_child(parent, parts[-1], parts, len(parts) - 1)
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            if isinstance(current, (int, float)) and not isinstance(current, bool):
+                raise InvalidConfigValueError(  # pylint: disable=raise-missing-from
+                    f"{override}: {path} holds a number ({current!r}); {text!r} is not one"
+                )
+            value = text
         field = parent._fields.get(parts[-1]) if isinstance(parent, ConfigBase) else None
         set_recursively(cfg, parts, _coerce_override(path, field, current, value))
     return cfg

@@ -8,7 +8,6 @@ The recipe's steps live in their own modules: `experiment_registry` (named confi
 Face model and its weights), max_step and vocab_size following are steps of the recipe here.
 """
 
-import ast
 import contextlib
 import json
 import logging
@@ -152,6 +151,26 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 # ----- one step count -----
 
 
+def _int_copies(
+    cfg: ConfigBase, value: int, names: Sequence[str], *, skip: set[tuple[Any, ...]]
+) -> list[str]:
+    """Paths of the int fields named one of `names` that hold `value` (copies of one
+    number that follow it), except the parsed paths in `skip`."""
+    found = []
+
+    def visit(path: str, held: Any) -> None:
+        if (
+            path.rsplit(".", 1)[-1] in names
+            and type(held) is int  # pylint: disable=unidiomatic-typecheck  (not bool)
+            and held == value
+            and tuple(parse_path(path)) not in skip
+        ):
+            found.append(path)
+
+    cfg.visit(visit)
+    return found
+
+
 def follow_max_step(cfg: ConfigBase, old_max_step: Any, *, pinned: Sequence[str] = ()) -> list[str]:
     """After `max_step` changed from `old_max_step`: sets every other `max_step` field that
     held `old_max_step` (the learning-rate schedules', the save policy's, the eval
@@ -165,18 +184,7 @@ def follow_max_step(cfg: ConfigBase, old_max_step: Any, *, pinned: Sequence[str]
     if new_max_step == old_max_step or not isinstance(new_max_step, int):
         return []
     pinned_paths = {tuple(parse_path(path)) for path in pinned}
-    followers = []
-
-    def visit(path: str, value: Any) -> None:
-        if (
-            path.endswith(".max_step")
-            and type(value) is int  # pylint: disable=unidiomatic-typecheck  (not bool)
-            and value == old_max_step
-            and tuple(parse_path(path)) not in pinned_paths
-        ):
-            followers.append(path)
-
-    cfg.visit(visit)
+    followers = _int_copies(cfg, old_max_step, ("max_step",), skip=pinned_paths | {("max_step",)})
     for path in followers:
         set_recursively(cfg, path, new_max_step)
         parts = parse_path(path)
@@ -228,20 +236,8 @@ def follow_vocab_size(
     new_vocab_size = model_vocab_size(cfg)
     if new_vocab_size == old_vocab_size or not isinstance(new_vocab_size, int):
         return []
-    pinned_paths = {tuple(parse_path(path)) for path in pinned}
-    followers = []
-
-    def visit(path: str, value: Any) -> None:
-        if (
-            path != MODEL_VOCAB_SIZE
-            and path.rsplit(".", 1)[-1] in _VOCAB_SIZE_FIELDS
-            and type(value) is int  # pylint: disable=unidiomatic-typecheck  (not bool)
-            and value == old_vocab_size
-            and tuple(parse_path(path)) not in pinned_paths
-        ):
-            followers.append(path)
-
-    cfg.visit(visit)
+    skip = {tuple(parse_path(path)) for path in (*pinned, MODEL_VOCAB_SIZE)}
+    followers = _int_copies(cfg, old_vocab_size, _VOCAB_SIZE_FIELDS, skip=skip)
     for path in followers:
         set_recursively(cfg, path, new_vocab_size)
     if followers:
@@ -250,34 +246,6 @@ def follow_vocab_size(
             MODEL_VOCAB_SIZE, old_vocab_size, new_vocab_size, ", ".join(followers),
         )
     return followers
-
-
-# ----- overrides -----
-
-
-def check_override_values(cfg: ConfigBase, overrides: Sequence[str]) -> None:
-    """Raises naming the field for an override whose value is no Python literal where the
-    field holds a number (`lr=-1e9x`): apply_overrides would take it as a string, which
-    fails only once built, without the field's name."""
-    for override in overrides:
-        path, sep, text = override.partition("=")
-        if not sep:
-            continue  # apply_overrides names the malformed override.
-        path, text = path.strip(), text.strip()
-        try:
-            ast.literal_eval(text)
-            continue
-        except (ValueError, SyntaxError):
-            pass
-        try:
-            current = get_recursively(cfg, parse_path(path))
-        except (ConfigError, AttributeError, KeyError, IndexError, TypeError):
-            continue  # apply_overrides names a path that does not exist.
-        if isinstance(current, (int, float)) and not isinstance(current, bool):
-            raise ConfigError(
-                f"--config_override={override}: {path} holds a number ({current!r}); "
-                f"{text!r} is not one"
-            )
 
 
 # ----- the recipe -----
@@ -341,7 +309,6 @@ def build_trainer_config(
         cfg, layouts = use_data_dir(cfg, data_dir)
     old_max_step = cfg.max_step
     old_vocab_size = model_vocab_size(cfg)
-    check_override_values(cfg, config_overrides)
     cfg = apply_overrides(cfg, config_overrides)
     pinned = [override.split("=", 1)[0].strip() for override in config_overrides]
     follow_max_step(cfg, old_max_step, pinned=pinned)
