@@ -80,6 +80,21 @@ class InvocationContext:
     output_collection: OutputCollection
 
 
+def stacked_layer_context(
+    context: InvocationContext, layer_state: Any, prng_key: Optional[Tensor]
+) -> InvocationContext:
+    """The context in which a stack (Repeat, Pipeline) runs one copy of its `layer` child:
+    the stack's own module and mode, that copy's slice of the state as 'layer', `prng_key`
+    and a fresh output collection."""
+    return InvocationContext(
+        module=context.module,
+        state={"layer": layer_state},
+        prng_key=prng_key,
+        is_training=context.is_training,
+        output_collection=new_output_collection(),
+    )
+
+
 _CONTEXT_STACK = threading.local()
 
 

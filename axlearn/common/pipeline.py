@@ -38,12 +38,11 @@ from jax.sharding import PartitionSpec
 from axlearn.common.base_layer import BaseLayer, is_parameter_spec, stacked_parameter_spec
 from axlearn.common.config import REQUIRED, ConfigError, Configurable, Required, config_class
 from axlearn.common.module import (
-    InvocationContext,
     Module,
     OutputCollection,
     Tensor,
-    new_output_collection,
     set_current_context,
+    stacked_layer_context,
 )
 from axlearn.common.sharding import current_mesh_axes
 
@@ -351,13 +350,7 @@ class Pipeline(BaseLayer):
             keys = jnp.reshape(keys, (iterations, n, *keys.shape[1:]))
 
         def stage_fn(stage_state, stage_carry, key):
-            inner = InvocationContext(
-                module=self,
-                state={"layer": stage_state},
-                prng_key=key,
-                is_training=context.is_training,
-                output_collection=new_output_collection(),
-            )
+            inner = stacked_layer_context(context, stage_state, key)
             with set_current_context(inner):
                 out = fn(stage_carry)
             return out, inner.output_collection
@@ -402,13 +395,7 @@ class Pipeline(BaseLayer):
 
         def body(carry, scanned):
             stage_state, x = scanned
-            inner = InvocationContext(
-                module=self,
-                state={"layer": stage_state},
-                prng_key=None,
-                is_training=context.is_training,
-                output_collection=new_output_collection(),
-            )
+            inner = stacked_layer_context(context, stage_state, None)
             with set_current_context(inner):
                 return fn(carry, x)
 

@@ -29,11 +29,10 @@ from axlearn.common.config import (
     maybe_instantiate,
 )
 from axlearn.common.module import (
-    InvocationContext,
     Module,
     OutputCollection,
-    new_output_collection,
     set_current_context,
+    stacked_layer_context,
 )
 from axlearn.common.utils import flatten_with_paths
 
@@ -130,13 +129,7 @@ class Repeat(BaseLayer):
 
         def body(carry, scanned):
             layer_state_i, prng_key_i, x_i = scanned
-            inner = InvocationContext(
-                module=self,
-                state={"layer": layer_state_i},
-                prng_key=prng_key_i,
-                is_training=context.is_training,
-                output_collection=new_output_collection(),
-            )
+            inner = stacked_layer_context(context, layer_state_i, prng_key_i)
             with set_current_context(inner):
                 carry, y = fn(carry, x_i)
             return carry, (y, _filter_collection(inner.output_collection, self._drop))
