@@ -17,23 +17,16 @@ import pytest
 
 from axlearn.common.checkpointer import INDEX_FILE, Checkpointer, step_dir_name
 from axlearn.common.launch_trainer_main import STORAGE_EXIT_CODE
+from tests import test_launch
 from tests.fresh_python import REPO, fresh_env
 from tests.trainer_script import read_metrics, tiny_trainer_config
 
 MAIN = "axlearn.common.launch_trainer_main"
 
-# gpt_test on fake batches, small enough to train a step in well under a second on a CPU,
-# saving and writing summaries every step, warmed up in one step.
+# test_launch's tiny gpt_test run on fake batches, also saving every step (keeping one)
+# and warmed up in one step.
 TINY_RUN = (
-    "--config=gpt_test",
-    "--data_dir=FAKE",
-    "--jax_backend=cpu",
-    "--config_override=input.global_batch_size=4",
-    "--config_override=input.max_sequence_length=64",
-    "--config_override=evalers['validation'].input.global_batch_size=4",
-    "--config_override=evalers['validation'].input.max_sequence_length=64",
-    "--config_override=summary_writer.write_every_n_steps=1",
-    "--config_override=log_every_n_steps=1",
+    *test_launch.TINY_RUN,
     "--config_override=checkpointer.save_policy.n=1",
     "--config_override=checkpointer.keep_last_n=1",
     "--config_override=learner.optimizer.inner.update_schedule.warmup_steps=1",
