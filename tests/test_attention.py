@@ -375,6 +375,35 @@ def test_cudnn_call_masks_segments_and_matches_numpy(monkeypatch):
     np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-4)
 
 
+def test_decoding_one_token_on_cudnn_attends_to_the_cached_prefix(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.nn, "dot_product_attention", _cudnn_on_xla(calls))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    cfg = _layer_config()
+    cfg.self_attention.attention.attention_implementation = "cudnn"
+    layer, params = _build(cfg.set(input_dim=16))
+    params = _randomize(params, scale=0.3)
+    x = RNG.normal(size=(2, 5, 16))
+    positions = np.arange(5)[None].repeat(2, 0)
+    expected = np_transformer_layer(x, params, positions=positions, mask=np_causal_mask(2, 5))
+    cache = _call(layer, params, method="init_states", batch_size=2, max_len=8)
+    cache, _ = _call(
+        layer, params, method="extend_step", cached_states=cache,
+        data=jnp.asarray(x[:, :4], jnp.float32), time_step=jnp.zeros(2, jnp.int32),
+    )
+    assert not calls  # A prefill of several tokens: the XLA path.
+    # Row 0 decodes its 5th token; row 1 its 3rd, over a slot the prefill filled (masked).
+    step = jnp.asarray(np.stack([x[0, 4:5], x[1, 2:3]]), jnp.float32)
+    _, out = _call(
+        layer, params, method="extend_step", cached_states=cache, data=step,
+        time_step=jnp.array([4, 2], jnp.int32),
+    )
+    assert [c["implementation"] for c in calls] == ["cudnn"]
+    assert calls[0]["key_value_seq_lengths"].shape == (2,)
+    np.testing.assert_allclose(out[0], expected[0, 4:5], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(out[1], expected[1, 2:3], rtol=2e-4, atol=2e-4)
+
+
 @pytest.mark.slow
 def test_auto_implementation_picks_cudnn_on_gpu_for_bf16_only(monkeypatch):
     calls = []
@@ -388,13 +417,18 @@ def test_auto_implementation_picks_cudnn_on_gpu_for_bf16_only(monkeypatch):
     bf16 = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), params)
     _call(layer, bf16, data=x.astype(jnp.bfloat16))
     assert [c["dtype"] for c in calls] == [jnp.bfloat16]
-    # Decoding never takes the cuDNN path.
+    # Decoding takes it one token at a time, not for a prefill of two.
     cache = _call(layer, bf16, method="init_states", batch_size=2, max_len=8)
-    _call(
+    cache, _ = _call(
         layer, bf16, method="extend_step", cached_states=cache, data=x[:, :2].astype(jnp.bfloat16),
         time_step=jnp.zeros(2, jnp.int32),
     )
     assert len(calls) == 1
+    _call(
+        layer, bf16, method="extend_step", cached_states=cache,
+        data=x[:, 2:3].astype(jnp.bfloat16), time_step=jnp.full(2, 2, jnp.int32),
+    )
+    assert len(calls) == 2
 
 
 def test_atten_logit_cap_matches_numpy():

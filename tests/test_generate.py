@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from axlearn.bench import KernelEvent
 from axlearn.common import generate, hf_llama
 from axlearn.common.decoder import prompt_lengths_of
 from tests.fresh_python import REPO, fresh_env
+from tools import generate_bench
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -265,7 +267,7 @@ def test_the_benchmark_prints_a_row_per_shape_devices_and_batch_size():
     result = subprocess.run(
         [sys.executable, "tools/generate_bench.py", "--shapes=32x2x4x2x64x128",
          "--devices=1,2,8", "--batch_sizes=1,2", "--prompt_len=32", "--new_tokens=5",
-         "--chunk_size=2", "--repeats=1"],
+         "--chunk_size=2", "--repeats=1", "--profile_top=2"],
         cwd=REPO, env=fresh_env(2), capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -278,6 +280,23 @@ def test_the_benchmark_prints_a_row_per_shape_devices_and_batch_size():
     assert all(float(c[5].replace(",", "")) > 0 and float(c[6].replace(",", "")) > 0
                for c in cells[:4])
     assert all("too few devices" in c[5] for c in cells[4:])
+    # Each measured row was traced too (a CPU trace holds no GPU kernels).
+    assert result.stdout.count("kernels and 0.0 us of GPU time per generated token") == 4
+
+
+def test_the_benchmark_s_kernel_profile_counts_per_generated_token(monkeypatch):
+    class TwoRowsOfFiveTokens:
+        def generate(self, prompts, **kwargs):
+            return [], generate.GenerationStats(new_tokens=5 * len(prompts))
+
+    # A trace of 10 'gemm' kernels of 1 ms and 20 'norm' kernels of 0.2 ms.
+    events = [KernelEvent(i, "gemm", 1.0, "") for i in range(10)]
+    events += [KernelEvent(100 + i, "norm", 0.2, "") for i in range(20)]
+    monkeypatch.setattr(generate_bench, "gpu_kernel_events", lambda _: events)
+    summary, lines = generate_bench.kernel_profile(TwoRowsOfFiveTokens(), [[1], [2]], top=1)
+    # Two rows of five tokens: five decoding steps.
+    assert summary == pytest.approx(dict(kernels_per_token=6.0, gpu_us_per_token=2800.0))
+    assert len(lines) == 1 and lines[0].split() == ["2000.00", "us/token", "2.00/token", "gemm"]
 
 
 def test_the_split_qkv_layout_for_several_devices_decodes_as_transformers():

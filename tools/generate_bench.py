@@ -20,8 +20,13 @@ their medians of
 - first token: the prefill of `--prompt_len` tokens up to the first generated token;
 - decode: tokens after each row's first, per second, after the prefill;
 - overall: all generated tokens over the whole call (what the command prints).
+
+`--profile_top=N` also traces one more call per row and prints the GPU kernels launched
+per generated token, their summed time per token, and the N kernels that take the most
+(a kernel that XLA shares between identical layers counts once per layer).
 """
 
+import collections
 import functools
 import gc
 import json
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+from axlearn.bench import gpu_kernel_events
 from axlearn.common import generate, hf_llama
 from axlearn.common.command_flags import parse_command_flags
 from axlearn.common.config import ConfigBase, ConfigError
@@ -63,6 +69,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer("repeats", 3, "Timed generate calls per row of the table.", **fv)
     flags.DEFINE_bool("via_hf_dir", False, "Load through a Hugging Face directory export.", **fv)
     flags.DEFINE_string("json_out", None, "Also write the rows as JSON lines here.", **fv)
+    flags.DEFINE_integer("profile_top", 0, "Trace a call per row; print its top N kernels.", **fv)
 
 
 def _sizes(shape: str) -> tuple[int, ...]:
@@ -158,10 +165,11 @@ def _fits(cfg: ConfigBase, num_devices: int) -> bool:
 
 def measure(
     generator: generate.Generator, *, batch_size: int, prompt_len: int, new_tokens: int,
-    chunk_size: int, repeats: int,
+    chunk_size: int, repeats: int, profile_top: int = 0,
 ) -> dict[str, float]:
     """Medians over `repeats` generate calls (after one warm-up call) of the first-token
-    seconds, the decode and overall tokens/s; and the compile seconds."""
+    seconds, the decode and overall tokens/s; and the compile seconds. With `profile_top`,
+    also `kernel_profile`'s figures (and its lines printed)."""
     vocab = generator.model_config.decoder.vocab_size
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, vocab, size=(batch_size, prompt_len)).tolist()
@@ -171,12 +179,45 @@ def measure(
     for stats in runs:
         if stats.new_tokens != batch_size * new_tokens:
             raise RuntimeError(f"Expected {batch_size * new_tokens} tokens, got {stats.new_tokens}")
-    return dict(
+    row = dict(
         first_token_ms=1000 * statistics.median(s.first_token_seconds for s in runs),
         decode_tokens_per_s=statistics.median(s.decode_tokens_per_second for s in runs),
         overall_tokens_per_s=statistics.median(s.tokens_per_second for s in runs),
         compile_s=warm.compile_seconds,
     )
+    if profile_top:
+        summary, lines = kernel_profile(generator, prompts, profile_top, **kwargs)
+        print(f"batch {batch_size}: {summary['kernels_per_token']:.1f} kernels and "
+              f"{summary['gpu_us_per_token']:.1f} us of GPU time per generated token", flush=True)
+        print("\n".join(lines), flush=True)
+        row.update(summary)
+    return row
+
+
+def kernel_profile(
+    generator: generate.Generator, prompts: list[list[int]], top: int, **kwargs
+) -> tuple[dict[str, float], list[str]]:
+    """GPU kernels per generated token and their time per token (µs) in a traced generate
+    call, and lines for the `top` kernels by time (empty where the trace has no GPU)."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            _, stats = generator.generate(prompts, **kwargs)
+        events = gpu_kernel_events(trace_dir)
+    steps = stats.new_tokens / len(prompts)  # Decoding steps (each row one token a step).
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for event in events:
+        totals[event.name][0] += event.ms
+        totals[event.name][1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    lines = [
+        f"  {1000 * ms / steps:8.2f} us/token {count / steps:6.2f}/token  {name[:100]}"
+        for name, (ms, count) in ranked
+    ]
+    summary = dict(
+        kernels_per_token=len(events) / steps,
+        gpu_us_per_token=1000 * sum(e.ms for e in events) / steps,
+    )
+    return summary, lines
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -220,6 +261,7 @@ def run(fv: flags.FlagValues) -> list[dict[str, Any]]:
                 row.update(measure(
                     generator, batch_size=batch, prompt_len=fv.prompt_len,
                     new_tokens=fv.new_tokens, chunk_size=fv.chunk_size, repeats=fv.repeats,
+                    profile_top=fv.profile_top,
                 ))
                 print(json.dumps(row), flush=True)
                 rows.append(row)

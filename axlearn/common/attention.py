@@ -729,7 +729,7 @@ class MultiheadAttention(BaseLayer):
         # 'xla', 'cudnn' (jax.nn.dot_product_attention's flash kernel, GPU, bf16/fp16),
         # or None: cuDNN where it applies, XLA elsewhere. On cuDNN, segment ids become
         # a [B,1,T,S] mask (the public API has no packed-segment mode); decoding
-        # (extend_step) always uses the XLA path.
+        # (extend_step) uses it one token at a time, the XLA path for longer steps.
         attention_implementation: Optional[str] = None
         # The key/value cache for decoding (child `kv_cache`); None: a default KVCache.
         kv_cache: Optional[BaseLayer.Config] = None
@@ -817,21 +817,23 @@ class MultiheadAttention(BaseLayer):
 
     # --- the attention itself ---
 
-    def _use_cudnn(self, q: Tensor, k: Tensor) -> bool:
+    def _use_cudnn(self, q: Tensor, k: Tensor, *, decoding: bool = False) -> bool:
+        """Whether q [B,T,N,H] attends to k [B,S,K,H] through cuDNN's flash kernel: as
+        configured, or (None) where the kernel takes the shapes and dtypes, on GPU only.
+        `decoding`: one query a row against a cache (any S)."""
         cfg = self._config
         if cfg.attention_implementation == "xla":
             return False
         if cfg.attention_implementation == "cudnn":
             return True
-        # Auto: the shapes and dtypes cuDNN's flash kernel takes, on GPU only.
+        same_length = q.shape[1] == k.shape[1] and q.shape[1] % 2 == 0
         return (
             jax.default_backend() == "gpu"
             and q.dtype in (jnp.bfloat16, jnp.float16)
             and k.dtype == q.dtype
             and q.shape[-1] % 8 == 0
             and q.shape[-1] <= 128
-            and q.shape[1] == k.shape[1]
-            and q.shape[1] % 2 == 0
+            and (decoding or same_length)
             and cfg.atten_logit_cap is None
             and not (self.is_training and cfg.dropout.rate)
         )
@@ -844,17 +846,38 @@ class MultiheadAttention(BaseLayer):
         *,
         q_index: Optional[Tensor] = None,
         kv_valid: Optional[Tensor] = None,
+        kv_lengths: Optional[Tensor] = None,
         segment_ids: Optional[Tensor] = None,
         logit_biases: Optional[Tensor] = None,
     ) -> Tensor:
         """softmax(q k^T) v: q [B,T,N,H], k/v [B,S,K,H] -> [B,T,N,H].
 
         q_index [B,T]: the index of each query among the keys (default: arange(T), i.e.
-        queries and keys are the same sequence); kv_valid [B,S]: which keys exist;
+        queries and keys are the same sequence); kv_valid [B,S]: which keys exist, and
+        kv_lengths [B], where given, the same as a count (they are the first ones);
         logit_biases [B,1|N,T,S]: added to the logits (an attention-mask layer's output).
         """
         cfg = self._config
         k, v = k.astype(q.dtype), v.astype(q.dtype)
+        # Decoding one token on a GPU (only there, even where cuDNN is configured: a model
+        # trained on GPUs may decode on a CPU): the keys it may see are the first
+        # q_index + 1 (causal), all written (kv_lengths), so a length is the whole mask.
+        # One cuDNN kernel instead of the einsum path's five (two matmuls, three softmax
+        # passes): docs/performance.md's generation figures.
+        if (
+            q.shape[1] == 1
+            and jax.default_backend() == "gpu"
+            and q_index is not None
+            and kv_lengths is not None
+            and cfg.causal
+            and segment_ids is None
+            and logit_biases is None
+            and self._use_cudnn(q, k, decoding=True)
+        ):
+            lengths = jnp.minimum(q_index[:, 0] + 1, kv_lengths).astype(jnp.int32)
+            return jax.nn.dot_product_attention(
+                q, k, v, scale=1.0, key_value_seq_lengths=lengths, implementation="cudnn"
+            )
         if q_index is None and kv_valid is None and self._use_cudnn(q, k):
             mask = None
             if segment_ids is not None:
@@ -965,7 +988,7 @@ class MultiheadAttention(BaseLayer):
         )
         context = self._attend(
             q, cached.k_proj, cached.v_proj, q_index=q_index, kv_valid=cached.kv_valid,
-            logit_biases=attention_logit_biases,
+            kv_lengths=cached.kv_lengths, logit_biases=attention_logit_biases,
         )
         return new_states, self._output(context)
 
@@ -1757,7 +1780,7 @@ class SigmoidAttention(MultiheadAttention):
     def _check_kv_heads(self, num_kv_heads: int) -> None:
         GroupedQueryAttention._check_kv_heads(self, num_kv_heads)
 
-    def _use_cudnn(self, q: Tensor, k: Tensor) -> bool:
+    def _use_cudnn(self, q: Tensor, k: Tensor, *, decoding: bool = False) -> bool:
         return False
 
     def _probs(self, logits: Tensor) -> Tensor:

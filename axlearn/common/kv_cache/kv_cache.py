@@ -23,6 +23,7 @@ class KVCacheOutput(NamedTuple):
     k_proj: Tensor  # [B, S, K, H]: every cached key, the new ones included.
     v_proj: Tensor  # [B, S, K, H].
     kv_valid: Tensor  # [B, S] bool: positions written so far.
+    kv_lengths: Tensor  # [B] int32: how many they are (the written positions come first).
 
 
 class KVCache(BaseLayer):
@@ -78,7 +79,7 @@ class KVCache(BaseLayer):
         value = write(cached_states["value"], v_proj)
         filled = time_step + k_proj.shape[1]
         kv_valid = jnp.arange(key.shape[1])[None, :] < filled[:, None]
-        return dict(key=key, value=value), KVCacheOutput(key, value, kv_valid)
+        return dict(key=key, value=value), KVCacheOutput(key, value, kv_valid, filled)
 
     def forward(
         self,
