@@ -193,6 +193,7 @@ def test_transformer_layer_matches_numpy():
     np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.slow
 def test_explicit_positions_drive_rope():
     layer, params = _build(_layer_config().set(input_dim=16))
     params = _randomize(params)
@@ -1158,7 +1159,7 @@ def test_axlearn_alibi_and_sigmoid_golden_lines_parse_and_instantiate():
     sigmoid.set(name="attention").instantiate(parent=None)
 
 
-@pytest.mark.parametrize("implementation", ["cudnn", "xla"])
+@pytest.mark.parametrize("implementation", [pytest.param("cudnn", marks=pytest.mark.slow), "xla"])
 def test_grouped_softmax_attention_with_alibi_biases_matches_numpy(monkeypatch, implementation):
     calls = []
     monkeypatch.setattr(jax.nn, "dot_product_attention", _cudnn_on_xla(calls))

@@ -723,7 +723,9 @@ def test_fsdp8_checkpoint_through_numpy_copies_writes_the_same_files(fsdp8_check
     "mode,devices,shard_shapes",
     [
         ("restore_1", 1, {"w": (16, 12), "emb": (8, 24), "counts": (32,)}),
-        ("restore_2x4", 8, {"w": (8, 3), "emb": (2, 12), "counts": (4,)}),
+        pytest.param(
+            "restore_2x4", 8, {"w": (8, 3), "emb": (2, 12), "counts": (4,)}, marks=pytest.mark.slow
+        ),
     ],
 )
 def test_fsdp8_checkpoint_restores_onto_other_meshes(

@@ -193,6 +193,7 @@ def test_greedy_decode_equals_recomputation_for_prompts_of_different_lengths():
     assert list(np.asarray(out["lengths"])) == [max_len] * 3
 
 
+@pytest.mark.slow
 def test_greedy_decode_stops_at_eos_and_pads_after_it():
     cfg = _decoder_config(eos_token_id=VOCAB + 1)
     decoder, params = _build(cfg)
@@ -220,6 +221,7 @@ def test_sampling_with_top_k_1_equals_greedy():
         np.testing.assert_array_equal(sampled["sequences"][:, d], greedy["sequences"])
 
 
+@pytest.mark.slow
 def test_sample_decodes_differ_across_decodes_at_high_temperature():
     decoder, params = _build(_decoder_config(eos_token_id=VOCAB + 1))
     prompt = _ids(1, 2, seed=8)

@@ -68,7 +68,7 @@ def test_converted_hf_weights_give_hf_logits(tied, head_dim):
     _assert_close(_our_logits(cfg, params, ids), _hf_logits(hf, ids))
 
 
-@pytest.mark.parametrize("repeated", [True, False])
+@pytest.mark.parametrize("repeated", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_our_weights_converted_to_hf_give_our_logits(repeated):
     cfg = hf_llama.llama_model_config(
         vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, num_kv_heads=1, hidden_dim=40,

@@ -657,6 +657,7 @@ def _restart(trainer_dir, *flags_):
     )
 
 
+@pytest.mark.slow
 def test_restart_with_a_changed_recipe_stops_listing_the_keys(restarted_dir):
     recorded = (restarted_dir / "config.txt").read_text()
     result = _restart(restarted_dir, "--config_override=learner.optimizer.max_norm=2.0")
@@ -668,6 +669,7 @@ def test_restart_with_a_changed_recipe_stops_listing_the_keys(restarted_dir):
     assert (restarted_dir / "config.txt").read_text() == recorded
 
 
+@pytest.mark.slow
 def test_restart_with_allow_config_change_resumes_and_records_the_new_config(restarted_dir):
     result = _restart(
         restarted_dir, "--config_override=learner.optimizer.max_norm=2.0", "--allow_config_change"

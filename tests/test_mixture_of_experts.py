@@ -472,7 +472,10 @@ def _fake_tokamax(monkeypatch, calls):
     monkeypatch.setitem(sys.modules, "tokamax", module)
 
 
-@pytest.mark.parametrize("backend", list(GMMBackend))
+@pytest.mark.parametrize(
+    "backend",  # Pallas runs interpreted on the CPU: seconds, so in the whole suite only.
+    [pytest.param(b, marks=pytest.mark.slow) if b is GMMBackend.PALLAS else b for b in GMMBackend],
+)
 def test_every_gmm_backend_equals_the_numpy_loop_over_experts(monkeypatch, backend):
     calls = []
     _fake_tokamax(monkeypatch, calls)

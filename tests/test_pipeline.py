@@ -156,6 +156,7 @@ def test_stage_summaries_are_averaged_over_the_microbatches():
     np.testing.assert_allclose(collection.summaries["layer"]["input_mean"], expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_no_gradient_flows_through_the_bubbles():
     num_stages, num_microbatches = 3, 2
     layer = _pipeline(_Norm.default_config(), num_stages, num_microbatches)
@@ -220,6 +221,7 @@ def test_pipelined_transformer_needs_the_stages_to_divide_the_layers():
         cfg.instantiate(parent=None)
 
 
+@pytest.mark.slow
 def test_pipelined_transformer_decodes_as_the_repeated_stack():
     layer = _transformer_layer()
     layer.self_attention.attention.causal = True

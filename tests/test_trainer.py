@@ -193,7 +193,9 @@ def test_without_the_saved_input_position_a_resumed_run_replays_old_batches(
 # ----- non-finite losses -----
 
 
-@pytest.mark.parametrize("bad_step", [4, 5], ids=["at_a_save_step", "between_saves"])
+@pytest.mark.parametrize(
+    "bad_step", [pytest.param(4, marks=pytest.mark.slow), 5], ids=["at_a_save_step", "between_saves"]
+)
 def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, bad_step):
     input_cfg = PoisonedFakeLmInput.default_config().set(
         is_training=True,
@@ -240,6 +242,7 @@ def test_learning_rate_override_that_overflows_parameters_stops_before_saving(tm
     assert _committed_steps(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_skip_and_clip_skips_a_nonfinite_step_with_a_warning_and_continues(tmp_path, caplog):
     input_cfg = PoisonedFakeLmInput.default_config().set(
         is_training=True,
