@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from axlearn import bench
 from axlearn.bench import KernelEvent
 from axlearn.common import generate, hf_llama
 from axlearn.common.decoder import prompt_lengths_of
@@ -292,7 +293,7 @@ def test_the_benchmark_s_kernel_profile_counts_per_generated_token(monkeypatch):
     # A trace of 10 'gemm' kernels of 1 ms and 20 'norm' kernels of 0.2 ms.
     events = [KernelEvent(i, "gemm", 1.0, "") for i in range(10)]
     events += [KernelEvent(100 + i, "norm", 0.2, "") for i in range(20)]
-    monkeypatch.setattr(generate_bench, "gpu_kernel_events", lambda _: events)
+    monkeypatch.setattr(bench, "gpu_kernel_events", lambda _: events)
     summary, lines = generate_bench.kernel_profile(TwoRowsOfFiveTokens(), [[1], [2]], top=1)
     # Two rows of five tokens: five decoding steps.
     assert summary == pytest.approx(dict(kernels_per_token=6.0, gpu_us_per_token=2800.0))

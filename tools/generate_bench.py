@@ -26,7 +26,6 @@ per generated token, their summed time per token, and the N kernels that take th
 (a kernel that XLA shares between identical layers counts once per layer).
 """
 
-import collections
 import functools
 import gc
 import json
@@ -42,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from axlearn.bench import gpu_kernel_events
+from axlearn.bench import gpu_kernel_times
 from axlearn.common import generate, hf_llama
 from axlearn.common.command_flags import parse_command_flags
 from axlearn.common.config import ConfigBase, ConfigError
@@ -202,20 +201,16 @@ def kernel_profile(
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             _, stats = generator.generate(prompts, **kwargs)
-        events = gpu_kernel_events(trace_dir)
+        totals = gpu_kernel_times(trace_dir)
     steps = stats.new_tokens / len(prompts)  # Decoding steps (each row one token a step).
-    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    for event in events:
-        totals[event.name][0] += event.ms
-        totals[event.name][1] += 1
     ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
     lines = [
         f"  {1000 * ms / steps:8.2f} us/token {count / steps:6.2f}/token  {name[:100]}"
         for name, (ms, count) in ranked
     ]
     summary = dict(
-        kernels_per_token=len(events) / steps,
-        gpu_us_per_token=1000 * sum(e.ms for e in events) / steps,
+        kernels_per_token=sum(count for _, count in totals.values()) / steps,
+        gpu_us_per_token=1000 * sum(ms for ms, _ in totals.values()) / steps,
     )
     return summary, lines
 

@@ -820,9 +820,12 @@ class MultiheadAttention(BaseLayer):
     def _use_cudnn(self, q: Tensor, k: Tensor, *, decoding: bool = False) -> bool:
         """Whether q [B,T,N,H] attends to k [B,S,K,H] through cuDNN's flash kernel: as
         configured, or (None) where the kernel takes the shapes and dtypes, on GPU only.
-        `decoding`: one query a row against a cache (any S)."""
+        `decoding`: one query a row against a cache (any S), on GPU only even where cuDNN
+        is configured (a model trained on GPUs may decode on a CPU)."""
         cfg = self._config
         if cfg.attention_implementation == "xla":
+            return False
+        if decoding and jax.default_backend() != "gpu":
             return False
         if cfg.attention_implementation == "cudnn":
             return True
@@ -859,14 +862,12 @@ class MultiheadAttention(BaseLayer):
         """
         cfg = self._config
         k, v = k.astype(q.dtype), v.astype(q.dtype)
-        # Decoding one token on a GPU (only there, even where cuDNN is configured: a model
-        # trained on GPUs may decode on a CPU): the keys it may see are the first
-        # q_index + 1 (causal), all written (kv_lengths), so a length is the whole mask.
-        # One cuDNN kernel instead of the einsum path's five (two matmuls, three softmax
-        # passes): docs/performance.md's generation figures.
+        # Decoding one token: the keys it may see are the first q_index + 1 (causal), all
+        # written (kv_lengths), so a length is the whole mask. One cuDNN kernel instead of
+        # the einsum path's five (two matmuls, three softmax passes): docs/performance.md's
+        # generation figures.
         if (
             q.shape[1] == 1
-            and jax.default_backend() == "gpu"
             and q_index is not None
             and kv_lengths is not None
             and cfg.causal
