@@ -10,8 +10,6 @@ import fnmatch
 import pathlib
 import re
 
-import pytest
-
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "architecture.md"
 PACKAGES = ("axlearn", "experiments")
@@ -100,13 +98,3 @@ def test_no_module_imports_from_a_floor_above_its_own():
             if target_floor is not None and target_floor > floor:
                 upward.append(f"{path}:{line} (floor {floor}) imports {name} (floor {target_floor})")
     assert not upward, "imports that climb:\n" + "\n".join(upward)
-
-
-@pytest.mark.parametrize("name", ["axlearn.common.config", "axlearn.common.golden_text"])
-def test_the_pure_python_modules_import_no_jax(name):
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import sys  # pylint: disable=import-outside-toplevel
-
-    code = f"import sys, {name}; print('jax' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"

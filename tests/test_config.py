@@ -290,7 +290,7 @@ def _private_helper():
 
 
 def test_importing_config_does_not_import_jax():
-    code = "import sys, axlearn.common.config; print('jax' in sys.modules)"
+    code = "import sys, axlearn.common.config, axlearn.common.golden_text; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
