@@ -1246,7 +1246,9 @@ def adafactor_optimizer(
     eps_scale: float = 1e-3,
     factored: bool = True,
     min_dim_size_to_factor: int = 128,
-    weight_decay: float = 0.0,
+    dtype_momentum: Any = jnp.float32,
+    weight_decay: Optional[float] = None,
+    weight_decay_scale_by_learning_rate_exponent: Optional[float] = None,
     weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]] = None,
     apply_scale_by_trust_ratio: bool = False,
 ) -> PartitionedGradientTransformation:
@@ -1259,11 +1261,16 @@ def adafactor_optimizer(
             v = R C / mean_row(R)
         otherwise: v = b2_t * v + (1 - b2_t) * (g**2 + eps)
         u = g / sqrt(v);  u = u / max(1, rms(u) / clipping_threshold)
-        if b1: m = b1 * m + (1 - b1) * u;  u = m
+        if b1: m = b1 * m + (1 - b1) * u;  u = m   (m kept in dtype_momentum)
         a_t = lr_t * max(eps_scale, rms(p)) if multiply_by_parameter_scale else lr_t
-        p -= a_t * u + lr_t * weight_decay * scale * p
+        p -= a_t * u + lr_t ** e * weight_decay * scale * p
         (apply_scale_by_trust_ratio, LAMB: that step is first rescaled to the norm of p,
         x ||p|| / (||step|| + eps), unless either norm is 0)
+
+    As AXLearn's: e is `weight_decay_scale_by_learning_rate_exponent` (1: decay scaled by
+    the learning rate, as Lingvo and Praxis do; 0: not scaled), which a `weight_decay`
+    (None: no decay) requires; `dtype_momentum` (float32 or bfloat16; None: the
+    parameter's) stores m.
 
     Which axes are 'row' and 'col' comes from the spec's `factorization`; without one, the
     last two axes of a parameter whose last two dims are both >= min_dim_size_to_factor
@@ -1273,6 +1280,25 @@ def adafactor_optimizer(
     Ours, not optax.adafactor: optax factors a parameter's two largest axes and takes b2
     only as the exponent of its power-law decay.
     """
+    if weight_decay is not None and weight_decay_scale_by_learning_rate_exponent is None:
+        raise ConfigError(
+            "adafactor_optimizer.weight_decay_scale_by_learning_rate_exponent must be set when "
+            f"weight_decay is (weight_decay={weight_decay!r}; 1: decay scaled by the learning "
+            "rate, 0: not scaled)"
+        )
+    if dtype_momentum is not None:
+        dtype_momentum = jnp.dtype(dtype_momentum)
+        if dtype_momentum not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            raise ConfigError(
+                f"adafactor_optimizer.dtype_momentum={dtype_momentum.name}: float32, bfloat16 "
+                "or None (the parameter's); AXLearn's quantized int8/int16 momentum is not "
+                "supported"
+            )
+    exponent = weight_decay_scale_by_learning_rate_exponent
+
+    def momentum_dtype(shape, param_dtype):  # Scalars keep their own dtype, as AXLearn's.
+        return dtype_momentum if dtype_momentum is not None and len(shape) else param_dtype
+
     lr = as_schedule_fn(learning_rate)
     decay = as_schedule_fn(b2) if b2 is not None else adafactor_decay_rate()
     axes_of = functools.partial(
@@ -1287,7 +1313,11 @@ def adafactor_optimizer(
             lambda info, axis: jnp.zeros(info.shape[:axis] + info.shape[axis + 1 :], info.dtype),
         )
         values = param_values(params)
-        momentum = jax.tree.map(jnp.zeros_like, values) if b1 is not None else _nothing_like(values)
+        momentum = (
+            jax.tree.map(lambda x: jnp.zeros(x.shape, momentum_dtype(x.shape, x.dtype)), values)
+            if b1 is not None
+            else _nothing_like(values)
+        )
         return AdafactorState(_count_init(), v_row, v_col, v, momentum)
 
     def update(grads, state, params=None):
@@ -1319,10 +1349,10 @@ def adafactor_optimizer(
             treedef.unflatten(directions),
             grads,
             params,
-            weight_decay=weight_decay,
+            weight_decay=weight_decay or 0.0,
             weight_decay_per_param_scale=weight_decay_per_param_scale,
             lr=1.0,
-            wd_multiplier=lr_t,
+            wd_multiplier=lr_t**exponent if weight_decay else 0.0,
             what="adafactor_optimizer",
         )
         if apply_scale_by_trust_ratio:
@@ -1344,7 +1374,15 @@ def adafactor_optimizer(
             lambda info: _state_spec(info),
             lambda info, axis: _state_spec(info, drop_axes=(axis,)),
         )
-        momentum = _like_params(param_specs) if b1 is not None else _nothing_like(param_specs)
+        _, treedef = _flatten_params(param_specs)
+        momentum = (
+            treedef.unflatten(
+                [_state_spec(info, dtype=momentum_dtype(info.shape, info.dtype))
+                 for info in _param_infos(param_specs)]
+            )
+            if b1 is not None
+            else _nothing_like(param_specs)
+        )
         return AdafactorState(_scalar_spec(), v_row, v_col, v, momentum)
 
     return PartitionedGradientTransformation(
@@ -1399,9 +1437,9 @@ def _adafactor_direction(
     u = g / jnp.sqrt(v_hat)
     if clipping_threshold is not None:
         u = u / jnp.maximum(1.0, _rms(u) / clipping_threshold)
-    if b1 is not None:
-        m = (b1 * m + (1 - b1) * u).astype(m.dtype)
-        u = m
+    if b1 is not None:  # The float32 average steps; m stores it in its dtype.
+        u = b1 * m.astype(jnp.float32) + (1 - b1) * u
+        m = u.astype(m.dtype)
     return u, m
 
 
