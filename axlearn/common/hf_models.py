@@ -240,6 +240,12 @@ def features_from_hf(config: Mapping[str, Any]) -> Features:
             num_experts_per_token=int(config.get("num_experts_per_tok", 8)),
             router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
         )
+    # pylint: disable=protected-access
+    llama = dict(config, model_type="llama", attention_bias=False)
+    try:  # The Llama part's fields, named together with the rest.
+        hf_llama._check_hf_fields(llama, hf_llama._hf_rope(llama)[1])
+    except ConfigError as e:
+        problems.append(str(e).split(": ", 1)[1])
     if problems:
         raise ConfigError(f"Hugging Face config fields not supported: {'; '.join(problems)}")
     return features
