@@ -120,7 +120,8 @@ def _hf_greedy(hf_model, prompt, max_new_tokens):
 
 
 @slow_with_hf
-@pytest.mark.parametrize("shape", ["qwen3_moe", "mistral_sliding"])
+@pytest.mark.parametrize("shape", ["qwen2_sliding", "qwen3_bias_mqa", "qwen3_moe",
+                                   "mistral_sliding"])
 def test_export_reloads_in_transformers_and_generates_greedily_as_transformers(shape, tmp_path):
     # Prompts and continuations longer than the sliding windows: decoding masks the cache.
     _, transformers = _transformers()
@@ -141,6 +142,33 @@ def test_export_reloads_in_transformers_and_generates_greedily_as_transformers(s
     generator.set_eos_ids([VOCAB + 1])  # No EOS: all 10 tokens.
     outputs, _ = generator.generate(prompts, max_new_tokens=10, batch_size=2)
     assert outputs == expected
+
+
+@slow_with_hf
+def test_biased_qkv_split_for_several_devices_loads_and_decodes_as_transformers(tmp_path):
+    # On several devices q/k/v are three projections (generate.decoding_config): Qwen2's
+    # fused bias is split with its weight, from the files and from a checkpoint alike.
+    hf_model = _hf_model("qwen2_tied", seed=6)
+    hf_model.save_pretrained(tmp_path)
+    fused = hf_models.model_config_from_hf(hf_model.config, repeated=False)
+    split = generate.decoding_config(fused, num_devices=2)
+    specs = split.clone(name="model").instantiate(parent=None)
+    specs = specs.create_parameter_specs_recursively()
+    mesh = generate.make_mesh(1)
+    loaded = generate._load_hf_for_decoding(  # pylint: disable=protected-access
+        str(tmp_path), fused, split, specs, generate.tensor_parallel_shardings(specs, mesh)
+    )
+    unfused = generate.unfuse_qkv(
+        hf_models.params_from_hf(hf_model.state_dict(), fused), fused, split
+    )
+    attention = unfused["decoder"]["transformer"]["layer0"]["self_attention"]["attention"]
+    assert sorted(attention["i_proj"]["i_proj"]["q_proj"]) == ["bias", "weight"]
+    prompts = [[5, 9, 17], [40, 22, 3, 8]]
+    expected = [_hf_greedy(hf_model, p, 6) for p in prompts]
+    for params in (loaded, unfused):
+        generator = generate.Generator(split, params)
+        generator.set_eos_ids([VOCAB + 1])
+        assert generator.generate(prompts, max_new_tokens=6)[0] == expected
 
 
 @slow_with_hf
