@@ -467,6 +467,8 @@ def hf_config_object(cfg: Model.Config, *, model_type: Optional[str] = None) -> 
 
 # ----- parameters as views of the HF tensors -----
 
+_normalize = hf_checkpoint._normalize  # pylint: disable=protected-access
+
 
 class _Permute(TensorView):
     """`source` with its axes permuted (`axes` as numpy.transpose takes them)."""
@@ -476,7 +478,7 @@ class _Permute(TensorView):
         self.shape = tuple(source.shape[a] for a in self._axes)
 
     def read(self, index=()) -> np.ndarray:
-        index = hf_checkpoint._normalize(index, self.shape)  # pylint: disable=protected-access
+        index = _normalize(index, self.shape)
         source_index = [None] * len(self.shape)
         for out_axis, in_axis in enumerate(self._axes):
             source_index[in_axis] = index[out_axis]
@@ -493,7 +495,7 @@ class _Slice(TensorView):
         self.shape = tuple(shape)
 
     def read(self, index=()) -> np.ndarray:
-        index = list(hf_checkpoint._normalize(index, self.shape))  # pylint: disable=protected-access
+        index = list(_normalize(index, self.shape))
         cut = index[self._axis]
         index[self._axis] = slice(cut.start + self._start, cut.stop + self._start)
         return self._source.read(tuple(index))
