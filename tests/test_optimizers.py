@@ -621,11 +621,11 @@ def adafactor_reference(params, grads_seq, *, lr, b1, clip, eps, eps_scale, weig
                 v = s["v"] = beta * s.get("v", 0.0) + (1 - beta) * g2
             u = g / np.sqrt(v)
             u = u / max(1.0, np.sqrt(np.mean(u**2)) / clip)
-            if b1 is not None:
+            u = lr * max(eps_scale, np.sqrt(np.mean(params[name] ** 2))) * u
+            if b1 is not None:  # Momentum of the scaled steps (AXLearn's and optax's order).
                 u = b1 * np.asarray(s.get("m", 0.0), np.float64) + (1 - b1) * u
                 s["m"] = u.astype(momentum_dtype)
-            alpha = lr * max(eps_scale, np.sqrt(np.mean(params[name] ** 2)))
-            step = alpha * u + lr**wd_exponent * weight_decay * params[name]
+            step = u + lr**wd_exponent * weight_decay * params[name]
             if trust_ratio:
                 step = step * np.linalg.norm(params[name]) / (np.linalg.norm(step) + eps)
             params[name] = params[name] - step
@@ -685,6 +685,28 @@ def test_adafactor_scales_weight_decay_by_a_power_of_the_learning_rate_as_numpy(
         params, grads_seq, lr=lr, b1=0.9, clip=1.0, eps=1e-30, eps_scale=1e-3,
         weight_decay=0.3, factored_names={"w"}, wd_exponent=0.5,
     )
+    for name in shapes:
+        np.testing.assert_allclose(got[name], expected[name], atol=1e-6, rtol=1e-5)
+
+
+def test_adafactor_with_momentum_and_a_schedule_matches_optax_adafactor():
+    # optax orders it as AXLearn does (momentum of the scaled steps) and decays weights
+    # without the learning rate: exponent 0. Its factored axes are ours for a matrix.
+    rng = np.random.default_rng(RNG_SEED)
+    shapes = {"w": (6, 5), "b": (5,)}
+    params = random_tree(rng, shapes)
+    grads_seq = [random_tree(rng, shapes) for _ in range(6)]
+    lr = lambda t: 0.02 * (t + 1.0)  # noqa: E731
+    ours = opt.adafactor_optimizer(
+        lr, b1=0.9, clipping_threshold=1.0, min_dim_size_to_factor=3, weight_decay=0.1,
+        weight_decay_scale_by_learning_rate_exponent=0.0,
+    )
+    reference = optax.adafactor(
+        lr, min_dim_size_to_factor=3, clipping_threshold=1.0, momentum=0.9,
+        weight_decay_rate=0.1, eps=1e-30,
+    )
+    got, _ = run_steps(ours, params, grads_seq)
+    expected, _ = run_steps(reference, params, grads_seq)
     for name in shapes:
         np.testing.assert_allclose(got[name], expected[name], atol=1e-6, rtol=1e-5)
 

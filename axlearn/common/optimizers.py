@@ -1261,13 +1261,16 @@ def adafactor_optimizer(
             v = R C / mean_row(R)
         otherwise: v = b2_t * v + (1 - b2_t) * (g**2 + eps)
         u = g / sqrt(v);  u = u / max(1, rms(u) / clipping_threshold)
-        if b1: m = b1 * m + (1 - b1) * u;  u = m   (m kept in dtype_momentum)
         a_t = lr_t * max(eps_scale, rms(p)) if multiply_by_parameter_scale else lr_t
-        p -= a_t * u + lr_t ** e * weight_decay * scale * p
+        u = a_t * u
+        if b1: m = b1 * m + (1 - b1) * u;  u = m   (m kept in dtype_momentum)
+        p -= u + lr_t ** e * weight_decay * scale * p
         (apply_scale_by_trust_ratio, LAMB: that step is first rescaled to the norm of p,
         x ||p|| / (||step|| + eps), unless either norm is 0)
 
-    As AXLearn's: e is `weight_decay_scale_by_learning_rate_exponent` (1: decay scaled by
+    As AXLearn's (and optax's) order has it, the momentum averages steps (learning rate
+    and parameter scale included), so a schedule weighs each gradient by its own step's
+    rate. e is `weight_decay_scale_by_learning_rate_exponent` (1: decay scaled by
     the learning rate, as Lingvo and Praxis do; 0: not scaled), which a `weight_decay`
     (None: no decay) requires; `dtype_momentum` (float32 or bfloat16; None: the
     parameter's) stores m.
@@ -1337,11 +1340,13 @@ def adafactor_optimizer(
             r, c, v, v_hat = _adafactor_second_moment(
                 axes_of(info), jnp.square(g) + eps, r, c, v, beta
             )
-            u, m = _adafactor_direction(g, v_hat, m, clipping_threshold=clipping_threshold, b1=b1)
             step_size = lr_t
             if multiply_by_parameter_scale:  # A relative step: scaled by the parameter's RMS.
                 step_size = lr_t * jnp.maximum(eps_scale, _rms(p))
-            directions.append(step_size * u)
+            u, m = _adafactor_direction(
+                g, v_hat, m, step_size=step_size, clipping_threshold=clipping_threshold, b1=b1
+            )
+            directions.append(u)
             for states, x in ((new_r, r), (new_c, c), (new_v, v), (new_m, m)):
                 states.append(x)
         # The step size is already in `directions` (it may depend on the parameter).
@@ -1430,13 +1435,21 @@ def _adafactor_second_moment(
 
 
 def _adafactor_direction(
-    g: Tensor, v_hat: Tensor, m: Any, *, clipping_threshold: Optional[float], b1: Optional[float]
+    g: Tensor,
+    v_hat: Tensor,
+    m: Any,
+    *,
+    step_size: Tensor,
+    clipping_threshold: Optional[float],
+    b1: Optional[float],
 ):
-    """(update direction, new momentum state) of one parameter: g / sqrt(v_hat), clipped
-    to RMS `clipping_threshold`, then averaged into the momentum if `b1` is set."""
+    """(step before weight decay, new momentum state) of one parameter: g / sqrt(v_hat),
+    clipped to RMS `clipping_threshold`, times `step_size`, then averaged into the
+    momentum if `b1` is set."""
     u = g / jnp.sqrt(v_hat)
     if clipping_threshold is not None:
         u = u / jnp.maximum(1.0, _rms(u) / clipping_threshold)
+    u = step_size * u
     if b1 is not None:  # The float32 average steps; m stores it in its dtype.
         u = b1 * m.astype(jnp.float32) + (1 - b1) * u
         m = u.astype(m.dtype)
