@@ -619,9 +619,8 @@ def from_hf_dir(
     weight from the safetensors files."""
     # Layers unrolled (not a scan over stacked weights): each decoding step then reads
     # every weight matrix in place, with no per-layer slice of the stack.
-    config = hf_checkpoint.read_config(directory)
     model = hf_models.model_config_from_hf(
-        config,
+        hf_checkpoint.read_config(directory),
         generation_config=hf_checkpoint.read_generation_config(directory),
         repeated=False,
     )
