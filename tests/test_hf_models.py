@@ -261,3 +261,22 @@ def test_the_sliding_window_lets_a_token_see_itself_and_the_window_before_it():
     q, k = np.arange(6)[:, None], np.arange(6)[None, :]
     expected = (k <= q) & (q - k <= 2) & (np.asarray(segments[0])[:, None] == segments[0][None])
     np.testing.assert_array_equal(np.asarray(biases[0, 0]) == 0, expected)
+
+
+def test_a_run_that_did_not_start_from_hf_exports_as_the_family_its_features_name():
+    sizes = dict(vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                 hidden_dim=24)
+    families = {
+        "llama": {},
+        "qwen2": dict(qkv_bias=True),
+        "qwen3": dict(qk_norm=True),
+        "qwen3_moe": dict(qk_norm=True, num_experts=4, num_experts_per_token=2),
+        "mistral": dict(sliding_window=8),
+    }
+    for model_type, features in families.items():
+        cfg = hf_models.family_model_config(model_type, **sizes, **features)
+        found, _ = hf_models.model_dims(cfg)
+        assert found.model_type == model_type
+        assert hf_models.hf_config_dict(cfg)["model_type"] == model_type
+    with pytest.raises(ConfigError, match="qkv_bias=True .a Mistral has False"):
+        hf_models.family_model_config("mistral", **sizes, qkv_bias=True)
