@@ -1261,7 +1261,9 @@ def adafactor_optimizer(
     eps_scale: float = 1e-3,
     factored: bool = True,
     min_dim_size_to_factor: int = 128,
-    weight_decay: float = 0.0,
+    dtype_momentum: Any = jnp.float32,
+    weight_decay: Optional[float] = None,
+    weight_decay_scale_by_learning_rate_exponent: Optional[float] = None,
     weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]] = None,
     apply_scale_by_trust_ratio: bool = False,
 ) -> PartitionedGradientTransformation:
@@ -1274,11 +1276,19 @@ def adafactor_optimizer(
             v = R C / mean_row(R)
         otherwise: v = b2_t * v + (1 - b2_t) * (g**2 + eps)
         u = g / sqrt(v);  u = u / max(1, rms(u) / clipping_threshold)
-        if b1: m = b1 * m + (1 - b1) * u;  u = m
         a_t = lr_t * max(eps_scale, rms(p)) if multiply_by_parameter_scale else lr_t
-        p -= a_t * u + lr_t * weight_decay * scale * p
+        u = a_t * u
+        if b1: m = b1 * m + (1 - b1) * u;  u = m   (m kept in dtype_momentum)
+        p -= u + lr_t ** e * weight_decay * scale * p
         (apply_scale_by_trust_ratio, LAMB: that step is first rescaled to the norm of p,
         x ||p|| / (||step|| + eps), unless either norm is 0)
+
+    As AXLearn's (and optax's) order has it, the momentum averages steps (learning rate
+    and parameter scale included), so a schedule weighs each gradient by its own step's
+    rate. e is `weight_decay_scale_by_learning_rate_exponent` (1: decay scaled by
+    the learning rate, as Lingvo and Praxis do; 0: not scaled), which a `weight_decay`
+    (None: no decay) requires; `dtype_momentum` (float32 or bfloat16; None: the
+    parameter's) stores m.
 
     Which axes are 'row' and 'col' comes from the spec's `factorization`; without one, the
     last two axes of a parameter whose last two dims are both >= min_dim_size_to_factor
@@ -1288,6 +1298,25 @@ def adafactor_optimizer(
     Ours, not optax.adafactor: optax factors a parameter's two largest axes and takes b2
     only as the exponent of its power-law decay.
     """
+    if weight_decay is not None and weight_decay_scale_by_learning_rate_exponent is None:
+        raise ConfigError(
+            "adafactor_optimizer.weight_decay_scale_by_learning_rate_exponent must be set when "
+            f"weight_decay is (weight_decay={weight_decay!r}; 1: decay scaled by the learning "
+            "rate, 0: not scaled)"
+        )
+    if dtype_momentum is not None:
+        dtype_momentum = jnp.dtype(dtype_momentum)
+        if dtype_momentum not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            raise ConfigError(
+                f"adafactor_optimizer.dtype_momentum={dtype_momentum.name}: float32, bfloat16 "
+                "or None (the parameter's); AXLearn's quantized int8/int16 momentum is not "
+                "supported"
+            )
+    exponent = weight_decay_scale_by_learning_rate_exponent
+
+    def momentum_dtype(shape, param_dtype):  # Scalars keep their own dtype, as AXLearn's.
+        return dtype_momentum if dtype_momentum is not None and len(shape) else param_dtype
+
     lr = as_schedule_fn(learning_rate)
     decay = as_schedule_fn(b2) if b2 is not None else adafactor_decay_rate()
     axes_of = functools.partial(
@@ -1302,7 +1331,11 @@ def adafactor_optimizer(
             lambda info, axis: jnp.zeros(info.shape[:axis] + info.shape[axis + 1 :], info.dtype),
         )
         values = param_values(params)
-        momentum = jax.tree.map(jnp.zeros_like, values) if b1 is not None else _nothing_like(values)
+        momentum = (
+            jax.tree.map(lambda x: jnp.zeros(x.shape, momentum_dtype(x.shape, x.dtype)), values)
+            if b1 is not None
+            else _nothing_like(values)
+        )
         return AdafactorState(_count_init(), v_row, v_col, v, momentum)
 
     def update(grads, state, params=None):
@@ -1322,11 +1355,13 @@ def adafactor_optimizer(
             r, c, v, v_hat = _adafactor_second_moment(
                 axes_of(info), jnp.square(g) + eps, r, c, v, beta
             )
-            u, m = _adafactor_direction(g, v_hat, m, clipping_threshold=clipping_threshold, b1=b1)
             step_size = lr_t
             if multiply_by_parameter_scale:  # A relative step: scaled by the parameter's RMS.
                 step_size = lr_t * jnp.maximum(eps_scale, _rms(p))
-            directions.append(step_size * u)
+            u, m = _adafactor_direction(
+                g, v_hat, m, step_size=step_size, clipping_threshold=clipping_threshold, b1=b1
+            )
+            directions.append(u)
             for states, x in ((new_r, r), (new_c, c), (new_v, v), (new_m, m)):
                 states.append(x)
         # The step size is already in `directions` (it may depend on the parameter).
@@ -1334,10 +1369,10 @@ def adafactor_optimizer(
             treedef.unflatten(directions),
             grads,
             params,
-            weight_decay=weight_decay,
+            weight_decay=weight_decay or 0.0,
             weight_decay_per_param_scale=weight_decay_per_param_scale,
             lr=1.0,
-            wd_multiplier=lr_t,
+            wd_multiplier=lr_t**exponent if weight_decay else 0.0,
             what="adafactor_optimizer",
         )
         if apply_scale_by_trust_ratio:
@@ -1359,7 +1394,15 @@ def adafactor_optimizer(
             lambda info: _state_spec(info),
             lambda info, axis: _state_spec(info, drop_axes=(axis,)),
         )
-        momentum = _like_params(param_specs) if b1 is not None else _nothing_like(param_specs)
+        _, treedef = _flatten_params(param_specs)
+        momentum = (
+            treedef.unflatten(
+                [_state_spec(info, dtype=momentum_dtype(info.shape, info.dtype))
+                 for info in _param_infos(param_specs)]
+            )
+            if b1 is not None
+            else _nothing_like(param_specs)
+        )
         return AdafactorState(_scalar_spec(), v_row, v_col, v, momentum)
 
     return PartitionedGradientTransformation(
@@ -1407,16 +1450,24 @@ def _adafactor_second_moment(
 
 
 def _adafactor_direction(
-    g: Tensor, v_hat: Tensor, m: Any, *, clipping_threshold: Optional[float], b1: Optional[float]
+    g: Tensor,
+    v_hat: Tensor,
+    m: Any,
+    *,
+    step_size: Tensor,
+    clipping_threshold: Optional[float],
+    b1: Optional[float],
 ):
-    """(update direction, new momentum state) of one parameter: g / sqrt(v_hat), clipped
-    to RMS `clipping_threshold`, then averaged into the momentum if `b1` is set."""
+    """(step before weight decay, new momentum state) of one parameter: g / sqrt(v_hat),
+    clipped to RMS `clipping_threshold`, times `step_size`, then averaged into the
+    momentum if `b1` is set."""
     u = g / jnp.sqrt(v_hat)
     if clipping_threshold is not None:
         u = u / jnp.maximum(1.0, _rms(u) / clipping_threshold)
-    if b1 is not None:
-        m = (b1 * m + (1 - b1) * u).astype(m.dtype)
-        u = m
+    u = step_size * u
+    if b1 is not None:  # The float32 average steps; m stores it in its dtype.
+        u = b1 * m.astype(jnp.float32) + (1 - b1) * u
+        m = u.astype(m.dtype)
     return u, m
 
 
