@@ -11,6 +11,7 @@ import pytest
 from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.hf_llama import llama_model_config
 from axlearn.common.input_base import InputError
+from axlearn.common.input_mixture import TokenShardMixtureInput
 from axlearn.common.input_packing import FEATURE_KEYS
 from axlearn.common.input_pairs import PAIR_KEYS, PreferencePairInput
 from axlearn.common.input_token_format import TokenShard
@@ -263,3 +264,22 @@ def test_packed_chat_documents_do_not_see_each_other(tmp_path):
     after = run({k: jnp.asarray(v) for k, v in changed.items()})
     np.testing.assert_array_equal(before[0][second], after[0][second])
     assert not np.allclose(before[0][segments == 1], after[0][segments == 1])
+
+
+def test_a_mixture_of_chat_and_plain_shards_weights_plain_rows_one(tmp_path):
+    chat = _build(tmp_path, [{"messages": m} for m in CONVERSATIONS], "--chat")
+    plain = tmp_path / "plain"
+    main(["build", "--vocab=bytes", f"--output={plain}/",
+          _write(tmp_path / "t.jsonl", [{"text": "plain text " * 9}])])
+    cfg = TokenShardMixtureInput.default_config().set(
+        name="mix", is_training=True, global_batch_size=8, max_sequence_length=16,
+        sources=[TokenShardInput.default_config().set(paths=[f"{d}/train-*.tok"])
+                 for d in (chat, plain)],
+        weights=[1, 1],
+    )
+    mixture = cfg.instantiate(parent=None, process_index=0, process_count=1)
+    batch = next(iter(mixture.dataset()))
+    sources = mixture.row_sources(0)
+    assert {0, 1} <= set(sources.tolist())
+    assert batch["target_weights"][sources == 1].all()
+    assert not batch["target_weights"][sources == 0].all()
