@@ -248,3 +248,37 @@ def test_pair_responses_train_and_prompts_do_not(tmp_path, tokenizer_dir):
         assert ids.tolist() == list(full)
         assert prompt_tokens == len(prefix)
         assert mask[: len(prefix)].sum() == 0 and mask[len(prefix) :].all()
+
+
+def test_build_chat_from_a_hugging_face_directory_stores_transformers_ids_and_mask(
+    tmp_path, tokenizer_dir
+):
+    from axlearn.common.input_token_format import TokenShard  # pylint: disable=import-outside-toplevel
+    from axlearn.common.input_tokens import main  # pylint: disable=import-outside-toplevel
+
+    _, _, reference = _setup(tmp_path, tokenizer_dir, GENERATION)
+    conversations = [_conversation(seed, turns=2) for seed in (5, 6)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    main(["build", "--chat", f"--vocab={tmp_path / 'hf'}", f"--output={tmp_path / 'out'}/",
+          str(data)])
+    shard = TokenShard(str(tmp_path / "out" / "train-00000.tok"))
+    tokens, mask = [], []
+    for messages in conversations:
+        out = reference.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        tokens += list(out["input_ids"]) + [reference.eos_token_id]
+        mask += list(out["assistant_masks"]) + [1]
+    np.testing.assert_array_equal(shard.tokens, tokens)
+    np.testing.assert_array_equal(shard.loss_mask, mask)
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()  # Beside the shards.
+
+
+def test_chat_template_jinja_beside_the_tokenizer_comes_before_tokenizer_config(
+    tmp_path, tokenizer_dir
+):
+    template, _, _ = _setup(tmp_path, tokenizer_dir, CHATML)
+    (tmp_path / "hf" / "chat_template.jinja").write_text(INST)
+    assert load_chat_template(str(tmp_path / "hf" / "tokenizer.json")).source == INST
+    assert template.source == CHATML

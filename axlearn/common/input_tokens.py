@@ -1354,10 +1354,10 @@ def _chat_mode(args: flags.FlagValues) -> bool:
     chat_mode = args.chat or args.pairs
     given = lambda name: args[name].present  # pylint: disable=unnecessary-lambda-assignment
     unused = []
-    if args.pairs:
-        unused = ("text_field", "replace_newlines_with", "train_on")
+    if args.pairs:  # Chat records are tokenized in this process: no --num_workers.
+        unused = ("text_field", "replace_newlines_with", "num_workers", "train_on")
     elif args.chat:
-        unused = ("text_field", "replace_newlines_with", "max_sequence_length")
+        unused = ("text_field", "replace_newlines_with", "num_workers", "max_sequence_length")
     else:
         unused = ("train_on", "chat_template", "max_sequence_length")
     for name in unused:
