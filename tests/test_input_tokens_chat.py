@@ -283,3 +283,18 @@ def test_a_mixture_of_chat_and_plain_shards_weights_plain_rows_one(tmp_path):
     assert {0, 1} <= set(sources.tolist())
     assert batch["target_weights"][sources == 1].all()
     assert not batch["target_weights"][sources == 0].all()
+
+
+def test_reference_logps_file_adds_each_pairs_reference_log_probabilities(tmp_path):
+    out = _build(tmp_path, PAIRS, "--pairs", "--max_sequence_length=50")
+    reference = np.array([[-1.5, -2.5], [-3.0, -4.25]], np.float32)
+    np.save(tmp_path / "ref.npy", reference)
+    pairs = _pair_input(out, 50, is_training=True, shuffle=True, seed=3,
+                        reference_logps=str(tmp_path / "ref.npy"))
+    batch = pairs.host_batch(1)
+    order = pairs.pair_indices(1)
+    np.testing.assert_array_equal(batch["reference_chosen_logps"], reference[order, 0])
+    np.testing.assert_array_equal(batch["reference_rejected_logps"], reference[order, 1])
+    np.save(tmp_path / "bad.npy", reference[:1])
+    with pytest.raises(InputError, match=r"reference_logps: .*bad.npy holds float32 \(1, 2\)"):
+        _pair_input(out, 50, is_training=False, reference_logps=str(tmp_path / "bad.npy"))

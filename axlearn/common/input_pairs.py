@@ -17,6 +17,11 @@ response target within its --max_sequence_length, and this input those that leav
 within its T). Training visits pairs in a new order each epoch (a permutation drawn from
 (seed, epoch)) and resumes from `{'batches_consumed': n}` exactly; evaluation reads them
 in order once, the last batch padded with empty rows (all weights 0).
+
+Reference log-probabilities computed ahead (DPO's frozen reference, summed over each
+response's targets) come from `reference_logps`: a `.npy` file of float32 [pairs, 2],
+(chosen, rejected) per pair in shard order; batches then add `reference_chosen_logps`
+and `reference_rejected_logps` [B] (0 on padding rows).
 """
 
 from collections.abc import Iterator, Sequence
@@ -40,6 +45,7 @@ PAIR_KEYS = tuple(
     for side in ("chosen", "rejected")
     for key in ("input_ids", "target_labels", "target_weights")
 )
+REFERENCE_KEYS = ("reference_chosen_logps", "reference_rejected_logps")  # With reference_logps.
 
 
 class PreferencePairInput(BaseInput):
@@ -61,6 +67,9 @@ class PreferencePairInput(BaseInput):
         model_vocab_size: Optional[int] = None
         prefetch_batches: int = 2  # Batches computed ahead in a background thread (0: none).
         verify_checksums: bool = True  # CRC-check each shard's payload when opening it.
+        # A .npy file of float32 [pairs, 2]: the reference model's (chosen, rejected)
+        # response log-probabilities per pair, in shard order. None: not given.
+        reference_logps: Optional[str] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module], **kwargs):
         super().__init__(cfg, parent=parent, **kwargs)
@@ -104,6 +113,23 @@ class PreferencePairInput(BaseInput):
         self.num_pairs = self._doc_starts.size // 2
         if self.num_pairs == 0:
             raise InputError(f"{self.path()}: the shards {paths} hold no pairs")
+        self._reference = None
+        if cfg.reference_logps is not None:
+            self._reference = self._load_reference(cfg.reference_logps)
+
+    def _load_reference(self, path: str) -> np.ndarray:
+        try:
+            values = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise InputError(
+                f"{self.path()}.reference_logps: {path}: not a readable .npy file ({e})"
+            ) from None
+        if values.shape != (self.num_pairs, 2) or not np.issubdtype(values.dtype, np.floating):
+            raise InputError(
+                f"{self.path()}.reference_logps: {path} holds {values.dtype} {values.shape}, "
+                f"expected float [{self.num_pairs}, 2] (one (chosen, rejected) row per pair)"
+            )
+        return values.astype(np.float32)
 
     def _check_prompts(self, shard: Any, starts: np.ndarray, ends: np.ndarray) -> None:
         """Refuses a pair whose prompt leaves no response target within T."""
@@ -132,12 +158,16 @@ class PreferencePairInput(BaseInput):
         import jax  # pylint: disable=import-outside-toplevel
 
         shape = (self.global_batch_size, self.max_sequence_length)
-        return {
+        spec = {
             key: jax.ShapeDtypeStruct(
                 shape, np.float32 if key.endswith("weights") else np.int32
             )
             for key in PAIR_KEYS
         }
+        if self._reference is not None:
+            for key in REFERENCE_KEYS:
+                spec[key] = jax.ShapeDtypeStruct((self.global_batch_size,), np.float32)
+        return spec
 
     def pair_indices(self, step: int) -> np.ndarray:
         """The pair of each of this process's rows of global batch `step` (-1: padding)."""
@@ -165,6 +195,11 @@ class PreferencePairInput(BaseInput):
             key: np.zeros((pairs.size, length), np.float32 if key.endswith("weights") else np.int32)
             for key in PAIR_KEYS
         }
+        if self._reference is not None:
+            for column, key in enumerate(REFERENCE_KEYS):
+                batch[key] = np.where(pairs >= 0, self._reference[pairs, column], 0.0).astype(
+                    np.float32
+                )
         for row, pair in enumerate(pairs):
             if pair < 0:
                 continue
