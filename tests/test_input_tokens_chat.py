@@ -298,3 +298,20 @@ def test_reference_logps_file_adds_each_pairs_reference_log_probabilities(tmp_pa
     np.save(tmp_path / "bad.npy", reference[:1])
     with pytest.raises(InputError, match=r"reference_logps: .*bad.npy holds float32 \(1, 2\)"):
         _pair_input(out, 50, is_training=False, reference_logps=str(tmp_path / "bad.npy"))
+
+
+@pytest.mark.slow
+def test_chat_build_with_several_workers_equals_one_worker(tmp_path, monkeypatch):
+    from axlearn.common import input_tokens  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(input_tokens, "_RECORD_CHUNK", 2)  # Several tasks for the pool.
+    records = [{"messages": m} for m in CONVERSATIONS] * 3 + [{"prompt": "a", "completion": "b"}]
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    data = _write(tmp_path / "chat.jsonl", records)
+    contents = []
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        main(["build", "--chat", "--vocab=bytes", f"--chat_template={tmp_path / 't.jinja'}",
+              f"--num_workers={workers}", f"--output={out}/", data])
+        contents.append((out / "train-00000.tok").read_bytes())
+    assert contents[0] == contents[1]

@@ -181,6 +181,9 @@ class ChatTemplate:
                 f"{origin}: the chat template does not compile ({_first_line(e)})"
             ) from None
 
+    def __reduce__(self):  # Worker processes compile the template again.
+        return (_make_template, (self.source, self.special_tokens, self.origin))
+
     def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> str:
         """The text of `messages` (raises jinja2/Python errors; see `render_or_raise`)."""
         return self._template.render(
@@ -202,6 +205,10 @@ class ChatTemplate:
                 f"{where}: the chat template ({self.origin}) fails to render this record: "
                 f"{type(e).__name__}: {_first_line(e)}"
             ) from None
+
+
+def _make_template(source: str, special_tokens: dict[str, str], origin: str) -> ChatTemplate:
+    return ChatTemplate(source, special_tokens=special_tokens, origin=origin)
 
 
 def _template_messages(messages: Sequence[dict]) -> list[dict]:
@@ -466,3 +473,75 @@ def encode_preference_pair(
         mask = np.concatenate([mask, mask[-1:]])
         results.append((ids, mask, _span_bytes(full, spans), prompt_tokens))
     return results
+
+
+# (ids, loss mask [ids + 1], trained bytes, prompt tokens) of one stored document.
+Encoded = tuple[np.ndarray, np.ndarray, int, int]
+
+
+def encode_record(
+    template: ChatTemplate,
+    vocab: Any,
+    record: Any,
+    *,
+    where: str,
+    train_on: str,
+    pairs: bool,
+    max_sequence_length: Optional[int] = None,
+) -> list[Encoded]:
+    """The documents of one JSON record: an SFT conversation's one (prompt tokens 0), or
+    a preference pair's two (`encode_preference_pair`), whose prompt must leave a response
+    target within `max_sequence_length` where given."""
+    if pairs:
+        prompt, chosen, rejected = pair_of_record(record, where=where)
+        documents = encode_preference_pair(
+            template, vocab, prompt, chosen, rejected, where=where
+        )
+        prompt_tokens = max(document[3] for document in documents)
+        if max_sequence_length is not None and prompt_tokens >= max_sequence_length:
+            raise ChatDataError(
+                f"{where}: the prompt is {prompt_tokens} tokens, leaving no response token in "
+                f"a row of --max_sequence_length={max_sequence_length}"
+            )
+        return documents
+    messages = conversation_of_record(record, where=where)
+    ids, mask, num_bytes, _ = encode_conversation(
+        template, vocab, messages, train_on=train_on, where=where
+    )
+    return [(ids, mask, num_bytes, 0)]
+
+
+_worker: dict[str, Any] = {}  # A build worker's template, vocabulary and options.
+
+
+def init_record_worker(
+    template: ChatTemplate,
+    vocab: Any,
+    train_on: str,
+    pairs: bool,
+    max_sequence_length: Optional[int] = None,
+) -> None:
+    """Sets what `encode_records` uses (in a worker process, or in this one)."""
+    _worker.update(
+        template=template,
+        vocab=vocab,
+        train_on=train_on,
+        pairs=pairs,
+        max_sequence_length=max_sequence_length,
+    )
+
+
+def encode_records(items: Sequence[tuple[str, Any]]) -> list[list[Encoded]]:
+    """`encode_record` of each (where, record), with `init_record_worker`'s settings."""
+    return [
+        encode_record(
+            _worker["template"],
+            _worker["vocab"],
+            record,
+            where=where,
+            train_on=_worker["train_on"],
+            pairs=_worker["pairs"],
+            max_sequence_length=_worker["max_sequence_length"],
+        )
+        for where, record in items
+    ]

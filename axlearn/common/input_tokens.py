@@ -93,7 +93,7 @@ from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.input_base import BaseInput, Batch, InputError
 from axlearn.common.input_packing import FEATURE_KEYS
 from axlearn.common.input_prefetch import prefetch_in_thread
-from axlearn.common.input_tokenize import tokenize_documents
+from axlearn.common.input_tokenize import map_in_order, tokenize_documents
 from axlearn.common.input_token_format import (
     HEADER_SIZE,
     ShardHeader,
@@ -1153,6 +1153,7 @@ def build_chat_splits(
     max_sequence_length: Optional[int] = None,
     validation_fraction: float = 0.0,
     tokens_per_shard: int = 1 << 28,
+    num_workers: int = 1,
     sources: Sequence[str] = (),
     progress: bool = False,
     progress_stream: Any = None,
@@ -1161,8 +1162,9 @@ def build_chat_splits(
     `template` into shards with a loss mask (see `chat_template`): SFT records trained as
     `train_on` says, or with `pairs` preference pairs, each response trained, whose prompts
     must leave a response token within `max_sequence_length`. A split of None is decided by
-    a hash of the record. Records are tokenized in this process. Like `build_splits`, a
-    failure leaves nothing behind; errors name `where` (file:line)."""
+    a hash of the record. Records are rendered and tokenized in `num_workers` processes;
+    the output is the same for any number. Like `build_splits`, a failure leaves nothing
+    behind; errors name `where` (file:line), the first bad record's in input order."""
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common import chat_template as chat
 
@@ -1193,35 +1195,28 @@ def build_chat_splits(
         for split, prefix in prefixes.items()
     }
     num_read = 0
+    chunks = _record_chunks(records)
     try:
-        with _build_progress(progress, stream=progress_stream) as bar:
-            for where, value, split in records:
-                if split is None:
-                    share = validation_share(json.dumps(value, sort_keys=True))
-                    split = "validation" if share < validation_fraction else "train"
-                writer = writers[split]
-                if pairs:
-                    prompt, chosen, rejected = chat.pair_of_record(value, where=where)
-                    encoded = chat.encode_preference_pair(
-                        template, vocab, prompt, chosen, rejected, where=where
-                    )
-                    prompt_tokens = max(item[3] for item in encoded)
-                    if prompt_tokens >= max_sequence_length:
-                        raise InputError(
-                            f"{where}: the prompt is {prompt_tokens} tokens, leaving no response "
-                            f"token in a row of --max_sequence_length={max_sequence_length}"
-                        )
-                    for (ids, mask, num_bytes, _), last in zip(encoded, (False, True)):
-                        writer.add(ids, num_bytes, mask, flush=last)
-                    tokens = sum(item[0].size + 1 for item in encoded)
-                else:
-                    messages = chat.conversation_of_record(value, where=where)
-                    ids, mask, num_bytes, _ = chat.encode_conversation(
-                        template, vocab, messages, train_on=train_on, where=where
-                    )
-                    writer.add(ids, num_bytes, mask)
-                    tokens = ids.size + 1
-                num_read += 1
+        encoded_chunks = map_in_order(
+            _encode_record_chunk,
+            chunks,
+            initializer=chat.init_record_worker,
+            initargs=(template, vocab, train_on, pairs, max_sequence_length),
+            num_workers=num_workers,
+        )
+        with contextlib.closing(encoded_chunks), _build_progress(
+            progress, stream=progress_stream
+        ) as bar:
+            for chunk, encoded_records in encoded_chunks:
+                tokens = 0
+                for (_, value, split), documents in zip(chunk, encoded_records):
+                    if split is None:
+                        share = validation_share(json.dumps(value, sort_keys=True))
+                        split = "validation" if share < validation_fraction else "train"
+                    for i, (ids, mask, num_bytes, _) in enumerate(documents):
+                        writers[split].add(ids, num_bytes, mask, flush=i == len(documents) - 1)
+                        tokens += ids.size + 1
+                num_read += len(chunk)
                 if bar is not None:
                     bar.update(tokens, num_read)
         for split, writer in writers.items():
@@ -1244,6 +1239,29 @@ def build_chat_splits(
         documents_skipped=0,
         removed_stale=removed,
     )
+
+
+_RECORD_CHUNK = 128  # Chat records sent to a build worker at a time.
+
+
+def _record_chunks(
+    records: Iterable[tuple[str, Any, Optional[str]]]
+) -> Iterator[list[tuple[str, Any, Optional[str]]]]:
+    chunk = []
+    for item in records:
+        chunk.append(item)
+        if len(chunk) >= _RECORD_CHUNK:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encode_record_chunk(chunk: Sequence[tuple[str, Any, Optional[str]]]) -> tuple[list, list]:
+    """(the chunk, its records' encoded documents), in a build worker."""
+    from axlearn.common import chat_template  # pylint: disable=import-outside-toplevel
+
+    return chunk, chat_template.encode_records([(where, value) for where, value, _ in chunk])
 
 
 def iter_chat_records(paths: Iterable[str], split: Optional[str]) -> Iterator[tuple[str, Any, Optional[str]]]:
@@ -1354,10 +1372,10 @@ def _chat_mode(args: flags.FlagValues) -> bool:
     chat_mode = args.chat or args.pairs
     given = lambda name: args[name].present  # pylint: disable=unnecessary-lambda-assignment
     unused = []
-    if args.pairs:  # Chat records are tokenized in this process: no --num_workers.
-        unused = ("text_field", "replace_newlines_with", "num_workers", "train_on")
+    if args.pairs:
+        unused = ("text_field", "replace_newlines_with", "train_on")
     elif args.chat:
-        unused = ("text_field", "replace_newlines_with", "num_workers", "max_sequence_length")
+        unused = ("text_field", "replace_newlines_with", "max_sequence_length")
     else:
         unused = ("train_on", "chat_template", "max_sequence_length")
     for name in unused:
@@ -1414,6 +1432,7 @@ def _build_command(args: flags.FlagValues, files: Sequence[str]) -> None:
             max_sequence_length=args.max_sequence_length,
             validation_fraction=args.validation_fraction,
             tokens_per_shard=args.tokens_per_shard,
+            num_workers=args.num_workers,
             sources=sources,
             progress=True,
         )
@@ -1519,7 +1538,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         False,
         "JSON-lines records of `messages` ([{role, content}]) or `prompt`/`completion`, "
         "rendered with the tokenizer's chat template into shards with a loss mask (see "
-        "axlearn.common.chat_template). Records are tokenized in this one process.",
+        "axlearn.common.chat_template).",
         **fv,
     )
     flags.DEFINE_bool(
