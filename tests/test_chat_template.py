@@ -14,6 +14,8 @@ from axlearn.common.chat_template import (
     load_chat_template,
     pair_of_record,
 )
+from axlearn.common.input_token_format import TokenShard
+from axlearn.common.input_tokens import main
 from axlearn.common.input_vocab import load_vocabulary
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -205,8 +207,10 @@ def test_prompt_completion_records_are_one_user_and_one_assistant_turn():
 @pytest.mark.parametrize(
     "record, message",
     [
-        ({"messages": [{"role": "user", "content": "hi"}]}, "f.jsonl:7: the conversation has no assistant turn"),
-        ({"messages": [{"role": "robot", "content": "hi"}]}, "f.jsonl:7: messages[0] has unknown role 'robot'"),
+        ({"messages": [{"role": "user", "content": "hi"}]},
+         "f.jsonl:7: the conversation has no assistant turn"),
+        ({"messages": [{"role": "robot", "content": "hi"}]},
+         "f.jsonl:7: messages[0] has unknown role 'robot'"),
         ({"text": "hi"}, "f.jsonl:7: expected a field 'messages', or 'prompt' and 'completion'"),
     ],
 )
@@ -234,15 +238,19 @@ def test_tokenizer_without_a_chat_template_needs_chat_template_flag(tmp_path, to
     with pytest.raises(ChatDataError, match=r"has no chat template.*--chat_template=FILE"):
         load_chat_template(str(path))
     (tmp_path / "t.jinja").write_text(CHATML)
-    assert load_chat_template(str(path), chat_template_file=str(tmp_path / "t.jinja")).source == CHATML
+    given = load_chat_template(str(path), chat_template_file=str(tmp_path / "t.jinja"))
+    assert given.source == CHATML
 
 
 def test_pair_responses_train_and_prompts_do_not(tmp_path, tokenizer_dir):
     template, vocab, reference = _setup(tmp_path, tokenizer_dir, CHATML)
     prompt = [{"role": "user", "content": "which is 2+2"}]
-    chosen, rejected = [{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5 no"}]
+    chosen = [{"role": "assistant", "content": "4"}]
+    rejected = [{"role": "assistant", "content": "5 no"}]
     encoded = encode_preference_pair(template, vocab, prompt, chosen, rejected, where="p:1")
-    prefix = reference.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=False)
+    prefix = reference.apply_chat_template(
+        prompt, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     for (ids, mask, _, prompt_tokens), response in zip(encoded, (chosen, rejected)):
         full = reference.apply_chat_template(prompt + response, tokenize=True, return_dict=False)
         assert ids.tolist() == list(full)
@@ -253,9 +261,6 @@ def test_pair_responses_train_and_prompts_do_not(tmp_path, tokenizer_dir):
 def test_build_chat_from_a_hugging_face_directory_stores_transformers_ids_and_mask(
     tmp_path, tokenizer_dir
 ):
-    from axlearn.common.input_token_format import TokenShard  # pylint: disable=import-outside-toplevel
-    from axlearn.common.input_tokens import main  # pylint: disable=import-outside-toplevel
-
     _, _, reference = _setup(tmp_path, tokenizer_dir, GENERATION)
     conversations = [_conversation(seed, turns=2) for seed in (5, 6)]
     data = tmp_path / "chat.jsonl"

@@ -167,7 +167,9 @@ def _token_content(value: Any) -> Optional[str]:
 class ChatTemplate:
     """A compiled chat template and the special tokens it is rendered with."""
 
-    def __init__(self, source: str, *, special_tokens: Optional[dict[str, str]] = None, origin: str):
+    def __init__(
+        self, source: str, *, special_tokens: Optional[dict[str, str]] = None, origin: str
+    ):
         """`origin` names where the template came from, for errors."""
         self.source = source
         self.origin = origin
@@ -217,7 +219,8 @@ def _template_messages(messages: Sequence[dict]) -> list[dict]:
     result = []
     for message in messages:
         message = {key: value for key, value in message.items() if value is not None}
-        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        given = [message[k] for k in _REASONING_FIELDS if message.get(k) is not None]
+        reasoning = given[0] if given else None
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         result.append(message)

@@ -101,10 +101,9 @@ class ShardHeader:
         return bool(self.flags & FLAG_PAIRS)
 
     def payload_size(self) -> int:
+        tokens = _align8(self.num_tokens * self.itemsize)
         mask = _align8(self.num_tokens) if self.has_loss_mask else 0
-        return (
-            _align8(self.num_tokens * self.itemsize) + 16 * self.num_docs + mask + self.manifest_size
-        )
+        return tokens + 16 * self.num_docs + mask + self.manifest_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,9 +167,8 @@ def decode_header(data: bytes, *, path: str) -> ShardHeader:
         raise TokenShardError(
             f"{path}: {len(data)} bytes is shorter than the {HEADER_SIZE}-byte token shard header"
         )
-    magic, version, itemsize, vocab_size, eos_id, num_tokens, num_docs, crc, name, manifest, flags = (
-        _FIELDS.unpack_from(data)
-    )
+    (magic, version, itemsize, vocab_size, eos_id, num_tokens, num_docs, crc, name, manifest,
+     flags) = _FIELDS.unpack_from(data)
     if magic != MAGIC:
         raise TokenShardError(
             f"{path}: not an axlearn token shard (magic {magic!r}, expected {MAGIC!r}); "

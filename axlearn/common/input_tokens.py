@@ -1264,7 +1264,9 @@ def _encode_record_chunk(chunk: Sequence[tuple[str, Any, Optional[str]]]) -> tup
     return chunk, chat_template.encode_records([(where, value) for where, value, _ in chunk])
 
 
-def iter_chat_records(paths: Iterable[str], split: Optional[str]) -> Iterator[tuple[str, Any, Optional[str]]]:
+def iter_chat_records(
+    paths: Iterable[str], split: Optional[str]
+) -> Iterator[tuple[str, Any, Optional[str]]]:
     """(file:line, JSON record, `split`) of each record of JSON-lines `paths`."""
     for path in paths:
         if _file_format(path) != "jsonl":
