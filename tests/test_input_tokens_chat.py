@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from axlearn.common.base_layer import is_parameter_spec
+from axlearn.common.experiment_registry import build_named_config
 from axlearn.common.hf_llama import llama_model_config
 from axlearn.common.input_base import InputError
 from axlearn.common.input_mixture import TokenShardMixtureInput
@@ -16,6 +17,7 @@ from axlearn.common.input_packing import FEATURE_KEYS
 from axlearn.common.input_pairs import PAIR_KEYS, PreferencePairInput
 from axlearn.common.input_token_format import TokenShard
 from axlearn.common.input_tokens import TokenShardInput, _cli, main
+from axlearn.common.launch_data import use_data_dir
 from axlearn.common.module import functional as F
 
 # A template for the byte vocabulary (no special tokens): <role>content</role> per turn.
@@ -315,3 +317,15 @@ def test_chat_build_with_several_workers_equals_one_worker(tmp_path, monkeypatch
               f"--num_workers={workers}", f"--output={out}/", data])
         contents.append((out / "train-00000.tok").read_bytes())
     assert contents[0] == contents[1]
+
+
+def test_data_dir_keeps_a_pair_input_and_points_it_at_the_pair_shards(tmp_path):
+    out = _build(tmp_path, PAIRS, "--pairs", "--max_sequence_length=50")
+    cfg = build_named_config("gpt_test").set(evalers={})
+    cfg.input = PreferencePairInput.default_config().set(
+        is_training=True, global_batch_size=2, max_sequence_length=50, paths=["elsewhere"], seed=7
+    )
+    cfg, _ = use_data_dir(cfg, out)
+    assert cfg.input.klass is PreferencePairInput
+    assert cfg.input.paths == [f"{out}/train-*.tok"] and cfg.input.seed == 7
+    assert cfg.input.max_sequence_length == 50
