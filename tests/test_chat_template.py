@@ -287,3 +287,15 @@ def test_chat_template_jinja_beside_the_tokenizer_comes_before_tokenizer_config(
     (tmp_path / "hf" / "chat_template.jinja").write_text(INST)
     assert load_chat_template(str(tmp_path / "hf" / "tokenizer.json")).source == INST
     assert template.source == CHATML
+
+
+def test_special_tokens_map_of_an_older_save_names_the_tokens_as_transformers_reads_them(
+    tmp_path, tokenizer_dir
+):
+    _setup(tmp_path, tokenizer_dir, "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}")
+    directory = tmp_path / "hf"
+    (directory / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    template = load_chat_template(str(directory / "tokenizer.json"))
+    messages = [{"role": "user", "content": "hi"}]
+    assert template.render(messages) == reference.apply_chat_template(messages, tokenize=False)

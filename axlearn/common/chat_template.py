@@ -56,6 +56,7 @@ TRAIN_ON = ("all", "assistant", "last_turn")  # Which targets of a conversation 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # Where newer transformers save the template.
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"  # Older saves' special tokens.
 # The named special tokens transformers hands a template (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -232,8 +233,9 @@ def load_chat_template(
 ) -> ChatTemplate:
     """The chat template of a tokenizer: `chat_template_file` if given, else
     `chat_template.jinja` or `tokenizer_config.json`'s `chat_template` beside `vocab_file`
-    (a tokenizer.json; its directory for a name list of templates, the one named
-    'default'). Special tokens come from that tokenizer_config.json where there is one.
+    (a tokenizer.json; of a list of named templates, the one named 'default'). Special
+    tokens come from that tokenizer_config.json (or, for a config without
+    `added_tokens_decoder`, special_tokens_map.json over it), as transformers reads them.
     Raises ChatDataError naming the tokenizer where it has no template."""
     directory = os.path.dirname(os.path.abspath(vocab_file)) if vocab_file else None
     config: dict[str, Any] = {}
@@ -248,9 +250,19 @@ def load_chat_template(
             ) from None
         if not isinstance(config, dict):
             raise ChatDataError(f"{config_path}: not a JSON object")
+    named = dict(config)
+    map_path = os.path.join(directory, SPECIAL_TOKENS_MAP_FILE) if directory else None
+    if "added_tokens_decoder" not in config and map_path and os.path.isfile(map_path):
+        # A config without its added tokens is an older save: transformers then takes the
+        # special tokens from special_tokens_map.json, over the config's.
+        try:
+            with open(map_path, encoding="utf-8") as f:
+                named.update(json.load(f))
+        except (OSError, ValueError) as e:
+            raise ChatDataError(f"{map_path}: unreadable ({_first_line(e)})") from None
     special_tokens = {}
     for name in SPECIAL_TOKEN_NAMES:
-        content = _token_content(config.get(name))
+        content = _token_content(named.get(name))
         if content is not None:
             special_tokens[name] = content
     if chat_template_file is not None:
