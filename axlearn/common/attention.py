@@ -47,6 +47,7 @@ from axlearn.common.config import (
     config_class,
     config_for_function,
     maybe_instantiate,
+    register_configurable,
 )
 from axlearn.common.fp8 import Fp8Matmul
 from axlearn.common.kv_cache.kv_cache import KVCache
@@ -1514,6 +1515,7 @@ _CUDNN_ATTENTION_FORWARD = frozenset(
 )
 
 
+@register_configurable
 def _save_and_offload_only_these_names_regex(
     names_which_can_be_saved: Optional[str],
     names_which_can_be_offloaded: Optional[str],

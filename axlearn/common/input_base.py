@@ -30,7 +30,13 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
+from axlearn.common.config import (
+    REQUIRED,
+    ConfigError,
+    Required,
+    config_class,
+    register_configurable,
+)
 from axlearn.common.input_packing import FEATURE_KEYS
 from axlearn.common.module import Module
 from axlearn.common.sharding import maybe_shard
@@ -43,6 +49,7 @@ Batch = dict[str, np.ndarray]
 PathRankToPartition = dict[tuple[Optional[str], int], Any]
 
 
+@register_configurable
 def partition_by_path_rank(path_rank_to_partition: PathRankToPartition) -> Callable[[Any], Any]:
     """An input partitioner: shards each array of a global batch by its '/'-joined path
     and rank. The first key (regex, rank) whose regex fully matches the path and whose

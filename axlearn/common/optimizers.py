@@ -45,6 +45,7 @@ from axlearn.common.config import (
     ConfigOr,
     InstantiableConfig,
     maybe_instantiate,
+    register_configurable,
 )
 from axlearn.common.param_init import FanAxes
 from axlearn.common.schedule import ScheduleLike, adafactor_decay_rate, as_schedule_fn
@@ -331,6 +332,7 @@ def _decayed_update(
 # ----- composition -----
 
 
+@register_configurable
 def chain(
     *args: ConfigOr[PartitionedGradientTransformation],
     transformations: Optional[Sequence[ConfigOr[PartitionedGradientTransformation]]] = None,
@@ -382,6 +384,7 @@ def _clip(updates: Nested, norm: Tensor, max_norm: float, eps: float) -> Nested:
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
 
 
+@register_configurable
 def clip_by_global_norm(max_norm: float, eps: float = 1e-8) -> PartitionedGradientTransformation:
     """Scales the updates by min(1, max_norm / (global norm + eps))."""
     return _stateless(lambda updates, params: _clip(updates, global_norm(updates), max_norm, eps))
@@ -392,6 +395,7 @@ class SkipClipState(NamedTuple):
     inner_state: Any
 
 
+@register_configurable
 def skip_and_clip_by_global_norm(
     inner: ConfigOr[PartitionedGradientTransformation],
     *,
@@ -477,6 +481,7 @@ def _is_floating_dtype(dtype: Any) -> bool:
         return False
 
 
+@register_configurable
 def cast_optimizer_state(
     inner: ConfigOr[PartitionedGradientTransformation],
     *,
@@ -537,6 +542,7 @@ def cast_optimizer_state(
     return PartitionedGradientTransformation(init, update, partition, inner.learning_rate_at)
 
 
+@register_configurable
 def per_param_scale_by_path(
     *,
     description: str,
@@ -575,6 +581,7 @@ def per_param_scale_by_path(
     return fn
 
 
+@register_configurable
 def scale_update_per_param(
     per_param_scale: ConfigOr[PerParamFn],
 ) -> PartitionedGradientTransformation:
@@ -594,6 +601,7 @@ class ParamEmaState(NamedTuple):
     ema: Nested  # The debiased exponential moving average of the updated parameters.
 
 
+@register_configurable
 def param_ema(decay: Optional[float] = None) -> PartitionedGradientTransformation:
     """An exponential moving average of the parameters (None: keeps none).
 
@@ -745,6 +753,7 @@ class OptaxState(NamedTuple):
     inner: Any  # The optax transformation's state.
 
 
+@register_configurable
 def optax_optimizer(
     transformation: Union[OptaxLike, Sequence[OptaxLike]],
 ) -> PartitionedGradientTransformation:
@@ -876,6 +885,7 @@ def _adam_transformation(
     )
 
 
+@register_configurable
 def adamw_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -907,6 +917,7 @@ def adamw_optimizer(
     )
 
 
+@register_configurable
 def adamw_decoupled_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -1051,6 +1062,7 @@ class _AdastarRule:
             )
 
 
+@register_configurable
 def adastar_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -1139,6 +1151,7 @@ def adastar_optimizer(
 # ----- other optimizers -----
 
 
+@register_configurable
 def lion_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -1179,6 +1192,7 @@ def lion_optimizer(
     )
 
 
+@register_configurable
 def sgd_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -1235,6 +1249,7 @@ def _factored_axes(
     return row, col
 
 
+@register_configurable
 def adafactor_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -1475,6 +1490,7 @@ class MuonState(NamedTuple):
     nu: Nested  # AdamW parameters: second moment; None elsewhere.
 
 
+@register_configurable
 def muon_optimizer(
     learning_rate: ScheduleLike,
     *,
