@@ -9,6 +9,8 @@ batch (`global_batch_size // process_count` rows; process i holds rows [i*b, (i+
     input_segment_ids  [b, T] int32   1, 2, 3... per packed document; 0 on padding
     input_positions    [b, T] int32   position within the document's segment
     target_num_bytes   [b]    int32   UTF-8 bytes behind the live targets (0 if unknown)
+    target_weights     [b, T] float32 optional (chat shards' loss mask): 1 where the
+                                      target trains; absent, every live target does
 
 (see `input_packing` for the exact packing contract).
 
