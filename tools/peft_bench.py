@@ -134,9 +134,8 @@ def build_model(args: flags.FlagValues, device: Any) -> tuple[Any, list[Any]]:
         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads, rope_theta=shape.rope_theta,
         max_position_embeddings=max(args.seq_len, 4096), rms_norm_eps=1e-5,
-        tie_word_embeddings=False, use_cache=False,
+        tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa",
     )
-    config._attn_implementation = "sdpa"  # pylint: disable=protected-access
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # The weights are drawn in bf16, on the device.
