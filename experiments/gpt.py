@@ -68,9 +68,9 @@ class OneGpu:
     The state takes 12 bytes a parameter: each weight as its bf16 copy and 16 low bits
     (4, `split_carried_weights`), Adastar's EMAs in bf16 and fp16 (4, NARROW_STATE_DTYPES)
     and the float32 gradient sum over the step's microbatches (4). gpt_7b: 7.18B
-    parameters, 86 GB, of the 113 GB the allocator takes of a 141 GB H200 by default
-    (75%); an 80 GB H100's 64 GB cannot hold it. One sequence of 4,096 tokens a
-    microbatch; `remat` keeps its activations in the rest.
+    parameters, 80.3 GiB, of the 104.9 GiB the JAX allocator takes of an H200 by default
+    (75%); an H100's 59.4 GiB cannot hold it. One sequence of 4,096 tokens a microbatch;
+    `remat` keeps its activations in the rest.
     """
 
     fleet: common.Fleet  # The card: common.GPU_H200_HOST; its rule selects `<prefix>-1`.
@@ -118,8 +118,8 @@ SIZES = {
     "7B": Size(
         4096, 32, 32, 8, 14336, 49152, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
         SingleHost((4, 8), microbatch=2, remat=build_remat_spec(), h200_without_remat=True),
-        # One H200: every matmul's output saved (11 GB a sequence), norms and activations
-        # recomputed; ~100 GB with the state.
+        # One H200: every matmul's output saved (~13 GiB a sequence), norms and activations
+        # recomputed; ~96 GiB with the state and the logits.
         one_gpu=OneGpu(common.GPU_H200_HOST, remat=build_save_matmuls_remat_spec()),
     ),
     # Llama 3 / 3.1 8B's shape (untied head, vocabulary of 128,256): 8.03B parameters.
