@@ -1,4 +1,5 @@
-"""GPT trainer configs: gpt_test (CPU, built-in data) and 125M to 70B, and gpt_8b (Llama 3 8B's shape).
+"""GPT trainer configs: gpt_test (CPU, built-in data), 125M to 70B and gpt_8b (Llama 3 8B's
+shape).
 
 Each size is a row of numbers; everything else comes from
 `axlearn.experiments.text.gpt.common`. `gpt_3b` is the reference trainer of
@@ -123,9 +124,10 @@ SIZES = {
         one_gpu=OneGpu(common.GPU_H200_HOST, remat=build_save_matmuls_remat_spec()),
     ),
     # Llama 3 / 3.1 8B's shape (untied head, vocabulary of 128,256): 8.03B parameters.
-    # `--init_from_hf` fills it from such a checkpoint. Its 1.05B embedding and head
-    # parameters leave room on one H200 for the attention's activations only (MLP
-    # recomputed).
+    # `--init_from_hf` fills it from such a checkpoint; train it on token shards of that
+    # checkpoint's tokenizer (`--data_dir`): its reference corpora are the other sizes'.
+    # Its 1.05B embedding and head parameters leave room on one H200 for the attention's
+    # activations only (MLP recomputed).
     "8B": Size(
         4096, 32, 32, 8, 14336, 128256, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
         SingleHost((8,), microbatch=2, remat=build_remat_spec(), h200_without_remat=True),
