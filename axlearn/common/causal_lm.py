@@ -446,6 +446,27 @@ class Model(BaseLayer):
             for name, value in stats.items()
         }
 
+    def target_log_probs(self, input_batch: dict[str, Tensor]) -> Tensor:
+        """log p(target_labels[b, t] | inputs up to t), float32 [B, T], for objectives that
+        score whole sequences (DPO); dead labels (< 0) give any value, the caller masks
+        them. Runs as `forward` does (chunked with `loss_chunk_size`), without its loss."""
+        cfg = self.config
+        input_ids = self._shard_tokens(input_batch["input_ids"])
+        labels = self._shard_tokens(input_batch["target_labels"])
+        decoder_kwargs = {}
+        if not cfg.attend_across_documents:
+            decoder_kwargs = dict(
+                segment_ids=self._shard_tokens(input_batch.get("input_segment_ids")),
+                positions=self._shard_tokens(input_batch.get("input_positions")),
+            )
+        if cfg.loss_chunk_size is None:
+            logits = self.decoder(input_ids, **decoder_kwargs)["logits"]
+            stats = _token_statistics(logits, labels)
+        else:
+            hidden_states = self.decoder.compute_hidden_states(input_ids, **decoder_kwargs)
+            stats = self._chunked_token_statistics(hidden_states, labels)
+        return -stats["cross_entropy"]
+
     # ----- accounting -----
 
     def model_flops_per_token(self, seq_len: int) -> float:
