@@ -212,6 +212,7 @@ def _numpy_response_logps(model, params, batch, side):
     return (picked * np.asarray(batch[f"{side}_target_weights"])).sum(-1)
 
 
+@pytest.mark.slow
 def test_frozen_copy_starts_equal_to_the_policy_and_gives_zero_rewards():
     model = _model(reference="frozen_copy")
     params = model.initialize_parameters_recursively(jax.random.PRNGKey(0))
@@ -232,6 +233,7 @@ def test_response_log_probs_are_the_policy_logits_log_softmax_over_response_toke
         np.testing.assert_allclose(np.asarray(aux[f"{side}_logps"]), want, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_batch_reference_equals_the_frozen_copy_it_was_computed_with():
     frozen = _model(reference="frozen_copy")
     params = frozen.initialize_parameters_recursively(jax.random.PRNGKey(2))
@@ -245,6 +247,7 @@ def test_batch_reference_equals_the_frozen_copy_it_was_computed_with():
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_frozen_reference_gets_no_gradient():
     model = _model(reference="frozen_copy")
     params = model.initialize_parameters_recursively(jax.random.PRNGKey(3))

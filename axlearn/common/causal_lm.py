@@ -555,3 +555,19 @@ def active_matmul_parameter_count(model: BaseLayer) -> float:
             routed += fraction * _size(spec)
     return matmul_parameter_count(unflatten_paths(dense)) + routed
 
+
+
+# ----- the language model of a wrapper model -----
+
+
+def language_model_field(model_cfg: Any) -> Optional[str]:
+    """The child field that holds the causal LM of a model that wraps one (a class
+    attribute `language_model_field`, e.g. `dpo.DPOModel`'s 'policy'); None: the model
+    is the language model itself."""
+    return getattr(getattr(model_cfg, "klass", None), "language_model_field", None)
+
+
+def language_model_config(model_cfg: Any) -> Any:
+    """The causal LM config of a model config: its own, or its wrapped one's."""
+    field = language_model_field(model_cfg)
+    return model_cfg if field is None else getattr(model_cfg, field)

@@ -160,6 +160,12 @@ class DPOModel(BaseLayer):
                 reference.dtype = cfg.reference_dtype
             self._add_child("reference", reference)
 
+    @classmethod
+    def init_params_config(cls, source: InstantiableConfig) -> InstantiableConfig:
+        """The trainer's `init_params` for a DPOModel whose policy starts from `source` (an
+        `init_params` config of the language model; `launch_trainer --init_from_hf`)."""
+        return PolicyWeights.default_config().set(source=source)
+
     def initialize_parameters_recursively(
         self, prng_key: Tensor, *, prefix: str = ""
     ) -> dict[str, Any]:

@@ -62,14 +62,22 @@ def _replace_inputs(cfg: ConfigBase, replacement: Callable[[ConfigBase], ConfigB
 
 def use_fake_data(cfg: ConfigBase) -> ConfigBase:
     """Replaces the training input (and evaluation inputs) with synthetic batches."""
-    from axlearn.common.input_fake import FakeLmInput  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.causal_lm import language_model_config, language_model_field
+    from axlearn.common.input_fake import (  # pylint: disable=import-outside-toplevel
+        FakeLmInput,
+        FakePairInput,
+    )
+
+    # A model that wraps a language model (DPO) trains on pairs.
+    fake = FakeLmInput if language_model_field(cfg.model) is None else FakePairInput
 
     def fake_like(input_cfg: ConfigBase) -> ConfigBase:
         batch, seq_len = _batch_shape(cfg, input_cfg, FAKE_DATA_DIR)
-        return FakeLmInput.default_config().set(
+        return fake.default_config().set(
             global_batch_size=batch,
             max_sequence_length=seq_len,
-            vocab_size=cfg.model.decoder.vocab_size,
+            vocab_size=language_model_config(cfg.model).decoder.vocab_size,
             is_training=input_cfg.is_training,
         )
 

@@ -219,9 +219,17 @@ _VOCAB_SIZE_FIELDS = ("vocab_size", "model_vocab_size")
 
 
 def model_vocab_size(cfg: ConfigBase) -> Any:
-    """The model's vocabulary size (model.decoder.vocab_size); None for a model without."""
+    """The model's vocabulary size (model.decoder.vocab_size, or that of the language model
+    a model wraps: model.policy.decoder.vocab_size); None for a model without."""
     try:
         return get_recursively(cfg, parse_path(MODEL_VOCAB_SIZE))
+    except (ConfigError, AttributeError, KeyError):
+        pass
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.causal_lm import language_model_config
+
+    try:
+        return language_model_config(cfg.model).decoder.vocab_size
     except (ConfigError, AttributeError, KeyError):
         return None
 
@@ -258,12 +266,23 @@ def use_hf_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common import hf_llama
 
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.causal_lm import language_model_field
+
     path = os.path.abspath(path)
-    cfg.model = hf_llama.warm_start_model_config(cfg.model, path)
-    cfg.init_params = hf_llama.HfLlamaWeights.default_config().set(
+    weights = hf_llama.HfLlamaWeights.default_config().set(
         path=path, source_fields=hf_llama.source_fields(path)
     )
-    decoder = cfg.model.decoder
+    field = language_model_field(cfg.model)  # A model that wraps the LM (DPO's 'policy').
+    if field is None:
+        cfg.model = hf_llama.warm_start_model_config(cfg.model, path)
+        cfg.init_params = weights
+        decoder = cfg.model.decoder
+    else:
+        lm = hf_llama.warm_start_model_config(getattr(cfg.model, field), path)
+        setattr(cfg.model, field, lm)
+        cfg.init_params = cfg.model.klass.init_params_config(weights)
+        decoder = lm.decoder
     log.info(
         "--init_from_hf=%s: a Llama of %d layers, dim %d, vocab %d; weights read at step 0 "
         "of a fresh run",
