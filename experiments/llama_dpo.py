@@ -122,7 +122,7 @@ def llama_dpo_test_trainer() -> SpmdTrainer.Config:
     """A tiny Llama under DPO on synthetic pairs; trains on the CPU."""
     model = common.model_config(
         dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=64, vocab_size=128,
-        rope_theta=10000.0, stack="stack",
+        rope_theta=10000.0, stack="stack", qk_norm=False,
     )
     base = common.trainer_config(
         model=model,

@@ -140,3 +140,59 @@ def test_task_whose_data_cannot_be_read_is_one_line_naming_it(offline):
     with pytest.raises(lm_eval_bridge.TaskError, match="task 'tiny_missing': its data cannot be read") as e:
         lm_eval_bridge.load_tasks(["tiny_missing"], manager)
     assert "\n" not in str(e.value)
+
+
+# ----- in training, and the run's policy out -----
+
+
+@pytest.fixture(name="dpo_run", scope="module")
+def dpo_run_fixture(tmp_path_factory):
+    """A 4-step llama_dpo_test run with an LmEvalEvaler on the local tasks at step 4."""
+    # pylint: disable-next=import-outside-toplevel
+    from experiments import llama_dpo
+
+    root = tmp_path_factory.mktemp("dpo_run")
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("HF_HOME", str(root / "hf_home"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = root / "tasks"
+    tasks.mkdir()
+    _write_tasks(str(tasks))
+    tokenizer = _write_tokenizer(str(root))
+    cfg = llama_dpo.llama_dpo_test_trainer().set(max_step=4, dir=str(root / "run"))
+    cfg.evalers["lm_eval"] = lm_eval_bridge.LmEvalEvaler.default_config().set(
+        tasks=["tiny_mc"], tokenizer=tokenizer, include_path=str(tasks), include_registry=False,
+        max_length=32,
+    )
+    cfg.evalers["lm_eval"].eval_policy.set(n=4, max_step=4)
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import run_record
+
+    os.makedirs(cfg.dir)
+    run_record.record_config(cfg.dir, cfg.debug_string(), allow_change=False, write=True)
+    cfg.instantiate(parent=None).run()
+    yield str(root / "run")
+    monkeypatch.undo()
+
+
+@pytest.mark.slow
+def test_lm_eval_evaler_writes_task_metrics_beside_the_loss(dpo_run):
+    with open(os.path.join(dpo_run, "summaries", "lm_eval", "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [row["step"] for row in rows] == [4]
+    assert 0.0 <= rows[0]["lm_eval/tiny_mc/acc"] <= 1.0
+
+
+@pytest.mark.slow
+def test_export_of_a_dpo_run_writes_its_policy(dpo_run, tmp_path):
+    safetensors = pytest.importorskip("safetensors.numpy")
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import trainer_dir
+
+    out = str(tmp_path / "hf")
+    hf_llama.export_trainer_dir(dpo_run, out, dtype="float32")
+    exported = safetensors.load_file(os.path.join(out, "model.safetensors"))
+    _, params = trainer_dir.restore_model_params(dpo_run)
+    table = exported["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(table, np.asarray(params["policy"]["decoder"]["emb"]["token_emb"]["weight"]))
+    assert np.any(table != np.asarray(params["reference"]["decoder"]["emb"]["token_emb"]["weight"]))

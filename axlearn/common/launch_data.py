@@ -55,9 +55,14 @@ def _batch_shape(cfg: ConfigBase, input_cfg: ConfigBase, data_dir: str) -> tuple
 def _replace_inputs(cfg: ConfigBase, replacement: Callable[[ConfigBase], ConfigBase]) -> ConfigBase:
     """Replaces the training input and every evaler's input by `replacement(input)`."""
     cfg.input = replacement(cfg.input)
-    for evaler in cfg.evalers.values():
+    for evaler in _input_evalers(cfg):
         evaler.input = replacement(evaler.input)
     return cfg
+
+
+def _input_evalers(cfg: ConfigBase) -> list[ConfigBase]:
+    """The evalers that read an input (lm-eval's evaler reads its tasks instead)."""
+    return [evaler for evaler in cfg.evalers.values() if "input" in evaler.keys()]
 
 
 def use_fake_data(cfg: ConfigBase) -> ConfigBase:
@@ -114,7 +119,7 @@ def _data_dir_inputs(cfg: ConfigBase) -> list[ConfigBase]:
             found.append(value)
         return True
 
-    for input_cfg in [cfg.input, *(evaler.input for evaler in cfg.evalers.values())]:
+    for input_cfg in [cfg.input, *(evaler.input for evaler in _input_evalers(cfg))]:
         input_cfg.visit(lambda path, value: None, enter)
     return found
 
@@ -261,7 +266,7 @@ def use_token_shards(
             global_batch_size=batch,
             max_sequence_length=seq_len,
         )
-    for evaler in cfg.evalers.values():
+    for evaler in _input_evalers(cfg):
         evaler.input = shards_like(evaler.input, validation)
     log.info(
         "--data_dir=%s: training on %s; evaluating on %s",
@@ -280,7 +285,9 @@ def check_evaler_shards(
     missing = [
         name
         for name, evaler in cfg.evalers.items()
-        if "paths" in evaler.input.keys() and evaler.input.paths is REQUIRED
+        if "input" in evaler.keys()
+        and "paths" in evaler.input.keys()
+        and evaler.input.paths is REQUIRED
     ]
     if not missing:
         return
