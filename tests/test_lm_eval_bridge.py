@@ -196,3 +196,51 @@ def test_export_of_a_dpo_run_writes_its_policy(dpo_run, tmp_path):
     table = exported["model.embed_tokens.weight"]
     np.testing.assert_array_equal(table, np.asarray(params["policy"]["decoder"]["emb"]["token_emb"]["weight"]))
     assert np.any(table != np.asarray(params["reference"]["decoder"]["emb"]["token_emb"]["weight"]))
+
+
+# ----- lm-eval's CLI, as a process -----
+
+
+def _cli(tmp_path, tasks_dir, *args):
+    # pylint: disable-next=import-outside-toplevel
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_DATASETS_OFFLINE="1",
+               HF_HUB_OFFLINE="1", PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "axlearn.common.lm_eval_bridge", "run", "--model", "axlearn",
+         "--include_path", tasks_dir, *args],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+
+
+@pytest.fixture(name="tiny_hf_dir")
+def tiny_hf_dir_fixture(tmp_path):
+    hf_dir = str(tmp_path / "hf")
+    os.makedirs(hf_dir)
+    _write_tokenizer(hf_dir)
+    cfg = hf_llama.llama_model_config(
+        vocab_size=48, dim=16, num_layers=1, num_heads=2, num_kv_heads=1, hidden_dim=32,
+    )
+    params = cfg.clone(name="model").instantiate(parent=None).initialize_parameters_recursively(
+        jax.random.PRNGKey(0)
+    )
+    hf_llama.write_hf_model(params, cfg, hf_dir, dtype="float32")
+    return hf_dir
+
+
+@pytest.mark.slow
+def test_lm_eval_cli_runs_a_local_task_on_an_hf_dir(tmp_path, offline, tiny_hf_dir):
+    result = _cli(tmp_path, offline, "--model_args", f"hf_dir={tiny_hf_dir},max_length=32",
+                  "--tasks", "tiny_mc", "--output_path", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "tiny_mc" in result.stdout and "acc" in result.stdout
+
+
+@pytest.mark.slow
+def test_lm_eval_cli_unknown_task_is_one_line(tmp_path, offline, tiny_hf_dir):
+    result = _cli(tmp_path, offline, "--model_args", f"hf_dir={tiny_hf_dir}", "--tasks", "tiny_mcq")
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("lm_eval_bridge: ") and "tiny_mcq" in last

@@ -451,8 +451,9 @@ class LmEvalEvaler(Module):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """lm-eval's CLI with `--model axlearn` registered; an unknown task or unreadable task
-    data is one line and exit status 2."""
+    """lm-eval's CLI with `--model axlearn` registered. What lm-eval refuses (an unknown
+    task, task data that cannot be read, a bad model argument) is one line on stderr and
+    exit status 1; the traceback is logged at debug level."""
     # pylint: disable-next=import-outside-toplevel
     from lm_eval.__main__ import cli_evaluate
 
@@ -460,8 +461,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     sys.argv = ["lm_eval", *argv]
     try:
         cli_evaluate()
-    except (TaskError, ConfigError) as e:
-        raise SystemExit(f"lm_eval_bridge: {e}") from None
+    except Exception as e:  # pylint: disable=broad-except
+        log.debug("lm-eval failed", exc_info=True)
+        raise SystemExit(f"lm_eval_bridge: {_first_line(e)}") from None
 
 
 if __name__ == "__main__":
