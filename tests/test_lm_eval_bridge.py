@@ -10,10 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-lm_eval_bridge = pytest.importorskip("axlearn.common.lm_eval_bridge")
+from axlearn.common import generate, hf_llama
+from axlearn.common.input_vocab import load_vocabulary
 
-from axlearn.common import generate, hf_llama  # noqa: E402
-from axlearn.common.input_vocab import load_vocabulary  # noqa: E402
+
+def _bridge():
+    """The bridge, imported when a test runs (lm-eval's import takes seconds)."""
+    return pytest.importorskip("axlearn.common.lm_eval_bridge")
 
 WORDS = [f"w{i}" for i in range(40)]
 
@@ -104,13 +107,13 @@ def test_loglikelihoods_and_generations_match_lm_eval_hf_backend(tmp_path, offli
     hf_llama.write_hf_model(params, cfg, hf_dir, dtype="float32")
 
     tasks = ["tiny_mc", "tiny_gen"]
-    manager = lm_eval_bridge.task_manager(offline, include_registry=False)
-    ours = lm_eval_bridge.AxlearnLM(
+    manager = _bridge().task_manager(offline, include_registry=False)
+    ours = _bridge().AxlearnLM(
         generator=generate.Generator(cfg, params),
         vocab=load_vocabulary(tokenizer, any_special_ids=True),
         batch_size=4, max_length=64,
     )
-    our_results = lm_eval_bridge.evaluate(ours, tasks, manager=manager, log_samples=True)
+    our_results = _bridge().evaluate(ours, tasks, manager=manager, log_samples=True)
     hf_results = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={hf_dir},dtype=float32,max_length=64",
         tasks=tasks, task_manager=manager, batch_size=1, log_samples=True, device="cpu",
@@ -129,16 +132,16 @@ def test_loglikelihoods_and_generations_match_lm_eval_hf_backend(tmp_path, offli
 
 
 def test_unknown_task_is_one_line_naming_it(offline):
-    manager = lm_eval_bridge.task_manager(offline, include_registry=False)
-    with pytest.raises(lm_eval_bridge.TaskError, match="unknown lm-eval task 'tiny_mcq'.*tiny_mc") as e:
-        lm_eval_bridge.check_tasks(["tiny_mcq"], manager)
+    manager = _bridge().task_manager(offline, include_registry=False)
+    with pytest.raises(_bridge().TaskError, match="unknown lm-eval task 'tiny_mcq'.*tiny_mc") as e:
+        _bridge().check_tasks(["tiny_mcq"], manager)
     assert "\n" not in str(e.value)
 
 
 def test_task_whose_data_cannot_be_read_is_one_line_naming_it(offline):
-    manager = lm_eval_bridge.task_manager(offline, include_registry=False)
-    with pytest.raises(lm_eval_bridge.TaskError, match="task 'tiny_missing': its data cannot be read") as e:
-        lm_eval_bridge.load_tasks(["tiny_missing"], manager)
+    manager = _bridge().task_manager(offline, include_registry=False)
+    with pytest.raises(_bridge().TaskError, match="task 'tiny_missing': its data cannot be read") as e:
+        _bridge().load_tasks(["tiny_missing"], manager)
     assert "\n" not in str(e.value)
 
 
@@ -160,7 +163,7 @@ def dpo_run_fixture(tmp_path_factory):
     _write_tasks(str(tasks))
     tokenizer = _write_tokenizer(str(root))
     cfg = llama_dpo.llama_dpo_test_trainer().set(max_step=4, dir=str(root / "run"))
-    cfg.evalers["lm_eval"] = lm_eval_bridge.LmEvalEvaler.default_config().set(
+    cfg.evalers["lm_eval"] = _bridge().LmEvalEvaler.default_config().set(
         tasks=["tiny_mc"], tokenizer=tokenizer, include_path=str(tasks), include_registry=False,
         max_length=32,
     )
