@@ -59,8 +59,15 @@ def as_dpo(
 ) -> SpmdTrainer.Config:
     """The DPO trainer of a causal-LM trainer config `cfg` (see the module docstring):
     `pairs` its input, AdamW at `learning_rate` (10% warmup, cosine to 0) for `max_step`
-    steps; the LM's evalers are dropped (their batches are not pairs)."""
+    steps, `cfg`'s learner update rules kept for the policy (a LoRA config's: then
+    reference='adapters_disabled'); the LM's evalers are dropped (their batches are not
+    pairs)."""
     cfg = cfg.clone()
+    # The LM's own update rules (a LoRA modifier's) now name parameters under 'policy/'.
+    policy_rules = [
+        (regex if regex.startswith(".*") else "policy/" + regex, update)
+        for regex, update in cfg.learner.update_rules or ()
+    ]
     cfg.model = dpo.DPOModel.default_config().set(
         policy=cfg.model, reference=reference, loss_type=loss_type, beta=beta
     )
@@ -72,8 +79,8 @@ def as_dpo(
         alpha=0.0,
         b2=0.999,
     )
-    if reference == "frozen_copy":
-        cfg.learner.update_rules = [dpo.REFERENCE_UPDATE_RULE]
+    rules = [dpo.REFERENCE_UPDATE_RULE] if reference == "frozen_copy" else []
+    cfg.learner.update_rules = (rules + policy_rules) or None
     cfg.input = pairs
     cfg.evalers = {}
     cfg.max_step = max_step
