@@ -64,6 +64,9 @@ def test_fake_pairs_share_their_prompt_and_weigh_only_the_response():
         prompt_length=3, is_training=True,
     ).instantiate(parent=None)
     batch = pairs.host_batch(0)
+    assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+        k: (v.shape, v.dtype) for k, v in pairs.element_spec().items()
+    }
     np.testing.assert_array_equal(batch["chosen_input_ids"][:, :3], batch["rejected_input_ids"][:, :3])
     assert np.any(batch["chosen_input_ids"][:, 3:] != batch["rejected_input_ids"][:, 3:])
     for side in ("chosen", "rejected"):

@@ -10,6 +10,7 @@ positions 0..T-1, and `target_num_bytes = T` (as if every token were one byte).
 from collections.abc import Iterator
 from typing import Optional
 
+import jax
 import numpy as np
 
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
@@ -111,6 +112,15 @@ class FakePairInput(FakeLmInput):
                 f"{self.path()}.prompt_length must be in [1, max_sequence_length="
                 f"{cfg.max_sequence_length}), got {prompt}"
             )
+
+    def element_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes and dtypes of one global batch of pairs."""
+        shape = (self.global_batch_size, self.max_sequence_length)
+        return {
+            f"{side}_{key}": jax.ShapeDtypeStruct(shape, np.float32 if key == "target_weights" else np.int32)
+            for side in ("chosen", "rejected")
+            for key in ("input_ids", "target_labels", "target_weights")
+        }
 
     def host_batch(self, step: int) -> Batch:
         """This process's pairs of global batch `step`."""
