@@ -109,6 +109,9 @@ def llama_dpo_trainer() -> SpmdTrainer.Config:
         learning_rate=1e-6,
         max_step=1000,
     )
+    # A fine-tuning batch: the single-host GPU and CPU rules (clusters split it too thin).
+    single_host = ("gpu-h", "gpu-(h", common.CPU)
+    cfg.mesh_rules = [rule for rule in cfg.mesh_rules if rule[0].startswith(single_host)]
     return cfg.set(name="llama_dpo")
 
 
@@ -117,7 +120,8 @@ def gpt_1b_dpo_trainer() -> SpmdTrainer.Config:
     size = gpt.SIZES["1B"]
     cfg = as_dpo(
         gpt.gpt_trainer("1B"),
-        pairs=_pairs(global_batch_size=size.global_batch_size // 2, length=PAIR_LENGTH,
+        # gpt_1b's rows of 4,096 tokens as pairs of 2 x 2,048: the same tokens a step.
+        pairs=_pairs(global_batch_size=size.global_batch_size, length=PAIR_LENGTH,
                      vocab_size=size.vocab_size),
         learning_rate=1e-6,
         max_step=size.max_step,

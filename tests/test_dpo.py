@@ -276,3 +276,31 @@ def test_batch_reference_without_its_keys_names_them():
 def test_bad_settings_are_refused_by_field(fields, message):
     with pytest.raises(ConfigError, match=message):
         _model(**fields)
+
+
+def test_adapters_disabled_reference_is_the_policy_inside_lora_context(monkeypatch):
+    # lora.adapters_disabled() (interface of axlearn.common.lora) stood in for by a context
+    # that counts its entries: with no adapters, the reference is the policy itself.
+    import contextlib  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    entered = []
+
+    @contextlib.contextmanager
+    def adapters_disabled():
+        entered.append(True)
+        yield
+
+    fake = types.ModuleType("axlearn.common.lora")
+    fake.adapters_disabled = adapters_disabled
+    monkeypatch.setitem(sys.modules, "axlearn.common.lora", fake)
+    import axlearn.common  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(axlearn.common, "lora", fake, raising=False)
+    model = _model(reference="adapters_disabled")
+    params = model.initialize_parameters_recursively(jax.random.PRNGKey(4))
+    assert set(params) == {"policy"}  # No second copy of the weights.
+    (loss, aux), _ = _run(model, params, _pair_batch(4))
+    assert entered
+    np.testing.assert_allclose(float(loss), np.log(2.0), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(aux["chosen_rewards"]), 0.0)
