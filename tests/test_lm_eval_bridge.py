@@ -247,3 +247,23 @@ def test_lm_eval_cli_unknown_task_is_one_line(tmp_path, offline, tiny_hf_dir):
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("lm_eval_bridge: ") and "tiny_mcq" in last
+
+
+@pytest.mark.slow
+def test_rolling_loglikelihoods_over_several_windows_match_lm_eval_hf_backend(tiny_hf_dir):
+    # pylint: disable-next=import-outside-toplevel
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    rng = np.random.default_rng(1)
+    texts = [" ".join(rng.choice(WORDS, n)) for n in (5, 23, 40)]  # 1, 2 and 3 windows of 16.
+
+    def requests():
+        return [Instance(request_type="loglikelihood_rolling", doc={}, arguments=(t,), idx=0)
+                for t in texts]
+
+    ours = _bridge().AxlearnLM(hf_dir=tiny_hf_dir, dtype="float32", max_length=16, batch_size=2)
+    hf = HFLM(pretrained=tiny_hf_dir, dtype="float32", max_length=16, batch_size=1, device="cpu")
+    np.testing.assert_allclose(
+        ours.loglikelihood_rolling(requests()), hf.loglikelihood_rolling(requests()), atol=1e-4
+    )
