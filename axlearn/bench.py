@@ -189,7 +189,8 @@ def run_benchmark(
         cfg = modify(cfg)
     trainer = cfg.instantiate(parent=None)
     accounting = perf.StepAccounting.for_trainer(trainer)
-    batch_rows = trainer.input.element_spec()["input_ids"].shape[0]
+    # Rows of the batch: a pair batch's pairs (each side's rows), not its sequences.
+    batch_rows = jax.tree.leaves(trainer.input.element_spec())[0].shape[0]
     microbatches = trainer.num_microbatches(batch_rows)  # From per_device_microbatch_size.
     trainer._state = trainer.init_state(jax.random.PRNGKey(0))  # pylint: disable=protected-access
     from axlearn.common.input_prefetch import prefetch_in_thread  # pylint: disable=import-outside-toplevel
@@ -268,7 +269,8 @@ def run_input_benchmark(
         next(batches)
     start = time.perf_counter()
     for _ in range(steps):
-        tokens += next(batches)["input_ids"].size
+        batch = next(batches)
+        tokens += sum(x.size for key, x in batch.items() if key.endswith("input_ids"))
     elapsed = time.perf_counter() - start
     close = getattr(batches, "close", None)
     if close is not None:

@@ -451,6 +451,27 @@ class Model(BaseLayer):
             for name, value in stats.items()
         }
 
+    def target_log_probs(self, input_batch: dict[str, Tensor]) -> Tensor:
+        """log p(target_labels[b, t] | inputs up to t), float32 [B, T], for objectives that
+        score whole sequences (DPO); dead labels (< 0) give any value, the caller masks
+        them. Runs as `forward` does (chunked with `loss_chunk_size`), without its loss."""
+        cfg = self.config
+        input_ids = self._shard_tokens(input_batch["input_ids"])
+        labels = self._shard_tokens(input_batch["target_labels"])
+        decoder_kwargs = {}
+        if not cfg.attend_across_documents:
+            decoder_kwargs = dict(
+                segment_ids=self._shard_tokens(input_batch.get("input_segment_ids")),
+                positions=self._shard_tokens(input_batch.get("input_positions")),
+            )
+        if cfg.loss_chunk_size is None:
+            logits = self.decoder(input_ids, **decoder_kwargs)["logits"]
+            stats = _token_statistics(logits, labels)
+        else:
+            hidden_states = self.decoder.compute_hidden_states(input_ids, **decoder_kwargs)
+            stats = self._chunked_token_statistics(hidden_states, labels)
+        return -stats["cross_entropy"]
+
     # ----- accounting -----
 
     def model_flops_per_token(self, seq_len: int) -> float:
@@ -539,3 +560,19 @@ def active_matmul_parameter_count(model: BaseLayer) -> float:
             routed += fraction * _size(spec)
     return matmul_parameter_count(unflatten_paths(dense)) + routed
 
+
+
+# ----- the language model of a wrapper model -----
+
+
+def language_model_field(model_cfg: Any) -> Optional[str]:
+    """The child field that holds the causal LM of a model that wraps one (a class
+    attribute `language_model_field`, e.g. `dpo.DPOModel`'s 'policy'); None: the model
+    is the language model itself."""
+    return getattr(getattr(model_cfg, "klass", None), "language_model_field", None)
+
+
+def language_model_config(model_cfg: Any) -> Any:
+    """The causal LM config of a model config: its own, or its wrapped one's."""
+    field = language_model_field(model_cfg)
+    return model_cfg if field is None else getattr(model_cfg, field)

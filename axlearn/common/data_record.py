@@ -126,7 +126,8 @@ def describe_data(cfg: ConfigBase) -> dict[str, dict[str, Any]]:
     """{config path of an input source: its description}, for the training input and
     every evaler's (see `_sources`)."""
     roots = {"input": cfg.input}
-    roots.update({f"evalers['{name}'].input": e.input for name, e in cfg.evalers.items()})
+    roots.update({f"evalers['{name}'].input": e.input for name, e in cfg.evalers.items()
+                  if "input" in e.keys()})  # lm-eval's evaler reads its tasks, not an input.
     return {
         path: describe_source(source)
         for root_path, root in roots.items()

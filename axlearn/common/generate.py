@@ -49,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from axlearn.common import hf_checkpoint, hf_models, trainer_dir
 from axlearn.common.attention import FusedGroupedQKVLinear, GroupedQKVLinear
+from axlearn.common.causal_lm import language_model_config
 from axlearn.common.command_flags import parse_command_flags
 from axlearn.common.config import ConfigBase, ConfigError
 from axlearn.common.decoder import greedy_choice, sampling_choice, token_id_list
@@ -604,9 +605,10 @@ def from_trainer_dir(
     memory and then placed in its shards."""
     cfg = trainer_dir.read_trainer_config(directory)
     decode_dtype = _decode_dtype(dtype)
-    mesh, model = _mesh_for(cfg.model.clone(dtype=decode_dtype), devices)
-    _, params = trainer_dir.restore_model_params(directory, step=step, model_config=cfg.model)
-    params = cast_floats(unfuse_qkv(params, cfg.model, model), decode_dtype)
+    lm_config = language_model_config(cfg.model)  # A DPO run's policy.
+    mesh, model = _mesh_for(lm_config.clone(dtype=decode_dtype), devices)
+    _, _, params = trainer_dir.restore_language_model(directory, step=step)
+    params = cast_floats(unfuse_qkv(params, lm_config, model), decode_dtype)
     params = jax.device_put(params, tensor_parallel_shardings(params, mesh))
     return Generator(model, params, mesh=mesh), trainer_dir.recorded_tokenizer(cfg)
 

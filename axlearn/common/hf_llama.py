@@ -68,7 +68,7 @@ from axlearn.common.attention import (
     linear_rope_scaling,
     llama3_rope_scaling,
 )
-from axlearn.common.causal_lm import Model
+from axlearn.common.causal_lm import Model, language_model_config
 from axlearn.common.checkpointer import CheckpointCorruptError
 from axlearn.common.command_flags import parse_command_flags, usage_error
 from axlearn.common.config import (
@@ -947,12 +947,16 @@ def export_trainer_dir(
     from axlearn.common import trainer_dir as trainer_dir_lib
 
     trainer_cfg = trainer_dir_lib.read_trainer_config(trainer_dir)
-    llama_dims(trainer_cfg.model)  # Refuses a model a Llama cannot express, before reading.
+    # The run's language model: its model, or the one it wraps (a DPO run's policy).
+    lm_config = language_model_config(trainer_cfg.model)
+    llama_dims(lm_config)  # Refuses a model a Llama cannot express, before reading.
     limit = hf_checkpoint.parse_size(max_shard_size)
     if dtype is None:
-        dtype = jnp.dtype(trainer_cfg.model.dtype or jnp.float32).name
+        dtype = jnp.dtype(lm_config.dtype or jnp.float32).name
         log.info("Writing %s weights, the run's parameter dtype (--dtype to choose)", dtype)
     init_params = trainer_cfg.init_params
+    if init_params is not None and "source" in init_params.keys():
+        init_params = init_params.source  # The language model's (dpo.PolicyWeights).
     source = getattr(init_params, "source_fields", None) if init_params is not None else None
     if tokenizer is None:
         tokenizer = trainer_dir_lib.recorded_tokenizer(trainer_cfg)
@@ -961,10 +965,10 @@ def export_trainer_dir(
             tokenizer = None
         elif tokenizer is None:
             log.warning("The run records no tokenizer file: none exported (--tokenizer=PATH)")
-    restored_step, params = trainer_dir_lib.restore_model_params(trainer_dir, step=step)
+    restored_step, _, params = trainer_dir_lib.restore_language_model(trainer_dir, step=step)
     written = write_hf_model(
         params,
-        trainer_cfg.model,
+        lm_config,
         output,
         dtype=dtype,
         max_shard_size=limit,

@@ -10,6 +10,7 @@ positions 0..T-1, and `target_num_bytes = T` (as if every token were one byte).
 from collections.abc import Iterator
 from typing import Optional
 
+import jax
 import numpy as np
 
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
@@ -88,3 +89,57 @@ class FakeLmInput(BaseInput):
         while cfg.is_training or step < cfg.num_eval_batches:
             yield self.host_batch(step)
             step += 1
+
+
+class FakePairInput(FakeLmInput):
+    """Deterministic random preference pairs (DPO batches, `dpo.DPOModel`): each row's
+    chosen and rejected sequences share their first `prompt_length` tokens (the prompt)
+    and differ after it; `*_target_weights` are 1 on the targets after the prompt (the
+    response tokens), 0 on the prompt. `max_sequence_length` is each side's length."""
+
+    @config_class
+    class Config(FakeLmInput.Config):
+        """Configures FakePairInput."""
+
+        prompt_length: Optional[int] = None  # Tokens of the shared prompt; None: half of T.
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module], **kwargs):
+        super().__init__(cfg, parent=parent, **kwargs)
+        cfg = self.config
+        prompt = cfg.prompt_length
+        if prompt is not None and not 1 <= prompt < cfg.max_sequence_length:
+            raise ConfigError(
+                f"{self.path()}.prompt_length must be in [1, max_sequence_length="
+                f"{cfg.max_sequence_length}), got {prompt}"
+            )
+
+    def element_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes and dtypes of one global batch of pairs."""
+        shape = (self.global_batch_size, self.max_sequence_length)
+        return {
+            f"{side}_{key}": jax.ShapeDtypeStruct(shape, np.float32 if key == "target_weights" else np.int32)
+            for side in ("chosen", "rejected")
+            for key in ("input_ids", "target_labels", "target_weights")
+        }
+
+    def host_batch(self, step: int) -> Batch:
+        """This process's pairs of global batch `step`."""
+        cfg = self.config
+        host_rows = self.host_rows()
+        rows = np.arange(host_rows.start, host_rows.stop)
+        length = cfg.max_sequence_length
+        prompt = cfg.prompt_length or length // 2
+        batch = {}
+        for side, salt in (("chosen", 0), ("rejected", 1)):
+            tokens = fake_tokens(
+                seed=cfg.seed + salt, step=step, rows=rows, length=length + 1,
+                vocab_size=cfg.vocab_size,
+            )
+            if salt:  # The same prompt as the chosen side's.
+                tokens[:, :prompt] = batch["chosen_input_ids"][:, :prompt]
+            weights = np.zeros((rows.size, length), np.float32)
+            weights[:, prompt - 1 :] = 1.0  # Targets prompt..T: the response's tokens.
+            batch[f"{side}_input_ids"] = tokens[:, :-1]
+            batch[f"{side}_target_labels"] = tokens[:, 1:]
+            batch[f"{side}_target_weights"] = weights
+        return batch

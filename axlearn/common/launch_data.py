@@ -55,21 +55,34 @@ def _batch_shape(cfg: ConfigBase, input_cfg: ConfigBase, data_dir: str) -> tuple
 def _replace_inputs(cfg: ConfigBase, replacement: Callable[[ConfigBase], ConfigBase]) -> ConfigBase:
     """Replaces the training input and every evaler's input by `replacement(input)`."""
     cfg.input = replacement(cfg.input)
-    for evaler in cfg.evalers.values():
+    for evaler in _input_evalers(cfg):
         evaler.input = replacement(evaler.input)
     return cfg
 
 
+def _input_evalers(cfg: ConfigBase) -> list[ConfigBase]:
+    """The evalers that read an input (lm-eval's evaler reads its tasks instead)."""
+    return [evaler for evaler in cfg.evalers.values() if "input" in evaler.keys()]
+
+
 def use_fake_data(cfg: ConfigBase) -> ConfigBase:
     """Replaces the training input (and evaluation inputs) with synthetic batches."""
-    from axlearn.common.input_fake import FakeLmInput  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.causal_lm import language_model_config, language_model_field
+    from axlearn.common.input_fake import (  # pylint: disable=import-outside-toplevel
+        FakeLmInput,
+        FakePairInput,
+    )
+
+    # A model that wraps a language model (DPO) trains on pairs.
+    fake = FakeLmInput if language_model_field(cfg.model) is None else FakePairInput
 
     def fake_like(input_cfg: ConfigBase) -> ConfigBase:
         batch, seq_len = _batch_shape(cfg, input_cfg, FAKE_DATA_DIR)
-        return FakeLmInput.default_config().set(
+        return fake.default_config().set(
             global_batch_size=batch,
             max_sequence_length=seq_len,
-            vocab_size=cfg.model.decoder.vocab_size,
+            vocab_size=language_model_config(cfg.model).decoder.vocab_size,
             is_training=input_cfg.is_training,
         )
 
@@ -106,7 +119,7 @@ def _data_dir_inputs(cfg: ConfigBase) -> list[ConfigBase]:
             found.append(value)
         return True
 
-    for input_cfg in [cfg.input, *(evaler.input for evaler in cfg.evalers.values())]:
+    for input_cfg in [cfg.input, *(evaler.input for evaler in _input_evalers(cfg))]:
         input_cfg.visit(lambda path, value: None, enter)
     return found
 
@@ -257,7 +270,7 @@ def use_token_shards(
             global_batch_size=batch,
             max_sequence_length=seq_len,
         )
-    for evaler in cfg.evalers.values():
+    for evaler in _input_evalers(cfg):
         evaler.input = shards_like(evaler.input, validation)
     log.info(
         "--data_dir=%s: training on %s; evaluating on %s",
@@ -276,7 +289,9 @@ def check_evaler_shards(
     missing = [
         name
         for name, evaler in cfg.evalers.items()
-        if "paths" in evaler.input.keys() and evaler.input.paths is REQUIRED
+        if "input" in evaler.keys()
+        and "paths" in evaler.input.keys()
+        and evaler.input.paths is REQUIRED
     ]
     if not missing:
         return

@@ -220,9 +220,17 @@ _VOCAB_SIZE_FIELDS = ("vocab_size", "model_vocab_size")
 
 
 def model_vocab_size(cfg: ConfigBase) -> Any:
-    """The model's vocabulary size (model.decoder.vocab_size); None for a model without."""
+    """The model's vocabulary size (model.decoder.vocab_size, or that of the language model
+    a model wraps: model.policy.decoder.vocab_size); None for a model without."""
     try:
         return get_recursively(cfg, parse_path(MODEL_VOCAB_SIZE))
+    except (ConfigError, AttributeError, KeyError):
+        pass
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.causal_lm import language_model_config
+
+    try:
+        return language_model_config(cfg.model).decoder.vocab_size
     except (ConfigError, AttributeError, KeyError):
         return None
 
@@ -260,10 +268,20 @@ def use_hf_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common import hf_models
 
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.causal_lm import language_model_field
+
     path = os.path.abspath(path)
-    cfg.model, cfg.init_params = hf_models.warm_start(cfg.model, path)
-    decoder = cfg.model.decoder
-    family = hf_models.FAMILIES[getattr(cfg.init_params, "model_type", "llama")][1]
+    field = language_model_field(cfg.model)  # A model that wraps the LM (DPO's 'policy').
+    recipe = cfg.model if field is None else getattr(cfg.model, field)
+    lm, weights = hf_models.warm_start(recipe, path)
+    family = hf_models.FAMILIES[getattr(weights, "model_type", "llama")][1]
+    if field is None:
+        cfg.model, cfg.init_params = lm, weights
+    else:
+        setattr(cfg.model, field, lm)
+        cfg.init_params = cfg.model.klass.init_params_config(weights)
+    decoder = lm.decoder
     log.info(
         "--init_from_hf=%s: a %s of %d layers, dim %d, vocab %d; weights read at step 0 "
         "of a fresh run",

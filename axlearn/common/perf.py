@@ -67,6 +67,17 @@ def tree_size(tree: Any) -> int:
     return sum(math.prod(leaf.shape) for leaf in leaves)
 
 
+def input_rows_shape(element_spec: dict[str, Any]) -> tuple[int, int]:
+    """(rows, tokens a row) of a batch: of its 'input_ids', or, for preference pairs
+    ('chosen_input_ids' and 'rejected_input_ids', one row each side), both sides' rows."""
+    if "input_ids" in element_spec:
+        return tuple(element_spec["input_ids"].shape)
+    sides = [spec.shape for key, spec in sorted(element_spec.items()) if key.endswith("_input_ids")]
+    if not sides:
+        raise KeyError(f"The batch has no input_ids; it has {sorted(element_spec)}")
+    return sum(shape[0] for shape in sides), sides[0][1]
+
+
 @dataclasses.dataclass
 class StepAccounting:
     """Turns a step time into the standard columns."""
@@ -81,7 +92,7 @@ class StepAccounting:
     def for_trainer(cls, trainer) -> "StepAccounting":
         """The accounting of `trainer`'s steps: its input's [batch, seq_len] tokens, its
         model's parameters and FLOPs per token, its mesh's devices."""
-        batch, seq_len = trainer.input.element_spec()["input_ids"].shape
+        batch, seq_len = input_rows_shape(trainer.input.element_spec())
         flops_per_token = model_flops_per_token(trainer.model, seq_len)
         tokens = batch * seq_len
         peak = trainer.config.peak_tflops_per_device or peak_tflops(trainer.mesh.devices.flat[0])

@@ -3,6 +3,7 @@ parameters at a step, and the tokenizer its data was made with.
 
     cfg = read_trainer_config(trainer_dir)                   # <trainer_dir>/config.txt
     step, params = restore_model_params(trainer_dir, step=None)  # the latest checkpoint
+    step, lm_cfg, params = restore_language_model(trainer_dir)  # a DPO run's policy
     tokenizer = recorded_tokenizer(cfg)                      # a model file, 'bytes' or None
 
 Only the model parameters are read from the checkpoint (not the optimizer state), into
@@ -17,6 +18,7 @@ import jax
 
 from axlearn.common import file_system
 from axlearn.common.base_layer import is_parameter_spec
+from axlearn.common.causal_lm import language_model_config, language_model_field
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import ConfigBase, ConfigError, qualified_name
 from axlearn.common.golden_text import parse_flat_text
@@ -58,12 +60,15 @@ def restore_model_params(
     step: Optional[int] = None,
     model_config: Optional[ConfigBase] = None,
     sharding: Optional[jax.sharding.Sharding] = None,
+    param_prefix: Optional[str] = None,
 ) -> tuple[int, Any]:
     """(step, model parameters) of checkpoint `step` in `trainer_dir` (None: the latest
     committed one), without the optimizer state.
 
-    `model_config` defaults to the recorded config's model. Every parameter is placed
-    whole by `sharding`, by default on JAX's CPU device (host memory).
+    `model_config` defaults to the recorded config's model; with `param_prefix`, it is
+    the model of the checkpoint's parameters under that name (a wrapped language model)
+    and only those are read. Every parameter is placed whole by `sharding`, by default on
+    JAX's CPU device (host memory).
     """
     if model_config is None:
         model_config = read_trainer_config(trainer_dir).model
@@ -82,20 +87,42 @@ def restore_model_params(
     try:
         if step is None and checkpointer.latest_committed_step() is None:
             raise ConfigError(f"{directory}: no committed checkpoint")
+        if param_prefix is not None:
+            template = {param_prefix: template}
         restored_step, restored, _ = checkpointer.restore(
             step=step, state={"model": template}, subset=True
         )
     finally:
         checkpointer.stop()
     log.info("Restored the model parameters of step %d from %s", restored_step, directory)
-    return restored_step, restored["model"]
+    params = restored["model"]
+    return restored_step, params if param_prefix is None else params[param_prefix]
+
+
+def restore_language_model(
+    trainer_dir: str,
+    *,
+    step: Optional[int] = None,
+    sharding: Optional[jax.sharding.Sharding] = None,
+) -> tuple[int, ConfigBase, Any]:
+    """(step, the causal LM's config, its parameters) of a run: its model, or the language
+    model its model wraps (a DPO run's policy, without the reference copy)."""
+    model = read_trainer_config(trainer_dir).model
+    lm = language_model_config(model)
+    restored_step, params = restore_model_params(
+        trainer_dir, step=step, model_config=lm, sharding=sharding,
+        param_prefix=language_model_field(model),
+    )
+    return restored_step, lm, params
 
 
 # ----- the tokenizer recorded with the data -----
 
 
 def _input_configs(cfg: ConfigBase) -> list[ConfigBase]:
-    return [cfg.input, *(evaler.input for evaler in cfg.evalers.values())]
+    # Evalers without an input of their own (lm-eval's tasks) bring no tokenizer.
+    evaler_inputs = [e.input for e in cfg.evalers.values() if "input" in e.keys()]
+    return [cfg.input, *evaler_inputs]
 
 
 def _named_vocab_files(cfg: ConfigBase) -> tuple[list[str], list[str], bool]:
