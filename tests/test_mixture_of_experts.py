@@ -239,7 +239,17 @@ _EXPERT_PARALLEL_SCRIPT = textwrap.dedent(
         for a, b in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads0)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
 
-    drop_free = _drop_free_config().set(num_experts=8)
+    # Experts over 'expert' (expert parallelism), their model dim over 'fsdp'.
+    drop_free = _drop_free_config().set(
+        num_experts=8,
+        dim_to_mesh_axis_map={
+            "me": (None, None), "emh": ("expert", "fsdp", "model"),
+            "ehm": ("expert", "model", "fsdp")},
+        input_dim_to_partition_spec={"bsm": (("data", "expert", "fsdp"), None, None)},
+        output_dim_to_partition_spec={
+            "bsm": (("data", "expert", "fsdp"), None, None),
+            "emh": ("expert", None, "model"), "ehm": ("expert", "model", None)},
+    )
     check(drop_free, (1, 8, 1, 1))  # One expert a device.
     check(drop_free, (2, 2, 2, 1))  # Data parallel x experts over 2 x FSDP over 2.
     # Experts over 2, FSDP over 2, hidden over 2 (model); as the GPU kernels run it
