@@ -413,24 +413,25 @@ class BaseTransformerFeedForwardMoE(BaseLayer):
         cfg = self.config
         axes = cfg.dim_to_mesh_axis_map
         experts = FanAxes(in_axis=-2, out_axis=-1, batch_axis=0)
+        # AXLearn's order and (tuple) shapes, as its golden _init files list them.
         specs = dict(
             gate_weight=ParameterSpec(
-                shape=[cfg.input_dim, cfg.num_experts],
+                shape=(cfg.input_dim, cfg.num_experts),
                 mesh_axes=axes["me"],
                 fan_axes=FanAxes(in_axis=-2, out_axis=-1),
-            )
+            ),
+            wo_weight=ParameterSpec(
+                shape=(cfg.num_experts, self._hidden_dim, cfg.input_dim),
+                mesh_axes=axes["ehm"],
+                fan_axes=experts,
+            ),
         )
         for name in self._wi_names():
             specs[name] = ParameterSpec(
-                shape=[cfg.num_experts, cfg.input_dim, self._hidden_dim],
+                shape=(cfg.num_experts, cfg.input_dim, self._hidden_dim),
                 mesh_axes=axes["emh"],
                 fan_axes=experts,
             )
-        specs["wo_weight"] = ParameterSpec(
-            shape=[cfg.num_experts, self._hidden_dim, cfg.input_dim],
-            mesh_axes=axes["ehm"],
-            fan_axes=experts,
-        )
         return specs
 
     def matmul_parameter_fraction(self, name: str) -> Optional[float]:

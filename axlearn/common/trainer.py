@@ -45,7 +45,7 @@ from axlearn.common.sharding import (
 )
 from axlearn.common.summary import WeightedScalar, scalar_value
 from axlearn.common.summary_writer import SummaryWriter
-from axlearn.common.utils import flatten_with_paths
+from axlearn.common.utils import HybridMeshShape, flatten_with_paths
 from axlearn.common.weight_copies import WeightCopies, uses_float32_weight_grads
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,18 @@ MAX_PARAMETER_NORM_GROWTH = 100.0
 
 
 def infer_mesh_shape(mesh_shape: MeshShape, num_devices: int) -> tuple[int, ...]:
-    """Resolves one -1 entry so that the product equals `num_devices`."""
+    """Resolves one -1 entry so that the product equals `num_devices`. A HybridMeshShape
+    is resolved as its product shape, the -1 axis a multiple of its other part."""
+    if isinstance(mesh_shape, HybridMeshShape):
+        shape = infer_mesh_shape(mesh_shape.flat(), num_devices)
+        for axis, (ici, dcn) in enumerate(zip(mesh_shape.ici_mesh_shape, mesh_shape.dcn_mesh_shape)):
+            part = dcn if ici == -1 else ici
+            if shape[axis] % abs(part):
+                raise ConfigError(
+                    f"mesh_shape {mesh_shape}: axis {axis} of {shape[axis]} devices does not "
+                    f"split into parts of {part}"
+                )
+        return shape
     shape = list(mesh_shape)
     unknown = [i for i, d in enumerate(shape) if d == -1]
     if len(unknown) > 1:

@@ -7,7 +7,7 @@ golden configs.
 """
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from axlearn.common.config import (
     REQUIRED,
@@ -20,6 +20,7 @@ from axlearn.common.config import (
     set_recursively,
 )
 from axlearn.common.metrics import MetricAccumulator
+from axlearn.common.utils import HybridMeshShape
 
 
 class MeshShapeModifier(ConfigModifier):
@@ -29,10 +30,12 @@ class MeshShapeModifier(ConfigModifier):
     class Config(ConfigModifier.Config):
         """Configures MeshShapeModifier."""
 
-        mesh_shape: Required[Sequence[int]] = REQUIRED
+        # A shape over the mesh axes, or a HybridMeshShape (within and across hosts).
+        mesh_shape: Required[Union[Sequence[int], HybridMeshShape]] = REQUIRED
 
     def __call__(self, cfg):
-        cfg.mesh_shape = tuple(self.config.mesh_shape)
+        mesh_shape = self.config.mesh_shape
+        cfg.mesh_shape = mesh_shape if isinstance(mesh_shape, HybridMeshShape) else tuple(mesh_shape)
         return cfg
 
 
