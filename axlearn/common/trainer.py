@@ -32,7 +32,7 @@ from axlearn.common.config import (
 )
 from axlearn.common.evaler import SpmdEvaler
 from axlearn.common.input_prefetch import prefetch_in_thread
-from axlearn.common.learner import Learner
+from axlearn.common.learner import Learner, restore_with_legacy_schedule_step
 from axlearn.common.module import Module, functional
 from axlearn.common.optimizers import SkipClipState, find_states, global_norm
 from axlearn.common.sharding import (
@@ -558,7 +558,10 @@ class SpmdTrainer(Module):
             )
         if "checkpointer" in self.children:
             step, restored, extra = fp8.restore_with_fresh_scaling_state(
-                lambda template: self.checkpointer.restore(step=self._restore_step, state=template),
+                lambda template: restore_with_legacy_schedule_step(
+                    lambda t: self.checkpointer.restore(step=self._restore_step, state=t),
+                    template,
+                ),
                 self._state_template(),
                 functools.partial(self._initial_state_values, seed=seed),
             )
