@@ -21,14 +21,16 @@ norm, residual and activation fields):
   'expert' axis, rows travel to the device that holds their expert and back with two
   all-to-alls (expert parallelism); with the experts' weights split over FSDP axes instead,
   they are gathered, as any FSDP weight is, and no token moves (the data-parallel layout).
-  Which one runs follows from the mesh alone.
+  Which one runs follows from the mesh and the layer's partition specs (AXLearn's
+  `dim_to_mesh_axis_map`, `input_dim_to_partition_spec`, `output_dim_to_partition_spec`).
+  Tested against a NumPy loop that sends every token through its top-k experts.
 
 Both layers report `aux_loss` = load_balance_loss_weight x load-balancing loss +
-router_z_loss_weight x router z-loss (+ corr_loss_weight x the experts' correlation loss,
-in the capacity layer) as a module output, which `causal_lm.AuxLossMetrics` adds to the
+router_z_loss_weight x router z-loss (+ corr_loss_weight x the experts' correlation loss)
+as a module output, which `causal_lm.AuxLossMetrics` adds to the
 model's loss; the unweighted losses are summaries (of the gating layer, for the router's).
 
-Letters in `dim_to_mesh_axis_map` keys name tensor dims: O outer batch, G groups, S tokens
+Letters in the partition-spec keys name tensor dims: O outer batch, G groups, S tokens
 of a group (or of a sequence), B batch, E experts, C capacity, M model dim, H hidden dim.
 """
 
