@@ -540,7 +540,7 @@ def test_axlearn_gmm_backend_golden_lines_parse_dump_back_and_instantiate(monkey
 # ----- AXLearn's drop-free fields -----
 
 
-def _forward(cfg, x):
+def _jit_forward(cfg, x):
     layer = cfg.instantiate(parent=None)
     params = layer.initialize_parameters_recursively(jax.random.PRNGKey(0))
     forward = jax.jit(lambda p, x: F(layer, state=p, inputs=(x,), prng_key=None, is_training=True))
@@ -553,15 +553,15 @@ def test_drop_free_groups_interpret_and_tiling_leave_the_numpy_output_unchanged(
     # ragged_dot; tiling is the TPU kernel's.
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, DIM))
     cfg = _drop_free_config(num_groups=4, outer_batch=2, interpret=True, tiling=(128, 512, 512))
-    params, y, _ = _forward(cfg, x)
+    params, y, _ = _jit_forward(cfg, x)
     params = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     np.testing.assert_allclose(y, _np_drop_free(params, np.asarray(x, np.float64)), atol=1e-5)
 
 
 def test_drop_free_corr_loss_weight_adds_the_router_correlation_loss():
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, DIM))
-    _, _, base = _forward(_drop_free_config(), x)
-    params, _, with_corr = _forward(_drop_free_config(corr_loss_weight=0.5), x)
+    _, _, base = _jit_forward(_drop_free_config(), x)
+    params, _, with_corr = _jit_forward(_drop_free_config(corr_loss_weight=0.5), x)
     gate = np.asarray(params["gate_weight"], np.float64)
     columns = gate / np.linalg.norm(gate, axis=0, keepdims=True)
     corr = 0.5 * np.mean(np.abs(columns.T @ columns - np.eye(EXPERTS)))
