@@ -483,9 +483,9 @@ def segment_wise(segments: Sequence[ScheduleLike], *, segment_steps: Sequence[in
     after) and is called with `step - sum(segment_steps[:k])`, i.e. from 1; steps <= 0
     give 0.
 
-    Kept as AXLearn defines it, so that ported schedules give the same values at the
-    same step. This library calls schedules from step 0 (see the module docstring); for
-    sub-schedules that count from 0 use `stepwise`.
+    As AXLearn defines it: optimizers call schedules from step 1 (see the module
+    docstring), so a run's first update is segment 0's step 1. For sub-schedules that
+    count from 0 use `stepwise`.
     """
     if len(segments) != len(segment_steps) + 1:
         raise ConfigError(
