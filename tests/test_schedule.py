@@ -391,9 +391,13 @@ def test_axlearn_warmup_stable_decay_with_alpha(warmup_steps, decay_begin_step):
 
 def test_axlearn_warmup_stable_decay_refuses_phases_out_of_order():
     with pytest.raises(ValueError):
-        schedule.warmup_stable_decay(peak_lr=0.1, warmup_steps=200, decay_begin_step=100, max_step=300)
+        schedule.warmup_stable_decay(
+            peak_lr=0.1, warmup_steps=200, decay_begin_step=100, max_step=300
+        )
     with pytest.raises(ValueError):
-        schedule.warmup_stable_decay(peak_lr=0.1, warmup_steps=100, decay_begin_step=300, max_step=200)
+        schedule.warmup_stable_decay(
+            peak_lr=0.1, warmup_steps=100, decay_begin_step=300, max_step=200
+        )
 
 
 # ----- how optimizers step them -----

@@ -878,7 +878,8 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
         self._check_gmm_backend()
         if cfg.expert_parallel_capacity is not None and cfg.expert_parallel_capacity <= 0:
             raise ConfigError(f"{self.path()}.expert_parallel_capacity must be > 0 or None")
-        if cfg.num_groups is not None and (not isinstance(cfg.num_groups, int) or cfg.num_groups < 1):
+        groups = cfg.num_groups
+        if groups is not None and (not isinstance(groups, int) or groups < 1):
             raise ConfigError(
                 f"{self.path()}.num_groups: expected a positive int or None, got {cfg.num_groups}"
             )

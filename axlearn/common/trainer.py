@@ -85,7 +85,8 @@ def infer_mesh_shape(mesh_shape: MeshShape, num_devices: int) -> tuple[int, ...]
     is resolved as its product shape, the -1 axis a multiple of its other part."""
     if isinstance(mesh_shape, HybridMeshShape):
         shape = infer_mesh_shape(mesh_shape.flat(), num_devices)
-        for axis, (ici, dcn) in enumerate(zip(mesh_shape.ici_mesh_shape, mesh_shape.dcn_mesh_shape)):
+        parts = zip(mesh_shape.ici_mesh_shape, mesh_shape.dcn_mesh_shape)
+        for axis, (ici, dcn) in enumerate(parts):
             part = dcn if ici == -1 else ici
             if shape[axis] % abs(part):
                 raise ConfigError(

@@ -35,7 +35,9 @@ class MeshShapeModifier(ConfigModifier):
 
     def __call__(self, cfg):
         mesh_shape = self.config.mesh_shape
-        cfg.mesh_shape = mesh_shape if isinstance(mesh_shape, HybridMeshShape) else tuple(mesh_shape)
+        if not isinstance(mesh_shape, HybridMeshShape):
+            mesh_shape = tuple(mesh_shape)
+        cfg.mesh_shape = mesh_shape
         return cfg
 
 

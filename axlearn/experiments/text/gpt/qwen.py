@@ -96,7 +96,9 @@ def _mesh_rules() -> list[tuple[str, Any]]:
     tokamax's grouped matmuls, which need the tokamax package)."""
     tpu = ChainConfigModifier.default_config().set(
         config_modifiers=[
-            MeshShapeModifier.default_config().set(mesh_shape=mesh_shape_from_axes(fsdp=8, data=-1)),
+            MeshShapeModifier.default_config().set(
+                mesh_shape=mesh_shape_from_axes(fsdp=8, data=-1)
+            ),
             _save_and_offload_remat(
                 saved=[_FLASH_CONTEXT], offloaded=[_QKV_PROJ, _LINEAR1_X, _MOE_GATING]
             ),
