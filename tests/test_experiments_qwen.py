@@ -143,3 +143,10 @@ def test_axlearn_qwen_golden_trains_a_step_at_a_reduced_size(name, configs):
     # At initialization the loss is about ln(256) = 5.55 (the z-loss adds a little).
     assert trainer.step == 1 and math.isfinite(summaries["loss"])
     assert abs(summaries["loss"] - math.log(256)) < 0.5
+
+
+def test_the_gpu_rule_read_back_from_text_sets_a_hybrid_mesh(configs):
+    cfg = parse_flat_text(_axlearn_text(configs, NAMES[0]), source="qwen", foreign=True)
+    modifier = cfg.mesh_rules[1][1].config_modifiers[0].instantiate()
+    shape = modifier(cfg).mesh_shape
+    assert isinstance(shape, HybridMeshShape) and shape.flat() == (1, -1, 1, 8, 1, 1)

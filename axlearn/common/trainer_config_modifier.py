@@ -23,6 +23,9 @@ from axlearn.common.metrics import MetricAccumulator
 from axlearn.common.utils import HybridMeshShape
 
 
+_HYBRID_FIELDS = {"ici_mesh_shape", "dcn_mesh_shape"}
+
+
 class MeshShapeModifier(ConfigModifier):
     """Sets `mesh_shape`."""
 
@@ -35,6 +38,8 @@ class MeshShapeModifier(ConfigModifier):
 
     def __call__(self, cfg):
         mesh_shape = self.config.mesh_shape
+        if isinstance(mesh_shape, dict) and set(mesh_shape) == _HYBRID_FIELDS:
+            mesh_shape = HybridMeshShape(**mesh_shape)  # As golden text reads it back.
         if not isinstance(mesh_shape, HybridMeshShape):
             mesh_shape = tuple(mesh_shape)
         cfg.mesh_shape = mesh_shape
