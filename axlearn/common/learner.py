@@ -30,6 +30,7 @@ from typing import Any, Optional, Union
 import jax
 import jax.numpy as jnp
 
+from axlearn.common import schedule
 from axlearn.common.base_layer import ParameterSpec
 from axlearn.common.config import (
     REQUIRED,
@@ -41,7 +42,6 @@ from axlearn.common.config import (
     config_for_function,
     maybe_instantiate,
 )
-from axlearn.common import schedule
 from axlearn.common.module import Module, Tensor
 from axlearn.common.optimizers import (
     SkipClipState,
