@@ -44,7 +44,13 @@ MOE_DIM_TO_MESH_AXIS_MAP = {
     "me": (None, None),
     "emh": ("expert", MOE_FSDP_AXES, "model"),
     "ehm": ("expert", "model", MOE_FSDP_AXES),
-    "bsm": (common.MODEL_BATCH_AXIS_NAMES, "seq", None),
+}
+MOE_TOKEN_PARTITION_SPEC = (common.MODEL_BATCH_AXIS_NAMES, "seq", None)
+# The expert weights as the grouped matmuls take them: their model dim gathered.
+MOE_OUTPUT_DIM_TO_PARTITION_SPEC = {
+    "bsm": MOE_TOKEN_PARTITION_SPEC,
+    "emh": ("expert", None, "model"),
+    "ehm": ("expert", "model", None),
 }
 # With experts over n GPUs, each sends another at most 1.25 times its even share of rows
 # (the rest is dropped and counted): the grouped matmuls also run over a buffer's slack.
@@ -61,7 +67,10 @@ def moe_layer(
         gating=TopKDropFreeGating.default_config().set(num_experts_per_token=num_experts_per_token),
         load_balance_loss_weight=0.01,
         router_z_loss_weight=0.001,
+        num_groups=1,
         dim_to_mesh_axis_map=dict(MOE_DIM_TO_MESH_AXIS_MAP),
+        input_dim_to_partition_spec={"bsm": MOE_TOKEN_PARTITION_SPEC},
+        output_dim_to_partition_spec=dict(MOE_OUTPUT_DIM_TO_PARTITION_SPEC),
     )
 
 

@@ -471,3 +471,98 @@ def test_without_the_flag_an_undefined_loss_still_updates():
     params, state, _ = learner.update(PARAMS, GRADS, state0, loss=jnp.float32(jnp.nan))
     assert "undefined_loss_steps" not in state
     np.testing.assert_allclose(params["w"], np.asarray(PARAMS["w"]) - LR * np.asarray(GRADS["w"]))
+
+
+# ----- schedules stepped as AXLearn's, and checkpoints from before -----
+
+
+def _restore_refusing(missing: str):
+    """A checkpointer's restore into a template, of a checkpoint lacking learner/`missing`
+    (ValueError for a template that asks for it, as the checkpointer raises)."""
+
+    def restore(template):
+        if missing in template["learner"]:
+            raise ValueError(f"learner/{missing} is not in the checkpoint")
+        return 7, jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), template), {}
+
+    return restore
+
+
+def test_a_state_saved_before_the_step_rule_restores_with_the_legacy_base():
+    from axlearn.common.learner import restore_with_legacy_schedule_step
+
+    template = {"learner": {"optimizer": jax.ShapeDtypeStruct([], jnp.int32),
+                            "schedule_step_base": jax.ShapeDtypeStruct([], jnp.int32)}}
+    step, state, _ = restore_with_legacy_schedule_step(
+        _restore_refusing("schedule_step_base"), template
+    )
+    assert step == 7 and int(state["learner"]["schedule_step_base"]) == 0
+    with pytest.raises(ValueError, match="learner/optimizer"):  # Other mismatches raise.
+        restore_with_legacy_schedule_step(_restore_refusing("optimizer"), template)
+
+
+def test_a_new_learner_state_steps_as_axlearn_and_reports_step_one_first():
+    cfg = Learner.default_config().set(
+        name="learner",
+        optimizer=config_for_function(opt.sgd_optimizer).set(
+            learning_rate=config_for_function(schedule.polynomial).set(
+                begin_value=0.0, end_step=100, end_value=1.0
+            )
+        ),
+    )
+    learner = cfg.instantiate(parent=None)
+    params = {"w": jnp.ones(2)}
+    state = learner.init(params)
+    assert int(state["schedule_step_base"]) == schedule.UPDATE_STEP_BASE
+    new_params, state, summaries = learner.update(params, {"w": jnp.ones(2)}, state)
+    assert float(summaries["learning_rate"]) == pytest.approx(0.01)  # Step 1.
+    np.testing.assert_allclose(new_params["w"], 1 - 0.01, rtol=1e-6)
+    legacy = dict(state, schedule_step_base=jnp.asarray(0, jnp.int32))
+    _, _, summaries = learner.update(params, {"w": jnp.ones(2)}, legacy)
+    assert float(summaries["learning_rate"]) == pytest.approx(0.01)  # After 1 update: count 1.
+
+
+def _schedule_trainer(trainer_dir, max_step: int):
+    from tests.trainer_script import tiny_trainer_config  # pylint: disable=import-outside-toplevel
+
+    lr = config_for_function(schedule.polynomial).set(begin_value=0.0, end_step=100, end_value=0.1)
+    learner = Learner.default_config().set(
+        optimizer=config_for_function(opt.adamw_optimizer).set(learning_rate=lr)
+    )
+    return tiny_trainer_config(
+        trainer_dir=str(trainer_dir), max_step=max_step, learner=learner, save_every_n_steps=2
+    ).instantiate(parent=None)
+
+
+def _learning_rates(trainer_dir) -> dict[int, float]:
+    from tests.trainer_script import read_metrics  # pylint: disable=import-outside-toplevel
+
+    return {r["step"]: r["learner/learning_rate"] for r in read_metrics(str(trainer_dir))}
+
+
+@pytest.mark.slow  # Trains, saves and restores three tiny runs.
+def test_a_checkpoint_written_by_the_old_rule_resumes_on_its_old_curve(tmp_path):
+    from axlearn.common.checkpointer import Checkpointer  # pylint: disable=import-outside-toplevel
+
+    new_dir, old_dir = tmp_path / "new", tmp_path / "old"
+    trainer = _schedule_trainer(new_dir, max_step=2)
+    trainer.run()
+    # What the code before the rule saved at step 2: the same state, no schedule_step_base.
+    state = {"prng_key": trainer._state.prng_key, "model": trainer._state.model,
+             "learner": {k: v for k, v in trainer._state.learner.items()
+                         if k != "schedule_step_base"}}
+    old = Checkpointer.default_config().set(name="ckpt", dir=str(old_dir / "checkpoints"))
+    old = old.instantiate(parent=None)
+    old.save(2, state)
+    old.wait_until_finished()
+    # lr(step) = step / 1000: the update after c updates is step c + 1 ...
+    np.testing.assert_allclose([_learning_rates(new_dir)[s] for s in (1, 2)], [1e-3, 2e-3])
+    _schedule_trainer(new_dir, max_step=4).run()
+    np.testing.assert_allclose([_learning_rates(new_dir)[s] for s in (3, 4)], [3e-3, 4e-3])
+    # ... and a run from an old checkpoint goes on at the count, as the old rule did, also
+    # after its own checkpoint (saved with base 0) restores.
+    _schedule_trainer(old_dir, max_step=4).run()
+    _schedule_trainer(old_dir, max_step=6).run()
+    np.testing.assert_allclose(
+        [_learning_rates(old_dir)[s] for s in (3, 4, 5, 6)], [2e-3, 3e-3, 4e-3, 5e-3]
+    )

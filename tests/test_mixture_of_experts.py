@@ -239,7 +239,17 @@ _EXPERT_PARALLEL_SCRIPT = textwrap.dedent(
         for a, b in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads0)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
 
-    drop_free = _drop_free_config().set(num_experts=8)
+    # Experts over 'expert' (expert parallelism), their model dim over 'fsdp'.
+    drop_free = _drop_free_config().set(
+        num_experts=8,
+        dim_to_mesh_axis_map={
+            "me": (None, None), "emh": ("expert", "fsdp", "model"),
+            "ehm": ("expert", "model", "fsdp")},
+        input_dim_to_partition_spec={"bsm": (("data", "expert", "fsdp"), None, None)},
+        output_dim_to_partition_spec={
+            "bsm": (("data", "expert", "fsdp"), None, None),
+            "emh": ("expert", None, "model"), "ehm": ("expert", "model", None)},
+    )
     check(drop_free, (1, 8, 1, 1))  # One expert a device.
     check(drop_free, (2, 2, 2, 1))  # Data parallel x experts over 2 x FSDP over 2.
     # Experts over 2, FSDP over 2, hidden over 2 (model); as the GPU kernels run it
@@ -525,3 +535,74 @@ def test_axlearn_gmm_backend_golden_lines_parse_dump_back_and_instantiate(monkey
     assert "gmm_backend: <GMMBackend.TOKAMAX: 'TOKAMAX'>" in ffn.debug_string().splitlines()
     fields = {k: getattr(ffn, k) for k in ("gmm_backend", "tokamax_implementation")}
     _drop_free_config(**fields).instantiate(parent=None)
+
+
+# ----- AXLearn's drop-free fields -----
+
+
+def _jit_forward(cfg, x):
+    layer = cfg.instantiate(parent=None)
+    params = layer.initialize_parameters_recursively(jax.random.PRNGKey(0))
+    forward = jax.jit(lambda p, x: F(layer, state=p, inputs=(x,), prng_key=None, is_training=True))
+    y, collection = forward(params, x)
+    return params, y, collection
+
+
+def test_drop_free_groups_interpret_and_tiling_leave_the_numpy_output_unchanged():
+    # Routing without capacity is the same whatever the grouping; interpret runs
+    # ragged_dot; tiling is the TPU kernel's.
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, DIM))
+    cfg = _drop_free_config(num_groups=4, outer_batch=2, interpret=True, tiling=(128, 512, 512))
+    params, y, _ = _jit_forward(cfg, x)
+    params = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    np.testing.assert_allclose(y, _np_drop_free(params, np.asarray(x, np.float64)), atol=1e-5)
+
+
+def test_drop_free_corr_loss_weight_adds_the_router_correlation_loss():
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, DIM))
+    params, _, collection = _jit_forward(_drop_free_config(corr_loss_weight=0.5), x)
+    gate = np.asarray(params["gate_weight"], np.float64)
+    columns = gate / np.linalg.norm(gate, axis=0, keepdims=True)
+    corr = 0.5 * np.mean(np.abs(columns.T @ columns - np.eye(EXPERTS)))
+    router = collection.summaries["gating"]  # Weighted 0.5 and 0.25 by _drop_free_config.
+    router_losses = 0.5 * router["load_balance_loss"] + 0.25 * router["router_z_loss"]
+    np.testing.assert_allclose(
+        collection.module_outputs["aux_loss"] - router_losses, 0.5 * corr, rtol=1e-4
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(gating=Top2Gating.default_config()), r"moe\.gating: expected a TopKDropFreeGating"),
+        (dict(tiling=(100, 512, 512)), r"moe\.tiling: expected three positive multiples of 128"),
+        (dict(num_groups=0), r"moe\.num_groups"),
+        (dict(input_dim_to_partition_spec={"bsm": ("data", None, "model")}), "model dim"),
+        (
+            dict(output_dim_to_partition_spec={
+                "bsm": (None, None, None), "emh": ("expert", None, "model"),
+                "ehm": (None, "model", None)}),
+            r"output_dim_to_partition_spec\['emh'\].*must split the experts",
+        ),
+    ],
+)
+def test_bad_axlearn_drop_free_fields_fail_naming_the_field(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        _drop_free_config().set(**kwargs).instantiate(parent=None)
+
+
+def test_a_drop_free_capacity_factor_is_refused_unless_none_or_zero():
+    cfg = _drop_free_config()
+    cfg.gating.train_capacity_factor = 0
+    cfg.instantiate(parent=None)
+    cfg.gating.train_capacity_factor = 1.25
+    with pytest.raises(ConfigError, match=r"moe\.gating\.train_capacity_factor=1\.25"):
+        cfg.instantiate(parent=None)
+
+
+def test_drop_free_defaults_are_axlearns():
+    cfg = TransformerFeedForwardDropFreeMoE.default_config()
+    assert cfg.gating.klass is Top2Gating and cfg.corr_loss_weight == 0 and not cfg.interpret
+    assert tuple(cfg.dim_to_mesh_axis_map["emh"]) == (None, ("fsdp", "seq"), "model")
+    assert tuple(cfg.input_dim_to_partition_spec["bsm"]) == (("data", "fsdp"), "seq", None)
+    assert tuple(cfg.output_dim_to_partition_spec["ehm"]) == (None, "model", None)

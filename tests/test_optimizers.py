@@ -54,7 +54,8 @@ def test_adamw_matches_optax_adamw_over_100_random_steps():
     grads_seq = [random_tree(rng, SHAPES) for _ in range(100)]
     lr = lambda count: 0.01 / jnp.sqrt(1.0 + count)  # noqa: E731
     ours = opt.adamw_optimizer(lr, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1)
-    reference = optax.adamw(lr, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1)
+    # Ours steps schedules as AXLearn's, at the update count + 1; optax at the count.
+    reference = optax.adamw(lambda c: lr(c + 1), b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1)
     ref_params, ref_state = params, reference.init(params)
     got_params, got_state = params, ours.init(params)
     # Each step jitted once: eager, the 100 steps' ops would each dispatch on their own.
@@ -69,7 +70,7 @@ def test_adamw_matches_optax_adamw_over_100_random_steps():
 
 
 def test_adamw_reports_its_learning_rate_for_the_next_step():
-    ours = opt.adamw_optimizer(lambda count: 0.5 * (count + 1))
+    ours = opt.adamw_optimizer(lambda step: 0.5 * step)  # The first update is step 1.
     state = ours.init({"w": jnp.zeros(3)})
     assert float(ours.learning_rate_at(state)) == 0.5
     _, state = ours.update({"w": jnp.ones(3)}, state, {"w": jnp.zeros(3)})
@@ -93,7 +94,7 @@ def test_adamw_decoupled_decays_weights_independently_of_the_learning_rate():
         g = g["w"]
         m, v = 0.9 * m + 0.1 * g, 0.99 * v + 0.01 * g * g
         adam = (m / (1 - 0.9 ** (t + 1))) / (np.sqrt(v / (1 - 0.99 ** (t + 1))) + 1e-8)
-        p = p - sched(t) * (1e-3 * adam + 0.05 * p)
+        p = p - sched(t + 1) * (1e-3 * adam + 0.05 * p)  # Update t is step t + 1.
     np.testing.assert_allclose(got["w"], p, atol=1e-6)
 
 
@@ -369,7 +370,7 @@ def adastar_case(b1, b3, threshold, transformation, *, state_dtype=None, state_p
     reference = functools.partial(
         adastar_reference, params, grads_seq, lr=0.05, b1=b1, b1_debias=True, b2=0.95,
         b2_debias=True, eps=1e-6, eps_square=1e-30, threshold=threshold, b3=b3,
-        b3_debias=False, weight_decay=0.01, sched=lambda t: float(sched(t)),
+        b3_debias=False, weight_decay=0.01, sched=lambda t: float(sched(t + 1)),  # Step t + 1.
         update_scale=lambda name: 0.25 if name == "w" else 1.0,
     )
     # The EMAs `state_paths` picks, by their AdastarState field names.

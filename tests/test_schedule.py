@@ -94,8 +94,8 @@ def test_cyclic_wsd_rejects_unsorted_cycle_ends():
         )
 
 
-def test_inverse_sqrt_warms_up_then_decays_as_one_over_sqrt_step():
-    fn = schedule.inverse_sqrt(1.0, warmup_steps=100)
+def test_inverse_sqrt_with_warmup_warms_up_then_decays_as_one_over_sqrt_step():
+    fn = schedule.inverse_sqrt_with_warmup(1.0, warmup_steps=100)
     got = values(fn, [0, 50, 100, 400, 10000])
     np.testing.assert_allclose(got, [0, 0.5, 1.0, 0.5, 0.1], rtol=1e-6)
 
@@ -212,14 +212,15 @@ def test_warmup_stable_decay_wants_exactly_one_decay_start():
 def test_decay_bias_correction_makes_the_ema_a_weighted_mean():
     decay = 0.9
     fn = schedule.decay_bias_correction(decay)
-    t = STEPS.astype(np.float64)
-    expected = decay * (1 - decay**t) / (1 - decay ** (t + 1))
-    np.testing.assert_allclose(fn(jnp.asarray(STEPS)), expected, rtol=1e-5, atol=1e-7)
-    # An EMA driven by it equals the decay-weighted mean of the values so far.
+    steps = STEPS[STEPS >= 1]  # Step 0 (0 / 0) is no update's.
+    t = steps.astype(np.float64)
+    expected = decay * (1 - decay ** (t - 1)) / (1 - decay**t)
+    np.testing.assert_allclose(fn(jnp.asarray(steps)), expected, rtol=1e-5, atol=1e-7)
+    # An EMA driven by it from step 1 equals the decay-weighted mean of the values so far.
     rng = np.random.default_rng(0)
     xs = rng.normal(size=20)
     ema = 0.0
-    for step, x in enumerate(xs):
+    for step, x in enumerate(xs, start=1):
         d = float(fn(step))
         ema = ema * d + x * (1 - d)
     weights = decay ** np.arange(len(xs))[::-1]
@@ -301,3 +302,118 @@ def test_new_schedules_are_golden_text_and_override_ready():
     assert parsed.debug_string() == text
     apply_overrides(parsed, ["end_value=0.5", "max_step=20"])
     np.testing.assert_allclose(float(parsed.instantiate()(20)), 0.5, rtol=1e-6)
+
+
+# ----- AXLearn's expectations (its schedule_test.py's cases, checked here independently) --
+
+
+def test_axlearn_inverse_sqrt_is_one_over_sqrt_step_constant_in_warmup():
+    for step in range(1, 11):
+        assert float(schedule.inverse_sqrt(step)) == pytest.approx(1 / math.sqrt(step))
+    for step in range(1, 15):
+        expected = 1 / math.sqrt(max(step, 10))
+        assert float(schedule.inverse_sqrt(step, warmup_steps=10)) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="> 0"):
+        schedule.inverse_sqrt(1, warmup_steps=0)
+
+
+def test_axlearn_t5_schedule_is_a_linear_warmup_then_inverse_sqrt():
+    fn = jax.jit(
+        schedule.stepwise(
+            start_step=[100],
+            sub=[
+                schedule.polynomial(end_step=100, end_value=0.1),
+                lambda step: schedule.inverse_sqrt(step + 100),
+            ],
+        )
+    )
+    for step in range(200):
+        expected = step / 100 * 0.1 if step <= 100 else 1 / math.sqrt(step)
+        assert float(fn(step)) == pytest.approx(expected, rel=1e-6, abs=1e-7)
+
+
+def test_axlearn_segment_wise_gives_each_segment_steps_from_one():
+    fn = jax.jit(schedule.segment_wise(segment_steps=[100, 100], segments=[0.1, 0.01, 0.001]))
+    got = np.asarray(fn(jnp.arange(301)))
+    expected = np.select([np.arange(301) < 1, np.arange(301) <= 100, np.arange(301) <= 200],
+                         [0.0, 0.1, 0.01], 0.001)
+    np.testing.assert_allclose(got, expected, rtol=1e-7)
+    with pytest.raises(ValueError):
+        schedule.segment_wise(segment_steps=[100, 100], segments=[0.1, 0.01])
+
+
+def test_axlearn_decay_bias_correction_from_step_1_averages_the_samples():
+    decay = 0.999
+    fn = schedule.decay_bias_correction(decay)
+    samples = [3, 4, 1, 2, 4, 6, 8, 9]
+    moment = 0.0
+    for i, sample in enumerate(samples):
+        d = float(fn(i + 1))  # Steps start from 1.
+        moment = (1 - d) * sample + d * moment
+        assert moment == pytest.approx(sum(samples[: i + 1]) / (i + 1), abs=0.005)
+    assert float(fn(10**6)) == pytest.approx(decay)
+
+
+def test_axlearn_adafactor_decay_rate_counts_steps_after_the_offset_from_one():
+    fn = schedule.adafactor_decay_rate(step_offset=100)
+    for step in (1, 100, 101):
+        assert float(fn(step)) == pytest.approx(0.0, abs=1e-7)
+    assert float(fn(200)) == pytest.approx(1 - 100 ** (-0.8))
+
+
+def test_axlearn_ema_schedule_warms_up_after_its_offset():
+    fn = jax.jit(schedule.ema_schedule(warmup_steps=5, step_offset=3))
+    warmup = [0.0, 1 / 2, 2 / 3, 3 / 4, 4 / 5]
+    for step in range(10):
+        expected = 0.0 if step < 3 else warmup[step - 3] if step < 8 else 0.9999
+        assert float(fn(step)) == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("warmup_steps,decay_begin_step", [(100, 200), (100, 100), (0, 200)])
+def test_axlearn_warmup_stable_decay_with_alpha(warmup_steps, decay_begin_step):
+    peak, max_step, alpha = 0.1, 300, 0.1
+    fn = jax.jit(
+        schedule.warmup_stable_decay(
+            peak_lr=peak, max_step=max_step, warmup_steps=warmup_steps, begin_value=0.0,
+            decay_begin_step=decay_begin_step, alpha=alpha,
+        )
+    )
+    for step in range(1, max_step + 1, 25):
+        if warmup_steps > 0 and step <= warmup_steps:
+            expected = peak * step / warmup_steps
+        elif step <= decay_begin_step:
+            expected = peak
+        else:
+            fraction = (step - decay_begin_step) / (max_step - decay_begin_step)
+            expected = peak + (peak * alpha - peak) * fraction
+        assert float(fn(jnp.asarray(step, jnp.int32))) == pytest.approx(expected, abs=1e-6)
+
+
+def test_axlearn_warmup_stable_decay_refuses_phases_out_of_order():
+    with pytest.raises(ValueError):
+        schedule.warmup_stable_decay(
+            peak_lr=0.1, warmup_steps=200, decay_begin_step=100, max_step=300
+        )
+    with pytest.raises(ValueError):
+        schedule.warmup_stable_decay(
+            peak_lr=0.1, warmup_steps=100, decay_begin_step=300, max_step=200
+        )
+
+
+# ----- how optimizers step them -----
+
+
+def test_an_update_after_c_updates_is_step_c_plus_one():
+    fn = schedule.for_update_count(lambda step: step * 10.0)
+    assert [float(fn(c)) for c in (0, 1, 5)] == [10.0, 20.0, 60.0]
+
+
+def test_a_legacy_base_steps_learning_rates_at_the_count_and_decay_rates_as_before():
+    lr = schedule.for_update_count(lambda step: step * 10.0)
+    b2 = schedule.for_update_count(schedule.adafactor_decay_rate(), learning_rate=False)
+    with schedule.update_step_base(schedule.LEGACY_UPDATE_STEP_BASE):
+        assert [float(lr(c)) for c in (0, 1, 5)] == [0.0, 10.0, 50.0]
+        # The old rule's Adafactor decay at count c: 1 - (c + 1) ** -0.8.
+        np.testing.assert_allclose([float(b2(c)) for c in (0, 1, 5)],
+                                   [1 - (c + 1) ** -0.8 for c in (0, 1, 5)], rtol=1e-6)
+    assert float(lr(1)) == 20.0  # Outside, AXLearn's rule again.

@@ -286,13 +286,19 @@ def _replace_feed_forward(**source_fields):
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.attention import TransformerFeedForwardLayer
     # pylint: disable-next=import-outside-toplevel
-    from axlearn.common.mixture_of_experts import TransformerFeedForwardDropFreeMoE
+    from axlearn.common.mixture_of_experts import (
+        TopKDropFreeGating,
+        TransformerFeedForwardDropFreeMoE,
+    )
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.trainer_config_modifier import ReplaceLayerConfigModifier
 
+    source = TransformerFeedForwardDropFreeMoE.default_config().set(
+        gating=TopKDropFreeGating.default_config(), **source_fields
+    )
     return ReplaceLayerConfigModifier.default_config().set(
         target_cls=TransformerFeedForwardLayer,
-        source_config=TransformerFeedForwardDropFreeMoE.default_config().set(**source_fields),
+        source_config=source,
         exclude_keys=["num_experts"],
     )
 

@@ -320,3 +320,17 @@ def test_save_dots_policy_named_in_a_remat_spec_gives_no_remat_gradients():
     # The backward pass recomputes the matmuls only where nothing is saved.
     _, recomputing = _feed_forward_grads("nothing_saveable")
     assert jaxpr.count("dot_general") < recomputing.count("dot_general")
+
+
+def test_hybrid_mesh_shape_is_the_product_of_its_parts_with_minus_one_resolved():
+    from axlearn.common.trainer import infer_mesh_shape  # pylint: disable=import-outside-toplevel
+    from axlearn.common.utils import HybridMeshShape  # pylint: disable=import-outside-toplevel
+
+    shape = HybridMeshShape(ici_mesh_shape=(1, 1, 1, 8, 1, 1), dcn_mesh_shape=(1, -1, 1, 1, 1, 1))
+    assert shape.flat() == (1, -1, 1, 8, 1, 1) and len(shape) == 6
+    assert infer_mesh_shape(shape, 64) == (1, 8, 1, 8, 1, 1)
+    with pytest.raises(ValueError, match="cannot cover 4 devices"):
+        infer_mesh_shape(shape, 4)
+    uneven = HybridMeshShape(ici_mesh_shape=(1, 4, 1, 1, 1, 1), dcn_mesh_shape=(1, -1, 1, 1, 1, 1))
+    with pytest.raises(ValueError, match="does not split into parts of 4"):
+        infer_mesh_shape(uneven, 6)

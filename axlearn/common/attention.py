@@ -67,7 +67,7 @@ from axlearn.common.module import Module, Tensor
 from axlearn.common.param_init import FanAxes, constant_initializer
 from axlearn.common.pipeline import Pipeline
 from axlearn.common.repeat import Repeat
-from axlearn.common.sharding import whole_heads_if_uneven
+from axlearn.common.sharding import maybe_shard, whole_heads_if_uneven
 
 # Added to masked logits: far below any real logit, yet finite, so a fully masked row
 # gives a uniform distribution instead of NaN.
@@ -789,6 +789,9 @@ class MultiheadAttention(BaseLayer):
         attention_implementation: Optional[str] = None
         # The key/value cache for decoding (child `kv_cache`); None: a default KVCache.
         kv_cache: Optional[BaseLayer.Config] = None
+        # Sharding of the output projection's result [B, T, output_dim] (AXLearn's
+        # o_partition_spec); None: left to the partitioner.
+        o_partition_spec: Optional[MeshAxes] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
@@ -869,7 +872,8 @@ class MultiheadAttention(BaseLayer):
 
     def _output(self, context: Tensor) -> Tensor:
         context = self._remat_name(context, "context")
-        return self._remat_name(self.o_proj(context), "o_proj")
+        o_proj = maybe_shard(self.o_proj(context), self.config.o_partition_spec)
+        return self._remat_name(o_proj, "o_proj")
 
     # --- the attention itself ---
 

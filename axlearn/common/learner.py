@@ -13,9 +13,16 @@
 whose averaged gradients equal the full batch's.
 `weight_decay_scales` gives each parameter's effective weight-decay scale (the
 `_regularizer.txt` golden files).
+
+Schedules are stepped as AXLearn's learner steps them: the update after c updates is
+step c + 1. The learner state records that rule as `schedule_step_base` (1); a state
+restored from a checkpoint written before the rule lacks it, and the trainer restores it
+with base 0 (`restore_with_legacy_schedule_step`), the old rule, under which its
+learning-rate curve goes on as it was (and is saved so, for later restarts).
 """
 
 import functools
+import logging
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
@@ -23,6 +30,7 @@ from typing import Any, Optional, Union
 import jax
 import jax.numpy as jnp
 
+from axlearn.common import schedule
 from axlearn.common.base_layer import ParameterSpec
 from axlearn.common.config import (
     REQUIRED,
@@ -52,6 +60,7 @@ Nested = Any
 LossFn = Callable[[Nested, Nested, Optional[Tensor]], tuple[Tensor, Any]]
 
 UPDATE_TYPES = ("all", "no_update")
+_log = logging.getLogger(__name__)
 
 
 class Learner(Module):
@@ -124,13 +133,15 @@ class Learner(Module):
         specs = dict(
             optimizer=self._optimizer.partition(self._trainable(model_param_specs)),
             ema=self._ema.partition(model_param_specs),
+            schedule_step_base=ParameterSpec(shape=[], dtype=jnp.int32, mesh_axes=()),
         )
         if self._config.ignore_undefined_loss:
             specs["undefined_loss_steps"] = ParameterSpec(shape=[], dtype=jnp.int32, mesh_axes=())
         return specs
 
     def init(self, model_params: Nested, *, param_specs: Optional[Nested] = None) -> dict:
-        """The initial learner state: {'optimizer': ..., 'ema': ...}.
+        """The initial learner state: {'optimizer': ..., 'ema': ..., 'schedule_step_base':
+        schedule.UPDATE_STEP_BASE} (see the module docstring).
 
         Pass the model's `param_specs` (as given to create_state_partition_specs) so the
         optimizer sees weight-decay scales, factorizations and fan axes; without them it
@@ -140,6 +151,7 @@ class Learner(Module):
         state = dict(
             optimizer=self._optimizer.init(self._trainable(params)),
             ema=self._ema.init(model_params),
+            schedule_step_base=jnp.asarray(schedule.UPDATE_STEP_BASE, jnp.int32),
         )
         if self._config.ignore_undefined_loss:
             state["undefined_loss_steps"] = jnp.zeros([], jnp.int32)  # Steps left undone.
@@ -227,7 +239,11 @@ class Learner(Module):
         params = self._trainable(self._with_specs(model_params, param_specs))
         trainable_grads = self._trainable(grads)
         opt_state = learner_state["optimizer"]
-        updates, new_opt_state = self._optimizer.update(trainable_grads, opt_state, params)
+        # A state without the leaf (built by hand, not by init) steps as AXLearn's.
+        step_base = learner_state.get("schedule_step_base", schedule.UPDATE_STEP_BASE)
+        with schedule.update_step_base(step_base):
+            updates, new_opt_state = self._optimizer.update(trainable_grads, opt_state, params)
+            lr = learning_rate_at(self._optimizer, opt_state)
 
         param_leaves, treedef = jax.tree_util.tree_flatten(model_params)
         update_leaves = treedef.flatten_up_to(updates)  # None for 'no_update' parameters.
@@ -239,7 +255,6 @@ class Learner(Module):
         full_updates = treedef.unflatten(full_updates)
         _, new_ema = self._ema.update(full_updates, learner_state["ema"], model_params)
         summaries = {}
-        lr = learning_rate_at(self._optimizer, opt_state)
         if lr is not None:
             summaries["learning_rate"] = lr
         summaries["gradient_norm"] = global_norm(trainable_grads)
@@ -256,6 +271,8 @@ class Learner(Module):
                 for path, x in flatten_with_paths(tree):
                     summaries[f"{name}/{path}"] = global_norm(x)
         new_state = dict(optimizer=new_opt_state, ema=new_ema)
+        if "schedule_step_base" in learner_state:
+            new_state["schedule_step_base"] = learner_state["schedule_step_base"]
         if self._config.ignore_undefined_loss:
             new_params, new_state, summaries = self._undo_if_undefined(
                 loss, (model_params, learner_state), (new_params, new_state), summaries
@@ -353,3 +370,35 @@ def weight_decay_scales(
     if learner is not None:
         scales = [s if learner.update_type(p) == "all" else 0.0 for p, s in zip(paths, scales)]
     return dict(zip(paths, scales))
+
+
+def restore_with_legacy_schedule_step(
+    restore: Callable[[Any], tuple[Optional[int], Any, Any]], template: Any
+) -> tuple[Optional[int], Any, Any]:
+    """`restore(template)` -> (step, state, extra), the checkpointer's restore of a trainer
+    state ({'learner': ..., ...}); where the checkpoint lacks only the learner's
+    `schedule_step_base` (it was written before schedules stepped as AXLearn's), the rest
+    is restored and the base is `schedule.LEGACY_UPDATE_STEP_BASE`: the run keeps the rule
+    it trained under. Any other mismatch raises the full restore's error."""
+    if "schedule_step_base" not in template.get("learner", {}):
+        return restore(template)
+    try:
+        return restore(template)
+    except ValueError as error:
+        learner = dict(template["learner"])
+        base_template = learner.pop("schedule_step_base")
+        try:
+            step, restored, extra = restore(dict(template, learner=learner))
+        except ValueError:
+            raise error from None
+    _log.info(
+        "Step %s was saved before schedules stepped as AXLearn's (the update count + 1): "
+        "this run keeps the old rule (the count), so its learning-rate curve goes on as it was",
+        step,
+    )
+    base = jnp.asarray(schedule.LEGACY_UPDATE_STEP_BASE, jnp.int32)
+    sharding = getattr(base_template, "sharding", None)
+    if sharding is not None:
+        base = jax.device_put(base, sharding)
+    restored = dict(restored, learner=dict(restored["learner"], schedule_step_base=base))
+    return step, restored, extra

@@ -21,14 +21,16 @@ norm, residual and activation fields):
   'expert' axis, rows travel to the device that holds their expert and back with two
   all-to-alls (expert parallelism); with the experts' weights split over FSDP axes instead,
   they are gathered, as any FSDP weight is, and no token moves (the data-parallel layout).
-  Which one runs follows from the mesh alone.
+  Which one runs follows from the mesh and the layer's partition specs (AXLearn's
+  `dim_to_mesh_axis_map`, `input_dim_to_partition_spec`, `output_dim_to_partition_spec`).
+  Tested against a NumPy loop that sends every token through its top-k experts.
 
 Both layers report `aux_loss` = load_balance_loss_weight x load-balancing loss +
-router_z_loss_weight x router z-loss (+ corr_loss_weight x the experts' correlation loss,
-in the capacity layer) as a module output, which `causal_lm.AuxLossMetrics` adds to the
+router_z_loss_weight x router z-loss (+ corr_loss_weight x the experts' correlation loss)
+as a module output, which `causal_lm.AuxLossMetrics` adds to the
 model's loss; the unweighted losses are summaries (of the gating layer, for the router's).
 
-Letters in `dim_to_mesh_axis_map` keys name tensor dims: O outer batch, G groups, S tokens
+Letters in the partition-spec keys name tensor dims: O outer batch, G groups, S tokens
 of a group (or of a sequence), B batch, E experts, C capacity, M model dim, H hidden dim.
 """
 
@@ -243,6 +245,10 @@ class TopKDropFreeGating(BaseGating):
         """Configures TopKDropFreeGating."""
 
         num_experts_per_token: int = 2
+        # AXLearn's capacity factor, which drop-free routing has no use for: None or 0
+        # (AXLearn's configs set 0). Any other value is refused, since no token is ever
+        # dropped here (the capacity layer is TransformerFeedForwardMoE with Top2Gating).
+        train_capacity_factor: Optional[float] = None
 
     class Output(NamedTuple):
         """What TopKDropFreeGating.forward returns."""
@@ -259,6 +265,11 @@ class TopKDropFreeGating(BaseGating):
             raise ConfigError(
                 f"{self.path()}.num_experts_per_token={cfg.num_experts_per_token} must be in "
                 f"[1, num_experts={cfg.num_experts}]"
+            )
+        if cfg.train_capacity_factor not in (None, 0):
+            raise ConfigError(
+                f"{self.path()}.train_capacity_factor={cfg.train_capacity_factor}: drop-free "
+                "routing has no capacity (None or 0); for capacity use Top2Gating"
             )
 
     @property
@@ -332,6 +343,10 @@ class BaseTransformerFeedForwardMoE(BaseLayer):
         # module output.
         load_balance_loss_weight: float = 0.01
         router_z_loss_weight: float = 0.0
+        # Weight in `aux_loss` of the expert correlation loss (`_expert_correlation_loss`
+        # of the router weight), which pushes the experts' router directions apart;
+        # 0: not computed. Reported unweighted as the summary 'expert_cov_loss'.
+        corr_loss_weight: float = 0
         # Partition specs of weights and activations by the letters of their dims.
         dim_to_mesh_axis_map: dict[str, Optional[MeshAxes]] = {}
 
@@ -348,6 +363,10 @@ class BaseTransformerFeedForwardMoE(BaseLayer):
         if not isinstance(cfg.num_experts, int) or cfg.num_experts < 1:
             raise ConfigError(
                 f"{self.path()}.num_experts: expected a positive int, got {cfg.num_experts}"
+            )
+        if cfg.corr_loss_weight < 0:
+            raise ConfigError(
+                f"{self.path()}.corr_loss_weight must be >= 0, got {cfg.corr_loss_weight}"
             )
         missing = [key for key in self._MESH_AXIS_KEYS if key not in cfg.dim_to_mesh_axis_map]
         if missing:
@@ -396,24 +415,25 @@ class BaseTransformerFeedForwardMoE(BaseLayer):
         cfg = self.config
         axes = cfg.dim_to_mesh_axis_map
         experts = FanAxes(in_axis=-2, out_axis=-1, batch_axis=0)
+        # AXLearn's order and (tuple) shapes, as its golden _init files list them.
         specs = dict(
             gate_weight=ParameterSpec(
-                shape=[cfg.input_dim, cfg.num_experts],
+                shape=(cfg.input_dim, cfg.num_experts),
                 mesh_axes=axes["me"],
                 fan_axes=FanAxes(in_axis=-2, out_axis=-1),
-            )
+            ),
+            wo_weight=ParameterSpec(
+                shape=(cfg.num_experts, self._hidden_dim, cfg.input_dim),
+                mesh_axes=axes["ehm"],
+                fan_axes=experts,
+            ),
         )
         for name in self._wi_names():
             specs[name] = ParameterSpec(
-                shape=[cfg.num_experts, cfg.input_dim, self._hidden_dim],
+                shape=(cfg.num_experts, cfg.input_dim, self._hidden_dim),
                 mesh_axes=axes["emh"],
                 fan_axes=experts,
             )
-        specs["wo_weight"] = ParameterSpec(
-            shape=[cfg.num_experts, self._hidden_dim, cfg.input_dim],
-            mesh_axes=axes["ehm"],
-            fan_axes=experts,
-        )
         return specs
 
     def matmul_parameter_fraction(self, name: str) -> Optional[float]:
@@ -468,8 +488,15 @@ class BaseTransformerFeedForwardMoE(BaseLayer):
         )
 
     def _other_weighted_aux_losses(self) -> Union[float, Tensor]:
-        """Weighted auxiliary losses a subclass adds to `aux_loss`, beyond the router's."""
-        return 0.0
+        """Weighted auxiliary losses beyond the router's: the expert correlation loss."""
+        cfg = self.config
+        if not cfg.corr_loss_weight:
+            return 0.0
+        gate_weight = _weight_array(self.parameters["gate_weight"], jnp.float32)
+        corr_loss, corr_max = _expert_correlation_loss(gate_weight)
+        self.add_summary("expert_cov_loss", corr_loss)
+        self.add_summary("expert_cov_max", corr_max)
+        return cfg.corr_loss_weight * corr_loss
 
     def _hidden(self, pre_activations: Sequence[Tensor]) -> Tensor:
         """act0(a0) [* act1(a1)]: the experts' hidden units."""
@@ -497,10 +524,6 @@ class TransformerFeedForwardMoE(BaseTransformerFeedForwardMoE):
         # dim_to_mesh_axis_map['ogsm'] gives it (AXLearn derives it so from the mesh shape).
         outer_batch: int = 1
         num_groups: Required[int] = REQUIRED
-        # Weight in `aux_loss` of the expert correlation loss (`_expert_correlation_loss`
-        # of the router weight), which pushes the experts' router directions apart;
-        # 0: not computed. Reported unweighted as the summary 'expert_cov_loss'.
-        corr_loss_weight: float = 0.0
 
     _MESH_AXIS_KEYS = ("me", "emh", "ehm", "ogsm", "ogsec", "oegcm", "oegch")
 
@@ -532,10 +555,6 @@ class TransformerFeedForwardMoE(BaseTransformerFeedForwardMoE):
                 f"{self.path()}.outer_batch: expected a positive int or -1 (from the mesh), "
                 f"got {cfg.outer_batch}"
             )
-        if cfg.corr_loss_weight < 0:
-            raise ConfigError(
-                f"{self.path()}.corr_loss_weight must be >= 0, got {cfg.corr_loss_weight}"
-            )
 
     def outer_batch(self) -> int:
         """The outer batch the tokens are cut into: cfg.outer_batch, or for -1 the number
@@ -546,16 +565,6 @@ class TransformerFeedForwardMoE(BaseTransformerFeedForwardMoE):
         sizes = current_mesh_axes()
         outer_axes = axis_names(cfg.dim_to_mesh_axis_map["ogsm"][0])
         return math.prod(sizes.get(name, 1) for name in outer_axes)
-
-    def _other_weighted_aux_losses(self) -> Union[float, Tensor]:
-        cfg = self.config
-        if not cfg.corr_loss_weight:
-            return 0.0
-        gate_weight = _weight_array(self.parameters["gate_weight"], jnp.float32)
-        corr_loss, corr_max = _expert_correlation_loss(gate_weight)
-        self.add_summary("expert_cov_loss", corr_loss)
-        self.add_summary("expert_cov_max", corr_max)
-        return cfg.corr_loss_weight * corr_loss
 
     def _dispatch_and_combine(self, x: Tensor) -> Tensor:
         cfg = self.config
@@ -776,17 +785,45 @@ def _tokamax_grouped_matmul(
 class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
     """Top-k mixture of experts without capacity, on grouped matmuls; see the module doc.
 
-    Mesh axes: tokens follow dim_to_mesh_axis_map['bsm'] (its model dim must be unsplit);
-    the experts dim of 'emh' and 'ehm' names the expert-parallel axes (each must also split
-    the tokens), their hidden dim the tensor-parallel ones; what they give the model dim
-    (FSDP) is gathered before use.
+    The config is AXLearn's, field for field. Mesh axes: the tokens follow
+    input_dim_to_partition_spec['bsm'] (its model dim must be unsplit) and the layer's
+    output output_dim_to_partition_spec['bsm']; the weights are stored as
+    dim_to_mesh_axis_map['emh'] / ['ehm'] give them and multiplied as
+    output_dim_to_partition_spec['emh'] / ['ehm'] give them: the same experts and hidden
+    dims, the model dim unsplit (what the stored layout splits it over, FSDP, is gathered
+    first). Experts split over mesh axes (expert parallelism) need the tokens split over
+    those axes too; the hidden dim may be split over 'model' (tensor parallelism).
+
+    `num_groups` and `outer_batch` are AXLearn's capacity-layer fields: routing without
+    capacity gives the same output whatever the grouping, so the layer routes the tokens
+    of each device at once and only checks them (positive; None: one group).
     """
 
     @config_class
     class Config(BaseTransformerFeedForwardMoE.Config):
         """Configures TransformerFeedForwardDropFreeMoE."""
 
-        gating: BaseGating.Config = TopKDropFreeGating.default_config()
+        # AXLearn's default is the capacity layer's Top2Gating; the layer needs a
+        # TopKDropFreeGating config here (and says so).
+        gating: BaseGating.Config = Top2Gating.default_config()
+        # AXLearn's capacity-layer fields (see the class doc): checked, not needed.
+        outer_batch: int = 1
+        num_groups: Optional[int] = None
+        # Sharding of the tokens [B, S, M] the layer routes: {'bsm': spec}, model dim None.
+        input_dim_to_partition_spec: dict[str, Optional[MeshAxes]] = {}
+        # Sharding of the layer's output {'bsm'}, and of the expert weights as the grouped
+        # matmuls take them {'emh', 'ehm'} (model dim None: gathered from FSDP).
+        output_dim_to_partition_spec: dict[str, Optional[MeshAxes]] = {}
+        # AXLearn's TPU grouped-matmul (megablox) tiles (tokens, model, hidden), multiples
+        # of 128, or a config of a function of the matmul's (m, k, n) giving them; kept so
+        # that AXLearn's configs read and dump unchanged. The GPU kernels here take their
+        # own tiles (`kernels.grouped_matmul.Tiling`) and ragged_dot none: nothing here
+        # reads it. None: not set.
+        tiling: Optional[Union[InstantiableConfig, tuple[int, int, int]]] = None
+        # AXLearn's debug mode (its Pallas kernel interpreted on the CPU): here, True runs
+        # every grouped matmul as jax.lax.ragged_dot, the kernels' reference, whatever
+        # `gmm_backend` / `grouped_matmul` choose.
+        interpret: bool = False
         # With expert parallelism over n shards, each device sends every other at most
         # ceil(expert_parallel_capacity x its rows / n) rows and drops the rest (summary
         # 'expert_parallel_dropped'). None: room for all its rows, so nothing is dropped,
@@ -795,26 +832,33 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
         # How the experts' grouped matmuls run: 'ragged_dot' (jax.lax.ragged_dot) or
         # 'mosaic_gpu' (jax's Mosaic GPU grouped-GEMM kernels on a Hopper GPU where they
         # fit, `kernels.grouped_matmul`; ragged_dot elsewhere). XLA's ragged dot on GPUs
-        # multiplies densely by every expert.
-        grouped_matmul: str = "ragged_dot"
+        # multiplies densely by every expert. None: as `gmm_backend` says.
+        grouped_matmul: Optional[str] = None
         # AXLearn's choice of grouped matmul, which overrides `grouped_matmul` (see
-        # GMMBackend); None: `grouped_matmul` decides.
+        # GMMBackend); None with grouped_matmul None: PALLAS, as in AXLearn.
         gmm_backend: Optional[GMMBackend] = None
         # TOKAMAX only: the tokamax implementations to try in order (e.g. ['triton', 'xla']);
         # None: tokamax's default.
         tokamax_implementation: Optional[Sequence[str]] = None
 
-    _MESH_AXIS_KEYS = ("me", "emh", "ehm", "bsm")
+    _MESH_AXIS_KEYS = ("me", "emh", "ehm")
     _GROUPED_MATMULS = ("ragged_dot", "mosaic_gpu")
 
     @classmethod
     def default_config(cls) -> Config:
         cfg = super().default_config()
+        pspec = jax.sharding.PartitionSpec
+        # AXLearn's defaults: experts unsplit, their model dim over FSDP, hidden over model.
         cfg.dim_to_mesh_axis_map = {
-            "me": (None, None),
-            "emh": ("expert", "fsdp", "model"),
-            "ehm": ("expert", "model", "fsdp"),
-            "bsm": (("data", "expert", "fsdp"), "seq", None),
+            "me": pspec(None, None),
+            "emh": pspec(None, ("fsdp", "seq"), "model"),
+            "ehm": pspec(None, "model", ("fsdp", "seq")),
+        }
+        cfg.input_dim_to_partition_spec = {"bsm": pspec(("data", "fsdp"), "seq", None)}
+        cfg.output_dim_to_partition_spec = {
+            "bsm": pspec(("data", "fsdp"), "seq", "model"),
+            "emh": pspec(None, None, "model"),
+            "ehm": pspec(None, "model", None),
         }
         return cfg
 
@@ -822,21 +866,73 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
         super().__init__(cfg, parent=parent)
         cfg = self.config
         if not isinstance(self.gating, TopKDropFreeGating):
-            raise ConfigError(f"{self.path()}.gating: expected a TopKDropFreeGating config")
-        if cfg.grouped_matmul not in self._GROUPED_MATMULS:
+            raise ConfigError(
+                f"{self.path()}.gating: expected a TopKDropFreeGating config, got "
+                f"{type(self.gating).__name__} (the default, AXLearn's, is for capacity)"
+            )
+        if cfg.grouped_matmul is not None and cfg.grouped_matmul not in self._GROUPED_MATMULS:
             raise ConfigError(
                 f"{self.path()}.grouped_matmul: '{cfg.grouped_matmul}' is not one of "
-                f"{self._GROUPED_MATMULS}"
+                f"{self._GROUPED_MATMULS} or None"
             )
         self._check_gmm_backend()
         if cfg.expert_parallel_capacity is not None and cfg.expert_parallel_capacity <= 0:
             raise ConfigError(f"{self.path()}.expert_parallel_capacity must be > 0 or None")
-        bsm = cfg.dim_to_mesh_axis_map["bsm"]
-        if len(bsm) != 3 or bsm[2] is not None:
+        groups = cfg.num_groups
+        if groups is not None and (not isinstance(groups, int) or groups < 1):
             raise ConfigError(
-                f"{self.path()}.dim_to_mesh_axis_map['bsm']={bsm}: expected (batch, seq, None); "
-                "the model dim of the tokens cannot be split"
+                f"{self.path()}.num_groups: expected a positive int or None, got {cfg.num_groups}"
             )
+        if not isinstance(cfg.outer_batch, int) or (cfg.outer_batch < 1 and cfg.outer_batch != -1):
+            raise ConfigError(
+                f"{self.path()}.outer_batch: expected a positive int or -1, got {cfg.outer_batch}"
+            )
+        self._check_tiling()
+        self._check_activation_specs()
+
+    def _check_tiling(self) -> None:
+        tiling = self.config.tiling
+        if tiling is None or isinstance(tiling, InstantiableConfig):
+            return
+        if (
+            not isinstance(tiling, (tuple, list))
+            or len(tiling) != 3
+            or not all(isinstance(t, int) and t > 0 and t % 128 == 0 for t in tiling)
+        ):
+            raise ConfigError(
+                f"{self.path()}.tiling: expected three positive multiples of 128 "
+                f"(tokens, model, hidden), got {tiling!r}"
+            )
+
+    def _check_activation_specs(self) -> None:
+        cfg = self.config
+        for field, keys in (
+            ("input_dim_to_partition_spec", ("bsm",)),
+            ("output_dim_to_partition_spec", ("bsm", "emh", "ehm")),
+        ):
+            missing = [key for key in keys if key not in getattr(cfg, field)]
+            if missing:
+                raise ConfigError(f"{self.path()}.{field} lacks {missing}")
+        bsm = cfg.input_dim_to_partition_spec["bsm"]
+        if bsm is None or len(bsm) != 3 or bsm[2] is not None:
+            raise ConfigError(
+                f"{self.path()}.input_dim_to_partition_spec['bsm']={bsm}: expected "
+                "(batch, seq, None); the model dim of the tokens cannot be split"
+            )
+        stored, used = cfg.dim_to_mesh_axis_map, cfg.output_dim_to_partition_spec
+        for key, model_dim in (("emh", 1), ("ehm", 2)):
+            spec, used_spec = tuple(stored[key]), used[key]
+            if used_spec is None or len(used_spec) != 3 or used_spec[model_dim] is not None:
+                raise ConfigError(
+                    f"{self.path()}.output_dim_to_partition_spec['{key}']={used_spec}: expected "
+                    "three entries, the model dim None (gathered)"
+                )
+            keep = [d for d in range(3) if d != model_dim]
+            if any(axis_names(spec[d]) != axis_names(used_spec[d]) for d in keep):
+                raise ConfigError(
+                    f"{self.path()}.output_dim_to_partition_spec['{key}']={used_spec} must split "
+                    f"the experts and hidden dims as dim_to_mesh_axis_map['{key}']={spec} does"
+                )
 
     def _check_gmm_backend(self) -> None:
         cfg = self.config
@@ -860,10 +956,14 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
 
     def _backend(self) -> str:
         """The grouped matmul that runs: 'ragged_dot', 'mosaic_gpu' or 'tokamax'."""
-        backend = self.config.gmm_backend
-        if backend is None:
-            return self.config.grouped_matmul
+        cfg = self.config
+        if cfg.interpret:
+            return "ragged_dot"
+        backend = cfg.gmm_backend
+        if backend is None and cfg.grouped_matmul is not None:
+            return cfg.grouped_matmul
         return {
+            None: "mosaic_gpu",
             GMMBackend.PALLAS: "mosaic_gpu",
             GMMBackend.RAGGED_DOT: "ragged_dot",
             GMMBackend.TOKAMAX: "tokamax",
@@ -880,11 +980,12 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
         return functools.partial(grouped_matmul, use_kernels=backend == "mosaic_gpu")
 
     def residual_partition_spec(self) -> Optional[MeshAxes]:
-        """Like the tokens the layer routes: dim_to_mesh_axis_map['bsm']."""
-        return self.config.dim_to_mesh_axis_map["bsm"]
+        """Like the tokens the layer routes: input_dim_to_partition_spec['bsm']."""
+        return self.config.input_dim_to_partition_spec["bsm"]
 
     def _dispatch_and_combine(self, x: Tensor) -> Tensor:
         cfg = self.config
+        x = maybe_shard(x, cfg.input_dim_to_partition_spec["bsm"])
         gating = self.gating(self._router_logits(x))
         self._add_aux_loss(gating.load_balance_loss, gating.router_z_loss)
         wi = [_weight_array(self.parameters[name], x.dtype) for name in self._wi_names()]
@@ -896,7 +997,7 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
             capacity_factor=cfg.expert_parallel_capacity,
         )
         mesh_axes = current_mesh_axes()
-        token_spec = mesh_partition_spec(cfg.dim_to_mesh_axis_map["bsm"])
+        token_spec = mesh_partition_spec(cfg.input_dim_to_partition_spec["bsm"])
         one_device = math.prod(mesh_axes.values()) <= 1
         if one_device or local_shape(x.shape, token_spec) is None:
             # One device, or tokens that do not split over the mesh (a few decoded ones):
@@ -907,29 +1008,29 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
                 expert_axes=(), num_shards=1, model_axes=(),
                 matmul=self._grouped_matmul(kernels=one_device),
             )
-            return y
-        y, dropped = self._sharded(route, x, gating, wi, wo, token_spec, mesh_axes)
-        if cfg.expert_parallel_capacity is not None:
-            num_rows = math.prod(gating.gate_assignment.shape)
-            self.add_summary("expert_parallel_dropped", jnp.sum(dropped) / num_rows)
-        return y
+        else:
+            y, dropped = self._sharded(route, x, gating, wi, wo, token_spec, mesh_axes)
+            if cfg.expert_parallel_capacity is not None:
+                num_rows = math.prod(gating.gate_assignment.shape)
+                self.add_summary("expert_parallel_dropped", jnp.sum(dropped) / num_rows)
+        return maybe_shard(y, cfg.output_dim_to_partition_spec["bsm"])
 
     def _sharded(self, route, x, gating, wi, wo, token_spec, mesh_axes):
         """`route` under shard_map: each device its tokens and its block of experts."""
         cfg = self.config
-        axes = cfg.dim_to_mesh_axis_map
-        emh, ehm = mesh_partition_spec(axes["emh"]), mesh_partition_spec(axes["ehm"])
+        used = cfg.output_dim_to_partition_spec
+        emh, ehm = mesh_partition_spec(used["emh"]), mesh_partition_spec(used["ehm"])
         expert_axes, model_axes = axis_names(emh[0]), axis_names(emh[2])
         if axis_names(ehm[0]) != expert_axes or axis_names(ehm[1]) != model_axes:
             raise ConfigError(
-                f"{self.path()}.dim_to_mesh_axis_map: 'emh' {tuple(emh)} and 'ehm' {tuple(ehm)} "
-                "must split the experts and the hidden dim over the same axes"
+                f"{self.path()}.output_dim_to_partition_spec: 'emh' {tuple(emh)} and 'ehm' "
+                f"{tuple(ehm)} must split the experts and the hidden dim over the same axes"
             )
         token_axes = set(axis_names(token_spec[0])) | set(axis_names(token_spec[1]))
         if not set(expert_axes) <= token_axes:
             raise ConfigError(
-                f"{self.path()}.dim_to_mesh_axis_map['bsm']: the tokens must be split over "
-                f"the expert axes {expert_axes} too"
+                f"{self.path()}.input_dim_to_partition_spec['bsm']: the tokens must be split "
+                f"over the expert axes {expert_axes} too"
             )
         num_shards = math.prod(mesh_axes[name] for name in expert_axes)
         if cfg.num_experts % num_shards:
@@ -939,7 +1040,6 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
             )
         pspec = jax.sharding.PartitionSpec
         routing_spec = pspec(token_spec[0], token_spec[1], None)
-        wi_spec, wo_spec = pspec(emh[0], None, emh[2]), pspec(ehm[0], ehm[1], None)
         every_device = pspec(tuple(mesh_axes))
         kernels = self._backend() != "ragged_dot"
         sharded = jax.shard_map(
@@ -950,7 +1050,7 @@ class TransformerFeedForwardDropFreeMoE(BaseTransformerFeedForwardMoE):
                 model_axes=model_axes,
                 matmul=self._grouped_matmul(kernels=True),
             ),
-            in_specs=(token_spec, routing_spec, routing_spec, [wi_spec] * len(wi), wo_spec),
+            in_specs=(token_spec, routing_spec, routing_spec, [emh] * len(wi), ehm),
             out_specs=(token_spec, every_device),
             # A Pallas call has no rule for varying manual axes.
             check_vma=not kernels,

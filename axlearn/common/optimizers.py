@@ -20,8 +20,11 @@ into such an optimizer. AdamW, Lion and SGD compute their moments through optax'
 building blocks; Adastar, Adafactor and Muon, which optax does not express, are ours.
 
 Update conventions: `update` returns the change to add to the parameters (negative
-learning rate already applied). Schedules are evaluated at the number of updates applied
-so far, so the first update uses `schedule(0)`. Weight decay is
+learning rate already applied). Schedules are evaluated as AXLearn's optimizers evaluate
+them, at step = updates applied so far + 1 (`schedule.for_update_count`; runs resumed
+from checkpoints written before that rule keep theirs, see `schedule`), so the first
+update uses `schedule(1)`; `optax_optimizer` leaves its transformation's schedules to
+optax, which counts from 0. Weight decay is
 `weight_decay * scale * param`, where scale is the spec's `weight_decay_scale` (None: 1)
 times the optional `weight_decay_per_param_scale(params)`.
 """
@@ -48,7 +51,12 @@ from axlearn.common.config import (
     register_configurable,
 )
 from axlearn.common.param_init import FanAxes
-from axlearn.common.schedule import ScheduleLike, adafactor_decay_rate, as_schedule_fn
+from axlearn.common.schedule import (
+    ScheduleLike,
+    adafactor_decay_rate,
+    as_schedule_fn,
+    for_update_count,
+)
 from axlearn.common.utils import flatten_with_paths
 
 Tensor = jax.Array
@@ -902,7 +910,7 @@ def adamw_optimizer(
     decay scaled by the learning rate. `adam_update_transformation` (e.g.
     scale_update_per_param) transforms the Adam direction before weight decay is added.
     `mu_dtype`: first-moment dtype (None: the parameter's)."""
-    lr = as_schedule_fn(learning_rate)
+    lr = for_update_count(learning_rate)
     return _adam_transformation(
         b1=b1,
         b2=b2,
@@ -934,8 +942,8 @@ def adamw_decoupled_optimizer(
     p -= s_t * (learning_rate * adam_direction + weight_decay * scale * p), where
     s_t = update_schedule(t) scales both (so `weight_decay` is a per-step decay rate at
     s_t = 1, whatever the learning rate)."""
-    lr = as_schedule_fn(learning_rate)
-    schedule = as_schedule_fn(update_schedule)
+    lr = for_update_count(learning_rate)
+    schedule = for_update_count(update_schedule)
     return _adam_transformation(
         b1=b1,
         b2=b2,
@@ -1109,8 +1117,8 @@ def adastar_optimizer(
         update_ema_debias=update_ema_debias,
     )
     rule.check()
-    lr = as_schedule_fn(learning_rate)
-    schedule = as_schedule_fn(update_schedule)
+    lr = for_update_count(learning_rate)
+    schedule = for_update_count(update_schedule)
     extra = maybe_instantiate(adam_update_transformation)
 
     def init(params):
@@ -1169,7 +1177,7 @@ def lion_optimizer(
 
     The state is optax.scale_by_lion's (count and m).
     """
-    lr = as_schedule_fn(learning_rate)
+    lr = for_update_count(learning_rate)
     lion = _from_optax(optax.scale_by_lion(b1=b1, b2=b2, mu_dtype=mu_dtype))
 
     def update(grads, state, params=None):
@@ -1211,7 +1219,7 @@ def sgd_optimizer(
     per-parameter L2 term; the state is a tuple of the three states (no trace without
     momentum).
     """
-    lr = as_schedule_fn(learning_rate)
+    lr = for_update_count(learning_rate)
     # The L2 term joins the gradient before the momentum.
     parts = [_add_decayed_weights(weight_decay, weight_decay_per_param_scale, "sgd_optimizer")]
     if momentum:
@@ -1317,8 +1325,10 @@ def adafactor_optimizer(
     def momentum_dtype(shape, param_dtype):  # Scalars keep their own dtype, as AXLearn's.
         return dtype_momentum if dtype_momentum is not None and len(shape) else param_dtype
 
-    lr = as_schedule_fn(learning_rate)
-    decay = as_schedule_fn(b2) if b2 is not None else adafactor_decay_rate()
+    lr = for_update_count(learning_rate)
+    decay = for_update_count(
+        b2 if b2 is not None else adafactor_decay_rate(), learning_rate=False
+    )
     axes_of = functools.partial(
         _factored_axes, factored=factored, min_dim_size_to_factor=min_dim_size_to_factor
     )
@@ -1574,8 +1584,8 @@ def muon_optimizer(
     `muon_rules`: (regex, 'muon' | 'adamw') pairs, the first that fully matches a
     parameter's path decides (None: DEFAULT_MUON_RULES; no match: 'adamw').
     """
-    lr = as_schedule_fn(learning_rate)
-    adam_lr = as_schedule_fn(adamw_learning_rate) if adamw_learning_rate is not None else lr
+    lr = for_update_count(learning_rate)
+    adam_lr = for_update_count(adamw_learning_rate) if adamw_learning_rate is not None else lr
     rules = []
     muon_rules = muon_rules if muon_rules is not None else DEFAULT_MUON_RULES
     for i, (pattern, target) in enumerate(muon_rules):

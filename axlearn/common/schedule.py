@@ -7,21 +7,30 @@ integer scalars alike. Each can be written in a config with `config_for_function
 warmup_steps=10)`; `as_schedule_fn` turns such a config, a callable or a plain number into
 a schedule.
 
-A schedule that AXLearn's `axlearn.common.schedule` also has takes AXLearn's arguments
-and gives AXLearn's value at each step, with these deliberate exceptions: `inverse_sqrt`
-is a schedule with a warmup here (AXLearn's is the bare `max(step, warmup) ** -0.5`),
-and the warmup schedules start at `begin_value` at step 0 (AXLearn's segment-based ones
-give 0 there, a step its learner never calls). Conventions:
-- `step` counts updates already applied, so the first update uses `schedule(0)`
-  (`segment_wise` keeps AXLearn's segments counted from step 1; see there).
+Every schedule here that AXLearn's `axlearn.common.schedule` also has takes AXLearn's
+arguments and gives AXLearn's value at every step, and optimizers call schedules as
+AXLearn's do: at step = updates applied so far + 1, so the first update is step 1 (the
+step the trainer, its summaries and checkpoints give it). `for_update_count` is that
+call; `UPDATE_STEP_BASE` the 1 it adds.
+
+Checkpoints written before this rule (when this library evaluated schedules at the
+count itself, step 0 first) carry no `schedule_step_base` in their learner state; a run
+restored from one keeps the old rule, base 0 (`LEGACY_UPDATE_STEP_BASE`), for the rest
+of its life, so that its learning-rate curve goes on unchanged (see `learner.Learner`).
+
+Conventions:
 - The warmup/decay schedules are continuous: a phase's last step reaches its end value
-  exactly, and past their last step they hold their final value.
+  exactly, and past their last step they hold their final value. At step 0, which no
+  update is called with, they give `begin_value` (AXLearn's, built from `segment_wise`,
+  0); `polynomial` and `stepwise` count from 0 as AXLearn's do.
 - Invalid hyper-parameters raise ConfigError (a ValueError, as AXLearn raises) when the
   schedule is built, not when it is called.
 """
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Union
 
 import jax.numpy as jnp
@@ -45,6 +54,49 @@ def as_schedule_fn(value: ScheduleLike) -> Schedule:
     raise ConfigError(
         f"Expected a number, a schedule (step -> value) or a config of one; got {value!r}"
     )
+
+
+# The step of an update is the count of updates applied before it plus this (AXLearn's).
+UPDATE_STEP_BASE = 1
+# The base of runs whose checkpoints were written before schedules stepped as AXLearn's.
+LEGACY_UPDATE_STEP_BASE = 0
+_STEP_BASE: contextvars.ContextVar = contextvars.ContextVar(
+    "update_step_base", default=UPDATE_STEP_BASE
+)
+
+
+@contextlib.contextmanager
+def update_step_base(base: Union[int, Tensor]) -> Iterator[None]:
+    """Within it, `update_step` adds `base` (a Python int, or the learner state's traced
+    scalar while an update is traced): the learner sets its state's base here."""
+    token = _STEP_BASE.set(base)
+    try:
+        yield
+    finally:
+        _STEP_BASE.reset(token)
+
+
+def update_step(count: Union[int, Tensor]) -> Union[int, Tensor]:
+    """The step a schedule is called at for the update after `count` updates: count + 1
+    (AXLearn's), or count + the base `update_step_base` sets."""
+    return count + _STEP_BASE.get()
+
+
+def for_update_count(value: ScheduleLike, *, learning_rate: bool = True) -> Schedule:
+    """`value` as optimizers call it: a function of their count of updates applied so
+    far, which evaluates the schedule at `update_step(count)`.
+
+    `learning_rate=False` is for decay rates (Adafactor's b2): those are evaluated at
+    count + 1 in every run, the legacy ones included, since their formulas here moved by
+    one step with the rule (`adafactor_decay_rate(c)(count + 1)` is what the old rule gave
+    at count), so that an old run's values go on unchanged there too.
+    """
+    fn = as_schedule_fn(value)
+
+    def at_count(count):
+        return fn(update_step(count) if learning_rate else count + UPDATE_STEP_BASE)
+
+    return at_count
 
 
 def _as_float_step(step: Union[int, Tensor]) -> Tensor:
@@ -203,12 +255,13 @@ def warmup_stable_decay(
     peak_lr: float,
     *,
     max_step: int,
-    warmup_steps: Union[int, float],
+    warmup_steps: Union[int, float] = 500,
     decay_steps: Optional[Union[int, float]] = None,
     begin_value: float = 0.0,
     end_value: float = 0.0,
     decay_type: str = "linear",
     decay_begin_step: Optional[int] = None,
+    alpha: Optional[float] = None,
 ) -> Schedule:
     """Warmup-stable-decay (WSD): linear warmup to `peak_lr`, a stable phase at `peak_lr`,
     then a `decay_type` ('linear' or 'cosine') decay that reaches `end_value` at `max_step`.
@@ -216,8 +269,15 @@ def warmup_stable_decay(
     `warmup_steps` and `decay_steps` are step counts (ints) or fractions of `max_step`
     (floats); the stable phase is whatever remains. The decay's start is given either by
     `decay_steps` or, as in `cosine_with_linear_warmup`, by `decay_begin_step` (the decay
-    then spans `max_step - decay_begin_step` steps); set exactly one of them.
+    then spans `max_step - decay_begin_step` steps); set exactly one of them. The end value
+    is `end_value`, or as AXLearn gives it `alpha * peak_lr` (set one of them).
     """
+    if alpha is not None:
+        if end_value != 0.0:
+            raise ConfigError(
+                f"warmup_stable_decay: set end_value ({end_value}) or alpha ({alpha}), not both"
+            )
+        end_value = alpha * peak_lr
     if (decay_steps is None) == (decay_begin_step is None):
         raise ConfigError(
             "warmup_stable_decay: set exactly one of decay_steps and decay_begin_step, got "
@@ -306,7 +366,17 @@ def cyclic_warmup_stable_decay(
 
 
 @register_configurable
-def inverse_sqrt(
+def inverse_sqrt(step: Union[int, Tensor], warmup_steps: int = 1) -> Tensor:
+    """AXLearn's inverse square root (T5's): `max(step, warmup_steps) ** -0.5`, constant
+    during warmup. A schedule itself (a function of the step), not a factory; scale it
+    with a lambda or `stepwise` (T5: a linear warmup, then `inverse_sqrt(step + 100)`)."""
+    if warmup_steps <= 0:
+        raise ConfigError(f"inverse_sqrt: warmup_steps ({warmup_steps}) must be > 0")
+    return jnp.maximum(_as_float_step(step), warmup_steps) ** -0.5
+
+
+@register_configurable
+def inverse_sqrt_with_warmup(
     peak_lr: float,
     *,
     warmup_steps: int,
@@ -319,7 +389,8 @@ def inverse_sqrt(
     timescale = warmup_steps if timescale is None else timescale
     if timescale <= 0:
         raise ConfigError(
-            f"inverse_sqrt: timescale must be positive (set it when warmup_steps={warmup_steps})"
+            "inverse_sqrt_with_warmup: timescale must be positive (set it when "
+            f"warmup_steps={warmup_steps})"
         )
 
     def fn(step):
@@ -334,11 +405,12 @@ def inverse_sqrt(
 
 @register_configurable
 def adafactor_decay_rate(c: float = 0.8, step_offset: int = 0) -> Schedule:
-    """Adafactor's second-moment decay `1 - (t + 1) ** -c` (Shazeer & Stern, 2018), where
-    t counts updates already applied, so the first update (t=0) uses decay 0."""
+    """Adafactor's second-moment decay (Shazeer & Stern, 2018, section 7.2), AXLearn's:
+    `1 - max(step - step_offset, 1) ** -c`, so the first update (step 1, or the first
+    after `step_offset`) uses decay 0."""
 
     def fn(step):
-        t = jnp.maximum(_as_float_step(step) - step_offset, 0.0) + 1.0
+        t = jnp.maximum(_as_float_step(step) - step_offset, 1.0)
         return 1.0 - t ** (-c)
 
     return fn
@@ -369,20 +441,19 @@ def adafactor(
 
 @register_configurable
 def decay_bias_correction(decay: float) -> Schedule:
-    """Bias-corrected EMA decay (Shazeer & Stern, 2018, section 7.1):
-    `decay * (1 - decay ** t) / (1 - decay ** (t + 1))` at step t.
+    """Bias-corrected EMA decay (Shazeer & Stern, 2018, section 7.1), AXLearn's:
+    `decay * (1 - decay ** (t - 1)) / (1 - decay ** t)` at step t.
 
     With it, `ema = ema * d_t + x_t * (1 - d_t)` from ema = 0 is the decay-weighted mean
-    of the values so far: step 0 (the first update here) gives d_0 = 0, so the EMA starts
-    at x_0 instead of at 0. AXLearn counts the first update as step 1 and writes the same
-    rule with `t - 1` and `t`; the values per update are the same.
+    of the values so far: step 1 (the first update) gives d_1 = 0, so the EMA starts at
+    x_1 instead of at 0.
     """
     if not 0.0 < decay < 1.0:
         raise ConfigError(f"decay_bias_correction: decay ({decay}) must lie in (0, 1)")
 
     def fn(step):
         t = _as_float_step(step)
-        return decay * (1.0 - decay**t) / (1.0 - decay ** (t + 1.0))
+        return decay * (1.0 - decay ** (t - 1.0)) / (1.0 - decay**t)
 
     return fn
 
@@ -426,9 +497,9 @@ def segment_wise(segments: Sequence[ScheduleLike], *, segment_steps: Sequence[in
     after) and is called with `step - sum(segment_steps[:k])`, i.e. from 1; steps <= 0
     give 0.
 
-    Kept as AXLearn defines it, so that ported schedules give the same values at the
-    same step. This library calls schedules from step 0 (see the module docstring); for
-    sub-schedules that count from 0 use `stepwise`.
+    As AXLearn defines it: optimizers call schedules from step 1 (see the module
+    docstring), so a run's first update is segment 0's step 1. For sub-schedules that
+    count from 0 use `stepwise`.
     """
     if len(segments) != len(segment_steps) + 1:
         raise ConfigError(
@@ -504,14 +575,16 @@ def linear_schedule_with_warmup(
 
 
 @register_configurable
-def ema_schedule(decay: float = 0.9999, *, warmup_steps: int = 1) -> Schedule:
-    """An EMA decay of `step / (step + 1)` (0, 1/2, 2/3, ...: the running mean) before
-    `warmup_steps`, then `decay`."""
+def ema_schedule(
+    decay: float = 0.9999, *, warmup_steps: int = 1, step_offset: int = 0
+) -> Schedule:
+    """AXLearn's EMA decay with warmup: with t = max(step - step_offset, 0), `t / (t + 1)`
+    (0, 1/2, 2/3, ...: the running mean) while t < warmup_steps, then `decay`."""
     if warmup_steps <= 0:
         raise ConfigError(f"ema_schedule: warmup_steps ({warmup_steps}) must be positive")
 
     def fn(step):
-        step = _as_float_step(step)
-        return jnp.where(step < warmup_steps, step / (1.0 + step), decay)
+        t = jnp.maximum(_as_float_step(step) - step_offset, 0.0)
+        return jnp.where(t < warmup_steps, t / (1.0 + t), decay)
 
     return fn

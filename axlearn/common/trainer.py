@@ -32,7 +32,7 @@ from axlearn.common.config import (
 )
 from axlearn.common.evaler import SpmdEvaler
 from axlearn.common.input_prefetch import prefetch_in_thread
-from axlearn.common.learner import Learner
+from axlearn.common.learner import Learner, restore_with_legacy_schedule_step
 from axlearn.common.module import Module, functional
 from axlearn.common.optimizers import SkipClipState, find_states, global_norm
 from axlearn.common.sharding import (
@@ -45,7 +45,7 @@ from axlearn.common.sharding import (
 )
 from axlearn.common.summary import WeightedScalar, scalar_value
 from axlearn.common.summary_writer import SummaryWriter
-from axlearn.common.utils import flatten_with_paths
+from axlearn.common.utils import HybridMeshShape, flatten_with_paths
 from axlearn.common.weight_copies import WeightCopies, uses_float32_weight_grads
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,19 @@ MAX_PARAMETER_NORM_GROWTH = 100.0
 
 
 def infer_mesh_shape(mesh_shape: MeshShape, num_devices: int) -> tuple[int, ...]:
-    """Resolves one -1 entry so that the product equals `num_devices`."""
+    """Resolves one -1 entry so that the product equals `num_devices`. A HybridMeshShape
+    is resolved as its product shape, the -1 axis a multiple of its other part."""
+    if isinstance(mesh_shape, HybridMeshShape):
+        shape = infer_mesh_shape(mesh_shape.flat(), num_devices)
+        parts = zip(mesh_shape.ici_mesh_shape, mesh_shape.dcn_mesh_shape)
+        for axis, (ici, dcn) in enumerate(parts):
+            part = dcn if ici == -1 else ici
+            if shape[axis] % abs(part):
+                raise ConfigError(
+                    f"mesh_shape {mesh_shape}: axis {axis} of {shape[axis]} devices does not "
+                    f"split into parts of {part}"
+                )
+        return shape
     shape = list(mesh_shape)
     unknown = [i for i, d in enumerate(shape) if d == -1]
     if len(unknown) > 1:
@@ -547,7 +559,10 @@ class SpmdTrainer(Module):
             )
         if "checkpointer" in self.children:
             step, restored, extra = fp8.restore_with_fresh_scaling_state(
-                lambda template: self.checkpointer.restore(step=self._restore_step, state=template),
+                lambda template: restore_with_legacy_schedule_step(
+                    lambda t: self.checkpointer.restore(step=self._restore_step, state=t),
+                    template,
+                ),
                 self._state_template(),
                 functools.partial(self._initial_state_values, seed=seed),
             )

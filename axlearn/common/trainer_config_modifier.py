@@ -7,7 +7,7 @@ golden configs.
 """
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from axlearn.common.config import (
     REQUIRED,
@@ -21,6 +21,10 @@ from axlearn.common.config import (
     set_recursively,
 )
 from axlearn.common.metrics import MetricAccumulator
+from axlearn.common.utils import HybridMeshShape
+
+
+_HYBRID_FIELDS = {"ici_mesh_shape", "dcn_mesh_shape"}
 
 
 class MeshShapeModifier(ConfigModifier):
@@ -30,10 +34,16 @@ class MeshShapeModifier(ConfigModifier):
     class Config(ConfigModifier.Config):
         """Configures MeshShapeModifier."""
 
-        mesh_shape: Required[Sequence[int]] = REQUIRED
+        # A shape over the mesh axes, or a HybridMeshShape (within and across hosts).
+        mesh_shape: Required[Union[Sequence[int], HybridMeshShape]] = REQUIRED
 
     def __call__(self, cfg):
-        cfg.mesh_shape = tuple(self.config.mesh_shape)
+        mesh_shape = self.config.mesh_shape
+        if isinstance(mesh_shape, dict) and set(mesh_shape) == _HYBRID_FIELDS:
+            mesh_shape = HybridMeshShape(**mesh_shape)  # As golden text reads it back.
+        if not isinstance(mesh_shape, HybridMeshShape):
+            mesh_shape = tuple(mesh_shape)
+        cfg.mesh_shape = mesh_shape
         return cfg
 
 

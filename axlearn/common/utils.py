@@ -11,8 +11,9 @@ This module is the bottom of the library's layering: of axlearn it imports only 
 (pure Python), whose `register_configurable` lets config text name the policies.
 """
 
+import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 import jax
@@ -90,6 +91,32 @@ def cast_floats(tree: Any, dtype: Optional[jnp.dtype]) -> Any:
 # saved (True or Saveable), recomputed (False or Recompute), or offloaded to another
 # memory (Offloadable(src, dst)). Checkpoint names (`checkpoint_name(x, 'q_proj')`)
 # reach the policy as the primitive 'name' with params {'name': ...}.
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridMeshShape:
+    """AXLearn's mesh shape of a job over several TPU slices or GPU hosts: `ici_mesh_shape`
+    within a slice or host (its fast interconnect), `dcn_mesh_shape` across them, axis for
+    axis. The mesh is their product axis by axis; an axis may be -1 in one of them (the
+    devices left). Golden text writes it as `mesh_shape['ici_mesh_shape'][i]`."""
+
+    ici_mesh_shape: Sequence[int]
+    dcn_mesh_shape: Sequence[int]
+
+    def __len__(self) -> int:
+        return len(self.ici_mesh_shape)
+
+    def flat(self) -> tuple[int, ...]:
+        """The product shape, -1 where either part is -1 (`trainer.infer_mesh_shape`
+        resolves it, and checks it divides by the other part)."""
+        if len(self.ici_mesh_shape) != len(self.dcn_mesh_shape):
+            raise ValueError(
+                f"HybridMeshShape: ici_mesh_shape {tuple(self.ici_mesh_shape)} and "
+                f"dcn_mesh_shape {tuple(self.dcn_mesh_shape)} differ in length"
+            )
+        return tuple(
+            -1 if -1 in (i, d) else i * d for i, d in zip(self.ici_mesh_shape, self.dcn_mesh_shape)
+        )
 
 
 def _remat_types():
