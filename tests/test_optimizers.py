@@ -682,9 +682,10 @@ def test_adafactor_scales_weight_decay_by_a_power_of_the_learning_rate_as_numpy(
         weight_decay_scale_by_learning_rate_exponent=0.5,
     )
     got, _ = run_steps(ours, params, grads_seq)
+    # Ours reads the schedule at the update count + 1, as AXLearn's learner does.
     expected = adafactor_reference(
-        params, grads_seq, lr=lr, b1=0.9, clip=1.0, eps=1e-30, eps_scale=1e-3,
-        weight_decay=0.3, factored_names={"w"}, wd_exponent=0.5,
+        params, grads_seq, lr=lambda t: lr(t + 1), b1=0.9, clip=1.0, eps=1e-30,
+        eps_scale=1e-3, weight_decay=0.3, factored_names={"w"}, wd_exponent=0.5,
     )
     for name in shapes:
         np.testing.assert_allclose(got[name], expected[name], atol=1e-6, rtol=1e-5)
@@ -702,8 +703,8 @@ def test_adafactor_with_momentum_and_a_schedule_matches_optax_adafactor():
         lr, b1=0.9, clipping_threshold=1.0, min_dim_size_to_factor=3, weight_decay=0.1,
         weight_decay_scale_by_learning_rate_exponent=0.0,
     )
-    reference = optax.adafactor(
-        lr, min_dim_size_to_factor=3, clipping_threshold=1.0, momentum=0.9,
+    reference = optax.adafactor(  # optax reads its schedule at the count, ours at count + 1.
+        lambda t: lr(t + 1), min_dim_size_to_factor=3, clipping_threshold=1.0, momentum=0.9,
         weight_decay_rate=0.1, eps=1e-30,
     )
     got, _ = run_steps(ours, params, grads_seq)
