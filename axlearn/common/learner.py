@@ -166,6 +166,12 @@ class Learner(Module):
         gives the full-batch result. aux leaves are
         averaged too, except WeightedScalars (combined by weight) and integer leaves (summed).
         """
+        if self._rules:
+            # Only the updated parameters are differentiated: 'no_update' ones enter the
+            # loss as constants, so no weight gradient of theirs is ever computed, and
+            # their place in `grads` holds None.
+            loss_fn = self._loss_of_trainable(loss_fn, model_params)
+            model_params = self._trainable(model_params)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         k = num_microbatches
         if not isinstance(k, int) or k < 1:
@@ -199,6 +205,20 @@ class Learner(Module):
             lambda g, p: (g / k).astype(jnp.result_type(p)), grad_sum, model_params
         )
         return loss_sum / k, _combine_microbatches(auxes), grads
+
+    def _loss_of_trainable(self, loss_fn: LossFn, model_params: Nested) -> LossFn:
+        """loss_fn as a function of the trainable parameters (None elsewhere), the frozen
+        ones taken from `model_params`."""
+        leaves, treedef = jax.tree_util.tree_flatten(model_params)
+        paths = [path for path, _ in flatten_with_paths(model_params)]
+        frozen = [self.update_type(path) != "all" for path in paths]
+
+        def trainable_loss(trainable, inputs, prng_key):
+            given = treedef.flatten_up_to(trainable)
+            merged = [x if f else g for x, g, f in zip(leaves, given, frozen)]
+            return loss_fn(treedef.unflatten(merged), inputs, prng_key)
+
+        return trainable_loss
 
     def update(
         self,
@@ -235,7 +255,10 @@ class Learner(Module):
             jnp.zeros_like(p) if u is None else u.astype(p.dtype)
             for p, u in zip(param_leaves, update_leaves)
         ]
-        new_params = treedef.unflatten([p + u for p, u in zip(param_leaves, full_updates)])
+        # 'no_update' parameters pass through as they are (no read-modify-write).
+        new_params = treedef.unflatten(
+            [p if u is None else p + d for p, u, d in zip(param_leaves, update_leaves, full_updates)]
+        )
         full_updates = treedef.unflatten(full_updates)
         _, new_ema = self._ema.update(full_updates, learner_state["ema"], model_params)
         summaries = {}
