@@ -46,7 +46,7 @@ import numpy as np
 from absl import flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from axlearn.common import hf_checkpoint, hf_llama, trainer_dir
+from axlearn.common import hf_checkpoint, hf_llama, lora, trainer_dir
 from axlearn.common.attention import FusedGroupedQKVLinear, GroupedQKVLinear
 from axlearn.common.command_flags import parse_command_flags
 from axlearn.common.config import ConfigBase, ConfigError
@@ -597,9 +597,15 @@ def from_trainer_dir(
     memory and then placed in its shards."""
     cfg = trainer_dir.read_trainer_config(directory)
     decode_dtype = _decode_dtype(dtype)
-    mesh, model = _mesh_for(cfg.model.clone(dtype=decode_dtype), devices)
+    model_cfg, lora_model = cfg.model, None
+    if lora.lora_layer_configs(model_cfg):  # A LoRA run decodes with its adapters merged.
+        lora_model = model_cfg.clone(name="model").instantiate(parent=None)
+        model_cfg = lora.base_model_config(model_cfg)
+    mesh, model = _mesh_for(model_cfg.clone(dtype=decode_dtype), devices)
     _, params = trainer_dir.restore_model_params(directory, step=step, model_config=cfg.model)
-    params = cast_floats(unfuse_qkv(params, cfg.model, model), decode_dtype)
+    if lora_model is not None:
+        params = lora.merged_params(lora_model, params)
+    params = cast_floats(unfuse_qkv(params, model_cfg, model), decode_dtype)
     params = jax.device_put(params, tensor_parallel_shardings(params, mesh))
     return Generator(model, params, mesh=mesh), trainer_dir.recorded_tokenizer(cfg)
 

@@ -126,6 +126,14 @@ FLAGS_TABLE = (
         "fresh run only: a run with checkpoints resumes from them.",
     ),
     (
+        flags.DEFINE_string,
+        "init_lora_from",
+        None,
+        "A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) whose "
+        "adapters start a LoRA config's (e.g. llama_lora's) instead of fresh ones; needs "
+        "--init_from_hf for the base, and must match its layers, rank and alpha.",
+    ),
+    (
         flags.DEFINE_integer,
         "restore_step",
         None,
@@ -272,6 +280,27 @@ def use_hf_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
     return cfg
 
 
+def use_peft_adapter(cfg: ConfigBase, path: str) -> ConfigBase:
+    """Makes a LoRA config's adapters start from the PEFT adapter directory `path` (read
+    with the --init_from_hf weights, checked against the model's adapters)."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import hf_checkpoint, hf_llama, hf_peft, lora
+
+    init = cfg.init_params
+    if init is None or getattr(init, "klass", None) is not hf_llama.HfLlamaWeights:
+        raise ConfigError(f"--init_lora_from={path} needs --init_from_hf for the base weights")
+    if not lora.lora_layer_configs(cfg.model):
+        raise ConfigError(
+            f"--init_lora_from={path}: the model has no LoRA layers (e.g. --config=llama_lora)"
+        )
+    path = os.path.abspath(path)
+    config = os.path.join(path, hf_peft.ADAPTER_CONFIG_FILE)
+    model = cfg.model.clone(name="model").instantiate(parent=None)
+    hf_peft.check_adapter_config(config, hf_checkpoint.read_json(config), model)
+    init.lora_from = path
+    return cfg
+
+
 def build_trainer_config(
     *,
     config_name: str,
@@ -281,6 +310,7 @@ def build_trainer_config(
     config_overrides: Sequence[str] = (),
     trainer_dir: Optional[str] = None,
     init_from_hf: Optional[str] = None,
+    init_lora_from: Optional[str] = None,
 ) -> ConfigBase:
     """The whole launch-time recipe: name -> Hugging Face model and weights -> mesh rule
     -> data dir (which checks the model's vocabulary) -> overrides (max_step carrying
@@ -292,6 +322,8 @@ def build_trainer_config(
     cfg = build_named_config(config_name, module=module)
     if init_from_hf:  # Before the mesh rule, whose modifiers (remat, FP8) apply to its model.
         cfg = use_hf_checkpoint(cfg, init_from_hf)
+    if init_lora_from:
+        cfg = use_peft_adapter(cfg, init_lora_from)
     if mesh_selector and mesh_selector != NO_MESH_RULE:
         pattern, rule = select_mesh_rule(cfg.mesh_rules, mesh_selector, config_name=config_name)
         what = type(rule).__qualname__.split(".")[0] if hasattr(rule, "klass") else f"mesh {rule}"
@@ -357,6 +389,7 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         config_overrides=flag_values.config_override,
         trainer_dir=flag_values.trainer_dir,
         init_from_hf=flag_values.init_from_hf,
+        init_lora_from=flag_values.init_lora_from,
     )
     if flag_values.print_config:
         print(cfg.debug_string())

@@ -699,7 +699,8 @@ def adapter_deltas(module: Module, params: Any) -> dict[str, Tensor]:
 
 def merged_params(model: Module, params: Any) -> Any:
     """The parameters of `base_model_config(model)`: each LoRA layer's base weights with
-    its adapter merged in (in the base weights' dtype), the adapters dropped."""
+    its adapter merged in (float32, whatever the base's dtype: the sum is not rounded to
+    bf16), the adapters dropped."""
     params = jax.tree.map(lambda x: x, params)  # A copy of the dict structure.
     for path, module, sub in lora_modules(model, params):
         base = dict(sub["layer"])
@@ -708,9 +709,7 @@ def merged_params(model: Module, params: Any) -> Any:
             base = _merge_fused(module, base, deltas)
         else:
             weight = base["weight"]
-            base["weight"] = (jnp.asarray(weight, jnp.float32) + deltas["weight"]).astype(
-                weight.dtype
-            )
+            base["weight"] = jnp.asarray(weight, jnp.float32) + deltas["weight"]
         node = params
         *parents, last = path.rstrip("/").split("/")
         for name in parents:
@@ -731,7 +730,7 @@ def _merge_fused(module: LoraFusedQKVLinear, base: dict, deltas: dict) -> dict:
     else:  # FusedQKVLinear: [..., 3, D, N, H]
         for name, delta in deltas.items():
             weight = weight.at[..., _QKV_NAMES.index(name), :, :, :].add(delta)
-    proj["weight"] = weight.astype(jnp.asarray(base["qkv_proj"]["weight"]).dtype)
+    proj["weight"] = weight
     return dict(base, qkv_proj=proj)
 
 
