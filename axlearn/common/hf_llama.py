@@ -1024,7 +1024,9 @@ def export_trainer_dir(
             tokenizer = None
         elif tokenizer is None:
             log.warning("The run records no tokenizer file: none exported (--tokenizer=PATH)")
-    restored_step, params = trainer_dir_lib.restore_model_params(trainer_dir, step=step)
+    restored_step, params = trainer_dir_lib.restore_model_params(
+        trainer_dir, step=step, frozen=not adapters_only  # Adapters need no base.
+    )
     if adapters_only:
         base = getattr(init_params, "path", None) if init_params is not None else None
         written = hf_peft.write_adapter(output, model, params, base_model=base)

@@ -508,7 +508,9 @@ class LoraConfigModifier(ConfigModifier):
     below `model` (e.g. 'decoder.transformer.layer.feed_forward.linear2'); a target that
     matches nothing is an error. gate_proj and up_proj share one config (the feed-forward's
     `linear1`), so they are targeted together. The learner's `update_rules` become
-    [(ADAPTER_PARAM_REGEX, 'all'), ('.*', 'no_update')]: the rest is frozen.
+    [(ADAPTER_PARAM_REGEX, 'all'), ('.*', 'no_update')]: the rest is frozen; and the
+    trainer's `checkpoint_frozen_params` False: checkpoints do not write the frozen base,
+    which a restore takes from its source (the --init_from_hf directory, or param_init).
     """
 
     @config_class
@@ -526,6 +528,9 @@ class LoraConfigModifier(ConfigModifier):
     def __call__(self, cfg):
         self.apply_to_model(cfg.model)
         cfg.learner.update_rules = [(ADAPTER_PARAM_REGEX, "all"), (".*", "no_update")]
+        # Checkpoints hold the adapters and their optimizer state; a restore reads the
+        # frozen base from its source again, checked by fingerprint.
+        cfg.checkpoint_frozen_params = False
         return cfg
 
     def apply_to_model(self, model: ConfigBase) -> ConfigBase:

@@ -20,6 +20,7 @@ from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import ConfigBase, ConfigError, qualified_name
 from axlearn.common.golden_text import parse_flat_text
+from axlearn.common.utils import flatten_with_paths, unflatten_paths
 from axlearn.common.input_token_format import TokenShard, TokenShardError
 from axlearn.common.input_vocab import (
     BYTES_VOCAB_NAME,
@@ -58,37 +59,94 @@ def restore_model_params(
     step: Optional[int] = None,
     model_config: Optional[ConfigBase] = None,
     sharding: Optional[jax.sharding.Sharding] = None,
+    frozen: bool = True,
 ) -> tuple[int, Any]:
     """(step, model parameters) of checkpoint `step` in `trainer_dir` (None: the latest
     committed one), without the optimizer state.
 
     `model_config` defaults to the recorded config's model. Every parameter is placed
-    whole by `sharding`, by default on JAX's CPU device (host memory).
+    whole by `sharding`, by default on JAX's CPU device (host memory). A run whose
+    checkpoints leave out its frozen parameters (`checkpoint_frozen_params=False`) gets
+    them from their source, checked against the checkpoint's fingerprint; with
+    `frozen=False` they are left out instead.
     """
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import trainer as trainer_lib
+
+    trainer_cfg = read_trainer_config(trainer_dir)
     if model_config is None:
-        model_config = read_trainer_config(trainer_dir).model
+        model_config = trainer_cfg.model
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    specs = model_config.clone(name="model").instantiate(parent=None)
-    specs = specs.create_parameter_specs_recursively()
+    model = model_config.clone(name="model").instantiate(parent=None)
+    specs = model.create_parameter_specs_recursively()
+    unsaved = frozenset()
+    if trainer_cfg.checkpoint_frozen_params is False:
+        learner = trainer_cfg.learner.clone(name="learner").instantiate(parent=None)
+        unsaved = trainer_lib.frozen_param_paths(learner, specs)
     template = jax.tree.map(
         lambda spec: jax.ShapeDtypeStruct(tuple(spec.shape), spec.dtype, sharding=sharding),
         specs,
         is_leaf=is_parameter_spec,
     )
+    full_template = template
+    template = trainer_lib.drop_paths(template, unsaved) if unsaved else template
     directory = file_system.join(trainer_dir, CHECKPOINTS)
     checkpointer = Checkpointer.default_config().set(name="checkpointer", dir=directory)
     checkpointer = checkpointer.instantiate(parent=None)
     try:
         if step is None and checkpointer.latest_committed_step() is None:
             raise ConfigError(f"{directory}: no committed checkpoint")
-        restored_step, restored, _ = checkpointer.restore(
+        restored_step, restored, extra = checkpointer.restore(
             step=step, state={"model": template}, subset=True
         )
     finally:
         checkpointer.stop()
     log.info("Restored the model parameters of step %d from %s", restored_step, directory)
-    return restored_step, restored["model"]
+    params = restored["model"]
+    if unsaved and frozen:
+        params = _with_frozen_params(
+            trainer_cfg, model_config, model, specs, full_template, params, unsaved,
+            restored_step, extra,
+        )
+    return restored_step, params
+
+
+def _with_frozen_params(
+    trainer_cfg, model_config, model, specs, template, params, unsaved, step, extra
+) -> Any:
+    """`params` with the frozen parameters a checkpoint leaves out, from the run's
+    init_params or its param_init (as `SpmdTrainer` restores them), fingerprint-checked."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import trainer as trainer_lib
+
+    shardings = jax.tree.map(lambda t: t.sharding, template)
+    if trainer_cfg.init_params is not None:
+        loaded = trainer_cfg.init_params.instantiate().load(
+            model_config=model_config, param_specs=specs, shardings=shardings
+        )
+        source = f"init_params ({trainer_cfg.init_params.klass.__name__})"
+    else:
+        seed = 0 if trainer_cfg.seed is None else trainer_cfg.seed
+        init_key, _ = jax.random.split(jax.random.PRNGKey(seed))
+        loaded = jax.jit(model.initialize_parameters_recursively, out_shardings=shardings)(
+            init_key
+        )
+        source = f"model.param_init with seed {seed}"
+    flat = dict(flatten_with_paths(loaded))
+    frozen = {path: flat[path] for path in sorted(unsaved)}
+    recorded = (extra or {}).get(trainer_lib.FROZEN_FINGERPRINT)
+    if recorded is None:
+        raise ConfigError(
+            f"Checkpoint step {step} records no {trainer_lib.FROZEN_FINGERPRINT}, so its "
+            "frozen parameters cannot be checked"
+        )
+    trainer_lib.check_fingerprint(
+        trainer_lib.params_fingerprint(frozen), recorded, source=source, step=step
+    )
+    merged = dict(flatten_with_paths(params))
+    merged.update(frozen)
+    return unflatten_paths(merged)
 
 
 # ----- the tokenizer recorded with the data -----
