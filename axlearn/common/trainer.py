@@ -422,6 +422,19 @@ class SpmdTrainer(Module):
             learner=self._param_shardings(learner_specs),
         )
 
+    def frozen_matmul_parameter_count(self) -> int:
+        """Matmul parameters (`causal_lm.matmul_parameter_count`) that the learner never
+        updates: their products have no weight gradient, so a token costs 4 FLOPs of each
+        instead of 6 (DESIGN.md's LoRA count; `perf.StepAccounting`)."""
+        # pylint: disable-next=import-outside-toplevel
+        from axlearn.common.causal_lm import matmul_parameter_count
+
+        frozen = frozen_param_paths(self.learner, self._model_param_specs)
+        if not frozen:
+            return 0
+        flat = flatten_with_paths(self._model_param_specs, is_leaf=is_parameter_spec)
+        return matmul_parameter_count(unflatten_paths({p: s for p, s in flat if p in frozen}))
+
     def _saved(self, model_tree: Any) -> Any:
         """`model_tree` (shaped like the parameters) without the unsaved parameters."""
         if not self._unsaved_paths:
