@@ -32,6 +32,7 @@ import numpy as np
 from axlearn.common import hf_checkpoint, lora
 from axlearn.common.config import ConfigError
 from axlearn.common.module import Module
+from axlearn.common.utils import flatten_with_paths, unflatten_paths
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -66,8 +67,9 @@ def _layers(path: str, module: Module, sub: Any, num_layers: int) -> Iterator[tu
     if match.group(1) is not None:
         yield int(match.group(1)), sub
         return
+    adapter = {"adapter": sub["adapter"]}  # Only the adapter is read: no slices of the base.
     for i in range(num_layers):  # Stacked layers: a leading axis of num_layers.
-        yield i, _index(sub, i)
+        yield i, _index(adapter, i)
 
 
 def _index(tree: Any, i: int) -> Any:
@@ -208,47 +210,79 @@ def check_adapter_config(path: str, config: dict[str, Any], model: Module) -> No
             raise ConfigError(f"{path}: {key} is {config.get(key)!r}, the model's is {want[key]!r}")
 
 
-def read_adapter(directory: str, model: Module, param_specs: Any) -> dict[str, np.ndarray]:
-    """{our adapter parameter path: float32 array} from a PEFT adapter directory, checked
-    against the model (see the module doc)."""
+def _adapter_shapes(model: Module, param_specs: Any) -> dict[str, tuple[int, ...]]:
+    """{PEFT tensor name: shape} of the model's adapters."""
+    base_paths = lora.base_param_paths(model, param_specs)
+    adapters = {
+        path: np.zeros(tuple(spec.shape), np.float32)
+        for path, spec in flatten_with_paths(param_specs, is_leaf=lambda x: hasattr(x, "shape"))
+        if base_paths[path] is None
+    }
+    return {name: t.shape for name, t in peft_tensors(model, unflatten_paths(adapters)).items()}
+
+
+def check_adapter(directory: str, model: Module, param_specs: Any) -> None:
+    """Refuses (ConfigError naming the file) a PEFT adapter directory that is not for the
+    model: its config (`check_adapter_config`), then its tensors' names and shapes, read
+    from the safetensors header alone."""
     config_path = os.path.join(directory, ADAPTER_CONFIG_FILE)
     weights_path = os.path.join(directory, ADAPTER_WEIGHTS_FILE)
     check_adapter_config(config_path, hf_checkpoint.read_json(config_path), model)
+    shapes = {name: tuple(shape) for name, shape in _read_shapes(weights_path).items()}
+    expected = _adapter_shapes(model, param_specs)
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        raise ConfigError(
+            f"{weights_path}: tensors missing: {_some(missing)}; not in the model: "
+            f"{_some(unexpected)}"
+        )
+    for name, shape in expected.items():
+        if shapes[name] != tuple(shape):
+            raise ConfigError(
+                f"{weights_path}: {name} has shape {shapes[name]}, the model's is {tuple(shape)}"
+            )
+
+
+def _some(names: list[str]) -> str:
+    return (", ".join(names[:3]) + (" ..." if len(names) > 3 else "")) if names else "none"
+
+
+def _open(weights_path: str) -> Any:
     if not os.path.isfile(weights_path):
         raise ConfigError(f"{weights_path}: no such file")
     hf_checkpoint._safetensors()  # pylint: disable=protected-access
     from safetensors import safe_open  # pylint: disable=import-outside-toplevel
 
     try:
-        with safe_open(weights_path, framework="numpy") as f:
-            names = set(f.keys())
-            tensors = {name: f.get_tensor(name) for name in names}
+        return safe_open(weights_path, framework="numpy")
     except Exception as e:  # pylint: disable=broad-except
         raise ConfigError(f"{weights_path}: unreadable safetensors ({e})") from None
+
+
+def _peft_name(name: str) -> str:
     # PEFT may save under the adapter's name ('...lora_A.default.weight').
-    tensors = {name.replace(".default.weight", ".weight"): t for name, t in tensors.items()}
-    expected = peft_tensors(model, _zeros(param_specs))
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise ConfigError(
-            f"{weights_path}: tensors missing: {missing[:3] or 'none'}"
-            f"{' ...' if len(missing) > 3 else ''}; not in the model: {unexpected[:3] or 'none'}"
-            f"{' ...' if len(unexpected) > 3 else ''}"
-        )
-    for name, value in expected.items():
-        if tuple(tensors[name].shape) != tuple(value.shape):
-            raise ConfigError(
-                f"{weights_path}: {name} has shape {tuple(tensors[name].shape)}, the model's "
-                f"is {tuple(value.shape)}"
-            )
+    return name.replace(".default.weight", ".weight")
+
+
+def _read_shapes(weights_path: str) -> dict[str, list[int]]:
+    with _open(weights_path) as f:
+        return {_peft_name(name): f.get_slice(name).get_shape() for name in f.keys()}
+
+
+def read_adapter(directory: str, model: Module, param_specs: Any) -> dict[str, np.ndarray]:
+    """{our adapter parameter path: float32 array} from a PEFT adapter directory, checked
+    against the model first (`check_adapter`)."""
+    check_adapter(directory, model, param_specs)
+    weights_path = os.path.join(directory, ADAPTER_WEIGHTS_FILE)
+    try:
+        with _open(weights_path) as f:
+            tensors = {_peft_name(name): f.get_tensor(name) for name in f.keys()}
+    except ConfigError:
+        raise
+    except Exception as e:  # pylint: disable=broad-except
+        raise ConfigError(f"{weights_path}: unreadable safetensors ({e})") from None
     return adapter_params_from_peft(model, param_specs, tensors)
-
-
-def _zeros(param_specs: Any) -> Any:
-    if isinstance(param_specs, dict):
-        return {key: _zeros(value) for key, value in param_specs.items()}
-    return np.zeros(tuple(param_specs.shape), np.float32)
 
 
 def adapter_params_from_peft(

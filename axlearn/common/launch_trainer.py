@@ -284,7 +284,7 @@ def use_peft_adapter(cfg: ConfigBase, path: str) -> ConfigBase:
     """Makes a LoRA config's adapters start from the PEFT adapter directory `path` (read
     with the --init_from_hf weights, checked against the model's adapters)."""
     # pylint: disable-next=import-outside-toplevel
-    from axlearn.common import hf_checkpoint, hf_llama, hf_peft, lora
+    from axlearn.common import hf_llama, hf_peft, lora
 
     init = cfg.init_params
     if init is None or getattr(init, "klass", None) is not hf_llama.HfLlamaWeights:
@@ -294,9 +294,8 @@ def use_peft_adapter(cfg: ConfigBase, path: str) -> ConfigBase:
             f"--init_lora_from={path}: the model has no LoRA layers (e.g. --config=llama_lora)"
         )
     path = os.path.abspath(path)
-    config = os.path.join(path, hf_peft.ADAPTER_CONFIG_FILE)
     model = cfg.model.clone(name="model").instantiate(parent=None)
-    hf_peft.check_adapter_config(config, hf_checkpoint.read_json(config), model)
+    hf_peft.check_adapter(path, model, model.create_parameter_specs_recursively())
     init.lora_from = path
     return cfg
 

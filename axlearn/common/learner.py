@@ -70,8 +70,8 @@ class Learner(Module):
         # state a step).
         enable_per_variable_summaries: bool = False
         # (regex, 'all' | 'no_update') pairs; the first that fully matches a parameter's
-        # '/'-path decides. None or no match: 'all'. 'no_update' parameters stay unchanged
-        # and have no optimizer state.
+        # '/'-path decides. None or no match: 'all'. 'no_update' parameters stay unchanged,
+        # have no optimizer state and are not differentiated (their gradients are None).
         update_rules: Optional[Sequence[tuple[str, str]]] = None
         # True: a step whose loss is NaN or infinite leaves the parameters and the learner
         # state as they were, and counts in the 'skipped_steps' summary (the trainer then
@@ -167,11 +167,11 @@ class Learner(Module):
         averaged too, except WeightedScalars (combined by weight) and integer leaves (summed).
         """
         if self._rules:
-            # Only the updated parameters are differentiated: 'no_update' ones enter the
-            # loss as constants, so no weight gradient of theirs is ever computed, and
-            # their place in `grads` holds None.
-            loss_fn = self._loss_of_trainable(loss_fn, model_params)
-            model_params = self._trainable(model_params)
+            # Only the differentiated parameters (`is_differentiated`) enter as arguments:
+            # the others are constants of the loss, so no weight gradient of theirs is ever
+            # computed, and their place in `grads` holds None.
+            loss_fn = self._loss_of_differentiated(loss_fn, model_params)
+            model_params = self._differentiated(model_params)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         k = num_microbatches
         if not isinstance(k, int) or k < 1:
@@ -206,19 +206,32 @@ class Learner(Module):
         )
         return loss_sum / k, _combine_microbatches(auxes), grads
 
-    def _loss_of_trainable(self, loss_fn: LossFn, model_params: Nested) -> LossFn:
-        """loss_fn as a function of the trainable parameters (None elsewhere), the frozen
-        ones taken from `model_params`."""
+    def is_differentiated(self, path: str) -> bool:
+        """Whether `compute_gradients` differentiates the parameter at '/'-joined `path`:
+        those it updates ('all')."""
+        return self.update_type(path) == "all"
+
+    def _differentiated(self, tree: Nested) -> Nested:
+        """`tree` with None in place of every parameter that is not differentiated."""
+        path_leaves = flatten_with_paths(tree, is_leaf=is_param_leaf)
+        treedef = jax.tree_util.tree_structure(tree, is_leaf=is_param_leaf)
+        return treedef.unflatten(
+            [leaf if self.is_differentiated(path) else None for path, leaf in path_leaves]
+        )
+
+    def _loss_of_differentiated(self, loss_fn: LossFn, model_params: Nested) -> LossFn:
+        """loss_fn as a function of the differentiated parameters (None elsewhere), the
+        others taken from `model_params`."""
         leaves, treedef = jax.tree_util.tree_flatten(model_params)
         paths = [path for path, _ in flatten_with_paths(model_params)]
-        frozen = [self.update_type(path) != "all" for path in paths]
+        constant = [not self.is_differentiated(path) for path in paths]
 
-        def trainable_loss(trainable, inputs, prng_key):
-            given = treedef.flatten_up_to(trainable)
-            merged = [x if f else g for x, g, f in zip(leaves, given, frozen)]
+        def differentiated_loss(differentiated, inputs, prng_key):
+            given = treedef.flatten_up_to(differentiated)
+            merged = [x if c else g for x, g, c in zip(leaves, given, constant)]
             return loss_fn(treedef.unflatten(merged), inputs, prng_key)
 
-        return trainable_loss
+        return differentiated_loss
 
     def update(
         self,
