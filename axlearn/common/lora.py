@@ -43,7 +43,13 @@ from axlearn.common.attention import (
     QKV,
     MultiheadOutputLinear,
 )
-from axlearn.common.base_layer import BaseLayer, MeshAxes, ParameterSpec, WeightWithCopy, weight_einsum
+from axlearn.common.base_layer import (
+    BaseLayer,
+    MeshAxes,
+    ParameterSpec,
+    WeightWithCopy,
+    weight_einsum,
+)
 from axlearn.common.config import (
     REQUIRED,
     ConfigBase,
