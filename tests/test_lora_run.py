@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axlearn.common import generate, hf_llama, hf_peft, lora, trainer_dir
+from axlearn.common import generate, hf_llama, lora, trainer_dir
 from axlearn.common.checkpointer import CheckpointMismatchError
 from axlearn.common.config import ConfigError
 from axlearn.common.launch_trainer import build_trainer_config
@@ -29,7 +29,6 @@ peft = pytest.importorskip("peft")
 VOCAB = 384  # The byte vocabulary's 259 ids, padded.
 STEPS = 40
 SMALL = (
-    "--config=llama_lora",
     "--jax_backend=cpu",
     "--config_override=input.global_batch_size=8",
     "--config_override=input.max_sequence_length=64",
@@ -57,10 +56,10 @@ def fixture_hf_dir(tmp_path_factory):
     return _save_hf(tmp_path_factory.mktemp("hf"))
 
 
-@pytest.fixture(name="lora_run", scope="module")
-def fixture_lora_run(hf_dir, tmp_path_factory):
-    """(run dir, log) of llama_lora on the HF model, STEPS steps on sums written as text."""
-    work = tmp_path_factory.mktemp("lora_run")
+@pytest.fixture(name="data_dir", scope="module")
+def fixture_data_dir(tmp_path_factory):
+    """Token shards (bytes) of sums written as text: 600 documents of five each."""
+    work = tmp_path_factory.mktemp("sums")
     rng = random.Random(0)
     with open(work / "sums.jsonl", "w", encoding="utf-8") as f:
         for _ in range(600):
@@ -73,14 +72,25 @@ def fixture_lora_run(hf_dir, tmp_path_factory):
         env=fresh_env(), cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert build.returncode == 0, build.stderr[-2000:]
+    return work / "data"
+
+
+def _train(*argv):
     result = subprocess.run(
-        [sys.executable, "-m", "axlearn.common.launch_trainer_main", *SMALL,
-         f"--init_from_hf={hf_dir}", f"--data_dir={work}/data", f"--trainer_dir={work}/run",
-         f"--config_override=max_step={STEPS}"],
+        [sys.executable, "-m", "axlearn.common.launch_trainer_main", *SMALL, *argv],
         env=fresh_env(1), cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return work / "run", result.stderr
+    return result.stderr
+
+
+@pytest.fixture(name="lora_run", scope="module")
+def fixture_lora_run(hf_dir, data_dir, tmp_path_factory):
+    """(run dir, log) of llama_lora on the HF model, STEPS steps on the sums."""
+    run_dir = tmp_path_factory.mktemp("lora_run") / "run"
+    log = _train("--config=llama_lora", f"--init_from_hf={hf_dir}", f"--data_dir={data_dir}",
+                 f"--trainer_dir={run_dir}", f"--config_override=max_step={STEPS}")
+    return run_dir, log
 
 
 def _losses(run_dir):
@@ -233,3 +243,29 @@ def test_a_fingerprint_changes_with_any_one_element_and_names_the_parameter():
     assert a["b"] == b["b"] and a["w"] != b["w"]
     with pytest.raises(CheckpointMismatchError, match="frozen parameter w from SRC"):
         check_fingerprint(b, a, source="SRC", step=3)
+
+
+@pytest.mark.slow
+def test_a_lora_base_comes_from_a_full_parameter_runs_checkpoint(hf_dir, data_dir, tmp_path):
+    sft_dir = tmp_path / "sft"
+    _train("--config=llama_sft", f"--init_from_hf={hf_dir}", f"--data_dir={data_dir}",
+           f"--trainer_dir={sft_dir}", "--config_override=max_step=4")
+    cfg = build_trainer_config(config_name="llama_lora", init_from_checkpoint=str(sft_dir))
+    assert lora.lora_layer_configs(cfg.model) and cfg.model.dtype == jnp.bfloat16
+    model = cfg.model.clone(name="model").instantiate(parent=None)
+    specs = model.create_parameter_specs_recursively()
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    loaded = cfg.init_params.instantiate().load(
+        model_config=cfg.model, param_specs=specs,
+        shardings=jax.tree.map(lambda _: cpu, specs, is_leaf=lambda x: hasattr(x, "shape")),
+    )
+    _, sft = trainer_dir.restore_model_params(str(sft_dir))
+    sft = dict(flatten_with_paths(sft))
+    for path, base_path in lora.base_param_paths(model, loaded).items():
+        value = np.asarray(dict(flatten_with_paths(loaded))[path], np.float32)
+        if base_path is None:
+            if "lora_up" in path:  # Fresh adapters: the LoRA model starts as the SFT model.
+                assert not value.any(), path
+            continue
+        expected = np.asarray(sft[base_path].astype(jnp.bfloat16), np.float32)
+        np.testing.assert_array_equal(value, expected, err_msg=path)

@@ -848,13 +848,7 @@ class HfLlamaWeights(Configurable):
                 for p in adapter_paths
             }
         else:
-            def init(key):
-                flat = dict(flatten_with_paths(model.initialize_parameters_recursively(key)))
-                return {p: flat[p] for p in adapter_paths}
-
-            adapters = jax.jit(init, out_shardings={p: flat_shardings[p] for p in adapter_paths})(
-                jax.random.PRNGKey(0)
-            )
+            adapters = lora.initial_adapters(model, adapter_paths, flat_shardings)
         return lora.join_params(
             model, param_specs, dict(flatten_with_paths(base_params)), adapters
         )

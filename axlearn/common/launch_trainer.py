@@ -128,6 +128,15 @@ FLAGS_TABLE = (
     ),
     (
         flags.DEFINE_string,
+        "init_from_checkpoint",
+        None,
+        "Another run's --trainer_dir: the model is that run's (without its adapters, with "
+        "this config's LoRA layers if it has any) and starts from its newest checkpoint "
+        "(a LoRA config's base from, e.g., a llama_sft run; fresh adapters). Read at step 0 "
+        "of a fresh run only.",
+    ),
+    (
+        flags.DEFINE_string,
         "init_lora_from",
         None,
         "A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) whose "
@@ -280,6 +289,34 @@ def use_hf_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
     return cfg
 
 
+def use_run_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
+    """Replaces the model with the one of the run in trainer directory `path` (without its
+    LoRA layers; with the named config's, if any, and its parameter dtype) and makes the
+    trainer start from that run's latest checkpoint (`trainer_dir.TrainerDirWeights`)."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import lora, trainer_dir
+
+    path = os.path.abspath(path)
+    source = trainer_dir.read_trainer_config(path)
+    model = lora.with_lora_layers(
+        lora.base_model_config(source.model), lora.lora_layer_configs(cfg.model)
+    )
+    model.dtype = cfg.model.dtype
+    cfg.model = model
+    source_init = source.init_params
+    step = trainer_dir.latest_restorable_step(path)  # Pinned: restores read it again.
+    cfg.init_params = trainer_dir.TrainerDirWeights.default_config().set(
+        path=path,
+        step=step,
+        source_fields=getattr(source_init, "source_fields", None) if source_init else None,
+    )
+    log.info(
+        "--init_from_checkpoint=%s: its model and step %d, read at step 0 of a fresh run",
+        path, step,
+    )
+    return cfg
+
+
 def use_peft_adapter(cfg: ConfigBase, path: str) -> ConfigBase:
     """Makes a LoRA config's adapters start from the PEFT adapter directory `path` (read
     with the --init_from_hf weights, checked against the model's adapters)."""
@@ -310,6 +347,7 @@ def build_trainer_config(
     trainer_dir: Optional[str] = None,
     init_from_hf: Optional[str] = None,
     init_lora_from: Optional[str] = None,
+    init_from_checkpoint: Optional[str] = None,
 ) -> ConfigBase:
     """The whole launch-time recipe: name -> Hugging Face model and weights -> mesh rule
     -> data dir (which checks the model's vocabulary) -> overrides (max_step carrying
@@ -321,6 +359,10 @@ def build_trainer_config(
     cfg = build_named_config(config_name, module=module)
     if init_from_hf:  # Before the mesh rule, whose modifiers (remat, FP8) apply to its model.
         cfg = use_hf_checkpoint(cfg, init_from_hf)
+    if init_from_checkpoint:
+        if init_from_hf:
+            raise ConfigError("Pass one of --init_from_hf and --init_from_checkpoint")
+        cfg = use_run_checkpoint(cfg, init_from_checkpoint)
     if init_lora_from:
         cfg = use_peft_adapter(cfg, init_lora_from)
     if mesh_selector and mesh_selector != NO_MESH_RULE:
@@ -389,6 +431,7 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         trainer_dir=flag_values.trainer_dir,
         init_from_hf=flag_values.init_from_hf,
         init_lora_from=flag_values.init_lora_from,
+        init_from_checkpoint=flag_values.init_from_checkpoint,
     )
     if flag_values.print_config:
         print(cfg.debug_string())

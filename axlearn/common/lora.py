@@ -767,3 +767,19 @@ def join_params(model: Module, tree: Any, base: dict[str, Any], adapters: dict[s
     for path, base_path in base_param_paths(model, tree).items():
         flat[path] = adapters[path] if base_path is None else base[base_path]
     return unflatten_paths(flat)
+
+
+def initial_adapters(
+    model: Module, paths: Sequence[str], shardings: dict[str, Any], *, seed: int = 0
+) -> dict[str, Any]:
+    """{path: array} of the adapter parameters at `paths` as the model's param_init draws
+    them with key PRNGKey(seed) (lora_up zero), each placed by `shardings[path]`; only
+    these are computed (XLA drops the rest of the initialization)."""
+
+    def init(key):
+        flat = dict(flatten_with_paths(model.initialize_parameters_recursively(key)))
+        return {path: flat[path] for path in paths}
+
+    return jax.jit(init, out_shardings={path: shardings[path] for path in paths})(
+        jax.random.PRNGKey(seed)
+    )

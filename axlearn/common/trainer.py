@@ -1215,7 +1215,7 @@ def frozen_param_paths(learner: Learner, param_specs: Any) -> frozenset:
     """The '/'-paths of the parameters `learner` never updates ('no_update')."""
     return frozenset(
         path
-        for path, _ in flatten_with_paths(param_specs, is_leaf=lambda x: isinstance(x, ParameterSpec))
+        for path, _ in flatten_with_paths(param_specs, is_leaf=is_parameter_spec)
         if learner.update_type(path) != "all"
     )
 

@@ -14,13 +14,21 @@ import os
 from typing import Any, Optional
 
 import jax
+import numpy as np
 
-from axlearn.common import file_system
+from axlearn.common import file_system, lora
 from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.checkpointer import Checkpointer
-from axlearn.common.config import ConfigBase, ConfigError, qualified_name
+from axlearn.common.config import (
+    REQUIRED,
+    ConfigBase,
+    ConfigError,
+    Configurable,
+    Required,
+    config_class,
+    qualified_name,
+)
 from axlearn.common.golden_text import parse_flat_text
-from axlearn.common.utils import flatten_with_paths, unflatten_paths
 from axlearn.common.input_token_format import TokenShard, TokenShardError
 from axlearn.common.input_vocab import (
     BYTES_VOCAB_NAME,
@@ -28,6 +36,7 @@ from axlearn.common.input_vocab import (
     file_sha256,
     resolve_vocab_file,
 )
+from axlearn.common.utils import flatten_with_paths, unflatten_paths
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +156,79 @@ def _with_frozen_params(
     merged = dict(flatten_with_paths(params))
     merged.update(frozen)
     return unflatten_paths(merged)
+
+
+def latest_restorable_step(trainer_dir: str) -> int:
+    """The newest committed checkpoint step of `trainer_dir` not judged bad (the one
+    `restore_model_params` takes by default); ConfigError if there is none."""
+    directory = file_system.join(trainer_dir, CHECKPOINTS)
+    checkpointer = Checkpointer.default_config().set(name="checkpointer", dir=directory)
+    checkpointer = checkpointer.instantiate(parent=None)
+    try:
+        steps = [s for s in checkpointer.committed_steps() if checkpointer.verdict(s) is not False]
+    finally:
+        checkpointer.stop()
+    if not steps:
+        raise ConfigError(f"{directory}: no committed checkpoint")
+    return steps[-1]
+
+
+class TrainerDirWeights(Configurable):
+    """The initial parameters of a fresh run (`SpmdTrainer.Config.init_params`) from
+    another run's checkpoint: each parameter from the same path there, or, for a LoRA
+    model started from a run without adapters (e.g. full-parameter SFT), each base weight
+    from its path in that run's model (`lora.base_param_paths`) and the adapters fresh
+    (param_init, key PRNGKey(0); lora_up zero). Shapes must match; a parameter the source
+    lacks is an error naming it."""
+
+    @config_class
+    class Config(Configurable.Config):
+        """Configures TrainerDirWeights."""
+
+        path: Required[str] = REQUIRED  # The other run's --trainer_dir.
+        step: Optional[int] = None  # Its checkpoint step; None: the latest committed.
+        # The config.json fields of the Hugging Face model the other run started from
+        # (its init_params.source_fields), which export writes back. None: none.
+        source_fields: Optional[dict[str, Any]] = None
+
+    def load(self, *, model_config: ConfigBase, param_specs: Any, shardings: Any) -> Any:
+        """The parameters of `model_config` in the dtypes of `param_specs`, placed by
+        `shardings`."""
+        cfg = self.config
+        source_cfg = read_trainer_config(cfg.path)
+        step, source = restore_model_params(
+            cfg.path, step=cfg.step, model_config=source_cfg.model
+        )
+        log.info("Starting from step %d of %s", step, cfg.path)
+        source = dict(flatten_with_paths(source))
+        model = model_config.clone(name="model").instantiate(parent=None)
+        is_spec = lambda x: hasattr(x, "shape")  # pylint: disable=unnecessary-lambda-assignment
+        flat_specs = dict(flatten_with_paths(param_specs, is_leaf=is_spec))
+        flat_shardings = dict(
+            flatten_with_paths(shardings, is_leaf=lambda x: hasattr(x, "device_set"))
+        )
+        values, fresh = {}, []
+        for path, base_path in lora.base_param_paths(model, param_specs).items():
+            name = path if path in source else base_path
+            if name is None:  # An adapter the source run did not have.
+                fresh.append(path)
+                continue
+            if name not in source:
+                raise ConfigError(
+                    f"init_params.path={cfg.path}: step {step} has no parameter {path}"
+                )
+            spec = flat_specs[path]
+            if tuple(source[name].shape) != tuple(spec.shape):
+                raise ConfigError(
+                    f"init_params.path={cfg.path}: {name} has shape {tuple(source[name].shape)} "
+                    f"at step {step}, the model's {path} {tuple(spec.shape)}"
+                )
+            values[path] = jax.device_put(
+                np.asarray(source[name]).astype(spec.dtype), flat_shardings[path]
+            )
+        if fresh:
+            values.update(lora.initial_adapters(model, fresh, flat_shardings))
+        return unflatten_paths(values)
 
 
 # ----- the tokenizer recorded with the data -----
