@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from axlearn.common.base_layer import BaseLayer
+from axlearn.common.causal_lm import matmul_parameter_count
 from axlearn.common.config import (
     REQUIRED,
     Configurable,
@@ -280,10 +281,16 @@ class DPOModel(BaseLayer):
 
     def model_flops_per_token(self, seq_len: int) -> float:
         """The policy's training FLOPs a token plus, with a reference model run in the step,
-        its forward pass (2 x matmul parameters + attention: a third of the policy's)."""
+        its forward pass (2 x matmul parameters + attention: a third of the policy's).
+
+        A 'frozen_copy' reference is frozen, and `perf.StepAccounting` takes 2 FLOPs a token
+        off each frozen matmul parameter (no weight gradient): its count here is 4 a token
+        so that 2 (its forward alone) remain."""
         flops = self.policy.model_flops_per_token(seq_len)
         if self.config.reference in ("frozen_copy", "adapters_disabled"):
             flops *= 4.0 / 3.0
+        if self.config.reference == "frozen_copy":
+            flops += 2.0 * matmul_parameter_count(self.reference_specs())
         return flops
 
 

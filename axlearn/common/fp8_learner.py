@@ -48,6 +48,10 @@ class Fp8Learner(Learner):
         """Whether the parameter at '/'-joined `path` is FP8 scaling state."""
         return self._state.fullmatch(path) is not None
 
+    def is_differentiated(self, path: str) -> bool:
+        """The scaling state is differentiated too: its gradient is its next value."""
+        return self.is_state(path) or super().is_differentiated(path)
+
     def update(
         self,
         model_params: Any,

@@ -47,7 +47,7 @@ import numpy as np
 from absl import flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from axlearn.common import hf_checkpoint, hf_models, trainer_dir
+from axlearn.common import hf_checkpoint, hf_models, lora, trainer_dir
 from axlearn.common.attention import FusedGroupedQKVLinear, GroupedQKVLinear
 from axlearn.common.causal_lm import language_model_config
 from axlearn.common.command_flags import parse_command_flags
@@ -606,9 +606,15 @@ def from_trainer_dir(
     cfg = trainer_dir.read_trainer_config(directory)
     decode_dtype = _decode_dtype(dtype)
     lm_config = language_model_config(cfg.model)  # A DPO run's policy.
-    mesh, model = _mesh_for(lm_config.clone(dtype=decode_dtype), devices)
+    model_cfg, lora_model = lm_config, None
+    if lora.lora_layer_configs(model_cfg):  # A LoRA run decodes with its adapters merged.
+        lora_model = model_cfg.clone(name="model").instantiate(parent=None)
+        model_cfg = lora.base_model_config(model_cfg)
+    mesh, model = _mesh_for(model_cfg.clone(dtype=decode_dtype), devices)
     _, _, params = trainer_dir.restore_language_model(directory, step=step)
-    params = cast_floats(unfuse_qkv(params, lm_config, model), decode_dtype)
+    if lora_model is not None:
+        params = lora.merged_params(lora_model, params)
+    params = cast_floats(unfuse_qkv(params, model_cfg, model), decode_dtype)
     params = jax.device_put(params, tensor_parallel_shardings(params, mesh))
     return Generator(model, params, mesh=mesh), trainer_dir.recorded_tokenizer(cfg)
 

@@ -37,7 +37,9 @@ Usage:
     hf_model.load_state_dict(params_to_hf(params, cfg))
 
     python -m axlearn.common.hf_llama export --trainer_dir=T [--step=N] --output=DIR \\
-        [--dtype=bfloat16] [--max_shard_size=5GB] [--tokenizer=PATH]
+        [--dtype=bfloat16] [--max_shard_size=5GB] [--tokenizer=PATH] [--merge_lora]
+
+A LoRA run exports as a PEFT adapter directory (`hf_peft`), or merged with --merge_lora.
 
 Export writes the run's parameter dtype unless --dtype says otherwise, and keeps the
 config.json fields of the Hugging Face model a run started from (--init_from_hf records
@@ -57,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from axlearn.common import fp8, hf_checkpoint
+from axlearn.common import fp8, hf_checkpoint, hf_peft, lora
 from axlearn.common.attention import (
     FusedGroupedQKVLinear,
     GroupedQueryAttention,
@@ -85,7 +87,7 @@ from axlearn.common.decoder import TokenIds, token_id_list
 from axlearn.common.hf_checkpoint import Concat, SplitAxis, Stack, Tensor, TensorView, Transpose
 from axlearn.common.layers import Dropout, Linear, RMSNorm, StochasticDepth
 from axlearn.common.param_init import default_initializer_config
-from axlearn.common.utils import flatten_with_paths
+from axlearn.common.utils import flatten_with_paths, unflatten_paths
 
 log = logging.getLogger(__name__)
 
@@ -499,7 +501,9 @@ def llama_dims(cfg: Model.Config) -> LlamaDims:
     """The sizes of `cfg` once checked to compute what a Llama computes: every field
     outside `_NEUTRAL_FIELDS` must equal the Llama config of those sizes (logits and
     attention soft caps, query scale factors, QK-norm, residual weights, biases,
-    activations, norms ... are refused, each named with its value)."""
+    activations, norms ... are refused, each named with its value). A LoRA model's sizes
+    are its base model's (`lora.base_model_config`)."""
+    cfg = lora.base_model_config(cfg)  # A LoRA model's base is the Llama.
     structure = _structure(cfg)
     llama = llama_model_config(**structure)
     actual = _spelled_out(cfg)
@@ -600,7 +604,10 @@ def warm_start_model_config(recipe: Model.Config, hf_directory: str) -> Model.Co
     """The model of the Hugging Face checkpoint in `hf_directory` (its config.json and
     generation_config.json), with the settings of `recipe` (a named config's model) that
     do not change the function: sharding, rematerialization, dtypes, dropout, loss terms.
-    The layer stack is scanned (RepeatedTransformerLayer) or not as in `recipe`."""
+    The layer stack is scanned (RepeatedTransformerLayer) or not as in `recipe`, and
+    the recipe's LoRA layers (`axlearn.common.lora`) wrap the same layers of the new model."""
+    lora_layers = lora.lora_layer_configs(recipe)  # Put back on the new model below.
+    recipe = lora.base_model_config(recipe)
     config = hf_checkpoint.read_config(hf_directory)
     repeated = getattr(recipe.decoder.transformer, "klass", None) is not StackedTransformerLayer
     try:
@@ -617,7 +624,7 @@ def warm_start_model_config(recipe: Model.Config, hf_directory: str) -> Model.Co
         table = recipe.decoder.emb.token_emb.param_partition_spec
         if table is not None:
             model.decoder.lm_head.param_partition_spec = tuple(reversed(tuple(table)))
-    return model
+    return lora.with_lora_layers(model, lora_layers)
 
 
 # Fields of config.json that `hf_config_dict` writes from the model config (or that only
@@ -793,10 +800,15 @@ class HfLlamaWeights(Configurable):
         # max_position_embeddings, initializer_range, ...; `source_fields`), which export
         # writes back. None: none recorded.
         source_fields: Optional[dict[str, Any]] = None
+        # A LoRA model's adapters: a PEFT adapter directory to start them from
+        # (`hf_peft.read_adapter` checks it against the model); None: from the model's
+        # param_init (key PRNGKey(0); lora_up zero, so step 0 computes the base model).
+        lora_from: Optional[str] = None
 
     def load(self, *, model_config: Model.Config, param_specs: Any, shardings: Any) -> Any:
         """The parameters of `model_config` (whose sizes must be the checkpoint's) in the
-        shapes and dtypes of `param_specs`, placed by `shardings`."""
+        shapes and dtypes of `param_specs`, placed by `shardings`. A LoRA model's base
+        layers get the checkpoint's weights, its adapters `lora_from`'s or fresh ones."""
         path = self.config.path
         expected = llama_dims(llama_config_from_hf(hf_checkpoint.read_config(path)))
         dims = llama_dims(model_config)
@@ -807,7 +819,39 @@ class HfLlamaWeights(Configurable):
             )
         log.info("Loading the weights of %s, each device's shard on its own", path)
         reader = hf_checkpoint.SafetensorsReader(path)
-        return load_params(reader, model_config, param_specs, shardings)
+        if not lora.lora_layer_configs(model_config):
+            if self.config.lora_from is not None:
+                raise ConfigError(
+                    f"init_params.lora_from={self.config.lora_from}: the model has no LoRA layers"
+                )
+            return load_params(reader, model_config, param_specs, shardings)
+        model = model_config.clone(name="model").instantiate(parent=None)
+        paths = lora.base_param_paths(model, param_specs)
+        is_spec = lambda x: hasattr(x, "shape")  # pylint: disable=unnecessary-lambda-assignment
+        flat_specs = dict(flatten_with_paths(param_specs, is_leaf=is_spec))
+        flat_shardings = dict(
+            flatten_with_paths(shardings, is_leaf=lambda x: hasattr(x, "device_set"))
+        )
+        base = {b: p for p, b in paths.items() if b is not None}
+        base_params = load_params(
+            reader,
+            lora.base_model_config(model_config),
+            unflatten_paths({b: flat_specs[p] for b, p in base.items()}),
+            unflatten_paths({b: flat_shardings[p] for b, p in base.items()}),
+        )
+        adapter_paths = sorted(p for p, b in paths.items() if b is None)
+        if self.config.lora_from is not None:
+            log.info("Starting the adapters from %s", self.config.lora_from)
+            values = hf_peft.read_adapter(self.config.lora_from, model, param_specs)
+            adapters = {
+                p: jax.device_put(values[p].astype(flat_specs[p].dtype), flat_shardings[p])
+                for p in adapter_paths
+            }
+        else:
+            adapters = lora.initial_adapters(model, adapter_paths, flat_shardings)
+        return lora.join_params(
+            model, param_specs, dict(flatten_with_paths(base_params)), adapters
+        )
 
 
 # ----- our parameters to HF tensors -----
@@ -936,13 +980,19 @@ def export_trainer_dir(
     dtype: Optional[str] = None,
     max_shard_size: str = hf_checkpoint.DEFAULT_MAX_SHARD_SIZE,
     tokenizer: Optional[str] = None,
+    merge_lora: bool = False,
 ) -> tuple[int, str, list[str]]:
     """Exports the model of `trainer_dir` at `step` (None: the latest checkpoint) as a
     Hugging Face Llama directory `output`: weights in `dtype` (None: the run's parameter
     dtype, model.dtype), the config.json fields of the Hugging Face model the run started
     from (`HfLlamaWeights.Config.source_fields`), and the tokenizer recorded with its data
     (`trainer_dir.recorded_tokenizer`) unless `tokenizer` names one. Returns (step, the
-    weights' dtype, the files written)."""
+    weights' dtype, the files written).
+
+    A LoRA run (`axlearn.common.lora`) is exported as a PEFT adapter directory
+    (`hf_peft.write_adapter`: float32 adapters, loaded onto the base model by
+    `peft.PeftModel.from_pretrained`), or with `merge_lora` as the Llama with each adapter
+    merged into its base weight."""
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common import trainer_dir as trainer_dir_lib
 
@@ -951,6 +1001,19 @@ def export_trainer_dir(
     lm_config = language_model_config(trainer_cfg.model)
     llama_dims(lm_config)  # Refuses a model a Llama cannot express, before reading.
     limit = hf_checkpoint.parse_size(max_shard_size)
+    has_lora = bool(lora.lora_layer_configs(lm_config))
+    if merge_lora and not has_lora:
+        raise ConfigError(f"--merge_lora: the run in {trainer_dir} has no LoRA adapters")
+    adapters_only = has_lora and not merge_lora
+    if adapters_only:
+        if dtype not in (None, "float32"):
+            raise ConfigError(
+                f"--dtype={dtype}: PEFT adapters are written in float32; --dtype applies to "
+                "the weights of --merge_lora"
+            )
+        dtype = "float32"
+        model = lm_config.clone(name="model").instantiate(parent=None)
+        hf_peft.adapter_settings(model)  # Refuses adapters PEFT cannot name, before reading.
     if dtype is None:
         dtype = jnp.dtype(lm_config.dtype or jnp.float32).name
         log.info("Writing %s weights, the run's parameter dtype (--dtype to choose)", dtype)
@@ -965,10 +1028,23 @@ def export_trainer_dir(
             tokenizer = None
         elif tokenizer is None:
             log.warning("The run records no tokenizer file: none exported (--tokenizer=PATH)")
-    restored_step, _, params = trainer_dir_lib.restore_language_model(trainer_dir, step=step)
+    restored_step, _, params = trainer_dir_lib.restore_language_model(
+        trainer_dir, step=step, frozen=not adapters_only  # Adapters need no base.
+    )
+    if adapters_only:
+        base = getattr(init_params, "path", None) if init_params is not None else None
+        written = hf_peft.write_adapter(output, model, params, base_model=base)
+        if tokenizer is not None:
+            written += hf_checkpoint.copy_tokenizer(tokenizer, output)
+        return restored_step, dtype, written
+    model_cfg = lm_config
+    if has_lora:
+        model = model_cfg.clone(name="model").instantiate(parent=None)
+        params = lora.merged_params(model, params)
+        model_cfg = lora.base_model_config(model_cfg)
     written = write_hf_model(
         params,
-        lm_config,
+        model_cfg,
         output,
         dtype=dtype,
         max_shard_size=limit,
@@ -1007,6 +1083,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "with the run's data.",
         **fv,
     )
+    flags.DEFINE_bool(
+        "merge_lora",
+        False,
+        "A LoRA run: write the model with its adapters merged into the weights instead of "
+        "a PEFT adapter directory.",
+        **fv,
+    )
     flags.mark_flags_as_required(["trainer_dir", "output"], flag_values=flag_values)
 
 
@@ -1033,6 +1116,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             dtype=args.dtype,
             max_shard_size=args.max_shard_size,
             tokenizer=args.tokenizer,
+            merge_lora=args.merge_lora,
         )
     except (ConfigError, ValueError, KeyError, CheckpointCorruptError) as e:
         raise SystemExit(f"hf_llama export: {e}") from e

@@ -55,7 +55,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from axlearn.common import hf_checkpoint, hf_llama, hf_mixtral
+from axlearn.common import hf_checkpoint, hf_llama, hf_mixtral, lora
 from axlearn.common.attention import (
     QKNormQKVLinear,
     RoFormerQKVLinear,
@@ -653,6 +653,11 @@ def warm_start(recipe: Model.Config, hf_directory: str) -> tuple[Model.Config, C
     config = hf_checkpoint.read_config(hf_directory)
     model_type = config.get("model_type", "llama")
     source = hf_llama.source_fields(hf_directory)
+    if model_type != "llama" and lora.lora_layer_configs(recipe):
+        raise ConfigError(
+            f"{hf_directory}/{hf_checkpoint.CONFIG_FILE}: model_type {model_type!r}; LoRA "
+            "configs (e.g. llama_lora) take a Llama directory"
+        )
     if model_type == "llama":
         model = hf_llama.warm_start_model_config(recipe, hf_directory)
         weights = hf_llama.HfLlamaWeights.default_config().set(
@@ -833,14 +838,22 @@ def export_trainer_dir(
     dtype: Optional[str] = None,
     max_shard_size: str = hf_checkpoint.DEFAULT_MAX_SHARD_SIZE,
     tokenizer: Optional[str] = None,
+    merge_lora: bool = False,
 ) -> tuple[int, str, str, list[str]]:
     """`hf_llama.export_trainer_dir` for any family: the run's model at `step` written as
     the family it started from (or its config's, module doc). Returns (step, the family,
-    the weights' dtype, the files written)."""
+    the weights' dtype, the files written). A LoRA run (a Llama) is exported by
+    `hf_llama.export_trainer_dir`: a PEFT adapter, or merged with `merge_lora`."""
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common import trainer_dir as trainer_dir_lib
 
     trainer_cfg = trainer_dir_lib.read_trainer_config(trainer_dir)
+    if merge_lora or lora.lora_layer_configs(trainer_cfg.model):
+        step, dtype, written = hf_llama.export_trainer_dir(
+            trainer_dir, output, step=step, dtype=dtype, max_shard_size=max_shard_size,
+            tokenizer=tokenizer, merge_lora=merge_lora,
+        )
+        return step, "llama", dtype, written
     init_params = trainer_cfg.init_params
     model_type = getattr(init_params, "model_type", None) if init_params is not None else None
     features, _ = model_dims(trainer_cfg.model, model_type=model_type)  # Before reading.
@@ -896,6 +909,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             dtype=args.dtype,
             max_shard_size=args.max_shard_size,
             tokenizer=args.tokenizer,
+            merge_lora=args.merge_lora,
         )
     except (ConfigError, ValueError, KeyError, CheckpointCorruptError) as e:
         raise SystemExit(f"hf_models export: {e}") from e

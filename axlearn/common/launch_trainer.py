@@ -127,6 +127,23 @@ FLAGS_TABLE = (
         "fresh run only: a run with checkpoints resumes from them.",
     ),
     (
+        flags.DEFINE_string,
+        "init_from_checkpoint",
+        None,
+        "Another run's --trainer_dir: the model is that run's (without its adapters, with "
+        "this config's LoRA layers if it has any) and starts from its newest checkpoint "
+        "(a LoRA config's base from, e.g., a llama_sft run; fresh adapters). Read at step 0 "
+        "of a fresh run only.",
+    ),
+    (
+        flags.DEFINE_string,
+        "init_lora_from",
+        None,
+        "A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) whose "
+        "adapters start a LoRA config's (e.g. llama_lora's) instead of fresh ones; needs "
+        "--init_from_hf for the base, and must match its layers, rank and alpha.",
+    ),
+    (
         flags.DEFINE_integer,
         "restore_step",
         None,
@@ -290,6 +307,54 @@ def use_hf_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
     return cfg
 
 
+def use_run_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
+    """Replaces the model with the one of the run in trainer directory `path` (without its
+    LoRA layers; with the named config's, if any, and its parameter dtype) and makes the
+    trainer start from that run's latest checkpoint (`trainer_dir.TrainerDirWeights`)."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import lora, trainer_dir
+
+    path = os.path.abspath(path)
+    source = trainer_dir.read_trainer_config(path)
+    model = lora.with_lora_layers(
+        lora.base_model_config(source.model), lora.lora_layer_configs(cfg.model)
+    )
+    model.dtype = cfg.model.dtype
+    cfg.model = model
+    source_init = source.init_params
+    step = trainer_dir.latest_restorable_step(path)  # Pinned: restores read it again.
+    cfg.init_params = trainer_dir.TrainerDirWeights.default_config().set(
+        path=path,
+        step=step,
+        source_fields=getattr(source_init, "source_fields", None) if source_init else None,
+    )
+    log.info(
+        "--init_from_checkpoint=%s: its model and step %d, read at step 0 of a fresh run",
+        path, step,
+    )
+    return cfg
+
+
+def use_peft_adapter(cfg: ConfigBase, path: str) -> ConfigBase:
+    """Makes a LoRA config's adapters start from the PEFT adapter directory `path` (read
+    with the --init_from_hf weights, checked against the model's adapters)."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import hf_llama, hf_peft, lora
+
+    init = cfg.init_params
+    if init is None or getattr(init, "klass", None) is not hf_llama.HfLlamaWeights:
+        raise ConfigError(f"--init_lora_from={path} needs --init_from_hf for the base weights")
+    if not lora.lora_layer_configs(cfg.model):
+        raise ConfigError(
+            f"--init_lora_from={path}: the model has no LoRA layers (e.g. --config=llama_lora)"
+        )
+    path = os.path.abspath(path)
+    model = cfg.model.clone(name="model").instantiate(parent=None)
+    hf_peft.check_adapter(path, model, model.create_parameter_specs_recursively())
+    init.lora_from = path
+    return cfg
+
+
 def build_trainer_config(
     *,
     config_name: str,
@@ -299,6 +364,8 @@ def build_trainer_config(
     config_overrides: Sequence[str] = (),
     trainer_dir: Optional[str] = None,
     init_from_hf: Optional[str] = None,
+    init_lora_from: Optional[str] = None,
+    init_from_checkpoint: Optional[str] = None,
 ) -> ConfigBase:
     """The whole launch-time recipe: name -> Hugging Face model and weights -> mesh rule
     -> data dir (which checks the model's vocabulary) -> overrides (max_step carrying
@@ -310,6 +377,12 @@ def build_trainer_config(
     cfg = build_named_config(config_name, module=module)
     if init_from_hf:  # Before the mesh rule, whose modifiers (remat, FP8) apply to its model.
         cfg = use_hf_checkpoint(cfg, init_from_hf)
+    if init_from_checkpoint:
+        if init_from_hf:
+            raise ConfigError("Pass one of --init_from_hf and --init_from_checkpoint")
+        cfg = use_run_checkpoint(cfg, init_from_checkpoint)
+    if init_lora_from:
+        cfg = use_peft_adapter(cfg, init_lora_from)
     if mesh_selector and mesh_selector != NO_MESH_RULE:
         pattern, rule = select_mesh_rule(cfg.mesh_rules, mesh_selector, config_name=config_name)
         what = type(rule).__qualname__.split(".")[0] if hasattr(rule, "klass") else f"mesh {rule}"
@@ -375,6 +448,8 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         config_overrides=flag_values.config_override,
         trainer_dir=flag_values.trainer_dir,
         init_from_hf=flag_values.init_from_hf,
+        init_lora_from=flag_values.init_lora_from,
+        init_from_checkpoint=flag_values.init_from_checkpoint,
     )
     if flag_values.print_config:
         print(cfg.debug_string())

@@ -79,8 +79,8 @@ class Learner(Module):
         # state a step).
         enable_per_variable_summaries: bool = False
         # (regex, 'all' | 'no_update') pairs; the first that fully matches a parameter's
-        # '/'-path decides. None or no match: 'all'. 'no_update' parameters stay unchanged
-        # and have no optimizer state.
+        # '/'-path decides. None or no match: 'all'. 'no_update' parameters stay unchanged,
+        # have no optimizer state and are not differentiated (their gradients are None).
         update_rules: Optional[Sequence[tuple[str, str]]] = None
         # True: a step whose loss is NaN or infinite leaves the parameters and the learner
         # state as they were, and counts in the 'skipped_steps' summary (the trainer then
@@ -178,6 +178,12 @@ class Learner(Module):
         gives the full-batch result. aux leaves are
         averaged too, except WeightedScalars (combined by weight) and integer leaves (summed).
         """
+        if self._rules:
+            # Only the differentiated parameters (`is_differentiated`) enter as arguments:
+            # the others are constants of the loss, so no weight gradient of theirs is ever
+            # computed, and their place in `grads` holds None.
+            loss_fn = self._loss_of_differentiated(loss_fn, model_params)
+            model_params = self._differentiated(model_params)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         k = num_microbatches
         if not isinstance(k, int) or k < 1:
@@ -211,6 +217,33 @@ class Learner(Module):
             lambda g, p: (g / k).astype(jnp.result_type(p)), grad_sum, model_params
         )
         return loss_sum / k, _combine_microbatches(auxes), grads
+
+    def is_differentiated(self, path: str) -> bool:
+        """Whether `compute_gradients` differentiates the parameter at '/'-joined `path`:
+        those it updates ('all')."""
+        return self.update_type(path) == "all"
+
+    def _differentiated(self, tree: Nested) -> Nested:
+        """`tree` with None in place of every parameter that is not differentiated."""
+        path_leaves = flatten_with_paths(tree, is_leaf=is_param_leaf)
+        treedef = jax.tree_util.tree_structure(tree, is_leaf=is_param_leaf)
+        return treedef.unflatten(
+            [leaf if self.is_differentiated(path) else None for path, leaf in path_leaves]
+        )
+
+    def _loss_of_differentiated(self, loss_fn: LossFn, model_params: Nested) -> LossFn:
+        """loss_fn as a function of the differentiated parameters (None elsewhere), the
+        others taken from `model_params`."""
+        leaves, treedef = jax.tree_util.tree_flatten(model_params)
+        paths = [path for path, _ in flatten_with_paths(model_params)]
+        constant = [not self.is_differentiated(path) for path in paths]
+
+        def differentiated_loss(differentiated, inputs, prng_key):
+            given = treedef.flatten_up_to(differentiated)
+            merged = [x if c else g for x, g, c in zip(leaves, given, constant)]
+            return loss_fn(treedef.unflatten(merged), inputs, prng_key)
+
+        return differentiated_loss
 
     def update(
         self,
@@ -251,7 +284,10 @@ class Learner(Module):
             jnp.zeros_like(p) if u is None else u.astype(p.dtype)
             for p, u in zip(param_leaves, update_leaves)
         ]
-        new_params = treedef.unflatten([p + u for p, u in zip(param_leaves, full_updates)])
+        # 'no_update' parameters pass through as they are (no read-modify-write).
+        new_params = treedef.unflatten(
+            [p if u is None else p + d for p, u, d in zip(param_leaves, update_leaves, full_updates)]
+        )
         full_updates = treedef.unflatten(full_updates)
         _, new_ema = self._ema.update(full_updates, learner_state["ema"], model_params)
         summaries = {}

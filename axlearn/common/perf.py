@@ -91,9 +91,14 @@ class StepAccounting:
     @classmethod
     def for_trainer(cls, trainer) -> "StepAccounting":
         """The accounting of `trainer`'s steps: its input's [batch, seq_len] tokens, its
-        model's parameters and FLOPs per token, its mesh's devices."""
+        model's parameters and FLOPs per token (less 2 a token for each matmul parameter the
+        learner freezes), its mesh's devices."""
         batch, seq_len = input_rows_shape(trainer.input.element_spec())
         flops_per_token = model_flops_per_token(trainer.model, seq_len)
+        frozen = getattr(trainer, "frozen_matmul_parameter_count", None)
+        if flops_per_token is not None and frozen is not None:
+            # A frozen weight's product has no weight gradient: 4 FLOPs a token, not 6.
+            flops_per_token -= 2.0 * frozen()
         tokens = batch * seq_len
         peak = trainer.config.peak_tflops_per_device or peak_tflops(trainer.mesh.devices.flat[0])
         return cls(

@@ -22,7 +22,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from axlearn.common import fp8, perf, preemption, run_lock
 from axlearn.common.base_layer import BaseLayer, ParameterSpec, is_parameter_spec
-from axlearn.common.checkpointer import Checkpointer
+from axlearn.common.checkpointer import (
+    Checkpointer,
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+)
 from axlearn.common.config import (
     REQUIRED,
     ConfigError,
@@ -45,7 +49,7 @@ from axlearn.common.sharding import (
 )
 from axlearn.common.summary import WeightedScalar, scalar_value
 from axlearn.common.summary_writer import SummaryWriter
-from axlearn.common.utils import HybridMeshShape, flatten_with_paths
+from axlearn.common.utils import HybridMeshShape, flatten_with_paths, unflatten_paths
 from axlearn.common.weight_copies import WeightCopies, uses_float32_weight_grads
 
 log = logging.getLogger(__name__)
@@ -250,6 +254,13 @@ class SpmdTrainer(Module):
         # shardings=)` returning the parameters (hf_llama.HfLlamaWeights: a Hugging Face
         # checkpoint). A run with checkpoints resumes from them. None: param_init.
         init_params: Optional[InstantiableConfig] = None
+        # False: checkpoints leave out the parameters the learner never updates (its
+        # update_rules' 'no_update' ones, e.g. a LoRA run's frozen base), which each save
+        # would otherwise write again unchanged. A restore takes them from where the run
+        # got them, init_params or param_init with the run's seed, and checks them against
+        # the fingerprint every checkpoint records (`frozen_params_fingerprint`): a changed
+        # source fails the restore, naming the parameter. None: saved like the others.
+        checkpoint_frozen_params: Optional[bool] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module] = None, devices=None):
         super().__init__(cfg, parent=parent)
@@ -312,6 +323,11 @@ class SpmdTrainer(Module):
             )
         self._model_param_specs = self.model.create_parameter_specs_recursively()
         self._check_parameters_split_evenly()
+        # Model parameter paths that checkpoints leave out (checkpoint_frozen_params).
+        self._unsaved_paths: frozenset = frozenset()
+        if cfg.checkpoint_frozen_params is False:
+            self._unsaved_paths = frozen_param_paths(self.learner, self._model_param_specs)
+        self._frozen_fingerprint: Optional[dict[str, int]] = None  # Of the unsaved params.
         # What a step carries of the weights besides (or instead of) their float32 values.
         self._weight_copies = WeightCopies(
             self._model_param_specs,
@@ -418,6 +434,25 @@ class SpmdTrainer(Module):
             learner=self._param_shardings(learner_specs),
         )
 
+    def frozen_matmul_parameter_count(self) -> int:
+        """Matmul parameters (`causal_lm.matmul_parameter_count`) that the learner never
+        updates: their products have no weight gradient, so a token costs 4 FLOPs of each
+        instead of 6 (DESIGN.md's LoRA count; `perf.StepAccounting`)."""
+        # pylint: disable-next=import-outside-toplevel
+        from axlearn.common.causal_lm import matmul_parameter_count
+
+        frozen = frozen_param_paths(self.learner, self._model_param_specs)
+        if not frozen:
+            return 0
+        flat = flatten_with_paths(self._model_param_specs, is_leaf=is_parameter_spec)
+        return matmul_parameter_count(unflatten_paths({p: s for p, s in flat if p in frozen}))
+
+    def _saved(self, model_tree: Any) -> Any:
+        """`model_tree` (shaped like the parameters) without the unsaved parameters."""
+        if not self._unsaved_paths:
+            return model_tree
+        return drop_paths(model_tree, self._unsaved_paths)
+
     def _state_shardings(self) -> TrainerState:
         """The shardings of the state as the train step carries it (`WeightCopies.carry`)."""
         state = self._checkpointed_shardings()
@@ -489,9 +524,12 @@ class SpmdTrainer(Module):
         )
 
     def _checkpointed(self, state: TrainerState) -> TrainerState:
-        """`state` as checkpoints hold it: float32 parameters, no copies."""
+        """`state` as checkpoints hold it: float32 parameters (but the unsaved ones), no
+        copies."""
         return TrainerState(
-            prng_key=state.prng_key, model=self._joined_params(state), learner=state.learner
+            prng_key=state.prng_key,
+            model=self._saved(self._joined_params(state)),
+            learner=state.learner,
         )
 
     def _state_template(self) -> dict[str, Any]:
@@ -500,11 +538,13 @@ class SpmdTrainer(Module):
         shapes = jax.eval_shape(
             lambda key: self._checkpointed(self._init_fn(key)), jax.random.PRNGKey(0)
         )
+        shardings = self._checkpointed_shardings()
+        shardings = dataclasses.replace(shardings, model=self._saved(shardings.model))
         return _to_state_dict(
             jax.tree.map(
                 lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                 shapes,
-                self._checkpointed_shardings(),
+                shardings,
             )
         )
 
@@ -514,7 +554,12 @@ class SpmdTrainer(Module):
         shardings = dict(flatten_with_paths(_to_state_dict(self._checkpointed_shardings())))
 
         def init(key):
-            state = _to_state_dict(self._checkpointed(self._init_fn(key)))
+            state = self._init_fn(key)
+            state = _to_state_dict(
+                TrainerState(
+                    prng_key=state.prng_key, model=self._joined_params(state), learner=state.learner
+                )
+            )
             flat = dict(flatten_with_paths(state))
             return {path: flat[path] for path in paths}
 
@@ -569,7 +614,12 @@ class SpmdTrainer(Module):
             if step is not None:
                 if self.checkpointer.verdict(step) is not True:
                     self._awaiting_verdict = (step, None)
-                self._state = self._carried(_from_state_dict(restored))
+                restored = _from_state_dict(restored)
+                if self._unsaved_paths:
+                    restored = dataclasses.replace(
+                        restored, model=self._with_unsaved_params(restored.model, step, extra)
+                    )
+                self._state = self._carried(restored)
                 self._step = step
                 if cfg.save_input_iterator and extra and "input_iterator" in extra:
                     self.input.set_state(extra["input_iterator"])
@@ -587,6 +637,41 @@ class SpmdTrainer(Module):
         else:
             self._state = self.init_state(jax.random.PRNGKey(seed))
         self._step = 0
+
+    def _with_unsaved_params(self, saved: Any, step: int, extra: Optional[dict]) -> Any:
+        """The model parameters of restored checkpoint `step`: its `saved` ones and the
+        unsaved ones from their source, checked against the checkpoint's fingerprint."""
+        cfg = self._config
+        paths = sorted(self._unsaved_paths)
+        if cfg.init_params is not None:
+            flat = dict(flatten_with_paths(self._loaded_params()))
+            unsaved = {path: flat[path] for path in paths}
+            source = f"init_params ({cfg.init_params.klass.__name__})"
+        else:
+            seed = 0 if cfg.seed is None else cfg.seed
+            values = self._initial_state_values([f"model/{p}" for p in paths], seed=seed)
+            unsaved = {path: values[f"model/{path}"] for path in paths}
+            source = f"model.param_init with seed {seed}"
+        recorded = (extra or {}).get(FROZEN_FINGERPRINT)
+        if recorded is None:
+            raise CheckpointCorruptError(
+                f"Checkpoint step {step} in {self.checkpointer.directory} records no "
+                f"{FROZEN_FINGERPRINT}, so its frozen parameters cannot be checked"
+            )
+        check_fingerprint(params_fingerprint(unsaved), recorded, source=source, step=step)
+        flat = dict(flatten_with_paths(saved))
+        flat.update(unsaved)
+        return unflatten_paths(flat)
+
+    def _frozen_params_fingerprint(self) -> dict[str, int]:
+        """The fingerprint of the unsaved parameters (computed once: they never change)."""
+        if self._frozen_fingerprint is None:
+            flat = dict(flatten_with_paths(self.model_params()))
+            with jax.set_mesh(self._mesh):
+                self._frozen_fingerprint = params_fingerprint(
+                    {path: flat[path] for path in self._unsaved_paths}
+                )
+        return self._frozen_fingerprint
 
     def _optimizer_skip_count(self) -> int:
         """Steps skipped so far as the optimizer state counts them (SkipClipState), so that
@@ -1128,10 +1213,63 @@ class SpmdTrainer(Module):
         extra = {}
         if self._config.save_input_iterator:
             extra["input_iterator"] = self._input_state
-        state = dataclasses.replace(self._state, model=model_params)
+        if self._unsaved_paths:
+            extra[FROZEN_FINGERPRINT] = self._frozen_params_fingerprint()
+        state = dataclasses.replace(self._state, model=self._saved(model_params))
         self.checkpointer.save(step, _to_state_dict(state), extra=extra)
         self._awaiting_verdict = (step, self._checked_param_norm)
         return True
+
+
+# The `extra` field of a checkpoint's index holding `params_fingerprint` of the parameters
+# it leaves out (SpmdTrainer.Config.checkpoint_frozen_params).
+FROZEN_FINGERPRINT = "frozen_params_fingerprint"
+
+
+def frozen_param_paths(learner: Learner, param_specs: Any) -> frozenset:
+    """The '/'-paths of the parameters `learner` never updates ('no_update')."""
+    return frozenset(
+        path
+        for path, _ in flatten_with_paths(param_specs, is_leaf=is_parameter_spec)
+        if learner.update_type(path) != "all"
+    )
+
+
+def drop_paths(tree: Any, paths: frozenset) -> Any:
+    """`tree` without the leaves at `paths` (and without dicts left empty)."""
+    flat = [(p, x) for p, x in flatten_with_paths(tree) if p not in paths]
+    return unflatten_paths(dict(flat))
+
+
+@jax.jit
+def _fingerprints(flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    def one(x):
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+        bits = bits.reshape(-1).astype(jnp.uint32)
+        weights = (jnp.arange(bits.size, dtype=jnp.uint32) % jnp.uint32(65521)) + jnp.uint32(1)
+        return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+    return {path: one(x) for path, x in flat.items()}
+
+
+def params_fingerprint(flat: dict[str, Any]) -> dict[str, int]:
+    """{path: a 32-bit fingerprint of the array's bits}: the sum of each element's bits
+    times a weight from 1 to 65521 by position, so any one changed element changes it."""
+    return {path: int(value) for path, value in _fingerprints(dict(flat)).items()}
+
+
+def check_fingerprint(
+    actual: dict[str, int], recorded: dict[str, Any], *, source: str, step: int
+) -> None:
+    """Raises CheckpointMismatchError naming the first parameter whose fingerprint from
+    `source` differs from the one checkpoint `step` recorded."""
+    for path in sorted(set(actual) | set(recorded)):
+        if actual.get(path) != recorded.get(path):
+            raise CheckpointMismatchError(
+                f"The frozen parameter {path} from {source} is not the one checkpoint step "
+                f"{step} was trained with (fingerprint {actual.get(path)} against "
+                f"{recorded.get(path)}): the source changed since"
+            )
 
 
 def _shapes(batch: dict[str, Any]) -> dict[str, tuple[int, ...]]:

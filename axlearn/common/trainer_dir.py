@@ -15,12 +15,21 @@ import os
 from typing import Any, Optional
 
 import jax
+import numpy as np
 
-from axlearn.common import file_system
+from axlearn.common import file_system, lora
 from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.causal_lm import language_model_config, language_model_field
 from axlearn.common.checkpointer import Checkpointer
-from axlearn.common.config import ConfigBase, ConfigError, qualified_name
+from axlearn.common.config import (
+    REQUIRED,
+    ConfigBase,
+    ConfigError,
+    Configurable,
+    Required,
+    config_class,
+    qualified_name,
+)
 from axlearn.common.golden_text import parse_flat_text
 from axlearn.common.input_token_format import TokenShard, TokenShardError
 from axlearn.common.input_vocab import (
@@ -29,6 +38,7 @@ from axlearn.common.input_vocab import (
     file_sha256,
     resolve_vocab_file,
 )
+from axlearn.common.utils import flatten_with_paths, unflatten_paths
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +71,7 @@ def restore_model_params(
     model_config: Optional[ConfigBase] = None,
     sharding: Optional[jax.sharding.Sharding] = None,
     param_prefix: Optional[str] = None,
+    frozen: bool = True,
 ) -> tuple[int, Any]:
     """(step, model parameters) of checkpoint `step` in `trainer_dir` (None: the latest
     committed one), without the optimizer state.
@@ -68,19 +79,36 @@ def restore_model_params(
     `model_config` defaults to the recorded config's model; with `param_prefix`, it is
     the model of the checkpoint's parameters under that name (a wrapped language model)
     and only those are read. Every parameter is placed whole by `sharding`, by default on
-    JAX's CPU device (host memory).
+    JAX's CPU device (host memory). A run whose checkpoints leave out its frozen
+    parameters (`checkpoint_frozen_params=False`) gets them from their source, checked
+    against the checkpoint's fingerprint; with `frozen=False` they are left out instead.
     """
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import trainer as trainer_lib
+
+    trainer_cfg = read_trainer_config(trainer_dir)
     if model_config is None:
-        model_config = read_trainer_config(trainer_dir).model
+        model_config = trainer_cfg.model
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    specs = model_config.clone(name="model").instantiate(parent=None)
-    specs = specs.create_parameter_specs_recursively()
+    model = model_config.clone(name="model").instantiate(parent=None)
+    specs = model.create_parameter_specs_recursively()
+    unsaved = frozenset()
+    if trainer_cfg.checkpoint_frozen_params is False:
+        if param_prefix is not None:
+            raise ConfigError(
+                f"{trainer_dir}: its checkpoints leave out frozen parameters, so the "
+                f"language model under '{param_prefix}' cannot be read alone"
+            )
+        learner = trainer_cfg.learner.clone(name="learner").instantiate(parent=None)
+        unsaved = trainer_lib.frozen_param_paths(learner, specs)
     template = jax.tree.map(
         lambda spec: jax.ShapeDtypeStruct(tuple(spec.shape), spec.dtype, sharding=sharding),
         specs,
         is_leaf=is_parameter_spec,
     )
+    full_template = template
+    template = trainer_lib.drop_paths(template, unsaved) if unsaved else template
     directory = file_system.join(trainer_dir, CHECKPOINTS)
     checkpointer = Checkpointer.default_config().set(name="checkpointer", dir=directory)
     checkpointer = checkpointer.instantiate(parent=None)
@@ -89,14 +117,131 @@ def restore_model_params(
             raise ConfigError(f"{directory}: no committed checkpoint")
         if param_prefix is not None:
             template = {param_prefix: template}
-        restored_step, restored, _ = checkpointer.restore(
+        restored_step, restored, extra = checkpointer.restore(
             step=step, state={"model": template}, subset=True
         )
     finally:
         checkpointer.stop()
     log.info("Restored the model parameters of step %d from %s", restored_step, directory)
     params = restored["model"]
-    return restored_step, params if param_prefix is None else params[param_prefix]
+    if param_prefix is not None:
+        params = params[param_prefix]
+    if unsaved and frozen:
+        params = _with_frozen_params(
+            trainer_cfg, model_config, model, specs, full_template, params, unsaved,
+            restored_step, extra,
+        )
+    return restored_step, params
+
+
+def _with_frozen_params(
+    trainer_cfg, model_config, model, specs, template, params, unsaved, step, extra
+) -> Any:
+    """`params` with the frozen parameters a checkpoint leaves out, from the run's
+    init_params or its param_init (as `SpmdTrainer` restores them), fingerprint-checked."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import trainer as trainer_lib
+
+    shardings = jax.tree.map(lambda t: t.sharding, template)
+    if trainer_cfg.init_params is not None:
+        loaded = trainer_cfg.init_params.instantiate().load(
+            model_config=model_config, param_specs=specs, shardings=shardings
+        )
+        source = f"init_params ({trainer_cfg.init_params.klass.__name__})"
+    else:
+        seed = 0 if trainer_cfg.seed is None else trainer_cfg.seed
+        init_key, _ = jax.random.split(jax.random.PRNGKey(seed))
+        loaded = jax.jit(model.initialize_parameters_recursively, out_shardings=shardings)(
+            init_key
+        )
+        source = f"model.param_init with seed {seed}"
+    flat = dict(flatten_with_paths(loaded))
+    frozen = {path: flat[path] for path in sorted(unsaved)}
+    recorded = (extra or {}).get(trainer_lib.FROZEN_FINGERPRINT)
+    if recorded is None:
+        raise ConfigError(
+            f"Checkpoint step {step} records no {trainer_lib.FROZEN_FINGERPRINT}, so its "
+            "frozen parameters cannot be checked"
+        )
+    trainer_lib.check_fingerprint(
+        trainer_lib.params_fingerprint(frozen), recorded, source=source, step=step
+    )
+    merged = dict(flatten_with_paths(params))
+    merged.update(frozen)
+    return unflatten_paths(merged)
+
+
+def latest_restorable_step(trainer_dir: str) -> int:
+    """The newest committed checkpoint step of `trainer_dir` not judged bad (the one
+    `restore_model_params` takes by default); ConfigError if there is none."""
+    directory = file_system.join(trainer_dir, CHECKPOINTS)
+    checkpointer = Checkpointer.default_config().set(name="checkpointer", dir=directory)
+    checkpointer = checkpointer.instantiate(parent=None)
+    try:
+        steps = [s for s in checkpointer.committed_steps() if checkpointer.verdict(s) is not False]
+    finally:
+        checkpointer.stop()
+    if not steps:
+        raise ConfigError(f"{directory}: no committed checkpoint")
+    return steps[-1]
+
+
+class TrainerDirWeights(Configurable):
+    """The initial parameters of a fresh run (`SpmdTrainer.Config.init_params`) from
+    another run's checkpoint: each parameter from the same path there, or, for a LoRA
+    model started from a run without adapters (e.g. full-parameter SFT), each base weight
+    from its path in that run's model (`lora.base_param_paths`) and the adapters fresh
+    (param_init, key PRNGKey(0); lora_up zero). Shapes must match; a parameter the source
+    lacks is an error naming it."""
+
+    @config_class
+    class Config(Configurable.Config):
+        """Configures TrainerDirWeights."""
+
+        path: Required[str] = REQUIRED  # The other run's --trainer_dir.
+        step: Optional[int] = None  # Its checkpoint step; None: the latest committed.
+        # The config.json fields of the Hugging Face model the other run started from
+        # (its init_params.source_fields), which export writes back. None: none.
+        source_fields: Optional[dict[str, Any]] = None
+
+    def load(self, *, model_config: ConfigBase, param_specs: Any, shardings: Any) -> Any:
+        """The parameters of `model_config` in the dtypes of `param_specs`, placed by
+        `shardings`."""
+        cfg = self.config
+        source_cfg = read_trainer_config(cfg.path)
+        step, source = restore_model_params(
+            cfg.path, step=cfg.step, model_config=source_cfg.model
+        )
+        log.info("Starting from step %d of %s", step, cfg.path)
+        source = dict(flatten_with_paths(source))
+        model = model_config.clone(name="model").instantiate(parent=None)
+        is_spec = lambda x: hasattr(x, "shape")  # pylint: disable=unnecessary-lambda-assignment
+        flat_specs = dict(flatten_with_paths(param_specs, is_leaf=is_spec))
+        flat_shardings = dict(
+            flatten_with_paths(shardings, is_leaf=lambda x: hasattr(x, "device_set"))
+        )
+        values, fresh = {}, []
+        for path, base_path in lora.base_param_paths(model, param_specs).items():
+            name = path if path in source else base_path
+            if name is None:  # An adapter the source run did not have.
+                fresh.append(path)
+                continue
+            if name not in source:
+                raise ConfigError(
+                    f"init_params.path={cfg.path}: step {step} has no parameter {path}"
+                )
+            spec = flat_specs[path]
+            if tuple(source[name].shape) != tuple(spec.shape):
+                raise ConfigError(
+                    f"init_params.path={cfg.path}: {name} has shape {tuple(source[name].shape)} "
+                    f"at step {step}, the model's {path} {tuple(spec.shape)}"
+                )
+            values[path] = jax.device_put(
+                np.asarray(source[name]).astype(spec.dtype), flat_shardings[path]
+            )
+        if fresh:
+            values.update(lora.initial_adapters(model, fresh, flat_shardings))
+        return unflatten_paths(values)
 
 
 def restore_language_model(
@@ -104,14 +249,16 @@ def restore_language_model(
     *,
     step: Optional[int] = None,
     sharding: Optional[jax.sharding.Sharding] = None,
+    frozen: bool = True,
 ) -> tuple[int, ConfigBase, Any]:
     """(step, the causal LM's config, its parameters) of a run: its model, or the language
-    model its model wraps (a DPO run's policy, without the reference copy)."""
+    model its model wraps (a DPO run's policy, without the reference copy). `frozen` as
+    `restore_model_params`'s."""
     model = read_trainer_config(trainer_dir).model
     lm = language_model_config(model)
     restored_step, params = restore_model_params(
         trainer_dir, step=step, model_config=lm, sharding=sharding,
-        param_prefix=language_model_field(model),
+        param_prefix=language_model_field(model), frozen=frozen,
     )
     return restored_step, lm, params
 
