@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from axlearn.common import fp8, perf, preemption, run_lock
+from axlearn.common import compilation_cache, fp8, perf, preemption, run_lock
 from axlearn.common.base_layer import BaseLayer, ParameterSpec, is_parameter_spec
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import (
@@ -661,7 +661,13 @@ class SpmdTrainer(Module):
         if first:
             self._jit_train_step = self._compile_train_step()
         # The first call compiles: said before it starts, with its time after.
-        compiling = perf.compile_notice("the train step", log.info) if first else None
+        compiling = (
+            perf.compile_notice(
+                "the train step", log.info, note=compilation_cache.CacheOutcome().describe
+            )
+            if first
+            else None
+        )
         with jax.set_mesh(self._mesh), compiling or contextlib.nullcontext():
             self._state, summaries = self._jit_train_step(self._state, input_batch)
         self._step += 1
