@@ -422,7 +422,9 @@ def test_model_vocab_smaller_than_the_shards_vocabulary_names_both_sizes(tmp_pat
     )
     message = (
         rf"train-00000.tok: vocabulary 'llama_style.model' has {size} ids, more than the model's "
-        rf"vocab_size {size - 1}$"
+        rf"vocab_size {size - 1}; raise the model's with "
+        rf"--config_override=model\.decoder\.vocab_size={size} \(or larger\), or build the "
+        r"shards with the model's vocabulary$"
     )
     with pytest.raises(TokenShardError, match=message):
         cfg.instantiate(parent=None)

@@ -94,6 +94,7 @@ from axlearn.common.input_token_format import (
     VocabularyRecord,
     decode_header,
     expand_paths,
+    vocab_size_remedy,
     write_shard,
 )
 from axlearn.common.input_vocab import (
@@ -507,7 +508,8 @@ def check_vocabulary(
     if model_vocab_size is not None and header.vocab_size > model_vocab_size:
         raise TokenShardError(
             f"{path}: vocabulary '{header.vocab_name}' has {header.vocab_size} ids, more "
-            f"than the model's vocab_size {model_vocab_size}"
+            f"than the model's vocab_size {model_vocab_size}; "
+            f"{vocab_size_remedy(header.vocab_size)}"
         )
 
 
