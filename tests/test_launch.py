@@ -183,8 +183,10 @@ def test_config_overrides_are_repeatable_and_applied_in_order(capsys):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("max_step='many'", "max_step: expected Union\\[int, .*got 'many'"),
-        ("save_input_iterator=1", "save_input_iterator: expected bool"),
+        ("max_step='many'", "max_step: expected an int, got 'many'"),
+        ("save_input_iterator=1", "save_input_iterator: expected True or False"),
+        ("model.decoder.dim=1.5", r"model\.decoder\.dim: expected an int, got 1\.5 \(a float\)$"),
+        ("max_step=0", r"--config_override=max_step=0: max_step must be a positive int"),
         ("max_steps=3", "no field 'max_steps'.*max_step"),
         ("max_step", "is not of the form path=value"),
     ],

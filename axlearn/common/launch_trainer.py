@@ -310,6 +310,13 @@ def build_trainer_config(
     old_max_step = cfg.max_step
     old_vocab_size = model_vocab_size(cfg)
     cfg = apply_overrides(cfg, config_overrides)
+    new_max_step = cfg.max_step
+    # pylint: disable-next=unidiomatic-typecheck  (not bool)
+    if new_max_step != old_max_step and not (type(new_max_step) is int and new_max_step >= 1):
+        raise ConfigError(
+            f"--config_override=max_step={new_max_step!r}: max_step must be a positive int, the "
+            f"steps to train ({config_name}'s is {old_max_step})"
+        )
     pinned = [override.split("=", 1)[0].strip() for override in config_overrides]
     follow_max_step(cfg, old_max_step, pinned=pinned)
     follow_vocab_size(cfg, old_vocab_size, pinned=pinned)
