@@ -27,11 +27,12 @@ MAX_LISTED_CHANGES = 10
 # The line of a recorded config naming the trainer's class: any recorded config has it.
 _ROOT_KLASS = re.compile(r"klass: '[\w.]+'")
 # Keys that may change between restarts of one run: its length, the cadences of logs,
-# summaries, evals, checkpoints and traces, and the directory itself (should it move).
+# summaries, evals, checkpoints and traces, where summaries go (trackers, W&B's project),
+# and the directory itself (should it move).
 # Fields that follow max_step may change with it (`_follows_max_step`).
 RESTARTABLE_KEYS = re.compile(
     r"max_step|dir|log_every_n_steps|start_trace_steps(\[\d+\])?|start_trace_num_steps"
-    r"|(.+\.)?write_every_n_steps"
+    r"|(.+\.)?write_every_n_steps|(.+\.)?summary_writer\.(trackers(\[\d+\])?|wandb_\w+)"
     r"|evalers\[.+\]\.eval_policy\.(n|min_step)"
     r"|checkpointer\.save_policy\.(n|min_step)|checkpointer\.keep_(last_n|every_n_steps)"
 )

@@ -294,10 +294,12 @@ class SpmdTrainer(Module):
             self._add_child(
                 "checkpointer", cfg.checkpointer.clone(dir=os.path.join(trainer_dir, "checkpoints"))
             )
-            self._add_child(
-                "summary_writer",
-                cfg.summary_writer.clone(dir=os.path.join(trainer_dir, "summaries", "train")),
+            writer_cfg = cfg.summary_writer.clone(
+                dir=os.path.join(trainer_dir, "summaries", "train")
             )
+            if "run_dir" in writer_cfg.keys():  # The W&B run's, shared with the evalers.
+                writer_cfg.run_dir = trainer_dir
+            self._add_child("summary_writer", writer_cfg)
         self._model_param_specs = self.model.create_parameter_specs_recursively()
         self._check_parameters_split_evenly()
         # What a step carries of the weights besides (or instead of) their float32 values.
@@ -318,6 +320,8 @@ class SpmdTrainer(Module):
                 evaler_cfg.per_device_microbatch_size = cfg.per_device_microbatch_size
             if trainer_dir is not None and "dir" in evaler_cfg.summary_writer.keys():
                 evaler_cfg.summary_writer.dir = os.path.join(trainer_dir, "summaries", name)
+                if "run_dir" in evaler_cfg.summary_writer.keys():  # One W&B run for all.
+                    evaler_cfg.summary_writer.run_dir = trainer_dir
             self._evalers[name] = self._add_child(
                 name,
                 evaler_cfg,
