@@ -319,6 +319,23 @@ def test_command_reports_bad_input_in_one_line_and_fails(tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.slow
+def test_the_command_off_a_terminal_prints_no_blank_line_and_ends_with_its_throughput(tmp_path):
+    texts = _texts(700, seed=5)
+    inputs = _write_jsonl(tmp_path / "in.jsonl", texts)
+    result = subprocess.run(
+        [sys.executable, "-m", "axlearn.common.input_tokens", "build", "--num_workers=2",
+         "--validation_fraction=0.1", f"--output={tmp_path}/out/", inputs],
+        capture_output=True, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    for stream in (result.stdout, result.stderr):
+        assert stream.endswith("\n") and "" not in stream[:-1].split("\n")
+    tokens = sum(len(_byte_ids(text)) for text in texts)
+    assert result.stderr.splitlines()[-1].startswith(f"tokenized: {tokens:,} tokens, ")
+
+
 # ----- every core, same bytes -----
 
 
