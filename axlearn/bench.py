@@ -423,10 +423,16 @@ def summarize_trace(profile_dir: str, *, steps: int, top: int = 25) -> str:
     return "\n".join(lines)
 
 
-def format_table(results: dict[str, dict[str, Any]]) -> str:
-    """Columns as rows, one column per run; with two runs, a Diff column (second - first)."""
+def format_table(
+    results: dict[str, dict[str, Any]], columns: Optional[Sequence[tuple]] = None
+) -> str:
+    """Columns as rows, one column per run; with two runs, a Diff column (second - first).
+    `columns`: (title, result key, format, better) rows (None: COLUMNS, or INPUT_COLUMNS
+    for input-only runs); a peer's benchmark (tools/peft_bench.py) adds its own."""
     names = list(results)
-    columns = INPUT_COLUMNS if all(r.get("input_only") for r in results.values()) else COLUMNS
+    if columns is None:
+        input_only = all(r.get("input_only") for r in results.values())
+        columns = INPUT_COLUMNS if input_only else COLUMNS
     rows = [["Metric", *names]]
     with_diff = len(names) == 2
     if with_diff:

@@ -1,4 +1,5 @@
-"""GPT trainer configs: gpt_test (CPU, built-in data) and 125M to 70B.
+"""GPT trainer configs: gpt_test (CPU, built-in data), 125M to 70B and gpt_8b (Llama 3 8B's
+shape).
 
 Each size is a row of numbers; everything else comes from
 `axlearn.experiments.text.gpt.common`. `gpt_3b` is the reference trainer of
@@ -12,13 +13,19 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
-from axlearn.common.attention import PipelinedTransformerLayer, build_remat_spec
+from axlearn.common.attention import (
+    PipelinedTransformerLayer,
+    build_remat_spec,
+    build_save_matmuls_remat_spec,
+)
 from axlearn.common.input_builtin import BuiltinTextInput
+from axlearn.common.layers import Linear
 from axlearn.common.trainer import SpmdTrainer
 from axlearn.common.trainer_config_modifier import (
     ChainConfigModifier,
     FP8ConfigModifier,
     MeshShapeModifier,
+    OptimizerStateDtypeModifier,
 )
 from axlearn.experiments.text.gpt import common
 
@@ -49,6 +56,29 @@ class SingleHost:
     h200_without_remat: bool = False
 
 
+# Adastar's two EMAs in 4 bytes a weight instead of 8: the second moment in bfloat16, the
+# update EMA in float16 (bounded by 4.5, so in range). No measured loss cost for gpt_1b
+# (gpt_1b_narrow_state, docs/performance.md).
+NARROW_STATE_DTYPES = {"gradient_square_ema": jnp.bfloat16, "update_ema": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class OneGpu:
+    """How a size whose 16 bytes a parameter no card holds trains on one GPU of `fleet`.
+
+    The state takes 12 bytes a parameter: each weight as its bf16 copy and 16 low bits
+    (4, `split_carried_weights`), Adastar's EMAs in bf16 and fp16 (4, NARROW_STATE_DTYPES)
+    and the float32 gradient sum over the step's microbatches (4). gpt_7b: 7.18B
+    parameters, 80.3 GiB, of the 104.9 GiB the JAX allocator takes of an H200 by default
+    (75%); an H100's 59.4 GiB cannot hold it. One sequence of 4,096 tokens a microbatch;
+    `remat` keeps its activations in the rest.
+    """
+
+    fleet: common.Fleet  # The card: common.GPU_H200_HOST; its rule selects `<prefix>-1`.
+    remat: Optional[dict[str, Any]]  # The layers' remat_spec (None: save everything).
+    microbatch: int = 1  # Sequences the GPU computes at once.
+
+
 @dataclasses.dataclass(frozen=True)
 class Size:
     """The numbers that distinguish one model size from another."""
@@ -65,6 +95,8 @@ class Size:
     max_step: int
     warmup_steps: int
     single_host: Optional[SingleHost]  # None: too large for one host; clusters only.
+    one_gpu: Optional[OneGpu] = None  # A one-GPU rule in compact state (OneGpu).
+    untied_lm_head: bool = False  # An LM head of its own instead of the token table's.
 
 
 SIZES = {
@@ -87,6 +119,20 @@ SIZES = {
     "7B": Size(
         4096, 32, 32, 8, 14336, 49152, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
         SingleHost((4, 8), microbatch=2, remat=build_remat_spec(), h200_without_remat=True),
+        # One H200: every matmul's output saved (~13 GiB a sequence), norms and activations
+        # recomputed; ~96 GiB with the state and the logits.
+        one_gpu=OneGpu(common.GPU_H200_HOST, remat=build_save_matmuls_remat_spec()),
+    ),
+    # Llama 3 / 3.1 8B's shape (untied head, vocabulary of 128,256): 8.03B parameters.
+    # `--init_from_hf` fills it from such a checkpoint; train it on token shards of that
+    # checkpoint's tokenizer (`--data_dir`): its reference corpora are the other sizes'.
+    # Its 1.05B embedding and head parameters leave room on one H200 for the attention's
+    # activations only (MLP recomputed).
+    "8B": Size(
+        4096, 32, 32, 8, 14336, 128256, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
+        SingleHost((8,), microbatch=2, remat=build_remat_spec(), h200_without_remat=True),
+        one_gpu=OneGpu(common.GPU_H200_HOST, remat=build_remat_spec()),
+        untied_lm_head=True,
     ),
     # 70B's state (1.1 TB) is 140 GB a GPU on an 8-GPU host.
     "70B": Size(
@@ -146,7 +192,8 @@ def mesh_rules(
     size: Size, *, split_carried_weights: bool = False, fp8: bool = False
 ) -> list[tuple[str, Any]]:
     """The cloud fleets (only the sizes that split the global batch evenly), single-host
-    H100/H200 machines that hold the size (SingleHost), and CPU.
+    H100/H200 machines that hold the size (SingleHost), one GPU in compact state
+    (OneGpu; not with `fp8`), and CPU.
 
     `split_carried_weights`: the single-host rule, where it carries the weights' bf16 copies,
     carries each weight as its copy and low bits (`common.single_host_gpu_rule`).
@@ -174,6 +221,8 @@ def mesh_rules(
                 _single_host_rule(size, single_host, remat, split_carried_weights),
             )
             rules.append(_with_fp8(rule) if fp8 else rule)
+    if size.one_gpu is not None and not fp8:
+        rules.append((size.one_gpu.fleet.selector([1]), one_gpu_rule(size.one_gpu)))
     rules.append((common.CPU, common.mesh_shape_from_axes(fsdp=-1)))
     return [rule for rule in rules if rule is not None]
 
@@ -192,6 +241,31 @@ def _single_host_rule(
         carry_train_dtype_weights=carried,
         split_carried_weights=carried and split,
         per_device_microbatch_size=single_host.microbatch,
+    )
+
+
+def one_gpu_rule(one_gpu: OneGpu) -> ChainConfigModifier.Config:
+    """The size on one GPU in 12 bytes of state a parameter (OneGpu): layers unrolled,
+    `one_gpu.remat` on each, weights carried as bf16 copy and low bits, Adastar's EMAs
+    narrowed, `one_gpu.microbatch` sequences at a time."""
+    rule = common.single_host_gpu_rule(
+        one_gpu.remat,
+        unrolled_layers=True,
+        carry_train_dtype_weights=True,
+        split_carried_weights=True,
+        per_device_microbatch_size=one_gpu.microbatch,
+    )
+    narrow = OptimizerStateDtypeModifier.default_config().set(state_dtypes=NARROW_STATE_DTYPES)
+    rule.config_modifiers = [*rule.config_modifiers, narrow]
+    return rule
+
+
+def _lm_head() -> Linear.Config:
+    """An untied LM head as Llama's (weight [dim, vocab], no bias, the layout hf_llama
+    maps to `lm_head.weight`): split over the FSDP axes along dim, vocabulary over
+    'model'."""
+    return Linear.default_config().set(
+        bias=False, param_partition_spec=(common.FSDP_AXIS_NAMES, "model")
     )
 
 
@@ -229,6 +303,7 @@ def gpt_trainer(
         attend_across_documents=None if reference else True,
         qk_norm=reference,
         extra_ffn_summaries=reference,
+        lm_head=_lm_head() if size.untied_lm_head else None,
     )
     eval_input = common.tfds_text_eval_input(
         dataset_name=EVAL_DATASET,
@@ -254,7 +329,13 @@ def gpt_trainer(
             )
         },
         max_step=size.max_step,
-        mesh_shape=common.mesh_shape_from_axes(data=-1, fsdp=8),
+        # The reference keeps its golden file's cluster mesh; the other sizes' own mesh
+        # (`--mesh_selector=none`) is FSDP over however many devices there are.
+        mesh_shape=(
+            common.mesh_shape_from_axes(data=-1, fsdp=8)
+            if reference
+            else common.mesh_shape_from_axes(fsdp=-1)
+        ),
         mesh_rules=(
             REFERENCE_MESH_RULES
             if size_name == "3B"
@@ -326,14 +407,12 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
         "gpt_1b_narrow_state": functools.partial(
             gpt_trainer,
             "1B",
-            optimizer_state_dtype={
-                "gradient_square_ema": jnp.bfloat16,
-                "update_ema": jnp.float16,
-            },
+            optimizer_state_dtype=NARROW_STATE_DTYPES,
             split_carried_weights=True,
         ),
         "gpt_3b": functools.partial(gpt_trainer, "3B"),
         "gpt_7b": functools.partial(gpt_trainer, "7B"),
+        "gpt_8b": functools.partial(gpt_trainer, "8B"),
         "gpt_70b": functools.partial(gpt_trainer, "70B"),
         # gpt_1b and gpt_7b with their transformer matmuls in FP8 on H100 and H200 hosts.
         "gpt_1b_fp8": functools.partial(gpt_trainer, "1B", fp8=True),
@@ -350,6 +429,9 @@ def _size_description(size_name: str) -> str:
         counts = [str(n) for n in size.single_host.gpu_counts]
         hosts = counts[0] if len(counts) == 1 else f"{', '.join(counts[:-1])} or {counts[-1]}"
         where = f"{hosts} GPUs of one host, or {where}"
+        if size.one_gpu is not None:
+            card = size.one_gpu.fleet.prefix.removeprefix("gpu-").upper()
+            where = f"one {card} (compact state), {where}"
     return (
         f"A GPT of {size.num_layers} layers of width {size.dim:,}, "
         f"{size.max_sequence_length:,}-token sequences, {size.global_batch_size:,} a step; "
@@ -368,6 +450,8 @@ DESCRIPTIONS = {
     "optimizer moments, each weight kept as its bf16 copy and low bits.",
     "gpt_3b": f"The reference trainer of golden_configs/gpt/gpt_3b.txt. {_size_description('3B')}",
     "gpt_7b": _size_description("7B"),
+    "gpt_8b": f"Llama 3 8B's shape (vocabulary 128,256, untied head; --init_from_hf fills it). "
+    f"{_size_description('8B')}",
     "gpt_70b": _size_description("70B"),
     "gpt_1b_fp8": "gpt_1b with the transformer's matmuls in FP8 on H100 and H200 hosts (e4m3 "
     "operands, e5m2 gradients, delayed scaling).",

@@ -22,6 +22,7 @@ from axlearn.common.config import (
     config_class,
     format_value,
     import_name,
+    register_configurable,
 )
 from axlearn.common.golden_text import (
     EnumText,
@@ -236,6 +237,7 @@ def test_tuple_dict_keys_read_and_write_back():
     assert cfg.instantiate() == 2
 
 
+@register_configurable
 def rank_table(table: dict) -> int:
     return len(table)
 

@@ -412,3 +412,47 @@ def test_without_a_pad_id_token_0_targets_count_and_segment_0_is_padding():
     labels = np.asarray(batch["target_labels"])
     expected = (labels >= 0) & (segments != 0)  # Row 0's zeros are tokens now.
     np.testing.assert_array_equal(aux["live_targets"], expected.astype(np.float32))
+
+
+def test_target_weights_weight_the_loss_and_its_summaries_against_numpy():
+    model = _model_config().instantiate(parent=None)
+    params = _random_params(model)
+    rng = np.random.RandomState(3)
+    weights = (rng.rand(BATCH, SEQ) < 0.5).astype(np.float32)
+    batch = dict(
+        _batch(),
+        target_weights=jnp.asarray(weights),
+        target_num_bytes=jnp.array([7, 0, 12], jnp.int32),  # Bytes of the trained text.
+    )
+    (loss, aux), collection = _forward(model, params, batch)
+    lse, logits = _np_log_softmax_stats(aux["logits"])
+    labels = np.asarray(batch["target_labels"])
+    counted = (labels > 0) * weights  # Live (not padding, not ignored) and masked in.
+    target = np.take_along_axis(logits, np.maximum(labels, 0)[..., None], -1)[..., 0]
+    total_nats = ((lse - target) * counted).sum()
+    np.testing.assert_allclose(loss, total_nats / counted.sum(), rtol=1e-5)
+    summaries = collection.summaries
+    assert float(summaries["loss"].weight) == counted.sum()
+    accuracy = ((logits.argmax(-1) == labels) * counted).sum() / counted.sum()
+    np.testing.assert_allclose(summaries["accuracy"].mean, accuracy, rtol=1e-5)
+    np.testing.assert_allclose(
+        summaries["bits_per_byte"].mean, total_nats / np.log(2) / 19, rtol=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_masked_out_targets_change_neither_loss_nor_gradients():
+    model = _model_config().instantiate(parent=None)
+    params = _random_params(model)
+    weights = np.ones((BATCH, SEQ), np.float32)
+    weights[:, : SEQ // 2] = 0  # A prompt that does not train.
+    batch = dict(_batch(), target_weights=jnp.asarray(weights))
+    other = dict(batch)
+    labels = np.asarray(batch["target_labels"]).copy()
+    labels[:, : SEQ // 2] = (labels[:, : SEQ // 2] % (VOCAB - 2)) + 1  # Other live targets.
+    other["target_labels"] = jnp.asarray(labels)
+    loss, grads = _loss_and_grads(model, params, batch)
+    other_loss, other_grads = _loss_and_grads(model, params, other)
+    np.testing.assert_allclose(loss, other_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads,
+                 other_grads)

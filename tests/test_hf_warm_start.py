@@ -265,3 +265,70 @@ def test_export_of_a_run_whose_every_checkpoint_is_corrupt_stops_with_one_line(
     assert result.returncode == 1 and "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("hf_llama export: Every committed checkpoint in ")
+
+
+# ----- gpt_8b: Llama 3 8B's shape -----
+
+# The model fields of Meta's Llama 3 8B config.json (meta-llama/Meta-Llama-3-8B).
+LLAMA_3_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, hidden_act="silu", rms_norm_eps=1e-05,
+    rope_theta=500000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+)
+
+
+def test_gpt_8b_exports_as_llama_3_8b_and_has_its_parameter_count():
+    from axlearn.common.causal_lm import count_parameters  # pylint: disable=import-outside-toplevel
+    from axlearn.common.experiment_registry import build_named_config  # pylint: disable=import-outside-toplevel
+
+    model = build_named_config("gpt_8b").model
+    config = hf_llama.hf_config_dict(model)
+    assert {key: config[key] for key in LLAMA_3_8B} == LLAMA_3_8B
+    # Llama 3 8B's parameters as transformers counts them (sum of numel()).
+    assert count_parameters(model.clone(name="model").instantiate(parent=None)) == 8_030_261_248
+
+
+def _llama_3_style_dir(directory):
+    """A random Llama 3.1-style model (GQA 4/1, untied head, rope theta 500,000 with llama3
+    scaling, two EOS ids, no pad id) saved in `directory`; returns the model."""
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, rope_theta=500000.0,
+        rope_scaling=dict(ROPE_SCALING, original_max_position_embeddings=16),
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=250,
+        eos_token_id=[251, 252], pad_token_id=None, max_position_embeddings=128,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.slow
+def test_gpt_8b_on_its_one_gpu_rule_warm_starts_with_hf_logits_and_trains_at_hf_loss(tmp_path):
+    hf_model = _llama_3_style_dir(tmp_path)
+    cfg = build_trainer_config(
+        config_name="gpt_8b", init_from_hf=str(tmp_path), mesh_selector="gpu-h200-1",
+        data_dir="FAKE",
+        config_overrides=["input.max_sequence_length=32", "input.global_batch_size=2"],
+    )
+    cfg.dir, cfg.evalers = None, {}
+    assert cfg.split_carried_weights and cfg.per_device_microbatch_size == 1
+    trainer = cfg.instantiate(parent=None, devices=jax.devices("cpu")[:1])
+    # pylint: disable=protected-access
+    trainer._state = trainer.init_state_from(jax.random.PRNGKey(0), trainer._loaded_params())
+    batch = next(b for _, b in trainer._host_batches())
+    # pylint: enable=protected-access
+    ids = np.asarray(batch["input_ids"])
+    with torch.no_grad():
+        want = hf_model(torch.tensor(ids)).logits
+    params = trainer.model_params()  # The carried bf16 copies and low bits, joined.
+    out, _ = F(trainer.model.decoder, state=params["decoder"], inputs=(jnp.asarray(ids),),
+               prng_key=None, is_training=False)
+    np.testing.assert_allclose(np.asarray(out["logits"]), want.numpy(), atol=1e-4)
+    # The first step's loss (bf16, two microbatches of one sequence) is HF's cross-entropy.
+    labels = torch.tensor(np.asarray(batch["target_labels"])).long()
+    hf_loss = torch.nn.functional.cross_entropy(want.reshape(-1, want.shape[-1]), labels.reshape(-1))
+    loss = float(trainer.train_step(trainer.global_batch(batch))["loss"])
+    np.testing.assert_allclose(loss, hf_loss.item(), rtol=2e-3)

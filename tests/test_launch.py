@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from absl import flags
@@ -36,6 +37,7 @@ from axlearn.common.launch_trainer import build_trainer_config
 from axlearn.common.mesh_selection import mesh_selector_for_devices, selector_contradiction
 from axlearn.common.run_record import config_changes
 from axlearn.common.causal_lm import count_parameters
+from axlearn.common.trainer import infer_mesh_shape
 from axlearn.common.trainer_config_modifier import apply_mesh_rule
 from axlearn.experiments.text.gpt import common
 from experiments import gpt
@@ -269,7 +271,7 @@ def test_single_host_gpu_rule_carries_weight_copies_only_without_remat(config_na
     assert bool(cfg.carry_train_dtype_weights) is carried
 
 
-@pytest.mark.parametrize("size_name", ["125M", "350M", "1B", "7B", "70B"])  # Not the reference.
+@pytest.mark.parametrize("size_name", ["125M", "350M", "1B", "7B", "8B", "70B"])  # Not the reference.
 def test_single_host_rules_name_the_hosts_that_hold_the_state(size_name):
     size, config_name = gpt.SIZES[size_name], f"gpt_{size_name.lower()}"
     model = build_named_config(config_name).model.clone(name="model")
@@ -286,6 +288,75 @@ def test_single_host_rules_name_the_hosts_that_hold_the_state(size_name):
         assert cfg.per_device_microbatch_size == size.single_host.microbatch
         # The configured batch splits into whole microbatches on every such host.
         assert (size.global_batch_size // n) % size.single_host.microbatch == 0
+
+
+def test_one_h200_trains_gpt_7b_and_gpt_8b_in_compact_state_and_one_h100_does_not():
+    for config_name in ("gpt_7b", "gpt_8b"):
+        cfg = build_trainer_config(config_name=config_name, mesh_selector="gpu-h200-1")
+        assert cfg.mesh_shape == common.mesh_shape_from_axes(fsdp=-1)
+        assert cfg.per_device_microbatch_size == 1
+        assert cfg.carry_train_dtype_weights and cfg.split_carried_weights
+        casts = cfg.learner.optimizer.inner, cfg.learner.optimizer.inner.inner
+        assert [(c.state_paths, c.dtype) for c in casts] == list(gpt.NARROW_STATE_DTYPES.items())
+        # 12 bytes a parameter do not fit an 80 GB card.
+        with pytest.raises(ConfigError, match="--mesh_selector=gpu-h100-1 matches none"):
+            build_trainer_config(config_name=config_name, mesh_selector="gpu-h100-1")
+    remat = build_trainer_config(config_name="gpt_7b", mesh_selector="gpu-h200-1").model
+    assert remat.decoder.transformer.layer.remat_spec["policy"].policy_2 == (
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    )
+
+
+@pytest.mark.parametrize("config_name", ["gpt_1b", "gpt_7b", "gpt_8b"])
+def test_mesh_selector_none_gives_a_mesh_that_covers_one_device(config_name):
+    cfg = build_trainer_config(config_name=config_name, mesh_selector="none")
+    assert infer_mesh_shape(cfg.mesh_shape, 1) == (1,) * len(cfg.mesh_axis_names)
+    assert infer_mesh_shape(cfg.mesh_shape, 8) == common.mesh_shape_from_axes(fsdp=8)
+
+
+# gpt_7b at a size a CPU trains in seconds: 2 layers of 64, 4/2 heads, 32 tokens.
+_SMALL_7B = (
+    "model.decoder.dim=64",
+    "model.decoder.vocab_size=256",
+    "model.decoder.transformer.num_layers=2",
+    "model.decoder.transformer.layer.feed_forward.hidden_dim=128",
+    "model.decoder.transformer.layer.self_attention.attention.num_heads=4",
+    "model.decoder.transformer.layer.self_attention.attention.input_linear.input_linear."
+    "num_kv_heads=2",
+    "input.max_sequence_length=32",
+    "input.global_batch_size=2",
+)
+
+
+def _small_7b_run(mesh_selector: str, steps: int) -> tuple[float, list[float]]:
+    """(bytes of weights and optimizer state a parameter, the losses of `steps` steps) of
+    gpt_7b under `mesh_selector`'s rule at _SMALL_7B's size, on this process's first CPU."""
+    from axlearn.bench import build_benchmark_config  # pylint: disable=import-outside-toplevel
+
+    cfg = build_benchmark_config("gpt_7b", mesh_selector=mesh_selector, overrides=_SMALL_7B)
+    trainer = cfg.instantiate(parent=None, devices=jax.devices("cpu")[:1])
+    trainer._state = trainer.init_state(jax.random.PRNGKey(0))  # pylint: disable=protected-access
+    state = trainer._state  # pylint: disable=protected-access
+    carried = (state.model, state.learner, state.weight_copies, state.weight_low_bits)
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(carried))
+    batches = (batch for _, batch in trainer._host_batches())  # pylint: disable=protected-access
+    losses = [float(trainer.train_step(trainer.global_batch(next(batches)))["loss"])
+              for _ in range(steps)]
+    return state_bytes / count_parameters(trainer.model), losses
+
+
+@pytest.mark.slow
+def test_the_one_gpu_rule_trains_in_8_bytes_a_parameter_as_the_float32_state_rule_does():
+    # The 4- and 8-GPU H200 rule (float32 weights and moments, carried bf16 copies, also
+    # unrolled, so the same initial weights) on one device is the reference.
+    compact_bytes, compact_losses = _small_7b_run("gpu-h200-1", steps=3)
+    full_bytes, full_losses = _small_7b_run("gpu-h200-4", steps=3)
+    assert compact_bytes == pytest.approx(8.0, abs=0.01)  # 2 + 2 weight halves, 2 + 2 EMAs.
+    assert full_bytes == pytest.approx(14.0, abs=0.01)  # 4 + 2 copy, 4 + 4 EMAs.
+    # Step 1 sees the same weights (its two microbatches sum to the same gradient); later
+    # steps differ only by the EMAs' rounding to bf16 and fp16.
+    np.testing.assert_allclose(compact_losses[0], full_losses[0], rtol=1e-5)
+    np.testing.assert_allclose(compact_losses, full_losses, rtol=1e-3)
 
 
 def test_unmatched_mesh_selector_fails_listing_the_rules():

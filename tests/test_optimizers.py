@@ -598,12 +598,17 @@ def test_sgd_matches_torch(nesterov):
 
 
 def adafactor_reference(params, grads_seq, *, lr, b1, clip, eps, eps_scale, weight_decay,
-                        factored_names, trust_ratio=False):
+                        factored_names, trust_ratio=False, wd_exponent=1.0,
+                        momentum_dtype=np.float64):
     """Shazeer & Stern (2018), Algorithms 4-5, with row/column *sums* as in the paper;
-    `trust_ratio`: each step rescaled to ||p|| / (||step|| + eps) (LAMB)."""
+    `trust_ratio`: each step rescaled to ||p|| / (||step|| + eps) (LAMB); `lr` a number or
+    a function of the step t = 0, 1, ...; weight decay scaled by lr ** `wd_exponent`; the
+    momentum stored in `momentum_dtype` (the step uses it before the rounding)."""
     params = to_numpy(params)
     state = {k: {} for k in params}
+    lr_of = lr if callable(lr) else (lambda t, lr=lr: lr)
     for t, grads in enumerate(to_numpy(grads_seq)):
+        lr = lr_of(t)
         beta = 1.0 - (t + 1.0) ** -0.8
         for name, g in grads.items():
             s, g2 = state[name], g * g + eps
@@ -616,10 +621,11 @@ def adafactor_reference(params, grads_seq, *, lr, b1, clip, eps, eps_scale, weig
                 v = s["v"] = beta * s.get("v", 0.0) + (1 - beta) * g2
             u = g / np.sqrt(v)
             u = u / max(1.0, np.sqrt(np.mean(u**2)) / clip)
-            if b1 is not None:
-                u = s["m"] = b1 * s.get("m", 0.0) + (1 - b1) * u
-            alpha = lr * max(eps_scale, np.sqrt(np.mean(params[name] ** 2)))
-            step = alpha * u + lr * weight_decay * params[name]
+            u = lr * max(eps_scale, np.sqrt(np.mean(params[name] ** 2))) * u
+            if b1 is not None:  # Momentum of the scaled steps (AXLearn's and optax's order).
+                u = b1 * np.asarray(s.get("m", 0.0), np.float64) + (1 - b1) * u
+                s["m"] = u.astype(momentum_dtype)
+            step = u + lr**wd_exponent * weight_decay * params[name]
             if trust_ratio:
                 step = step * np.linalg.norm(params[name]) / (np.linalg.norm(step) + eps)
             params[name] = params[name] - step
@@ -632,7 +638,8 @@ def test_adafactor_matches_numpy():
     params = random_tree(rng, shapes)
     grads_seq = [random_tree(rng, shapes) for _ in range(10)]
     ours = opt.adafactor_optimizer(
-        0.01, b1=0.9, clipping_threshold=1.0, min_dim_size_to_factor=3, weight_decay=0.1
+        0.01, b1=0.9, clipping_threshold=1.0, min_dim_size_to_factor=3, weight_decay=0.1,
+        weight_decay_scale_by_learning_rate_exponent=1.0,
     )
     got, state = run_steps(ours, params, grads_seq)
     expected = adafactor_reference(
@@ -652,7 +659,7 @@ def test_adafactor_scale_by_trust_ratio_matches_numpy():
     grads_seq = [random_tree(rng, shapes) for _ in range(5)]
     ours = opt.adafactor_optimizer(
         0.01, b1=0.9, clipping_threshold=1.0, min_dim_size_to_factor=3, weight_decay=0.1,
-        apply_scale_by_trust_ratio=True,
+        weight_decay_scale_by_learning_rate_exponent=1.0, apply_scale_by_trust_ratio=True,
     )
     got, _ = run_steps(ours, params, grads_seq)
     expected = adafactor_reference(
@@ -661,6 +668,95 @@ def test_adafactor_scale_by_trust_ratio_matches_numpy():
     )
     for name in shapes:
         np.testing.assert_allclose(got[name], expected[name], atol=1e-5, rtol=1e-5)
+
+
+def test_adafactor_scales_weight_decay_by_a_power_of_the_learning_rate_as_numpy():
+    rng = np.random.default_rng(RNG_SEED)
+    shapes = {"w": (6, 5), "b": (5,)}
+    params = random_tree(rng, shapes)
+    grads_seq = [random_tree(rng, shapes) for _ in range(6)]
+    lr = lambda t: 0.02 * (t + 1.0)  # noqa: E731  A schedule: the power of it matters.
+    ours = opt.adafactor_optimizer(
+        lr, b1=0.9, clipping_threshold=1.0, min_dim_size_to_factor=3, weight_decay=0.3,
+        weight_decay_scale_by_learning_rate_exponent=0.5,
+    )
+    got, _ = run_steps(ours, params, grads_seq)
+    expected = adafactor_reference(
+        params, grads_seq, lr=lr, b1=0.9, clip=1.0, eps=1e-30, eps_scale=1e-3,
+        weight_decay=0.3, factored_names={"w"}, wd_exponent=0.5,
+    )
+    for name in shapes:
+        np.testing.assert_allclose(got[name], expected[name], atol=1e-6, rtol=1e-5)
+
+
+def test_adafactor_with_momentum_and_a_schedule_matches_optax_adafactor():
+    # optax orders it as AXLearn does (momentum of the scaled steps) and decays weights
+    # without the learning rate: exponent 0. Its factored axes are ours for a matrix.
+    rng = np.random.default_rng(RNG_SEED)
+    shapes = {"w": (6, 5), "b": (5,)}
+    params = random_tree(rng, shapes)
+    grads_seq = [random_tree(rng, shapes) for _ in range(6)]
+    lr = lambda t: 0.02 * (t + 1.0)  # noqa: E731
+    ours = opt.adafactor_optimizer(
+        lr, b1=0.9, clipping_threshold=1.0, min_dim_size_to_factor=3, weight_decay=0.1,
+        weight_decay_scale_by_learning_rate_exponent=0.0,
+    )
+    reference = optax.adafactor(
+        lr, min_dim_size_to_factor=3, clipping_threshold=1.0, momentum=0.9,
+        weight_decay_rate=0.1, eps=1e-30,
+    )
+    got, _ = run_steps(ours, params, grads_seq)
+    expected, _ = run_steps(reference, params, grads_seq)
+    for name in shapes:
+        np.testing.assert_allclose(got[name], expected[name], atol=1e-6, rtol=1e-5)
+
+
+def test_adafactor_keeps_its_momentum_in_dtype_momentum():
+    import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(RNG_SEED)
+    shapes = {"w": (6, 5), "b": (5,)}
+    params = random_tree(rng, shapes)
+    grads_seq = [random_tree(rng, shapes) for _ in range(6)]
+    ours = opt.adafactor_optimizer(
+        0.01, b1=0.9, clipping_threshold=1.0, min_dim_size_to_factor=3,
+        dtype_momentum=jnp.bfloat16,
+    )
+    got, state = run_steps(ours, params, grads_seq)
+    assert {state.momentum[name].dtype for name in shapes} == {jnp.dtype(jnp.bfloat16)}
+    assert ours.partition(params).momentum["w"].dtype == jnp.bfloat16
+    expected = adafactor_reference(
+        params, grads_seq, lr=0.01, b1=0.9, clip=1.0, eps=1e-30, eps_scale=1e-3,
+        weight_decay=0.0, factored_names={"w"}, momentum_dtype=ml_dtypes.bfloat16,
+    )
+    for name in shapes:
+        np.testing.assert_allclose(got[name], expected[name], atol=1e-6, rtol=1e-5)
+
+
+def test_adafactor_weight_decay_without_its_learning_rate_exponent_is_refused_by_name():
+    with pytest.raises(ConfigError, match="weight_decay_scale_by_learning_rate_exponent"):
+        opt.adafactor_optimizer(0.01, weight_decay=0.1)
+    with pytest.raises(ConfigError, match="dtype_momentum=int8"):
+        opt.adafactor_optimizer(0.01, b1=0.9, dtype_momentum=jnp.int8)
+
+
+def test_axlearn_gspmd_adafactor_golden_lines_parse_and_instantiate():
+    text = textwrap.dedent(
+        """\
+        optimizer.b1: 0.9
+        optimizer.clipping_threshold: 5
+        optimizer.dtype_momentum: 'jax.numpy.bfloat16'
+        optimizer.fn: 'axlearn.common.optimizers.adafactor_optimizer'
+        optimizer.learning_rate: 0.01
+        optimizer.multiply_by_parameter_scale: False
+        optimizer.weight_decay: 0.001
+        optimizer.weight_decay_scale_by_learning_rate_exponent: 1
+        """
+    )
+    optimizer = parse_flat_text(text)["optimizer"]
+    assert optimizer.weight_decay_scale_by_learning_rate_exponent == 1
+    state = optimizer.instantiate().init({"w": jnp.zeros((4, 3))})
+    assert state.momentum["w"].dtype == jnp.bfloat16
 
 
 def test_axlearn_adafactor_golden_line_with_trust_ratio_parses_and_instantiates():

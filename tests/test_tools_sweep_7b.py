@@ -1,6 +1,7 @@
 """Tests of tools/sweep_7b.py: the plan it checks, the settings the FP8 run inherits and
 how a run that overstays its cap is recorded."""
 
+import dataclasses
 import importlib.util
 import os
 
@@ -68,6 +69,36 @@ def test_dry_run_builds_every_run_s_config_for_the_4_gpu_host(capsys):
     assert sweep.main(["--dry_run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [run.name for run in sweep.RUNS]
+
+
+def test_dry_run_builds_every_one_gpu_run_s_config_under_the_h200_rule(capsys):
+    assert sweep.main(["--gpus=1", "--dry_run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [run.name for run in sweep.ONE_GPU_RUNS]
+    assert all(f"input.global_batch_size={sweep.ONE_GPU_GLOBAL_BATCH}" in line for line in lines)
+
+
+def test_a_run_s_allocator_share_is_set_in_its_process_environment(monkeypatch):
+    seen = {}
+
+    class FakeProcess:
+        pid = 0
+
+        def __init__(self, argv, env, **_):
+            seen.update(argv=argv, env=env)
+
+        def wait(self, timeout=None):
+            del timeout
+            return 1
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", FakeProcess)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    run = sweep.Run("r", "gpt_7b", "", mem_fraction=0.9)
+    record = sweep.run_one(run, timeout_s=1, mesh_selector="gpu-h200-1")
+    assert seen["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"
+    assert record["error"] == "exited with 1 (its log above)"
+    sweep.run_one(dataclasses.replace(run, mem_fraction=None), timeout_s=1, mesh_selector="x")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in seen["env"]
 
 
 def test_a_bad_override_fails_before_any_run(monkeypatch):

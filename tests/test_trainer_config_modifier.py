@@ -1,6 +1,7 @@
 """Tests of axlearn.common.trainer_config_modifier and mesh-rule selection."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,6 +14,7 @@ from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.config import ConfigError, config_for_function
 from axlearn.common.mesh_selection import select_mesh_rule
 from axlearn.common.trainer_config_modifier import (
+    OptimizerStateDtypeModifier,
     ChainConfigModifier,
     GradientAccumulationModifier,
     MeshShapeModifier,
@@ -374,3 +376,25 @@ def test_axlearn_replace_layer_golden_lines_set_the_gmm_backend_of_every_moe_lay
     assert ffn.gmm_backend is GMMBackend.RAGGED_DOT  # Excluded: the source's value.
     assert ffn.num_experts == 4 and ffn.grouped_matmul == "mosaic_gpu"  # Kept.
     _param_specs(cfg)  # The model builds.
+
+
+# ----- OptimizerStateDtypeModifier -----
+
+
+def test_optimizer_state_dtype_modifier_narrows_the_state_as_the_learner_builder_does():
+    from axlearn.common.experiment_registry import build_named_config  # pylint: disable=import-outside-toplevel
+
+    state_dtypes = {"gradient_square_ema": jnp.bfloat16, "update_ema": jnp.float16}
+    modifier = OptimizerStateDtypeModifier.default_config().set(state_dtypes=state_dtypes)
+    cfg = modifier.instantiate()(build_named_config("gpt_1b"))
+    # gpt_1b_narrow_state builds the same state dtypes in adastar_learner_config.
+    want = build_named_config("gpt_1b_narrow_state").learner
+    assert cfg.learner.debug_string() == want.debug_string()
+
+
+def test_optimizer_state_dtype_modifier_names_a_path_without_an_optimizer():
+    modifier = OptimizerStateDtypeModifier.default_config().set(
+        state_dtypes={"update_ema": jnp.float16}, optimizer_path="learner.no_such_optimizer"
+    )
+    with pytest.raises(ConfigError, match="'learner.no_such_optimizer'"):
+        modifier.instantiate()(tiny_trainer_config(trainer_dir=None))

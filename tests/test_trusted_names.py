@@ -1,11 +1,15 @@
-"""Config text resolves names only under trusted packages (config.import_name).
+"""Config text names only what the library declared configurable (config.import_name).
 
 A run directory's `config.txt`, a golden file or an override is data: reading it must not
-import a module or reach a function outside the trusted packages. The planted module
-below writes a marker file when imported, so a test can tell that it never was.
+import a module outside the trusted packages, nor reach a function that was not
+registered (`register_configurable`, or a `Configurable` subclass), however trusted its
+package. Each attack below would run a command, unpickle, delete, write a file or open a
+port if it were called; a test checks that it is refused while parsing and that its
+marker never appears.
 """
 
 import os
+import pickle
 import subprocess
 import sys
 
@@ -18,6 +22,8 @@ from axlearn.common.config import (
     apply_overrides,
     config_for_function,
     import_name,
+    is_registered,
+    register_configurable,
     trust_packages,
     trusted_packages,
 )
@@ -29,17 +35,29 @@ PLANTED = "planted_untrusted_module"  # Not a package any test or library has.
 
 @pytest.fixture(name="planted")
 def fixture_planted(tmp_path, monkeypatch):
-    """A module on sys.path that creates `marker` when imported; returns the marker path."""
+    """A package on sys.path that creates `marker` when imported; its `Thing` is
+    registered, its `Other` is not, and importing its private `_impl` creates
+    `impl.marker`. Returns the marker path."""
     marker = tmp_path / "imported.marker"
-    module_dir = tmp_path / "site"
-    module_dir.mkdir()
-    (module_dir / f"{PLANTED}.py").write_text(
-        f"open({str(marker)!r}, 'w').close()\n\nclass Thing:\n    pass\n", encoding="utf-8"
+    package = tmp_path / "site" / PLANTED
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from axlearn.common.config import register_configurable\n\n"
+        "@register_configurable\nclass Thing:\n    pass\n\n"
+        "class Other:\n    pass\n",
+        encoding="utf-8",
     )
-    monkeypatch.syspath_prepend(str(module_dir))
-    monkeypatch.delitem(sys.modules, PLANTED, raising=False)
+    impl_marker = tmp_path / "impl.marker"
+    (package / "_impl.py").write_text(
+        f"open({str(impl_marker)!r}, 'w').close()\n\ndef thing():\n    pass\n", encoding="utf-8"
+    )
+    monkeypatch.syspath_prepend(str(package.parent))
+    for name in (PLANTED, f"{PLANTED}._impl"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
     yield marker
-    sys.modules.pop(PLANTED, None)
+    for name in (PLANTED, f"{PLANTED}._impl"):
+        sys.modules.pop(name, None)
 
 
 @pytest.fixture(name="no_widening", autouse=True)
@@ -58,8 +76,136 @@ def _system_text(marker) -> str:
     )
 
 
-def test_defaults_are_the_library_experiments_jax_numpy_and_optax():
-    assert trusted_packages() == ("axlearn", "experiments", "jax", "numpy", "optax")
+def _runstring_lines(marker, prefix: str = "model.param_init") -> list[str]:
+    """The issue's example: numpy's private `runstring` executing a shell command."""
+    code = f"__import__('os').system('touch {marker}')"
+    return [
+        f"{prefix}.astr: {code!r}",
+        f"{prefix}.dict: {{}}",
+        f"{prefix}.fn: 'numpy.testing._private.utils.runstring'",
+    ]
+
+
+class _Touch:
+    """Unpickling it runs `touch path`."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def _pickled_array(tmp_path, marker) -> str:
+    path = tmp_path / "evil.npy"
+    np.save(path, np.array([_Touch(marker)], dtype=object), allow_pickle=True)
+    return str(path)
+
+
+def _attacks(tmp_path, marker) -> dict[str, list[str]]:
+    """Name -> the lines of a function config (under `cfg.`) that would leave `marker`
+    (or remove `victim`) if it were built and called."""
+    victim = tmp_path / "victim"
+    pickled = _pickled_array(tmp_path, marker)
+    return {
+        "numpy's private runstring runs code": _runstring_lines(marker, "cfg"),
+        "numpy.load unpickles": [
+            "cfg.allow_pickle: True", f"cfg.file: {pickled!r}", "cfg.fn: 'numpy.load'"
+        ],
+        "jax.numpy.load unpickles": [
+            "cfg.allow_pickle: True", f"cfg.file: {pickled!r}", "cfg.fn: 'jax.numpy.load'"
+        ],
+        "numpy.lib.format.read_array unpickles": [
+            "cfg.allow_pickle: True", f"cfg.fp: {pickled!r}", "cfg.fn: 'numpy.lib.format.read_array'"
+        ],
+        "numpy.ctypeslib.load_library loads a library": [
+            "cfg.fn: 'numpy.ctypeslib.load_library'", "cfg.libname: 'libc'", "cfg.loader_path: '/'"
+        ],
+        "numpy.savetxt writes a file": [
+            "cfg.X: [1]", f"cfg.fname: {str(marker)!r}", "cfg.fn: 'numpy.savetxt'"
+        ],
+        "jax.profiler.start_server opens a port": [
+            "cfg.fn: 'jax.profiler.start_server'", "cfg.port: 0"
+        ],
+        "a private jax module": ["cfg.fn: 'jax._src.util.safe_map'"],
+        "file_system.rmtree deletes, unregistered under axlearn": [
+            "cfg.fn: 'axlearn.common.file_system.rmtree'", f"cfg.path: {str(victim)!r}"
+        ],
+        "file_system.write_text writes, unregistered under axlearn": [
+            "cfg.fn: 'axlearn.common.file_system.write_text'",
+            f"cfg.path: {str(marker)!r}",
+            "cfg.text: 'x'",
+        ],
+        "a trusted module's os reaches os.system": [
+            f"cfg.command: 'touch {marker}'", "cfg.fn: 'axlearn.common.config.os.system'"
+        ],
+        "a trusted module's numpy reaches numpy.load": [
+            "cfg.allow_pickle: True",
+            f"cfg.file: {pickled!r}",
+            "cfg.fn: 'axlearn.common.input_token_format.np.load'",
+        ],
+        "a trusted module's ctypes loader": [
+            "cfg.fn: 'numpy.ctypeslib.ctypes.CDLL'", "cfg.name: 'libc.so.6'"
+        ],
+        "outside every trusted package": [f"cfg.args: 'touch {marker}'", "cfg.fn: 'subprocess.run'"],
+    }
+
+
+ATTACKS = [
+    "numpy's private runstring runs code",
+    "numpy.load unpickles",
+    "jax.numpy.load unpickles",
+    "numpy.lib.format.read_array unpickles",
+    "numpy.ctypeslib.load_library loads a library",
+    "numpy.savetxt writes a file",
+    "jax.profiler.start_server opens a port",
+    "a private jax module",
+    "file_system.rmtree deletes, unregistered under axlearn",
+    "file_system.write_text writes, unregistered under axlearn",
+    "a trusted module's os reaches os.system",
+    "a trusted module's numpy reaches numpy.load",
+    "a trusted module's ctypes loader",
+    "outside every trusted package",
+]
+
+
+def test_the_attack_list_is_the_attack_table(tmp_path):
+    assert list(_attacks(tmp_path, tmp_path / "m")) == ATTACKS
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_each_attack_is_refused_while_parsing_and_leaves_no_trace(attack, tmp_path):
+    marker = tmp_path / "ran.marker"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    lines = _attacks(tmp_path, marker)[attack]
+    text = "\n".join(lines)
+    with pytest.raises(UntrustedNameError) as e:
+        parse_flat_text(text, source="config.txt").instantiate()
+    message = str(e.value)
+    assert message.startswith("config.txt:") and "\n" not in message, message
+    assert not marker.exists() and victim.is_dir()
+
+
+def test_the_pickled_array_of_the_attacks_does_run_when_loaded(tmp_path):
+    """The unpickling attacks are real: numpy.load with pickles allowed runs the command."""
+    marker = tmp_path / "ran.marker"
+    np.load(_pickled_array(tmp_path, marker), allow_pickle=True)
+    assert marker.exists()
+
+
+def test_an_override_naming_an_unregistered_function_is_refused(tmp_path):
+    cfg = config_for_function(_apply)
+    with pytest.raises(UntrustedNameError, match=r"^activation: 'numpy.load' is not one of"):
+        apply_overrides(cfg, ["activation=numpy.load"])
+    with pytest.raises(UntrustedNameError, match=r"^activation: 'os.system' is not under"):
+        apply_overrides(cfg, ["activation=os.system"])
+    assert cfg.activation is np.tanh
+
+
+@register_configurable
+def _apply(x: float = 0.0, activation=np.tanh):
+    return activation(x)
 
 
 def test_a_fn_outside_the_trusted_packages_is_refused_naming_key_and_name(tmp_path):
@@ -78,7 +224,7 @@ def test_an_unknown_module_is_refused_before_it_is_imported(planted):
     assert not planted.exists() and PLANTED not in sys.modules
 
 
-def test_foreign_text_keeps_an_untrusted_name_as_text_without_importing_it(planted):
+def test_foreign_text_keeps_an_unregistered_name_as_text_without_importing_it(planted):
     text = f"child.klass: '{PLANTED}.Thing'\nklass: 'axlearn.common.layers.Linear'"
     cfg = parse_flat_text(text, source="a.txt", foreign=True)
     assert isinstance(cfg.child, UnresolvedConfig) and cfg.debug_string() == text
@@ -102,32 +248,51 @@ def test_a_name_sharing_only_a_prefix_string_with_a_trusted_package_is_refused()
         import_name("numpyx.thing")
 
 
-def test_trusted_names_resolve_to_the_same_objects_as_python_imports():
+def test_the_library_names_resolve_to_the_same_objects_as_python_imports():
+    import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     import optax  # pylint: disable=import-outside-toplevel
+
+    from axlearn.common import layers, schedule  # pylint: disable=import-outside-toplevel
 
     assert import_name("jax.numpy.bfloat16") is jnp.bfloat16
     assert import_name("optax.adamw") is optax.adamw
     assert import_name("numpy.tanh") is np.tanh
+    assert import_name("jax.nn.gelu") is jax.nn.gelu
+    policy = jax.checkpoint_policies.dots_saveable
+    # The name dumps write for jax's policy (its private module), and its public path.
+    assert import_name(config_lib.qualified_name(policy)) is policy
+    assert import_name("jax.checkpoint_policies.dots_saveable") is policy
+    assert import_name("axlearn.common.layers.Linear") is layers.Linear
+    assert import_name("axlearn.common.schedule.cosine_with_linear_warmup") is (
+        schedule.cosine_with_linear_warmup
+    )
 
 
-def test_an_override_naming_an_untrusted_function_is_refused():
-    cfg = config_for_function(_apply)
-    with pytest.raises(UntrustedNameError, match=r"^activation: 'os.system' is not under"):
-        apply_overrides(cfg, ["activation=os.system"])
-    assert cfg.activation is np.tanh
+def test_every_configurable_class_registers_itself_and_a_plain_function_does_not():
+    class Local(config_lib.Configurable):
+        pass
+
+    def local_fn():
+        pass
+
+    assert is_registered(Local) and not is_registered(local_fn)
+    assert register_configurable(local_fn) is local_fn and is_registered(local_fn)
 
 
-def _apply(x: float = 0.0, activation=np.tanh):
-    return activation(x)
-
-
-def test_the_environment_variable_widens_trust_so_the_planted_module_resolves(
-    planted, monkeypatch
-):
+def test_a_trusted_package_resolves_only_what_it_registered(planted, monkeypatch):
     monkeypatch.setenv(config_lib.TRUSTED_PACKAGES_ENV, f"other, {PLANTED}")
     cfg = parse_flat_text(f"klass: '{PLANTED}.Thing'\n")
     assert planted.exists() and cfg.klass is sys.modules[PLANTED].Thing
+    with pytest.raises(UntrustedNameError, match=rf"'{PLANTED}.Other' is not registered"):
+        parse_flat_text(f"klass: '{PLANTED}.Other'\n")
+
+
+def test_a_private_module_of_a_trusted_package_is_never_imported(planted):
+    trust_packages(PLANTED)
+    with pytest.raises(UntrustedNameError, match="is in a private module"):
+        import_name(f"{PLANTED}._impl.thing")
+    assert not (planted.parent / "impl.marker").exists()
 
 
 def test_trust_packages_widens_trust_for_this_process(planted):
@@ -164,11 +329,48 @@ def _run_command(
     )
 
 
-def _assert_refused(result: subprocess.CompletedProcess, key: str, name: str) -> None:
-    assert result.returncode != 0, result.stdout + result.stderr
+def _assert_refused(result: subprocess.CompletedProcess, key: str, name: str, why: str) -> None:
+    assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert "config.txt:" in last and f"{key}: '{name}' is not under a trusted package" in last
+    assert "config.txt:" in last and f"{key}: '{name}' {why}" in last, last
+
+
+def _gpt_test_run_dir(tmp_path, marker):
+    """A run directory whose config.txt is gpt_test's, its model's initializer replaced
+    by the issue's example (numpy's runstring running `touch marker`)."""
+    from axlearn.common.experiment_registry import (  # pylint: disable=import-outside-toplevel
+        build_named_config,
+    )
+
+    lines = [
+        line
+        for line in build_named_config("gpt_test").debug_string().splitlines()
+        if not line.startswith("model.param_init.")
+    ]
+    lines = sorted(lines + _runstring_lines(marker))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["generate", "export"])
+def test_the_commands_refuse_the_issues_run_dir_and_run_nothing(command, tmp_path):
+    marker = tmp_path / "ran.marker"
+    run_dir = _gpt_test_run_dir(tmp_path, marker)
+    args = {
+        "generate": ["axlearn.common.generate", f"--trainer_dir={run_dir}", "--prompt=hi"],
+        "export": [
+            "axlearn.common.hf_llama", "export", f"--trainer_dir={run_dir}",
+            f"--output={tmp_path / 'hf'}",
+        ],
+    }[command]  # fmt: skip
+    name = "numpy.testing._private.utils.runstring"
+    result = _run_command(args, cwd=REPO)
+    _assert_refused(result, "model.param_init.fn", name, "is not one of the numpy objects")
+    assert not marker.exists() and not (tmp_path / "hf").exists()
 
 
 @pytest.mark.slow
@@ -178,7 +380,7 @@ def test_generate_refuses_a_config_txt_that_names_os_system(tmp_path):
     run_dir.mkdir()
     (run_dir / "config.txt").write_text(_system_text(marker), encoding="utf-8")
     args = ["axlearn.common.generate", f"--trainer_dir={run_dir}", "--prompt=hi"]
-    _assert_refused(_run_command(args, cwd=REPO), "model.fn", "os.system")
+    _assert_refused(_run_command(args, cwd=REPO), "model.fn", "os.system", "is not under a trusted")
     assert not marker.exists()
 
 
@@ -196,7 +398,7 @@ def test_hf_llama_export_refuses_a_config_txt_that_names_an_unknown_module(plant
     ]
     # The planted module is importable in that process; it is refused by name all the same.
     result = _run_command(args, cwd=tmp_path, extra_path=str(planted.parent / "site"))
-    _assert_refused(result, "model.klass", f"{PLANTED}.Thing")
+    _assert_refused(result, "model.klass", f"{PLANTED}.Thing", "is not under a trusted")
     assert not planted.exists() and not (tmp_path / "hf").exists()
 
 
@@ -212,6 +414,7 @@ def test_generate_imports_the_planted_module_once_the_environment_trusts_it(plan
     )
     # The config reads; the run then fails for want of a checkpoint (or a real model).
     assert planted.exists() and "trusted package" not in result.stderr, result.stderr
+    assert "not registered" not in result.stderr, result.stderr
 
 
 @pytest.mark.slow
@@ -220,7 +423,7 @@ def test_hf_llama_export_imports_the_planted_module_given_the_trusted_packages_f
 ):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    text = f"klass: 'axlearn.common.trainer.SpmdTrainer'\nmodel.klass: '{PLANTED}.Thing'\n"
+    text = f"klass: 'axlearn.common.trainer.SpmdTrainer'\nmodel.klass: '{PLANTED}.Other'\n"
     (run_dir / "config.txt").write_text(text, encoding="utf-8")
     args = [
         "axlearn.common.hf_llama",
@@ -230,8 +433,9 @@ def test_hf_llama_export_imports_the_planted_module_given_the_trusted_packages_f
         f"--trusted_packages={PLANTED}",
     ]
     result = _run_command(args, cwd=tmp_path, extra_path=str(planted.parent / "site"))
-    # The config reads; the export then fails for want of a checkpoint (or a real model).
-    assert planted.exists() and "trusted package" not in result.stderr, result.stderr
+    # Trusted, the package is imported; its unregistered class is refused all the same.
+    assert planted.exists()
+    _assert_refused(result, "model.klass", f"{PLANTED}.Other", "is not registered")
 
 
 def test_the_launcher_trusts_the_packages_its_flag_names(monkeypatch):

@@ -1,16 +1,19 @@
-r"""Measures candidate settings of gpt_7b, gpt_7b_fp8 and moe_8x1b on one 4-GPU host in one
-call, within a wall-clock budget, and prints one table to choose the mesh rules' settings
-from:
+r"""Measures candidate settings of gpt_7b, gpt_7b_fp8 and moe_8x1b on one 4-GPU host, or of
+gpt_7b and gpt_8b on one GPU (`--gpus=1`), in one call, within a wall-clock budget, and
+prints one table to choose the mesh rules' settings from:
 
-    PYTHONPATH=. python tools/sweep_7b.py [--budget_s=530] [--only=7b_rule,moe_ep] \
+    PYTHONPATH=. python tools/sweep_7b.py [--gpus=4|1] [--budget_s=530] [--only=7b_rule,moe_ep] \
         [--json_out=sweep.json] [--dry_run]
 
 Every run is `axlearn.bench`'s `run_benchmark` (synthetic batches, the host's mesh rule,
 then the run's overrides) in a process of its own, so that XLA flags and memory do not
-carry over, at 8 sequences of 4,096 tokens a GPU a step (global batch 32 on 4 GPUs,
-gradient accumulation over the rule's microbatches unless a run sets its own). The
-gpt_7b_fp8 run takes the settings of the fastest gpt_7b run finished before it (none yet:
-it waits for the next gpt_7b run).
+carry over. On the 4-GPU host (`gpu-h200-4`) each GPU runs 8 sequences of 4,096 tokens a
+step (global batch 32, gradient accumulation over the rule's microbatches unless a run
+sets its own); the gpt_7b_fp8 run takes the settings of the fastest gpt_7b run finished
+before it (none yet: it waits for the next gpt_7b run). On one GPU (`gpu-h200-1`) a step
+is 8 sequences accumulated one at a time, as the one-GPU rules run a configured batch; a
+run may give the JAX allocator a larger share of the card than its default 75%
+(XLA_PYTHON_CLIENT_MEM_FRACTION, shown in the settings).
 
 The runs go in the order of the table below (most informative first); each stops at its
 own cap or at what is left of `--budget_s`, whichever comes first, and a run that cannot
@@ -41,6 +44,9 @@ from axlearn.common.command_flags import parse_command_flags, usage_error
 # The host the sweep is for, and 8 sequences a GPU on it.
 MESH_SELECTOR = "gpu-h200-4"
 GLOBAL_BATCH = 32
+# The one-GPU sweep (--gpus=1): its host, and 8 sequences a step, accumulated one at a time.
+ONE_GPU_MESH_SELECTOR = "gpu-h200-1"
+ONE_GPU_GLOBAL_BATCH = 8
 STEPS, WARMUP_STEPS = 3, 2
 
 _LAYER = "model.decoder.transformer.layer"
@@ -69,6 +75,10 @@ class Run:
     cap_s: int = 200  # The run's own wall-clock limit.
     # Takes the overrides and XLA flags of the fastest finished run of this config.
     best_of: Optional[str] = None
+    global_batch: int = GLOBAL_BATCH  # Sequences a step (input.global_batch_size).
+    # The share of the card the JAX allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION);
+    # None: jax's default, 75%.
+    mem_fraction: Optional[float] = None
 
 
 RUNS = (
@@ -103,6 +113,40 @@ RUNS = (
     ),
 )
 
+
+def _one_gpu(name: str, config: str, settings: str, *overrides: str, **kwargs) -> Run:
+    kwargs.setdefault("cap_s", 240)  # An unrolled 32-layer step compiles in 1-2 minutes.
+    return Run(name, config, settings, overrides, global_batch=ONE_GPU_GLOBAL_BATCH, **kwargs)
+
+
+# The one-GPU candidates (--gpus=1). The rule's 12 bytes of state a parameter (86 GB for
+# gpt_7b: split carried weights, bf16/fp16 EMAs, the float32 gradient sum) stay; what
+# varies is how the activations of one 4,096-token sequence fit beside them.
+ONE_GPU_RUNS = (
+    _one_gpu("1gpu_rule", "gpt_7b", "rule: every matmul output saved, norms and activations recomputed"),
+    _one_gpu(
+        "1gpu_noremat",
+        "gpt_7b",
+        "no remat, allocator at 94% of the card",
+        f"{_LAYER}.remat_spec=None",
+        mem_fraction=0.94,
+    ),
+    _one_gpu("8b_rule", "gpt_8b", "rule: attention saved, MLP recomputed"),
+    _one_gpu(
+        "1gpu_dots",
+        "gpt_7b",
+        "matmul outputs saved, attention recomputed too",
+        f"{_LAYER}.remat_spec={{'prevent_cse': True, 'policy': 'dots_with_no_batch_dims_saveable'}}",
+    ),
+    _one_gpu(
+        "8b_matmuls_mem94",
+        "gpt_8b",
+        "matmul outputs saved, attention recomputed, allocator at 94% of the card",
+        f"{_LAYER}.remat_spec={{'prevent_cse': True, 'policy': 'dots_with_no_batch_dims_saveable'}}",
+        mem_fraction=0.94,
+    ),
+)
+
 # The table: (title, result key, format).
 TABLE = (
     ("run", "name", "{}"),
@@ -120,8 +164,8 @@ TABLE = (
 
 
 def run_overrides(run: Run) -> list[str]:
-    """The run's config overrides: the sweep's batch, then the run's own."""
-    return [f"input.global_batch_size={GLOBAL_BATCH}", *run.overrides]
+    """The run's config overrides: its batch, then its own."""
+    return [f"input.global_batch_size={run.global_batch}", *run.overrides]
 
 
 def resolve_best(run: Run, results: Sequence[dict[str, Any]]) -> Optional[Run]:
@@ -211,6 +255,8 @@ def run_one(run: Run, *, timeout_s: float, mesh_selector: str) -> dict[str, Any]
             f,
         )
     env = dict(os.environ)
+    if run.mem_fraction is not None:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(run.mem_fraction)
     if run.xla_flags:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {run.xla_flags}".strip()
     start = time.perf_counter()
@@ -268,10 +314,17 @@ def check_runs(runs: Sequence[Run], mesh_selector: str) -> None:
 def define_flags(flag_values: flags.FlagValues) -> None:
     """The sweep's flags."""
     fv = dict(flag_values=flag_values)
+    flags.DEFINE_enum(
+        "gpus", "4", ["4", "1"], "The host: 4 GPUs (RUNS) or one (ONE_GPU_RUNS).", **fv
+    )
     flags.DEFINE_float("budget_s", 530, "Wall-clock budget of all runs.", **fv)
     flags.DEFINE_float("min_run_s", 90, "Skip a run with less left.", **fv)
     flags.DEFINE_list("only", None, "Comma-separated run names (default: all).", **fv)
-    flags.DEFINE_string("mesh_selector", MESH_SELECTOR, "The mesh rule the runs take.", **fv)
+    flags.DEFINE_string(
+        "mesh_selector", None,
+        f"The mesh rule the runs take (default: {MESH_SELECTOR}, or {ONE_GPU_MESH_SELECTOR} "
+        "with --gpus=1).", **fv,
+    )
     flags.DEFINE_string("json_out", None, "Write every run's result here.", **fv)
     flags.DEFINE_bool("dry_run", False, "Check the configs; run nothing.", **fv)
     flags.DEFINE_string(
@@ -288,17 +341,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args._child:  # pylint: disable=protected-access
         _child(*args._child.split(","))  # pylint: disable=protected-access
         return 0
-    runs = list(RUNS)
+    planned = RUNS if args.gpus == "4" else ONE_GPU_RUNS
+    mesh_selector = args.mesh_selector or (
+        MESH_SELECTOR if args.gpus == "4" else ONE_GPU_MESH_SELECTOR
+    )
+    runs = list(planned)
     if args.only:
         names = args.only
-        unknown = sorted(set(names) - {r.name for r in RUNS})
+        unknown = sorted(set(names) - {r.name for r in planned})
         if unknown:
-            usage_error(program, f"--only: unknown runs {unknown}; known: {[r.name for r in RUNS]}")
-        runs = [r for r in RUNS if r.name in names]
-    check_runs(runs, args.mesh_selector)
+            usage_error(
+                program,
+                f"--only: unknown runs {unknown} for --gpus={args.gpus}; known: "
+                f"{[r.name for r in planned]}",
+            )
+        runs = [r for r in planned if r.name in names]
+    check_runs(runs, mesh_selector)
     if args.dry_run:
         for run in runs:
             xla_flags = f" XLA_FLAGS+={run.xla_flags}" if run.xla_flags else ""
+            if run.mem_fraction is not None:
+                xla_flags += f" XLA_PYTHON_CLIENT_MEM_FRACTION={run.mem_fraction}"
             best = f" (settings of the fastest {run.best_of} run)" if run.best_of else ""
             print(f"{run.name}: {run.config} {' '.join(run_overrides(run))}{xla_flags}{best}, cap {run.cap_s} s")
         return 0
@@ -324,7 +387,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         else:
             results.append(
-                run_one(resolved, timeout_s=min(run.cap_s, left), mesh_selector=args.mesh_selector)
+                run_one(resolved, timeout_s=min(run.cap_s, left), mesh_selector=mesh_selector)
             )
         print("SWEEP " + " | ".join(format_row(results[-1])), flush=True)
     if args.json_out:

@@ -7,7 +7,8 @@ Pieces, bottom up:
 - Projections: `MultiheadInputLinear` ([B,T,D] -> [B,T,N,H]) and `MultiheadOutputLinear`
   ([B,T,N,H] -> [B,T,D]); the QKV layers (`QKVLinear`, `FusedQKVLinear`,
   `GroupedQKVLinear`, `FusedGroupedQKVLinear`) and `RoFormerQKVLinear`, which applies
-  rotary position embeddings on top of any of them.
+  rotary position embeddings on top of any of them (`QKNormQKVLinear` between the two
+  normalizes query and key heads before the rotation, as Qwen3 does).
 - `ScaleQuery` / `ScaleKey`: optional per-head norm (QK-norm), then the 1/sqrt(H) scale
   on the query.
 - `MultiheadAttention` / `GroupedQueryAttention`: softmax(q k^T) v with causal and
@@ -17,7 +18,8 @@ Pieces, bottom up:
   (one scanned child with stacked parameters).
 - Attention logit biases, which a Decoder's `attention_mask` computes once for every
   self-attention (`attention_logit_biases`): `CausalAttentionLogitBiasLayer` and
-  `ALiBiAttentionLogitBiasLayer` (ALiBi's linear position penalty); and
+  `ALiBiAttentionLogitBiasLayer` (ALiBi's linear position penalty),
+  `SlidingWindowAttentionLogitBiasLayer` (causal within a window, as Mistral's); and
   `SigmoidAttention`, an elementwise sigmoid in place of the softmax.
 
 Every layer that attends also decodes: `init_states(batch_size=, max_len=)` gives an
@@ -47,6 +49,7 @@ from axlearn.common.config import (
     config_class,
     config_for_function,
     maybe_instantiate,
+    register_configurable,
 )
 from axlearn.common.fp8 import Fp8Matmul
 from axlearn.common.kv_cache.kv_cache import KVCache
@@ -621,6 +624,59 @@ class RoFormerQKVLinear(BaseQKVLinear):
         if self.config.rotary_value:
             v = apply_rotary_position_embeddings(v, k_emb)
         return QKV(q, k, v)
+
+
+class QKNormQKVLinear(BaseQKVLinear):
+    """Any QKV projection (child `i_proj`) whose query and key heads are then normalized
+    over H (children `q_norm`, `k_norm`), as Qwen3 normalizes them before rotary
+    embeddings: put it under a RoFormerQKVLinear (`input_linear`). A norm in
+    `query_scale`/`key_scale` (`ScaleQuery`) acts after the rotary embeddings instead, a
+    different function where the norm's scale differs between the dims RoPE pairs."""
+
+    @config_class
+    class Config(BaseQKVLinear.Config):
+        """Configures QKNormQKVLinear."""
+
+        input_linear: BaseQKVLinear.Config = QKVLinear.default_config()  # The projection.
+        norm: Required[BaseLayer.Config] = REQUIRED  # E.g. RMSNorm; its input_dim is set to H.
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        self._add_child(
+            "i_proj",
+            cfg.input_linear.clone(
+                query_dim=cfg.query_dim,
+                key_dim=cfg.key_dim,
+                value_dim=cfg.value_dim,
+                num_heads=cfg.num_heads,
+                per_head_dim=cfg.per_head_dim,
+            ),
+        )
+        self._add_child("q_norm", cfg.norm.clone(input_dim=cfg.per_head_dim))
+        self._add_child("k_norm", cfg.norm.clone(input_dim=cfg.per_head_dim))
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.i_proj.num_kv_heads
+
+    @property
+    def cache_dtype(self) -> Optional[jnp.dtype]:
+        return self._config.cache_dtype or self.i_proj.cache_dtype
+
+    def forward(
+        self,
+        query: Tensor,
+        *,
+        key: Optional[Tensor] = None,
+        value: Optional[Tensor] = None,
+        query_positions: Optional[Tensor] = None,
+        key_positions: Optional[Tensor] = None,
+    ) -> QKV:
+        q, k, v = self.i_proj(
+            query, key=key, value=value, query_positions=query_positions,
+            key_positions=key_positions,
+        )
+        return QKV(self.q_norm(q), self.k_norm(k), v)
 
 
 # ----- query / key scaling -----
@@ -1514,6 +1570,7 @@ _CUDNN_ATTENTION_FORWARD = frozenset(
 )
 
 
+@register_configurable
 def _save_and_offload_only_these_names_regex(
     names_which_can_be_saved: Optional[str],
     names_which_can_be_offloaded: Optional[str],
@@ -1562,6 +1619,21 @@ def build_remat_spec(
         names_which_can_be_offloaded=names_which_can_be_offloaded,
         offload_src=offload_src,
         offload_dst=offload_dst,
+    )
+    return {"prevent_cse": prevent_cse, "policy": policy}
+
+
+def build_save_matmuls_remat_spec(*, prevent_cse: bool = False) -> dict[str, Any]:
+    """A TransformerLayer `remat_spec` that saves every matmul's output (each product of
+    activations and a weight: the attention projections and the MLP's two inputs), the
+    attention context and cuDNN's softmax statistics, and recomputes only the elementwise
+    work between them (norms, rotary embedding, the gated activation, residual sums).
+
+    About half the activation memory of no remat for a few percent of the step's time:
+    the recomputation costs no matmul and no attention."""
+    policy = config_for_function(utils.combine_remat_policies).set(
+        policy_1=build_remat_spec()["policy"],
+        policy_2=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     )
     return {"prevent_cse": prevent_cse, "policy": policy}
 
@@ -1701,6 +1773,42 @@ class CausalAttentionLogitBiasLayer(AttentionLogitBiasLayer):
             allowed = jnp.logical_and(allowed, same_segment)
         values = self._values(query_positions, key_positions)
         return jnp.where(allowed[:, None], values, _NEG_INF).astype(jnp.float32)
+
+
+class SlidingWindowAttentionLogitBiasLayer(CausalAttentionLogitBiasLayer):
+    """Causal attention within a window: a token attends to tokens of its own segment at
+    most `sliding_window_size` positions before its own (itself and that many before, as
+    AXLearn's sliding_window_causal_mask; Hugging Face's `sliding_window` counts itself
+    too, so it is sliding_window_size + 1)."""
+
+    @config_class
+    class Config(CausalAttentionLogitBiasLayer.Config):
+        """Configures SlidingWindowAttentionLogitBiasLayer."""
+
+        sliding_window_size: Required[int] = REQUIRED  # Positions before a token it sees.
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        size = cfg.sliding_window_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ConfigError(
+                f"{self.path()}.sliding_window_size must be an int >= 0, not {size!r}"
+            )
+
+    def biases(
+        self,
+        *,
+        query_positions: Tensor,
+        key_positions: Tensor,
+        same_segment: Optional[Tensor] = None,
+    ) -> Tensor:
+        distance = query_positions[:, :, None] - key_positions[:, None, :]
+        within = distance <= self.config.sliding_window_size
+        same_segment = within if same_segment is None else jnp.logical_and(same_segment, within)
+        return super().biases(
+            query_positions=query_positions, key_positions=key_positions,
+            same_segment=same_segment,
+        )
 
 
 def alibi_get_slopes(num_heads: int) -> list[float]:

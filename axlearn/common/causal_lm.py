@@ -2,7 +2,8 @@
 
 `Model.forward(input_batch)` returns `(loss, aux)`. The loss is the mean cross-entropy
 over live targets (label >= 0 and != pad_token_id; without a pad id, in a document:
-input_segment_ids != 0), computed in float32, plus
+input_segment_ids != 0), each weighted by `target_weights` where the batch has them
+(chat data: 1 on the turns that train, 0 elsewhere), computed in float32, plus
 `z_loss_scale * mean(logsumexp(logits)^2)`, which keeps the softmax normalizer near one.
 With `loss_chunk_size` set, logits and per-token losses are computed a chunk of the
 sequence at a time under `jax.checkpoint`, so the [batch, seq, vocab] float32 logits never
@@ -361,8 +362,10 @@ class Model(BaseLayer):
     def forward(self, input_batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Any]]:
         """Returns (loss, aux) for input_batch with 'input_ids' and 'target_labels' [B, T].
 
-        Optional keys: 'input_segment_ids', 'input_positions' [B, T] (packed documents) and
-        'target_num_bytes' [B] (adds a 'bits_per_byte' summary). The `metrics` child computes
+        Optional keys: 'input_segment_ids', 'input_positions' [B, T] (packed documents),
+        'target_weights' [B, T] (each live target's weight in the loss and its summaries:
+        a loss mask) and 'target_num_bytes' [B] (adds a 'bits_per_byte' summary; with a
+        loss mask, the bytes of the trained text). The `metrics` child computes
         the loss; aux holds its arrays (by default 'per_token_loss': cross-entropy + z-loss
         term, zero at dead targets, and 'live_targets') and, unless the loss is chunked,
         'logits'.
@@ -393,6 +396,8 @@ class Model(BaseLayer):
             # Without a pad id, padding is where the inputs mark no document (segment 0).
             live &= self._shard_tokens(input_batch["input_segment_ids"]) != 0
         live = live.astype(jnp.float32)
+        if input_batch.get("target_weights") is not None:
+            live = live * self._shard_tokens(input_batch["target_weights"]).astype(jnp.float32)
         predict_outputs = dict(token_statistics=stats, live_targets=live)
         if "logits" in aux:
             predict_outputs["logits"] = aux["logits"]

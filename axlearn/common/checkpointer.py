@@ -62,6 +62,7 @@ from axlearn.common.config import (
     config_class,
     config_for_function,
     maybe_instantiate,
+    register_configurable,
 )
 from axlearn.common.module import Module
 from axlearn.common.progress import progress_bar
@@ -114,6 +115,7 @@ class CorruptRestoreStepError(RestoreStepError, CheckpointCorruptError):
 SavePolicy = Callable[[int], bool]
 
 
+@register_configurable
 def every_n_steps_policy(
     n: int = 1, *, min_step: int = 1, max_step: Optional[int] = None
 ) -> SavePolicy:
@@ -129,6 +131,7 @@ def every_n_steps_policy(
     return policy
 
 
+@register_configurable
 def every_n_steps_and_last_policy(n: int = 1, *, min_step: int = 1, max_step: int) -> SavePolicy:
     """Like `every_n_steps_policy`, and also at `max_step`, the last step of training."""
     every_n = every_n_steps_policy(n, min_step=min_step, max_step=max_step)

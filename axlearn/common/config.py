@@ -11,7 +11,8 @@ sorted by name, dict entries in insertion order, sequence items in index order:
 the fields of dataclass, attrs and named-tuple values), with classes, functions and
 dtypes written as quoted, fully qualified names.
 `axlearn.common.golden_text.parse_flat_text` reads that text back into a config tree.
-Names read from text or overrides resolve only under trusted packages (`import_name`).
+Names read from text or overrides resolve only to what was declared configurable
+(`import_name`, `register_configurable`).
 
 The API is AXLearn's: the same names (`config_class`, `REQUIRED`, `register_validator`,
 `get_named_trainer_config`, ...) with the same behaviour and error classes, each of
@@ -169,8 +170,16 @@ class ConfigField:
     default: Any
 
 
+def close_names(
+    name: str, candidates: Iterable[str], *, n: int = 3, cutoff: float = 0.5
+) -> list[str]:
+    """Up to `n` candidates close to a mistyped `name`, closest first (difflib's ratio of
+    at least `cutoff`): the "did you mean" of every error naming a field, key or config."""
+    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=cutoff)
+
+
 def _close_names(name: str, candidates: Iterable[str]) -> str:
-    matches = difflib.get_close_matches(name, list(candidates), n=3, cutoff=0.5)
+    matches = close_names(name, candidates)
     return f" (did you mean: {', '.join(matches)}?)" if matches else ""
 
 
@@ -822,12 +831,33 @@ def _call_with_fields(cfg: ConfigBase, target: Callable, key: str, kwargs: dict)
     return target(*(positional or ()), **fields, **kwargs)
 
 
+_registered: dict[int, Any] = {}  # id -> object: what `register_configurable` declared.
+
+
+def register_configurable(obj: T) -> T:
+    """Declares `obj` (a function, class or constant) nameable in config text; returns it,
+    so that it decorates: `@register_configurable def my_schedule(...)`. `Configurable`
+    subclasses need not: they register themselves. A user's package registers its own
+    functions so, and is trusted with `--trusted_packages` or $AXLEARN_TRUSTED_PACKAGES."""
+    _registered[id(obj)] = obj
+    return obj
+
+
+def is_registered(obj: Any) -> bool:
+    """Whether config text may name `obj` (see `register_configurable`)."""
+    return _registered.get(id(obj)) is obj
+
+
 class Configurable:
     """A class built from a config: `Cls.default_config().set(...).instantiate()`."""
 
     @config_class
     class Config(ClassConfigBase):
         """Configures Configurable."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        register_configurable(cls)  # Config text may name every configurable class.
 
     @classmethod
     def default_config(cls) -> Config:
@@ -1111,24 +1141,111 @@ def _set_in(node: Any, parts: Sequence[Any], depth: int, value: Any) -> Any:
     raise ConfigError(f"Cannot set {_format_path(parts[: depth + 1])}")
 
 
-# ----- overrides -----
+# ----- names config text may use -----
 
 
+# Config text (golden files, a run's config.txt, overrides) is data from disk: it may name
+# only what was declared configurable. Objects of our own packages (and of a user's, once
+# trusted) resolve when registered: every `Configurable` subclass registers itself, and
+# functions are registered with `@register_configurable` where they are defined. Of jax,
+# numpy and optax, config text may name only the public objects listed below (dtypes,
+# activations, initializers, remat policies, optax's transformations and schedules).
 TRUSTED_PACKAGES_ENV = "AXLEARN_TRUSTED_PACKAGES"
-# The packages whose names config text may use: this library, the project's named
-# experiments, and what configs name of JAX, NumPy and optax (functions, dtypes, policies).
-DEFAULT_TRUSTED_PACKAGES = ("axlearn", "experiments", "jax", "numpy", "optax")
+LIBRARY_PACKAGES = ("axlearn", "experiments")  # Resolved by registration.
+THIRD_PARTY_PACKAGES = ("jax", "numpy", "optax")  # Resolved from `_THIRD_PARTY_NAMES` alone.
+DEFAULT_TRUSTED_PACKAGES = (*LIBRARY_PACKAGES, *THIRD_PARTY_PACKAGES)
 _widened_packages: list[str] = []  # Added by `trust_packages` (the commands' flag).
+
+_DTYPES = (
+    "bfloat16", "float16", "float32", "float64", "int4", "int8", "int16", "int32", "int64",
+    "uint4", "uint8", "uint16", "uint32", "uint64", "bool_", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz",
+)  # fmt: skip
+_ACTIVATIONS = (
+    "relu", "relu6", "gelu", "silu", "swish", "sigmoid", "tanh", "softplus", "elu", "celu",
+    "selu", "leaky_relu", "log_sigmoid", "softmax", "log_softmax", "hard_tanh", "glu", "mish",
+    "squareplus", "sparse_plus", "identity",
+)  # fmt: skip
+_UFUNCS = ("tanh", "exp", "square", "sqrt", "abs", "sin", "cos", "log1p")
+_INITIALIZERS = (
+    "constant", "delta_orthogonal", "glorot_normal", "glorot_uniform", "he_normal",
+    "he_uniform", "lecun_normal", "lecun_uniform", "normal", "ones", "orthogonal",
+    "truncated_normal", "uniform", "variance_scaling", "xavier_normal", "xavier_uniform",
+    "zeros",
+)  # fmt: skip
+# optax's modules whose public objects build gradient transformations or schedules.
+_OPTAX_MODULES = ("alias", "transform", "clipping", "combine", "constrain", "factorized",
+                  "lookahead", "wrappers", "schedule", "join", "inject", "contrib")
+_THIRD_PARTY_NAMES: Optional[dict[str, Any]] = None  # Dumped name -> object; built lazily.
+
+
+def _third_party_names() -> dict[str, Any]:
+    """The jax, numpy and optax objects config text may name, under their public paths and
+    under the names dumps write for them (`jax._src.ad_checkpoint.dots_saveable`)."""
+    global _THIRD_PARTY_NAMES  # pylint: disable=global-statement
+    if _THIRD_PARTY_NAMES is not None:
+        return _THIRD_PARTY_NAMES
+    # pylint: disable=import-outside-toplevel
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    public: dict[str, Any] = {}
+    for dtype in _DTYPES:
+        for prefix, module in (("jax.numpy", jnp), ("numpy", np)):
+            if hasattr(module, dtype):
+                public[f"{prefix}.{dtype}"] = getattr(module, dtype)
+    for fn in _UFUNCS:
+        public[f"numpy.{fn}"], public[f"jax.numpy.{fn}"] = getattr(np, fn), getattr(jnp, fn)
+    public.update({f"jax.nn.{a}": getattr(jax.nn, a) for a in _ACTIVATIONS if hasattr(jax.nn, a)})
+    public.update(
+        {f"jax.nn.initializers.{i}": getattr(jax.nn.initializers, i) for i in _INITIALIZERS
+         if hasattr(jax.nn.initializers, i)}
+    )  # fmt: skip
+    public.update(
+        {f"jax.checkpoint_policies.{p}": getattr(jax.checkpoint_policies, p)
+         for p in dir(jax.checkpoint_policies) if not p.startswith("_")}
+    )  # fmt: skip
+    public.update(_optax_names())
+    names = dict(public)
+    for obj in public.values():
+        dumped = qualified_name(obj)
+        if dumped is not None:
+            names.setdefault(dumped, obj)
+    _THIRD_PARTY_NAMES = names
+    return names
+
+
+def _optax_names() -> dict[str, Any]:
+    """optax's top-level transformations, optimizers and schedules (`optax.adamw`)."""
+    try:
+        import optax  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return {}
+    names = {}
+    for attr in dir(optax):
+        obj = getattr(optax, attr)
+        module = getattr(obj, "__module__", "") or ""
+        if (
+            not attr.startswith("_")
+            and callable(obj)
+            and module.startswith("optax.")
+            and module.rsplit(".", 1)[-1].lstrip("_") in _OPTAX_MODULES
+        ):
+            names[f"optax.{attr}"] = obj
+    return names
 
 
 class UntrustedNameError(ConfigError):
-    """A name in config text or an override that is outside the trusted packages."""
+    """A name in config text or an override that the library did not declare configurable:
+    outside the trusted packages, private, or not registered."""
 
 
 def trust_packages(packages: Union[str, Iterable[str]]) -> None:
-    """Lets config text name objects under `packages` too, for this process: a
+    """Lets config text name the registered objects of `packages` too, for this process: a
     comma-separated string or a sequence of top-level package names. The commands call
-    it with their `--trusted_packages` flag; `AXLEARN_TRUSTED_PACKAGES` does the same."""
+    it with their `--trusted_packages` flag; `AXLEARN_TRUSTED_PACKAGES` does the same.
+    Trusting a package lets its modules be imported; its names must still be registered."""
     if isinstance(packages, str):
         packages = packages.split(",")
     for package in packages:
@@ -1169,19 +1286,46 @@ def _untrusted(name: str, where: str, what: str) -> UntrustedNameError:
     )
 
 
-def import_name(name: str, *, where: str = "") -> Any:
-    """Imports 'package.module.attr' (attr may be nested, e.g. 'mod.Class.method').
+def _refused(name: str, where: str, why: str) -> UntrustedNameError:
+    return UntrustedNameError(f"{where}'{name}' {why}; config text names only what was declared "
+                              "configurable (docs/golden_configs.md, 'What config text may name')")
 
-    Only names under `trusted_packages()` are imported, checked before anything is
-    imported, and the object reached must be defined there too, so that neither
-    `os.system` nor a trusted module's `os` attribute resolves. `where` prefixes errors.
+
+def import_name(name: str, *, where: str = "") -> Any:
+    """The object 'package.module.attr' names (attr may be nested: 'mod.Class.method'), if
+    config text may name it; `where` prefixes errors.
+
+    - Under jax, numpy and optax: only the public objects listed here (dtypes,
+      activations, initializers, remat policies, optax's transformations), found without
+      importing anything by the given name.
+    - Under our packages and trusted ones: a module path with no private part, whose
+      object `register_configurable` (or a `Configurable` subclass) registered.
+    - Anything else is refused before it is imported.
     """
-    packages = trusted_packages()
-    if not _is_trusted_module(name, packages):
-        raise _untrusted(name, where, "")
     parts = name.split(".")
     if any(part.startswith("__") for part in parts):
         raise ConfigError(f"{where}'{name}': names with dunder parts are not resolved")
+    packages = trusted_packages()
+    if parts[0] in THIRD_PARTY_PACKAGES:
+        found = _third_party_names().get(name)
+        if found is None:
+            raise _refused(name, where, f"is not one of the {parts[0]} objects config text may name")
+        return found
+    if not _is_trusted_module(name, packages):
+        raise _untrusted(name, where, "")
+    if any(part.startswith("_") for part in parts[:-1]):
+        raise _refused(name, where, "is in a private module")
+    obj = _import_public(name, parts, where)
+    if not is_registered(obj):
+        defined = _module_of(obj)
+        if not _is_trusted_module(defined, packages):
+            raise _untrusted(name, where, f" (defined in {defined})")
+        raise _refused(name, where, "is not registered as configurable")
+    return obj
+
+
+def _import_public(name: str, parts: list[str], where: str) -> Any:
+    """The object at `name`: its longest importable module prefix, then attributes."""
     for split in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:split])
         try:
@@ -1196,10 +1340,11 @@ def import_name(name: str, *, where: str = "") -> Any:
                 obj = getattr(obj, attr)
         except AttributeError:
             break
-        if not _is_trusted_module(_module_of(obj), packages):
-            raise _untrusted(name, where, f" (defined in {_module_of(obj)})")
         return obj
     raise ConfigError(f"{where}'{name}' does not name an importable class, function or dtype")
+
+
+# ----- overrides -----
 
 
 def _type_matches(value: Any, annotation: Any) -> bool:

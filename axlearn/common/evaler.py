@@ -30,6 +30,7 @@ from axlearn.common.config import (
     Required,
     config_class,
     config_for_function,
+    register_configurable,
 )
 from axlearn.common.metrics import MetricAccumulator
 from axlearn.common.module import Module, Tensor, functional
@@ -43,6 +44,7 @@ from axlearn.common.utils import cast_floats
 _DEFAULT_BATCH_AXIS_NAMES = ("data", "expert", "fsdp", "seq")
 
 
+@register_configurable
 def every_n_steps_policy(
     n: int = 1, *, min_step: int = 1, max_step: Optional[int] = None
 ) -> Callable[[int], bool]:

@@ -6,7 +6,6 @@ Experiment modules live in the top-level `experiments` package; each exposes
 in one line each for `--list_configs` in a module-level `DESCRIPTIONS = {name: "..."}`.
 """
 
-import difflib
 import functools
 import importlib
 import inspect
@@ -18,6 +17,7 @@ from axlearn.common.config import (
     ConfigBase,
     ConfigError,
     UnknownKeyError,
+    close_names,
     get_named_trainer_config,
     qualified_name,
 )
@@ -89,7 +89,7 @@ def lookup_named_config(config_name: str, *, module: Optional[str] = None) -> tu
             "choose one with --module"
         )
     if not found:
-        close = difflib.get_close_matches(config_name, list(sources), n=5, cutoff=0.4)
+        close = close_names(config_name, sources, n=5, cutoff=0.4)
         hint = f" Did you mean: {', '.join(close)}?" if close else ""
         where = f"module '{module}'" if module else "the experiment modules"
         raise ConfigError(f"Unknown config '{config_name}' in {where}.{hint}")

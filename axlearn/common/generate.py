@@ -1,5 +1,6 @@
-"""Generates text with a trained model: from a trainer directory or a Hugging Face Llama
-directory, over one device or several (tensor parallel).
+"""Generates text with a trained model: from a trainer directory or a Hugging Face
+directory (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral: `hf_models.FAMILIES`), over one device
+or several (tensor parallel).
 
     python -m axlearn.common.generate --trainer_dir=T [--step=N] --prompt="Once upon a time"
     python -m axlearn.common.generate --hf_dir=D --prompt_file=prompts.txt --max_new_tokens=128 \\
@@ -46,7 +47,7 @@ import numpy as np
 from absl import flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from axlearn.common import hf_checkpoint, hf_llama, trainer_dir
+from axlearn.common import hf_checkpoint, hf_models, trainer_dir
 from axlearn.common.attention import FusedGroupedQKVLinear, GroupedQKVLinear
 from axlearn.common.command_flags import parse_command_flags
 from axlearn.common.config import ConfigBase, ConfigError
@@ -172,6 +173,9 @@ _SPLIT_AXIS = {
     "q_proj/weight": -2,
     "k_proj/weight": -2,
     "v_proj/weight": -2,
+    "q_proj/bias": -2,  # [(L,) N, H] (Qwen's q/k/v biases).
+    "k_proj/bias": -2,
+    "v_proj/bias": -2,
     "o_proj/weight": -2,  # [(L,) D, N, H].
     "linear2/weight": -2,  # [(L,) F, D].
     "lm_head/weight": -1,  # [D, V].
@@ -206,9 +210,8 @@ def tensor_parallel_shardings(param_specs: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [sharding(path, spec) for path, spec in flat])
 
 
-# The fused projection's parameter, and the separate ones that `decoding_config` makes.
-_FUSED_QKV = "/qkv_proj/weight"
-_SEPARATE_QKV = ("/q_proj/weight", "/k_proj/weight", "/v_proj/weight")
+# The fused projection's parameters, which `decoding_config` splits into q/k/v_proj's.
+_FUSED_QKV_PARAMS = ("/qkv_proj/weight", "/qkv_proj/bias")
 
 
 def _fused_qkv_parent(model_config: ConfigBase) -> Optional[ConfigBase]:
@@ -239,7 +242,7 @@ def decoding_config(model_config: ConfigBase, *, num_devices: int) -> ConfigBase
 
 
 def _qkv_sizes(model_config: ConfigBase) -> tuple[int, int]:
-    dims = hf_llama.llama_dims(model_config)
+    _, dims = hf_models.model_dims(model_config)
     return dims.num_heads, dims.num_kv_heads
 
 
@@ -254,11 +257,12 @@ def unfuse_qkv(params: Any, model_config: ConfigBase, decoding: ConfigBase) -> A
             return tree
         out = {}
         for key, value in tree.items():
-            if key == "qkv_proj":
-                weight = value["weight"]
-                out["q_proj"] = dict(weight=weight[..., :n, :])
-                out["k_proj"] = dict(weight=weight[..., n : n + k, :])
-                out["v_proj"] = dict(weight=weight[..., n + k :, :])
+            if key == "qkv_proj":  # Its weight [..., D, N + 2K, H], bias [..., N + 2K, H].
+                for name, part in (("q_proj", slice(0, n)), ("k_proj", slice(n, n + k)),
+                                   ("v_proj", slice(n + k, None))):
+                    out[name] = {
+                        param: array[..., part, :] for param, array in value.items()
+                    }
             else:
                 out[key] = walk(value)
         return out
@@ -289,15 +293,18 @@ def _load_hf_for_decoding(
     """The parameters of `model` (`fused`'s `decoding_config`) from the Hugging Face
     directory, each device reading its own shard of each weight."""
     reader = hf_checkpoint.SafetensorsReader(directory)
-    views = hf_llama.param_views(reader, hf_llama.llama_dims(fused))
+    views = hf_models.param_views(reader, fused)
     is_view = lambda x: isinstance(x, hf_checkpoint.TensorView)  # noqa: E731
     flat_views = {}
     n, k = _qkv_sizes(fused)
     for path, view in flatten_with_paths(views, is_leaf=is_view):
-        if path.endswith(_FUSED_QKV) and _fused_qkv_parent(model) is None:
-            base = path[: -len(_FUSED_QKV)]
-            for suffix, start, size in zip(_SEPARATE_QKV, (0, n, n + k), (n, k, k)):
-                flat_views[base + suffix] = _AxisSlice(view, len(view.shape) - 2, start, size)
+        fused_param = next((p for p in _FUSED_QKV_PARAMS if path.endswith(p)), None)
+        if fused_param is not None and _fused_qkv_parent(model) is None:
+            base, param = path[: -len(fused_param)], fused_param.rsplit("/", 1)[1]
+            for name, start, size in zip(("q_proj", "k_proj", "v_proj"), (0, n, n + k), (n, k, k)):
+                flat_views[f"{base}/{name}/{param}"] = _AxisSlice(
+                    view, len(view.shape) - 2, start, size
+                )
         else:
             flat_views[path] = view
     is_spec = lambda x: hasattr(x, "shape")  # noqa: E731
@@ -607,12 +614,12 @@ def from_trainer_dir(
 def from_hf_dir(
     directory: str, *, dtype: str = "auto", devices: Optional[int] = None
 ) -> tuple[Generator, Optional[str]]:
-    """(a Generator of the Hugging Face Llama in `directory` over `devices` devices
+    """(a Generator of the Hugging Face model in `directory` over `devices` devices
     (None: the default), its tokenizer file). Each device reads its own shard of each
     weight from the safetensors files."""
     # Layers unrolled (not a scan over stacked weights): each decoding step then reads
     # every weight matrix in place, with no per-layer slice of the stack.
-    model = hf_llama.llama_config_from_hf(
+    model = hf_models.model_config_from_hf(
         hf_checkpoint.read_config(directory),
         generation_config=hf_checkpoint.read_generation_config(directory),
         repeated=False,
@@ -711,7 +718,10 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_string(
         "trainer_dir", None, "A run's directory: its latest (or --step) model.", **fv
     )
-    flags.DEFINE_string("hf_dir", None, "A local Hugging Face Llama directory.", **fv)
+    flags.DEFINE_string(
+        "hf_dir", None, "A local Hugging Face directory (Llama, Qwen2, Qwen3, Qwen3-MoE, "
+        "Mistral).", **fv
+    )
     flags.DEFINE_integer(
         "step", None, "The checkpoint step of --trainer_dir (default: latest).", **fv
     )

@@ -737,6 +737,12 @@ def load_params(reader: Any, cfg: Model.Config, param_specs: Any, shardings: Any
     (`jax.make_array_from_callback`), in the dtypes of `param_specs` and placed by
     `shardings` (trees shaped like the parameters)."""
     views = param_views(reader, llama_dims(cfg))
+    return load_views(reader.directory, views, param_specs, shardings)
+
+
+def load_views(directory: str, views: Any, param_specs: Any, shardings: Any) -> Any:
+    """`load_params` of a tree of views (any model family's, `hf_models.param_views`) of
+    the checkpoint in `directory`."""
     flat_views = dict(flatten_with_paths(views, is_leaf=lambda x: isinstance(x, TensorView)))
     flat_specs = flatten_with_paths(param_specs, is_leaf=lambda x: hasattr(x, "shape"))
     # FP8 scaling state is no weight: it starts empty (zeros), as in a fresh run.
@@ -748,7 +754,7 @@ def load_params(reader: Any, cfg: Model.Config, param_specs: Any, shardings: Any
     unexpected = sorted(set(flat_views) - set(path for path, _ in flat_specs))
     if missing or unexpected:
         raise ValueError(
-            f"{reader.directory}: parameters without a Hugging Face tensor: {missing or 'none'}; "
+            f"{directory}: parameters without a Hugging Face tensor: {missing or 'none'}; "
             f"tensors without a parameter: {unexpected or 'none'}"
         )
     flat_shardings = dict(flatten_with_paths(shardings, is_leaf=lambda x: hasattr(x, "device_set")))
@@ -757,7 +763,7 @@ def load_params(reader: Any, cfg: Model.Config, param_specs: Any, shardings: Any
         view = flat_views[path]
         if tuple(view.shape) != tuple(spec.shape):
             raise ValueError(
-                f"{reader.directory}: parameter {path} has shape {tuple(spec.shape)}, the "
+                f"{directory}: parameter {path} has shape {tuple(spec.shape)}, the "
                 f"checkpoint gives {tuple(view.shape)}"
             )
         dtype = np.dtype(spec.dtype)

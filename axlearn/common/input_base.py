@@ -9,6 +9,8 @@ batch (`global_batch_size // process_count` rows; process i holds rows [i*b, (i+
     input_segment_ids  [b, T] int32   1, 2, 3... per packed document; 0 on padding
     input_positions    [b, T] int32   position within the document's segment
     target_num_bytes   [b]    int32   UTF-8 bytes behind the live targets (0 if unknown)
+    target_weights     [b, T] float32 optional (chat shards' loss mask): 1 where the
+                                      target trains; absent, every live target does
 
 (see `input_packing` for the exact packing contract).
 
@@ -28,7 +30,13 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
+from axlearn.common.config import (
+    REQUIRED,
+    ConfigError,
+    Required,
+    config_class,
+    register_configurable,
+)
 from axlearn.common.input_packing import FEATURE_KEYS
 from axlearn.common.module import Module
 from axlearn.common.sharding import maybe_shard
@@ -41,6 +49,7 @@ Batch = dict[str, np.ndarray]
 PathRankToPartition = dict[tuple[Optional[str], int], Any]
 
 
+@register_configurable
 def partition_by_path_rank(path_rank_to_partition: PathRankToPartition) -> Callable[[Any], Any]:
     """An input partitioner: shards each array of a global batch by its '/'-joined path
     and rank. The first key (regex, rank) whose regex fully matches the path and whose

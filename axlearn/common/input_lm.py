@@ -13,10 +13,11 @@ TensorFlow is imported when a built processor runs, not when this module is impo
 
 from typing import Any, Optional
 
-from axlearn.common.config import ConfigError
+from axlearn.common.config import ConfigError, register_configurable
 from axlearn.common.input_tf_data import DatasetToDatasetFn, lm_text_processor
 
 
+@register_configurable
 def lm_text_preprocessor(
     *,
     vocab_cfg: Any = None,

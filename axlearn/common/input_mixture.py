@@ -116,7 +116,8 @@ class TokenShardMixtureInput(BaseInput):
                 if mine.any():
                     features = source.stream_features(int(stream), chunks[mine])
                     parts.append((stream_rows[mine] - host.start, features))
-        return _assemble_rows(parts, host.stop - host.start)
+        with_weights = any(source.has_loss_mask for source in self._sources)
+        return _assemble_rows(parts, host.stop - host.start, with_weights=with_weights)
 
     # ----- batches and state -----
 
@@ -158,13 +159,23 @@ class TokenShardMixtureInput(BaseInput):
         self._source_chunks = [np.asarray(c, dtype=np.int64) for c in chunks]
 
 
-def _assemble_rows(parts: Sequence[tuple[np.ndarray, Batch]], num_rows: int) -> Batch:
-    """One batch of `num_rows` rows from (row indices, features of those rows) parts."""
+def _assemble_rows(
+    parts: Sequence[tuple[np.ndarray, Batch]], num_rows: int, *, with_weights: bool = False
+) -> Batch:
+    """One batch of `num_rows` rows from (row indices, features of those rows) parts.
+
+    `with_weights` (a source has chat shards' loss mask): the batch has 'target_weights',
+    1 on the rows of sources without one (every live target trains, as without the key)."""
     batch = {
         key: np.zeros((num_rows, *value.shape[1:]), value.dtype)
         for key, value in parts[0][1].items()
+        if key != "target_weights"
     }
+    if with_weights:
+        batch["target_weights"] = np.zeros((num_rows, *batch["input_ids"].shape[1:]), np.float32)
     for rows, features in parts:
+        if with_weights and "target_weights" not in features:
+            batch["target_weights"][rows] = 1.0
         for key, value in features.items():
             batch[key][rows] = value
     return batch

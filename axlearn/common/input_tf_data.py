@@ -29,6 +29,7 @@ from axlearn.common.config import (
     Required,
     config_class,
     maybe_instantiate,
+    register_configurable,
 )
 from axlearn.common.input_base import BaseInput, Batch, InputError
 from axlearn.common.module import Module
@@ -48,6 +49,7 @@ def _tf():
 # ----- sources -----
 
 
+@register_configurable
 def tfds_dataset(
     dataset_name: str,
     *,
@@ -117,11 +119,13 @@ def _identity_fn(ds):
     return ds
 
 
+@register_configurable
 def identity() -> DatasetToDatasetFn:
     """A processor that leaves examples unchanged."""
     return _identity_fn
 
 
+@register_configurable
 def lm_text_processor(
     *,
     vocab_cfg: Any,
@@ -199,12 +203,14 @@ def lm_text_processor(
 # ----- batching -----
 
 
+@register_configurable
 def default_pad_example_fn(example: dict[str, Any]) -> dict[str, Any]:
     """A padding example: zeros shaped like `example` (so its targets are all padding)."""
     tf = _tf()
     return tf.nest.map_structure(tf.zeros_like, example)
 
 
+@register_configurable
 def batch(
     global_batch_size: int,
     *,
@@ -249,6 +255,7 @@ def batch(
     return batcher
 
 
+@register_configurable
 def per_feed_batch(
     feed_batch_size: Optional[int] = None,
     *,

@@ -4,7 +4,7 @@ A shard is one file, little-endian:
 
     offset  size  field
     0       8     magic b"AXLTOKEN"
-    8       4     format version (2; version 1 files, without a manifest, are read too)
+    8       4     format version (2; 3 where flags are set; 1, without a manifest, is read too)
     12      4     bytes per token: 2 (uint16) or 4 (uint32)
     16      4     vocabulary size (every token id is below it)
     20      4     eos id (appended to every document)
@@ -13,22 +13,36 @@ A shard is one file, little-endian:
     40      4     CRC-32 of the payload (everything after the header)
     44      64    vocabulary name, UTF-8, zero-padded ('bytes' or a model file's name)
     108     4     manifest size in bytes (0 in version 1)
-    112     12    zero
+    112     4     flags (version 3; 0 before): 1 = loss mask, 2 = preference pairs
+    116     8     zero
     124     4     CRC-32 of bytes [0, 124)
     128           payload:
                   tokens       [token count]     uint16/uint32: each document then its EOS
                   (zero bytes up to a multiple of 8)
                   doc_ends     [document count]  int64: end of document i in tokens
                   doc_bytes    [document count]  int64: UTF-8 bytes of document i's text
+                  loss_mask    [token count]     uint8, flag 1 only: 1 where the token trains
+                  (zero bytes up to a multiple of 8, flag 1 only)
                   manifest     [manifest size]   UTF-8 JSON, sorted keys (below)
 
 Documents are stored with EOS appended, so document i's aligned block (see
 `input_packing`) is `tokens[doc_ends[i-1]:doc_ends[i]]` as targets.
 
+A shard with a loss mask (chat data, `chat_template`) holds one byte per stored token,
+aligned with the tokens: 1 where that token, as a target, counts in the loss (the
+appended EOS included), 0 where it does not. Its doc_bytes count the UTF-8 bytes of the
+trained text only, so that bits per byte stay nats over trained targets / their bytes.
+A preference-pair shard (flag 2, with flag 1) holds pairs as consecutive documents:
+2i = prompt + chosen response, 2i + 1 = prompt + rejected response, the mask 1 on the
+response's tokens only. Shards without flags are written as version 2, byte for byte as
+before; readers of version 2 refuse version 3 by its number.
+
 The manifest describes the vocabulary the shard was tokenized with, e.g.
 `{"vocabulary": {"bos_id": 1, "eos_id": 2, "kind": "sentencepiece", "name": "llama.model",
 "pad_id": -1, "sha256": "<hex of the model file>", "size": 32000}}` (`VocabularyRecord`;
--1: no such token; kind '' and sha256 '' where unknown, as in version 1 files).
+-1: no such token; kind '' and sha256 '' where unknown, as in version 1 files), and,
+for chat and pair shards, how the mask was made, e.g. `{"chat": {"template_sha256": ...,
+"train_on": "assistant"}}`.
 """
 
 import dataclasses
@@ -46,9 +60,12 @@ from axlearn.common.input_base import InputError
 
 MAGIC = b"AXLTOKEN"
 VERSION = 2
-_READABLE_VERSIONS = (1, 2)
+FLAGGED_VERSION = 3  # The version of shards with flags (a loss mask, pairs).
+_READABLE_VERSIONS = (1, 2, 3)
 HEADER_SIZE = 128
-_FIELDS = struct.Struct("<8sIIIIQQI64sI")  # Everything up to the reserved bytes.
+_FIELDS = struct.Struct("<8sIIIIQQI64sII")  # Everything up to the reserved bytes.
+FLAG_LOSS_MASK = 1  # A per-token loss mask follows doc_bytes.
+FLAG_PAIRS = 2  # Documents 2i, 2i + 1 are a preference pair's chosen and rejected.
 _HEADER_CRC_OFFSET = 124
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
@@ -69,13 +86,24 @@ class ShardHeader:
     payload_crc32: int
     vocab_name: str
     manifest_size: int = 0  # Bytes of the JSON manifest ending the payload (0: none).
+    flags: int = 0  # FLAG_LOSS_MASK | FLAG_PAIRS (version 3), 0 before.
 
     @property
     def dtype(self) -> np.dtype:
         return _DTYPES[self.itemsize]
 
+    @property
+    def has_loss_mask(self) -> bool:
+        return bool(self.flags & FLAG_LOSS_MASK)
+
+    @property
+    def is_pairs(self) -> bool:
+        return bool(self.flags & FLAG_PAIRS)
+
     def payload_size(self) -> int:
-        return _align8(self.num_tokens * self.itemsize) + 16 * self.num_docs + self.manifest_size
+        tokens = _align8(self.num_tokens * self.itemsize)
+        mask = _align8(self.num_tokens) if self.has_loss_mask else 0
+        return tokens + 16 * self.num_docs + mask + self.manifest_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +146,7 @@ def encode_header(header: ShardHeader) -> bytes:
         raise ValueError(f"Vocabulary name {header.vocab_name!r} is longer than 64 bytes")
     fields = _FIELDS.pack(
         MAGIC,
-        VERSION,
+        FLAGGED_VERSION if header.flags else VERSION,
         header.itemsize,
         header.vocab_size,
         header.eos_id,
@@ -127,6 +155,7 @@ def encode_header(header: ShardHeader) -> bytes:
         header.payload_crc32,
         name,
         header.manifest_size,
+        header.flags,
     )
     fields = fields.ljust(_HEADER_CRC_OFFSET, b"\0")
     return fields + struct.pack("<I", zlib.crc32(fields))
@@ -138,9 +167,8 @@ def decode_header(data: bytes, *, path: str) -> ShardHeader:
         raise TokenShardError(
             f"{path}: {len(data)} bytes is shorter than the {HEADER_SIZE}-byte token shard header"
         )
-    magic, version, itemsize, vocab_size, eos_id, num_tokens, num_docs, crc, name, manifest = (
-        _FIELDS.unpack_from(data)
-    )
+    (magic, version, itemsize, vocab_size, eos_id, num_tokens, num_docs, crc, name, manifest,
+     flags) = _FIELDS.unpack_from(data)
     if magic != MAGIC:
         raise TokenShardError(
             f"{path}: not an axlearn token shard (magic {magic!r}, expected {MAGIC!r}); "
@@ -155,6 +183,11 @@ def decode_header(data: bytes, *, path: str) -> ShardHeader:
         )
     if itemsize not in _DTYPES:
         raise TokenShardError(f"{path}: {itemsize} bytes per token, expected 2 or 4")
+    flags = flags if version >= 3 else 0
+    if flags & ~(FLAG_LOSS_MASK | FLAG_PAIRS) or (
+        flags & FLAG_PAIRS and not flags & FLAG_LOSS_MASK
+    ):
+        raise TokenShardError(f"{path}: unknown token shard flags {flags:#x}")
     return ShardHeader(
         itemsize=itemsize,
         vocab_size=vocab_size,
@@ -164,6 +197,7 @@ def decode_header(data: bytes, *, path: str) -> ShardHeader:
         payload_crc32=crc,
         vocab_name=name.rstrip(b"\0").decode("utf-8", errors="replace"),
         manifest_size=manifest if version >= 2 else 0,
+        flags=flags,
     )
 
 
@@ -176,11 +210,17 @@ def write_shard(
     vocab_name: Optional[str] = None,
     vocab_size: Optional[int] = None,
     eos_id: Optional[int] = None,
+    loss_masks: Optional[Sequence[np.ndarray]] = None,
+    pairs: bool = False,
+    manifest_extra: Optional[dict] = None,
 ) -> ShardHeader:
     """Writes tokenized documents (without EOS) to `path` atomically; skips empty ones.
 
     The vocabulary is `vocabulary`, or, given as `vocab_name`, `vocab_size` and `eos_id`,
-    `VocabularyRecord.from_header` of them.
+    `VocabularyRecord.from_header` of them. `loss_masks`: per document, 0/1 for each of
+    its tokens and then its EOS (length + 1), written as the shard's loss mask. `pairs`:
+    the documents are preference pairs (chosen, rejected, ...; needs `loss_masks`, and no
+    document may be empty). `manifest_extra`: more JSON fields of the manifest.
     """
     names = (vocab_name, vocab_size, eos_id)
     if (vocabulary is None) == all(v is None for v in names) or (
@@ -190,25 +230,45 @@ def write_shard(
     if vocabulary is None:
         vocabulary = VocabularyRecord.from_header(vocab_name, vocab_size, eos_id)
     vocab_size, eos_id = vocabulary.size, vocabulary.eos_id
-    kept = [(np.asarray(d), int(b)) for d, b in zip(documents, num_bytes) if len(d)]
+    if pairs and (loss_masks is None or len(documents) % 2):
+        raise ValueError(f"{path}: preference pairs need loss masks and an even document count")
+    masks = [None] * len(documents) if loss_masks is None else list(loss_masks)
+    kept = [
+        (np.asarray(d), int(b), m) for d, b, m in zip(documents, num_bytes, masks) if len(d)
+    ]
+    if pairs and len(kept) != len(documents):
+        raise ValueError(f"{path}: a preference pair's document is empty")
+    for doc, _, mask in kept:
+        if mask is not None and np.shape(mask) != (doc.size + 1,):
+            raise ValueError(f"{path}: a loss mask needs one entry per token and one for EOS")
     itemsize = token_itemsize(vocab_size)
     dtype = _DTYPES[itemsize]
-    lengths = np.array([d.size + 1 for d, _ in kept], dtype=np.int64)
+    lengths = np.array([d.size + 1 for d, _, _ in kept], dtype=np.int64)
     tokens = np.empty(int(lengths.sum()), dtype=dtype)
     ends = np.cumsum(lengths)
-    for (doc, _), end, length in zip(kept, ends, lengths):
+    for (doc, _, _), end, length in zip(kept, ends, lengths):
         if doc.size and (doc.min() < 0 or doc.max() >= vocab_size):
             raise ValueError(f"{path}: token ids outside [0, {vocab_size})")
         tokens[end - length : end - 1] = doc
         tokens[end - 1] = eos_id
-    manifest = json.dumps({"vocabulary": dataclasses.asdict(vocabulary)}, sort_keys=True)
+    fields = dict(manifest_extra or {}, vocabulary=dataclasses.asdict(vocabulary))
+    manifest = json.dumps(fields, sort_keys=True)
     parts = [
         memoryview(tokens).cast("B"),
         b"\0" * (_align8(tokens.nbytes) - tokens.nbytes),
         ends.astype("<i8").tobytes(),
-        np.array([b for _, b in kept], dtype="<i8").tobytes(),
-        manifest.encode("utf-8"),
+        np.array([b for _, b, _ in kept], dtype="<i8").tobytes(),
     ]
+    flags = 0
+    if loss_masks is not None:
+        flags = FLAG_LOSS_MASK | (FLAG_PAIRS if pairs else 0)
+        mask = np.concatenate(
+            [np.ones(doc.size + 1, np.uint8) if m is None else np.asarray(m) for doc, _, m in kept]
+            or [np.empty(0, np.uint8)]
+        )
+        mask = (mask != 0).astype(np.uint8)
+        parts += [mask.tobytes(), b"\0" * (_align8(mask.size) - mask.size)]
+    parts.append(manifest.encode("utf-8"))
     crc = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
@@ -221,6 +281,7 @@ def write_shard(
         payload_crc32=crc,
         vocab_name=vocabulary.name,
         manifest_size=len(parts[-1]),
+        flags=flags,
     )
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -269,10 +330,18 @@ class TokenShard:
         last_end = self.doc_ends[-1] if header.num_docs else 0
         if last_end != header.num_tokens or np.any(lengths < 2):
             raise TokenShardError(f"{path}: document boundaries do not match the token count")
-        manifest_start = doc_start + 16 * header.num_docs
-        self.vocabulary = read_manifest(
-            self._map[manifest_start : manifest_start + header.manifest_size], header, path=path
-        )
+        mask_start = doc_start + 16 * header.num_docs
+        manifest_start = mask_start
+        # Per token, 1 where it trains as a target; None: every token does.
+        self.loss_mask: Optional[np.ndarray] = None
+        if header.has_loss_mask:
+            self.loss_mask = np.frombuffer(self._map, np.uint8, header.num_tokens, mask_start)
+            manifest_start += _align8(header.num_tokens)
+        if header.is_pairs and header.num_docs % 2:
+            raise TokenShardError(f"{path}: a preference-pair shard with an odd document count")
+        manifest = self._map[manifest_start : manifest_start + header.manifest_size]
+        self.vocabulary = read_manifest(manifest, header, path=path)
+        self.manifest = json.loads(bytes(manifest).decode("utf-8")) if manifest else {}
 
     def check_vocabulary(
         self, *, vocab_name: Optional[str] = None, model_vocab_size: Optional[int] = None

@@ -133,3 +133,47 @@ def tokenize_documents(
 def _prepend(items: Sequence[Any], rest: Iterator[Any]) -> Iterator[Any]:
     yield from items
     yield from rest
+
+
+def map_in_order(
+    fn: Any,
+    tasks: Iterable[Any],
+    *,
+    initializer: Any,
+    initargs: tuple,
+    num_workers: int,
+) -> Iterator[Any]:
+    """`fn(task)` for each task, in order, computed in `num_workers` processes (started as
+    `tokenize_documents`'s are, each running `initializer(*initargs)` first; at most two
+    tasks per worker in flight). One worker, or a single task, runs in this process.
+    `fn` and `initializer` must be module-level functions (they are pickled)."""
+    tasks = iter(tasks)
+    first = next(tasks, None)
+    second = next(tasks, None) if first is not None else None
+    if num_workers <= 1 or second is None:
+        initializer(*initargs)
+        for task in filter(lambda t: t is not None, (first, second)):
+            yield fn(task)
+        for task in tasks:
+            yield fn(task)
+        return
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    pool = concurrent.futures.ProcessPoolExecutor(
+        num_workers, mp_context=context, initializer=_init_mapped, initargs=(initializer, initargs)
+    )
+    try:
+        pending: collections.deque = collections.deque()
+        for task in _prepend((first, second), tasks):
+            pending.append(pool.submit(fn, task))
+            if len(pending) >= 2 * num_workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _init_mapped(initializer: Any, initargs: tuple) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # The parent handles Ctrl-C and stops the pool.
+    initializer(*initargs)

@@ -52,6 +52,17 @@ Commands:
         tokens and rate. An --output already holding shards is refused unless
         --overwrite, which replaces both splits' shards there.
 
+    ... build --chat --vocab=HF_DIR [--train_on=assistant|all|last_turn]
+          [--chat_template=FILE] --output=DIR/ FILE.jsonl...
+        Chat and instruction records (`messages`, or `prompt`/`completion`) rendered with
+        the tokenizer's chat template into shards with a per-token loss mask
+        (`chat_template`; format in `input_token_format`). Batches of such shards carry
+        `target_weights` [B, T] float32, 1 where the loss counts, which `causal_lm.Model`
+        weights its loss by; their `target_num_bytes` count the trained text's bytes.
+    ... build --pairs --max_sequence_length=T --vocab=HF_DIR --output=DIR/ FILE.jsonl...
+        Preference pairs (`prompt`, `chosen`, `rejected`) into pair shards, read by
+        `input_pairs.PreferencePairInput` (one pair per row, not packed).
+
 The loader's throughput for a named config: `python -m axlearn.bench --input_only`.
 """
 
@@ -85,7 +96,7 @@ from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.input_base import BaseInput, Batch, InputError
 from axlearn.common.input_packing import FEATURE_KEYS
 from axlearn.common.input_prefetch import prefetch_in_thread
-from axlearn.common.input_tokenize import tokenize_documents
+from axlearn.common.input_tokenize import map_in_order, tokenize_documents
 from axlearn.common.input_token_format import (
     HEADER_SIZE,
     ShardHeader,
@@ -114,6 +125,9 @@ class TokenCorpus:
 
     `start_range` = (lo, hi) keeps only the documents that start at token positions
     [lo, hi) of the shards' concatenation (a stream's share); None keeps them all.
+    Where a shard has a loss mask (chat data), chunks carry `target_weights` (1 where
+    the target trains; a shard without one trains everywhere) and credit each document's
+    bytes (those of its trained text) to its trained targets only.
     """
 
     def __init__(
@@ -123,7 +137,9 @@ class TokenCorpus:
         seed: Sequence[int],
         shuffle: bool,
         start_range: Optional[tuple[int, int]] = None,
+        target_weights: Optional[bool] = None,
     ):
+        """`target_weights`: whether chunks carry them (None: where a shard has a loss mask)."""
         if not shards:
             raise TokenShardError("No token shards given")
         check_same_vocabulary([(shard.path, shard.header) for shard in shards])
@@ -132,6 +148,12 @@ class TokenCorpus:
         self._seed = list(seed)
         self._shuffle = shuffle
         self._tokens = [shard.tokens for shard in shards]
+        self._masks = [shard.loss_mask for shard in shards]
+        self.has_loss_mask = (
+            any(mask is not None for mask in self._masks)
+            if target_weights is None
+            else target_weights
+        )
         sizes = np.array([shard.header.num_tokens for shard in shards], dtype=np.int64)
         self._shard_starts = np.concatenate([[0], np.cumsum(sizes)])
         ends = np.concatenate(
@@ -143,9 +165,23 @@ class TokenCorpus:
         lengths = np.diff(ends, prepend=0)
         starts = ends - lengths
         doc_bytes = np.concatenate([shard.doc_bytes.astype(np.int64) for shard in shards])
+        # Targets that train, per document (all of them without a loss mask).
+        trained = lengths.copy()
+        if self.has_loss_mask:
+            first = 0
+            for shard in shards:
+                count = shard.header.num_docs
+                if shard.loss_mask is not None and count:
+                    local_starts = np.concatenate([[0], shard.doc_ends[:-1].astype(np.int64)])
+                    trained[first : first + count] = np.add.reduceat(
+                        shard.loss_mask, local_starts, dtype=np.int64
+                    )
+                first += count
         if start_range is not None:
             keep = (starts >= start_range[0]) & (starts < start_range[1])
             lengths, starts, doc_bytes = lengths[keep], starts[keep], doc_bytes[keep]
+            trained = trained[keep]
+        self.doc_trained = trained
         self.doc_lengths = lengths
         self.doc_starts = starts
         self.doc_bytes = doc_bytes
@@ -176,6 +212,27 @@ class TokenCorpus:
                 out[mask] = tokens[index[mask] - self._shard_starts[i]]
         return out
 
+    def _gather_mask(self, index: np.ndarray) -> np.ndarray:
+        """The loss mask (1 for shards without one) at corpus positions `index`."""
+        out = np.ones(index.shape, dtype=np.uint8)
+        shard = np.searchsorted(self._shard_starts, index, side="right") - 1
+        for i, mask in enumerate(self._masks):
+            if mask is None:
+                continue
+            where = shard == i
+            if where.any():
+                out[where] = mask[index[where] - self._shard_starts[i]]
+        return out
+
+    def _trained_between(self, start: int, end: int) -> int:
+        """Trained targets at corpus positions [start, end) (within one shard)."""
+        i = int(np.searchsorted(self._shard_starts, start, side="right")) - 1
+        mask = self._masks[i]
+        if mask is None:
+            return end - start
+        base = int(self._shard_starts[i])
+        return int(np.sum(mask[start - base : end - base], dtype=np.int64))
+
     def _blocks(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """(documents, stream position of each one's block) of the blocks overlapping
         stream positions [start, end), in stream order, epochs repeating the corpus."""
@@ -204,6 +261,8 @@ class TokenCorpus:
         start = first * length
         live = count * length if repeat else max(0, min(count * length, self.num_tokens - start))
         batch = {key: np.zeros((count, length), np.int32) for key in FEATURE_KEYS[:-1]}
+        if self.has_loss_mask:
+            batch["target_weights"] = np.zeros((count, length), np.float32)
         num_bytes = np.zeros(count, np.int64)
         if live:
             docs, block_starts = self._blocks(start, start + live)
@@ -231,10 +290,27 @@ class TokenCorpus:
                 "input_segment_ids": np.repeat(rank + 1, sizes),
                 "input_positions": position - np.repeat(rel, sizes),
             }
+            lengths, doc_bytes = self.doc_lengths[doc], self.doc_bytes[doc]
+            if self.has_loss_mask:
+                # Bytes go to trained targets only: a piece gets its document's share of
+                # those it holds (the ones before it counted for a continued document).
+                weights = self._gather_mask(index)
+                flat["target_weights"] = weights
+                in_piece = np.add.reduceat(weights, rel, dtype=np.int64)
+                before = np.zeros(rel.size, np.int64)
+                for i in np.flatnonzero(offset > 0):
+                    doc_start = int(self.doc_starts[doc[i]])
+                    before[i] = self._trained_between(doc_start, doc_start + int(offset[i]))
+                trained = np.maximum(self.doc_trained[doc], 1)
+                piece_bytes = (
+                    doc_bytes * (before + in_piece) // trained - doc_bytes * before // trained
+                )
+            else:
+                piece_bytes = (
+                    doc_bytes * (offset + sizes) // lengths - doc_bytes * offset // lengths
+                )
             for key, values in flat.items():
                 batch[key].reshape(-1)[:live] = values
-            lengths, doc_bytes = self.doc_lengths[doc], self.doc_bytes[doc]
-            piece_bytes = doc_bytes * (offset + sizes) // lengths - doc_bytes * offset // lengths
             np.add.at(num_bytes, row, piece_bytes)
         batch["target_num_bytes"] = num_bytes.astype(np.int32)
         return batch
@@ -281,6 +357,14 @@ class TokenShardInput(BaseInput):
                 path, header, vocab_name=cfg.vocab_name, model_vocab_size=cfg.model_vocab_size
             )
         check_same_vocabulary(list(zip(self._paths, self._headers)))
+        for path, header in zip(self._paths, self._headers):
+            if header.is_pairs:
+                raise InputError(
+                    f"{self.path()}: {path} holds preference pairs (built with --pairs); read "
+                    "it with input_pairs.PreferencePairInput"
+                )
+        # Chat shards carry a loss mask: every batch then has 'target_weights'.
+        self.has_loss_mask = any(header.has_loss_mask for header in self._headers)
         sizes = [header.num_tokens for header in self._headers]
         self._shard_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self._num_tokens = int(self._shard_starts[-1])
@@ -373,6 +457,7 @@ class TokenShardInput(BaseInput):
                 seed=[cfg.seed] if self._num_streams == 1 else [cfg.seed, stream],
                 shuffle=cfg.shuffle and cfg.is_training,
                 start_range=(lo - offset, hi - offset),
+                target_weights=self.has_loss_mask,
             )
         if corpus is None or corpus.num_tokens == 0:
             raise InputError(
@@ -399,6 +484,17 @@ class TokenShardInput(BaseInput):
         return concatenate_rows(parts)
 
     # ----- batches -----
+
+    def element_spec(self) -> dict[str, Any]:
+        """The base keys, and 'target_weights' [B, T] float32 for shards with a loss mask."""
+        spec = super().element_spec()
+        if self.has_loss_mask:
+            import jax  # pylint: disable=import-outside-toplevel
+
+            spec["target_weights"] = jax.ShapeDtypeStruct(
+                (self.global_batch_size, self.max_sequence_length), np.float32
+            )
+        return spec
 
     @property
     def num_eval_batches(self) -> int:
@@ -619,8 +715,8 @@ def _utf8(data: bytes, *, path: str, first_line: int = 1) -> str:
         ) from None
 
 
-def _json_lines(path: str, *, text_field: str) -> Iterator[str]:
-    """The `text_field` of each non-blank line; errors name the file and line."""
+def json_records(path: str) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) of each non-blank line; errors name the file and line."""
     stream, errors = _open_input(path)
     with stream:
         lines = iter(stream)
@@ -642,13 +738,22 @@ def _json_lines(path: str, *, text_field: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{lineno}: not a JSON line: {e}") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                found = f"fields {sorted(record)}" if isinstance(record, dict) else "no object"
-                raise InputError(
-                    f"{path}:{lineno}: expected an object with a string field '{text_field}' "
-                    f"(found {found}); choose the field with --text_field"
-                )
-            yield record[text_field]
+            yield lineno, record
+
+
+def _json_lines(path: str, *, text_field: str) -> Iterator[str]:
+    """The `text_field` of each non-blank line; errors name the file and line."""
+    for lineno, record in json_records(path):
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            found = f"fields {sorted(record)}" if isinstance(record, dict) else "no object"
+            hint = "choose the field with --text_field"
+            if isinstance(record, dict) and ("messages" in record or "prompt" in record):
+                hint += "; chat records build with --chat, preference pairs with --pairs"
+            raise InputError(
+                f"{path}:{lineno}: expected an object with a string field '{text_field}' "
+                f"(found {found}); {hint}"
+            )
+        yield record[text_field]
 
 
 def _whole_file(path: str) -> str:
@@ -773,10 +878,21 @@ class _Staging:
 
 
 class _SplitWriter:
-    """Collects one split's documents into shards `<prefix>-00000.tok`, ..."""
+    """Collects one split's documents into shards `<prefix>-00000.tok`, ...
+
+    `loss_masks`: documents come with loss masks (chat data); `pairs`: in pairs, which a
+    shard never splits; `manifest_extra`: more manifest fields of every shard."""
 
     def __init__(
-        self, prefix: str, vocabulary: VocabularyRecord, tokens_per_shard: int, staging: _Staging
+        self,
+        prefix: str,
+        vocabulary: VocabularyRecord,
+        tokens_per_shard: int,
+        staging: _Staging,
+        *,
+        loss_masks: bool = False,
+        pairs: bool = False,
+        manifest_extra: Optional[dict] = None,
     ):
         self.prefix = prefix
         self.paths: list[str] = []  # Final paths of the shards written so far.
@@ -784,16 +900,26 @@ class _SplitWriter:
         self._vocabulary = vocabulary
         self._tokens_per_shard = tokens_per_shard
         self._staging = staging
+        self._with_masks = loss_masks or pairs
+        self._pairs = pairs
+        self._manifest_extra = manifest_extra
         self._documents: list[np.ndarray] = []
         self._bytes: list[int] = []
+        self._masks: list[np.ndarray] = []
         self._pending = 0
 
-    def add(self, ids: np.ndarray, num_bytes: int) -> None:
+    def add(
+        self, ids: np.ndarray, num_bytes: int, mask: Optional[np.ndarray] = None, *, flush=True
+    ) -> None:
+        """Adds a document (`mask`: its loss mask, with the EOS's); `flush`: a shard may end
+        after it."""
         self._documents.append(ids)
         self._bytes.append(num_bytes)
+        if self._with_masks:
+            self._masks.append(mask)
         self._pending += ids.size + 1
         self.num_docs += 1
-        if self._pending >= self._tokens_per_shard:
+        if flush and self._pending >= self._tokens_per_shard:
             self.flush()
 
     def flush(self) -> None:
@@ -805,9 +931,12 @@ class _SplitWriter:
             self._documents,
             self._bytes,
             vocabulary=self._vocabulary,
+            loss_masks=self._masks if self._with_masks else None,
+            pairs=self._pairs,
+            manifest_extra=self._manifest_extra,
         )
         self.paths.append(final)
-        self._documents, self._bytes, self._pending = [], [], 0
+        self._documents, self._bytes, self._masks, self._pending = [], [], [], 0
 
 
 def _stale_shards(prefix: str, keep: Sequence[str]) -> list[str]:
@@ -1033,6 +1162,142 @@ def build_token_shards(
     ).paths["train"]
 
 
+def build_chat_splits(
+    records: Iterable[tuple[str, Any, Optional[str]]],
+    *,
+    vocab: Any,
+    template: Any,
+    prefixes: dict[str, str],
+    train_on: str = "assistant",
+    pairs: bool = False,
+    max_sequence_length: Optional[int] = None,
+    validation_fraction: float = 0.0,
+    tokens_per_shard: int = 1 << 28,
+    num_workers: int = 1,
+    sources: Sequence[str] = (),
+    progress: bool = False,
+    progress_stream: Any = None,
+) -> BuildSummary:
+    """Renders (where, JSON record, split) chat records with the `chat_template.ChatTemplate`
+    `template` into shards with a loss mask (see `chat_template`): SFT records trained as
+    `train_on` says, or with `pairs` preference pairs, each response trained, whose prompts
+    must leave a response token within `max_sequence_length`. A split of None is decided by
+    a hash of the record. Records are rendered and tokenized in `num_workers` processes;
+    the output is the same for any number. Like `build_splits`, a failure leaves nothing
+    behind; errors name `where` (file:line), the first bad record's in input order."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import chat_template as chat
+
+    if train_on not in chat.TRAIN_ON:
+        raise InputError(f"--train_on={train_on}: expected one of {', '.join(chat.TRAIN_ON)}")
+    if pairs and (max_sequence_length is None or max_sequence_length < 1):
+        raise InputError("--pairs needs --max_sequence_length=T, the tokens of a pair's row")
+    if validation_fraction and "validation" not in prefixes:
+        raise ValueError("validation_fraction needs a 'validation' prefix")
+    record = vocabulary_record(vocab)
+    template_sha256 = hashlib.sha256(template.source.encode("utf-8")).hexdigest()
+    about = dict(template=os.path.basename(template.origin), template_sha256=template_sha256)
+    if pairs:
+        extra = {"pairs": dict(about, max_sequence_length=max_sequence_length)}
+    else:
+        extra = {"chat": dict(about, train_on=train_on)}
+    staging = _Staging()
+    writers = {
+        split: _SplitWriter(
+            prefix,
+            record,
+            tokens_per_shard,
+            staging,
+            loss_masks=True,
+            pairs=pairs,
+            manifest_extra=extra,
+        )
+        for split, prefix in prefixes.items()
+    }
+    num_read = 0
+    chunks = _record_chunks(records)
+    try:
+        encoded_chunks = map_in_order(
+            _encode_record_chunk,
+            chunks,
+            initializer=chat.init_record_worker,
+            initargs=(template, vocab, train_on, pairs, max_sequence_length),
+            num_workers=num_workers,
+        )
+        with contextlib.closing(encoded_chunks), _build_progress(
+            progress, stream=progress_stream
+        ) as bar:
+            for chunk, encoded_records in encoded_chunks:
+                tokens = 0
+                for (_, value, split), documents in zip(chunk, encoded_records):
+                    if split is None:
+                        share = validation_share(json.dumps(value, sort_keys=True))
+                        split = "validation" if share < validation_fraction else "train"
+                    for i, (ids, mask, num_bytes, _) in enumerate(documents):
+                        writers[split].add(ids, num_bytes, mask, flush=i == len(documents) - 1)
+                        tokens += ids.size + 1
+                num_read += len(chunk)
+                if bar is not None:
+                    bar.update(tokens, num_read)
+        for split, writer in writers.items():
+            writer.flush()
+            if not writer.num_docs:
+                message = _empty_split_message(split, num_read, validation_fraction, sources)
+                raise InputError(message.replace("documents", "records"))
+        staging.commit()
+    except BaseException:
+        staging.discard()
+        raise
+    removed = []
+    for writer in writers.values():
+        for path in _stale_shards(writer.prefix, writer.paths):
+            os.remove(path)
+            removed.append(path)
+    return BuildSummary(
+        paths={split: writer.paths for split, writer in writers.items()},
+        documents_read=num_read,
+        documents_skipped=0,
+        removed_stale=removed,
+    )
+
+
+_RECORD_CHUNK = 128  # Chat records sent to a build worker at a time.
+
+
+def _record_chunks(
+    records: Iterable[tuple[str, Any, Optional[str]]]
+) -> Iterator[list[tuple[str, Any, Optional[str]]]]:
+    chunk = []
+    for item in records:
+        chunk.append(item)
+        if len(chunk) >= _RECORD_CHUNK:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encode_record_chunk(chunk: Sequence[tuple[str, Any, Optional[str]]]) -> tuple[list, list]:
+    """(the chunk, its records' encoded documents), in a build worker."""
+    from axlearn.common import chat_template  # pylint: disable=import-outside-toplevel
+
+    return chunk, chat_template.encode_records([(where, value) for where, value, _ in chunk])
+
+
+def iter_chat_records(
+    paths: Iterable[str], split: Optional[str]
+) -> Iterator[tuple[str, Any, Optional[str]]]:
+    """(file:line, JSON record, `split`) of each record of JSON-lines `paths`."""
+    for path in paths:
+        if _file_format(path) != "jsonl":
+            raise InputError(
+                f"{path}: chat and pair records are read from JSON lines (.jsonl, .jsonl.gz, "
+                ".jsonl.zst)"
+            )
+        for lineno, value in json_records(path):
+            yield f"{path}:{lineno}", value, split
+
+
 def output_prefixes(output: str, *, with_validation: bool) -> dict[str, str]:
     """Shard prefixes by split for `--output`.
 
@@ -1075,6 +1340,7 @@ def earlier_shards(train_prefix: str) -> list[str]:
 # ----- the tokenizer beside the shards -----
 
 _HF_TOKENIZER_CONFIG = "tokenizer_config.json"  # Names a tokenizer.json's special tokens.
+_HF_CHAT_TEMPLATE = "chat_template.jinja"  # Newer transformers' place for the chat template.
 
 
 def tokenizer_destination(vocab: Any, shard_dir: str) -> Optional[str]:
@@ -1108,11 +1374,12 @@ def store_tokenizer(vocab: Any, shard_dir: str) -> Optional[str]:
         return None
     source = vocab.model_file
     copies = [(source, destination)]
-    config = os.path.join(os.path.dirname(source), _HF_TOKENIZER_CONFIG)
-    if os.path.basename(source) == HF_TOKENIZER_FILE and os.path.isfile(config):
-        config_destination = os.path.join(shard_dir, _HF_TOKENIZER_CONFIG)
-        if not os.path.exists(config_destination):
-            copies.append((config, config_destination))
+    for name in (_HF_TOKENIZER_CONFIG, _HF_CHAT_TEMPLATE):  # Its special tokens and template.
+        config = os.path.join(os.path.dirname(source), name)
+        if os.path.basename(source) == HF_TOKENIZER_FILE and os.path.isfile(config):
+            config_destination = os.path.join(shard_dir, name)
+            if not os.path.exists(config_destination):
+                copies.append((config, config_destination))
     for src, dst in copies:
         if os.path.exists(dst) and os.path.samefile(src, dst):
             continue
@@ -1134,6 +1401,27 @@ def _one_line(error: BaseException) -> str:
 # ----- commands -----
 
 
+def _chat_mode(args: flags.FlagValues) -> bool:
+    """Whether the build renders chat records (--chat or --pairs); refuses flags that the
+    chosen mode would not use."""
+    if args.chat and args.pairs:
+        raise InputError("Give --chat (SFT records) or --pairs (preference pairs), not both")
+    chat_mode = args.chat or args.pairs
+    given = lambda name: args[name].present  # pylint: disable=unnecessary-lambda-assignment
+    unused = []
+    if args.pairs:
+        unused = ("text_field", "replace_newlines_with", "train_on")
+    elif args.chat:
+        unused = ("text_field", "replace_newlines_with", "max_sequence_length")
+    else:
+        unused = ("train_on", "chat_template", "max_sequence_length")
+    for name in unused:
+        if given(name):
+            mode = "--pairs" if args.pairs else "--chat" if args.chat else "a text build"
+            raise InputError(f"--{name} does not apply to {mode}")
+    return chat_mode
+
+
 def _build_command(args: flags.FlagValues, files: Sequence[str]) -> None:
     validation_files = list(args.validation_files)
     if not 0 <= args.validation_fraction < 1:
@@ -1150,9 +1438,17 @@ def _build_command(args: flags.FlagValues, files: Sequence[str]) -> None:
         if not os.path.isfile(path):
             raise InputError(f"{path}: input text file does not exist")
         _file_format(path)  # Refuses unsupported names before any work.
+    chat_mode = _chat_mode(args)
     vocab = load_vocabulary(
         args.vocab, any_special_ids=True, eos_token=args.eos_token, bos_token=args.bos_token
     )
+    template = None
+    if chat_mode:
+        from axlearn.common import chat_template  # pylint: disable=import-outside-toplevel
+
+        template = chat_template.load_chat_template(
+            getattr(vocab, "model_file", None), chat_template_file=args.chat_template
+        )
     prefixes = output_prefixes(
         args.output, with_validation=bool(validation_files or args.validation_fraction)
     )
@@ -1166,22 +1462,41 @@ def _build_command(args: flags.FlagValues, files: Sequence[str]) -> None:
         )
     tokenizer_destination(vocab, shard_dir)  # Refused before any work, not after.
     train_split = None if args.validation_fraction else "train"  # None: by document hash.
-    field = args.text_field
-    documents = itertools.chain(
-        ((text, train_split) for text in iter_documents(files, text_field=field)),
-        ((text, "validation") for text in iter_documents(validation_files, text_field=field)),
-    )
-    summary = build_splits(
-        documents,
-        vocab=vocab,
-        prefixes=prefixes,
-        validation_fraction=args.validation_fraction,
-        tokens_per_shard=args.tokens_per_shard,
-        replace_newlines_with=args.replace_newlines_with,
-        num_workers=args.num_workers,
-        sources=sources,
-        progress=True,
-    )
+    if chat_mode:
+        summary = build_chat_splits(
+            itertools.chain(
+                iter_chat_records(files, train_split),
+                iter_chat_records(validation_files, "validation"),
+            ),
+            vocab=vocab,
+            template=template,
+            prefixes=prefixes,
+            train_on=args.train_on,
+            pairs=args.pairs,
+            max_sequence_length=args.max_sequence_length,
+            validation_fraction=args.validation_fraction,
+            tokens_per_shard=args.tokens_per_shard,
+            num_workers=args.num_workers,
+            sources=sources,
+            progress=True,
+        )
+    else:
+        field = args.text_field
+        documents = itertools.chain(
+            ((text, train_split) for text in iter_documents(files, text_field=field)),
+            ((text, "validation") for text in iter_documents(validation_files, text_field=field)),
+        )
+        summary = build_splits(
+            documents,
+            vocab=vocab,
+            prefixes=prefixes,
+            validation_fraction=args.validation_fraction,
+            tokens_per_shard=args.tokens_per_shard,
+            replace_newlines_with=args.replace_newlines_with,
+            num_workers=args.num_workers,
+            sources=sources,
+            progress=True,
+        )
     written = [path for paths in summary.paths.values() for path in paths]
     for split_prefix in _split_prefixes(prefixes["train"]):
         if split_prefix not in prefixes.values():  # A split this build did not write.
@@ -1274,6 +1589,44 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "replace_newlines_with",
         None,
         "Replaces '\\n' before tokenizing, for vocabularies without a newline token.",
+        **fv,
+    )
+    flags.DEFINE_bool(
+        "chat",
+        False,
+        "JSON-lines records of `messages` ([{role, content}]) or `prompt`/`completion`, "
+        "rendered with the tokenizer's chat template into shards with a loss mask (see "
+        "axlearn.common.chat_template).",
+        **fv,
+    )
+    flags.DEFINE_bool(
+        "pairs",
+        False,
+        "JSON-lines preference pairs (`prompt` with `chosen` and `rejected`, strings or "
+        "messages) rendered with the chat template into pair shards (input_pairs), each "
+        "response trained. Needs --max_sequence_length.",
+        **fv,
+    )
+    flags.DEFINE_enum(
+        "train_on",
+        "assistant",
+        ["all", "assistant", "last_turn"],
+        "--chat: the tokens that train: the whole conversation, every assistant turn, or "
+        "the last one.",
+        **fv,
+    )
+    flags.DEFINE_string(
+        "chat_template",
+        None,
+        "--chat/--pairs: a Jinja chat template file, instead of the tokenizer's own "
+        "(chat_template.jinja or tokenizer_config.json beside --vocab).",
+        **fv,
+    )
+    flags.DEFINE_integer(
+        "max_sequence_length",
+        None,
+        "--pairs: the tokens of a pair's row; a record whose prompt leaves no response token "
+        "in it is refused.",
         **fv,
     )
     flags.mark_flag_as_required("output", flag_values=flag_values)

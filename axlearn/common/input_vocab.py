@@ -300,6 +300,11 @@ class HuggingFaceVocabulary(Vocabulary):
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, the (start, end) characters of `text` behind each), as `encode`."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(self._ids_before_eos(ids), skip_special_tokens=True)
 

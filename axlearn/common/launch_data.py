@@ -220,10 +220,14 @@ def use_token_shards(
     (a TokenShardMixtureInput of them, by weight, for several), and every evaler's input
     with a TokenShardInput of all their validation shards, in the inputs' batch shapes,
     checked against the model's vocab_size. A TokenShardInput the config had keeps its
-    other fields (seed, shuffle, ...). Without validation shards, evaler inputs are left
-    without paths: `check_evaler_shards` names them once the overrides are applied."""
+    other fields (seed, shuffle, ...), and a PreferencePairInput (DPO) stays one, reading
+    the pair shards there. Without validation shards, evaler inputs are left without
+    paths: `check_evaler_shards` names them once the overrides are applied."""
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.input_mixture import token_shard_mixture
+
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.input_pairs import PreferencePairInput
 
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.input_tokens import TokenShardInput
@@ -233,8 +237,8 @@ def use_token_shards(
 
     def shards_like(input_cfg: ConfigBase, paths: Sequence[str]) -> ConfigBase:
         batch, seq_len = _batch_shape(cfg, input_cfg, data_dir)
-        is_token_input = getattr(input_cfg, "klass", None) is TokenShardInput
-        shards = input_cfg.clone() if is_token_input else TokenShardInput.default_config()
+        keeps = getattr(input_cfg, "klass", None) in (TokenShardInput, PreferencePairInput)
+        shards = input_cfg.clone() if keeps else TokenShardInput.default_config()
         return shards.set(
             is_training=input_cfg.is_training,
             paths=list(paths) if paths else REQUIRED,

@@ -120,7 +120,8 @@ FLAGS_TABLE = (
         flags.DEFINE_string,
         "init_from_hf",
         None,
-        "A local Hugging Face Llama directory (config.json, safetensors): the model is built "
+        "A local Hugging Face Llama, Qwen2, Qwen3, Qwen3-MoE or Mistral directory "
+        "(config.json, safetensors): the model is built "
         "from its config and starts from its weights, loaded onto the mesh shard by shard; "
         "optimizer, schedule, mesh and data stay the named config's. Read at step 0 of a "
         "fresh run only: a run with checkpoints resumes from them.",
@@ -260,22 +261,21 @@ def follow_vocab_size(
 
 
 def use_hf_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
-    """Replaces the model with the Hugging Face Llama in directory `path` (its config.json,
-    keeping the named model's sharding, remat, dtype and dropout settings) and makes the
-    trainer start from its weights (`init_params`)."""
+    """Replaces the model with the Hugging Face model in directory `path` (its config.json:
+    a Llama, Qwen2, Qwen3, Qwen3-MoE or Mistral, `hf_models.FAMILIES`; keeping the named
+    model's sharding, remat, dtype and dropout settings) and makes the trainer start from
+    its weights (`init_params`)."""
     # pylint: disable-next=import-outside-toplevel
-    from axlearn.common import hf_llama
+    from axlearn.common import hf_models
 
     path = os.path.abspath(path)
-    cfg.model = hf_llama.warm_start_model_config(cfg.model, path)
-    cfg.init_params = hf_llama.HfLlamaWeights.default_config().set(
-        path=path, source_fields=hf_llama.source_fields(path)
-    )
+    cfg.model, cfg.init_params = hf_models.warm_start(cfg.model, path)
     decoder = cfg.model.decoder
+    family = hf_models.FAMILIES[getattr(cfg.init_params, "model_type", "llama")][1]
     log.info(
-        "--init_from_hf=%s: a Llama of %d layers, dim %d, vocab %d; weights read at step 0 "
+        "--init_from_hf=%s: a %s of %d layers, dim %d, vocab %d; weights read at step 0 "
         "of a fresh run",
-        path, decoder.transformer.num_layers, decoder.dim, decoder.vocab_size,
+        path, family, decoder.transformer.num_layers, decoder.dim, decoder.vocab_size,
     )
     return cfg
 

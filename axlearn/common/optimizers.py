@@ -45,6 +45,7 @@ from axlearn.common.config import (
     ConfigOr,
     InstantiableConfig,
     maybe_instantiate,
+    register_configurable,
 )
 from axlearn.common.param_init import FanAxes
 from axlearn.common.schedule import ScheduleLike, adafactor_decay_rate, as_schedule_fn
@@ -331,6 +332,7 @@ def _decayed_update(
 # ----- composition -----
 
 
+@register_configurable
 def chain(
     *args: ConfigOr[PartitionedGradientTransformation],
     transformations: Optional[Sequence[ConfigOr[PartitionedGradientTransformation]]] = None,
@@ -382,6 +384,7 @@ def _clip(updates: Nested, norm: Tensor, max_norm: float, eps: float) -> Nested:
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
 
 
+@register_configurable
 def clip_by_global_norm(max_norm: float, eps: float = 1e-8) -> PartitionedGradientTransformation:
     """Scales the updates by min(1, max_norm / (global norm + eps))."""
     return _stateless(lambda updates, params: _clip(updates, global_norm(updates), max_norm, eps))
@@ -392,6 +395,7 @@ class SkipClipState(NamedTuple):
     inner_state: Any
 
 
+@register_configurable
 def skip_and_clip_by_global_norm(
     inner: ConfigOr[PartitionedGradientTransformation],
     *,
@@ -477,6 +481,7 @@ def _is_floating_dtype(dtype: Any) -> bool:
         return False
 
 
+@register_configurable
 def cast_optimizer_state(
     inner: ConfigOr[PartitionedGradientTransformation],
     *,
@@ -537,6 +542,7 @@ def cast_optimizer_state(
     return PartitionedGradientTransformation(init, update, partition, inner.learning_rate_at)
 
 
+@register_configurable
 def per_param_scale_by_path(
     *,
     description: str,
@@ -575,6 +581,7 @@ def per_param_scale_by_path(
     return fn
 
 
+@register_configurable
 def scale_update_per_param(
     per_param_scale: ConfigOr[PerParamFn],
 ) -> PartitionedGradientTransformation:
@@ -594,6 +601,7 @@ class ParamEmaState(NamedTuple):
     ema: Nested  # The debiased exponential moving average of the updated parameters.
 
 
+@register_configurable
 def param_ema(decay: Optional[float] = None) -> PartitionedGradientTransformation:
     """An exponential moving average of the parameters (None: keeps none).
 
@@ -745,6 +753,7 @@ class OptaxState(NamedTuple):
     inner: Any  # The optax transformation's state.
 
 
+@register_configurable
 def optax_optimizer(
     transformation: Union[OptaxLike, Sequence[OptaxLike]],
 ) -> PartitionedGradientTransformation:
@@ -876,6 +885,7 @@ def _adam_transformation(
     )
 
 
+@register_configurable
 def adamw_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -907,6 +917,7 @@ def adamw_optimizer(
     )
 
 
+@register_configurable
 def adamw_decoupled_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -1051,6 +1062,7 @@ class _AdastarRule:
             )
 
 
+@register_configurable
 def adastar_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -1139,6 +1151,7 @@ def adastar_optimizer(
 # ----- other optimizers -----
 
 
+@register_configurable
 def lion_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -1179,6 +1192,7 @@ def lion_optimizer(
     )
 
 
+@register_configurable
 def sgd_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -1235,6 +1249,7 @@ def _factored_axes(
     return row, col
 
 
+@register_configurable
 def adafactor_optimizer(
     learning_rate: ScheduleLike,
     *,
@@ -1246,7 +1261,9 @@ def adafactor_optimizer(
     eps_scale: float = 1e-3,
     factored: bool = True,
     min_dim_size_to_factor: int = 128,
-    weight_decay: float = 0.0,
+    dtype_momentum: Any = jnp.float32,
+    weight_decay: Optional[float] = None,
+    weight_decay_scale_by_learning_rate_exponent: Optional[float] = None,
     weight_decay_per_param_scale: Optional[ConfigOr[PerParamFn]] = None,
     apply_scale_by_trust_ratio: bool = False,
 ) -> PartitionedGradientTransformation:
@@ -1259,11 +1276,19 @@ def adafactor_optimizer(
             v = R C / mean_row(R)
         otherwise: v = b2_t * v + (1 - b2_t) * (g**2 + eps)
         u = g / sqrt(v);  u = u / max(1, rms(u) / clipping_threshold)
-        if b1: m = b1 * m + (1 - b1) * u;  u = m
         a_t = lr_t * max(eps_scale, rms(p)) if multiply_by_parameter_scale else lr_t
-        p -= a_t * u + lr_t * weight_decay * scale * p
+        u = a_t * u
+        if b1: m = b1 * m + (1 - b1) * u;  u = m   (m kept in dtype_momentum)
+        p -= u + lr_t ** e * weight_decay * scale * p
         (apply_scale_by_trust_ratio, LAMB: that step is first rescaled to the norm of p,
         x ||p|| / (||step|| + eps), unless either norm is 0)
+
+    As AXLearn's (and optax's) order has it, the momentum averages steps (learning rate
+    and parameter scale included), so a schedule weighs each gradient by its own step's
+    rate. e is `weight_decay_scale_by_learning_rate_exponent` (1: decay scaled by
+    the learning rate, as Lingvo and Praxis do; 0: not scaled), which a `weight_decay`
+    (None: no decay) requires; `dtype_momentum` (float32 or bfloat16; None: the
+    parameter's) stores m.
 
     Which axes are 'row' and 'col' comes from the spec's `factorization`; without one, the
     last two axes of a parameter whose last two dims are both >= min_dim_size_to_factor
@@ -1273,6 +1298,25 @@ def adafactor_optimizer(
     Ours, not optax.adafactor: optax factors a parameter's two largest axes and takes b2
     only as the exponent of its power-law decay.
     """
+    if weight_decay is not None and weight_decay_scale_by_learning_rate_exponent is None:
+        raise ConfigError(
+            "adafactor_optimizer.weight_decay_scale_by_learning_rate_exponent must be set when "
+            f"weight_decay is (weight_decay={weight_decay!r}; 1: decay scaled by the learning "
+            "rate, 0: not scaled)"
+        )
+    if dtype_momentum is not None:
+        dtype_momentum = jnp.dtype(dtype_momentum)
+        if dtype_momentum not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            raise ConfigError(
+                f"adafactor_optimizer.dtype_momentum={dtype_momentum.name}: float32, bfloat16 "
+                "or None (the parameter's); AXLearn's quantized int8/int16 momentum is not "
+                "supported"
+            )
+    exponent = weight_decay_scale_by_learning_rate_exponent
+
+    def momentum_dtype(shape, param_dtype):  # Scalars keep their own dtype, as AXLearn's.
+        return dtype_momentum if dtype_momentum is not None and len(shape) else param_dtype
+
     lr = as_schedule_fn(learning_rate)
     decay = as_schedule_fn(b2) if b2 is not None else adafactor_decay_rate()
     axes_of = functools.partial(
@@ -1287,7 +1331,11 @@ def adafactor_optimizer(
             lambda info, axis: jnp.zeros(info.shape[:axis] + info.shape[axis + 1 :], info.dtype),
         )
         values = param_values(params)
-        momentum = jax.tree.map(jnp.zeros_like, values) if b1 is not None else _nothing_like(values)
+        momentum = (
+            jax.tree.map(lambda x: jnp.zeros(x.shape, momentum_dtype(x.shape, x.dtype)), values)
+            if b1 is not None
+            else _nothing_like(values)
+        )
         return AdafactorState(_count_init(), v_row, v_col, v, momentum)
 
     def update(grads, state, params=None):
@@ -1307,11 +1355,13 @@ def adafactor_optimizer(
             r, c, v, v_hat = _adafactor_second_moment(
                 axes_of(info), jnp.square(g) + eps, r, c, v, beta
             )
-            u, m = _adafactor_direction(g, v_hat, m, clipping_threshold=clipping_threshold, b1=b1)
             step_size = lr_t
             if multiply_by_parameter_scale:  # A relative step: scaled by the parameter's RMS.
                 step_size = lr_t * jnp.maximum(eps_scale, _rms(p))
-            directions.append(step_size * u)
+            u, m = _adafactor_direction(
+                g, v_hat, m, step_size=step_size, clipping_threshold=clipping_threshold, b1=b1
+            )
+            directions.append(u)
             for states, x in ((new_r, r), (new_c, c), (new_v, v), (new_m, m)):
                 states.append(x)
         # The step size is already in `directions` (it may depend on the parameter).
@@ -1319,10 +1369,10 @@ def adafactor_optimizer(
             treedef.unflatten(directions),
             grads,
             params,
-            weight_decay=weight_decay,
+            weight_decay=weight_decay or 0.0,
             weight_decay_per_param_scale=weight_decay_per_param_scale,
             lr=1.0,
-            wd_multiplier=lr_t,
+            wd_multiplier=lr_t**exponent if weight_decay else 0.0,
             what="adafactor_optimizer",
         )
         if apply_scale_by_trust_ratio:
@@ -1344,7 +1394,15 @@ def adafactor_optimizer(
             lambda info: _state_spec(info),
             lambda info, axis: _state_spec(info, drop_axes=(axis,)),
         )
-        momentum = _like_params(param_specs) if b1 is not None else _nothing_like(param_specs)
+        _, treedef = _flatten_params(param_specs)
+        momentum = (
+            treedef.unflatten(
+                [_state_spec(info, dtype=momentum_dtype(info.shape, info.dtype))
+                 for info in _param_infos(param_specs)]
+            )
+            if b1 is not None
+            else _nothing_like(param_specs)
+        )
         return AdafactorState(_scalar_spec(), v_row, v_col, v, momentum)
 
     return PartitionedGradientTransformation(
@@ -1392,16 +1450,24 @@ def _adafactor_second_moment(
 
 
 def _adafactor_direction(
-    g: Tensor, v_hat: Tensor, m: Any, *, clipping_threshold: Optional[float], b1: Optional[float]
+    g: Tensor,
+    v_hat: Tensor,
+    m: Any,
+    *,
+    step_size: Tensor,
+    clipping_threshold: Optional[float],
+    b1: Optional[float],
 ):
-    """(update direction, new momentum state) of one parameter: g / sqrt(v_hat), clipped
-    to RMS `clipping_threshold`, then averaged into the momentum if `b1` is set."""
+    """(step before weight decay, new momentum state) of one parameter: g / sqrt(v_hat),
+    clipped to RMS `clipping_threshold`, times `step_size`, then averaged into the
+    momentum if `b1` is set."""
     u = g / jnp.sqrt(v_hat)
     if clipping_threshold is not None:
         u = u / jnp.maximum(1.0, _rms(u) / clipping_threshold)
-    if b1 is not None:
-        m = (b1 * m + (1 - b1) * u).astype(m.dtype)
-        u = m
+    u = step_size * u
+    if b1 is not None:  # The float32 average steps; m stores it in its dtype.
+        u = b1 * m.astype(jnp.float32) + (1 - b1) * u
+        m = u.astype(m.dtype)
     return u, m
 
 
@@ -1475,6 +1541,7 @@ class MuonState(NamedTuple):
     nu: Nested  # AdamW parameters: second moment; None elsewhere.
 
 
+@register_configurable
 def muon_optimizer(
     learning_rate: ScheduleLike,
     *,

@@ -27,6 +27,7 @@ from axlearn.common.config import (
     config_class,
     config_for_function,
     maybe_instantiate,
+    register_configurable,
 )
 from axlearn.common.module import (
     Module,
@@ -37,6 +38,7 @@ from axlearn.common.module import (
 from axlearn.common.utils import flatten_with_paths
 
 
+@register_configurable
 def _drop_by_regex(rules: Sequence[str]) -> Callable[[str], bool]:
     """A predicate on '/'-joined output-collection paths: True if any rule fully matches."""
     patterns = [re.compile(rule) for rule in rules]

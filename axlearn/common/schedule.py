@@ -26,7 +26,7 @@ from typing import Any, Optional, Union
 
 import jax.numpy as jnp
 
-from axlearn.common.config import ConfigError, InstantiableConfig
+from axlearn.common.config import ConfigError, InstantiableConfig, register_configurable
 
 Tensor = Any  # A jax or numpy scalar array.
 Schedule = Callable[[Union[int, Tensor]], Tensor]
@@ -51,6 +51,7 @@ def _as_float_step(step: Union[int, Tensor]) -> Tensor:
     return jnp.asarray(step, dtype=jnp.float32)
 
 
+@register_configurable
 def constant_schedule(value: float) -> Schedule:
     """`value` at every step."""
 
@@ -60,6 +61,7 @@ def constant_schedule(value: float) -> Schedule:
     return fn
 
 
+@register_configurable
 def polynomial(
     *,
     begin_step: int = 0,
@@ -82,6 +84,7 @@ def polynomial(
     return fn
 
 
+@register_configurable
 def exponential(
     *,
     begin_step: int = 0,
@@ -110,6 +113,7 @@ def exponential(
     return fn
 
 
+@register_configurable
 def linear(*, begin_step: int = 0, begin_value: float, end_step: int, end_value: float) -> Schedule:
     """A straight line from (begin_step, begin_value) to (end_step, end_value)."""
     return polynomial(
@@ -144,6 +148,7 @@ def _decay(fraction: Tensor, *, begin: float, end: float, decay_type: str) -> Te
     return end + (begin - end) * 0.5 * (1 + jnp.cos(math.pi * fraction))  # Cosine.
 
 
+@register_configurable
 def cosine_with_linear_warmup(
     peak_lr: float,
     *,
@@ -193,6 +198,7 @@ def _steps(value: Union[int, float], total: int, name: str) -> int:
     return value
 
 
+@register_configurable
 def warmup_stable_decay(
     peak_lr: float,
     *,
@@ -248,6 +254,7 @@ def warmup_stable_decay(
     return fn
 
 
+@register_configurable
 def cyclic_warmup_stable_decay(
     peak_lr: float,
     *,
@@ -298,6 +305,7 @@ def cyclic_warmup_stable_decay(
     return fn
 
 
+@register_configurable
 def inverse_sqrt(
     peak_lr: float,
     *,
@@ -324,6 +332,7 @@ def inverse_sqrt(
     return fn
 
 
+@register_configurable
 def adafactor_decay_rate(c: float = 0.8, step_offset: int = 0) -> Schedule:
     """Adafactor's second-moment decay `1 - (t + 1) ** -c` (Shazeer & Stern, 2018), where
     t counts updates already applied, so the first update (t=0) uses decay 0."""
@@ -335,6 +344,7 @@ def adafactor_decay_rate(c: float = 0.8, step_offset: int = 0) -> Schedule:
     return fn
 
 
+@register_configurable
 def adafactor(
     scale: float = 1.0,
     *,
@@ -357,6 +367,7 @@ def adafactor(
     return fn
 
 
+@register_configurable
 def decay_bias_correction(decay: float) -> Schedule:
     """Bias-corrected EMA decay (Shazeer & Stern, 2018, section 7.1):
     `decay * (1 - decay ** t) / (1 - decay ** (t + 1))` at step t.
@@ -381,6 +392,7 @@ def _check_start_steps(name: str, steps: Sequence[int]) -> None:
         raise ConfigError(f"{name} must be non-negative and non-decreasing, got {list(steps)}")
 
 
+@register_configurable
 def stepwise(sub: Sequence[ScheduleLike], start_step: Sequence[int]) -> Schedule:
     """Schedules in sequence: `sub[0]` from step 0, `sub[i]` from `start_step[i-1]` on,
     each called with the steps since its own start (so it does not depend on the others).
@@ -407,6 +419,7 @@ def stepwise(sub: Sequence[ScheduleLike], start_step: Sequence[int]) -> Schedule
     return fn
 
 
+@register_configurable
 def segment_wise(segments: Sequence[ScheduleLike], *, segment_steps: Sequence[int]) -> Schedule:
     """AXLearn's segment-wise schedule, whose steps count from 1: segment k serves steps
     `sum(segment_steps[:k]) + 1 .. sum(segment_steps[:k+1])` (the last one every step
@@ -444,6 +457,7 @@ def segment_wise(segments: Sequence[ScheduleLike], *, segment_steps: Sequence[in
     return fn
 
 
+@register_configurable
 def constant_with_linear_warmup(
     peak_lr: float, *, warmup_steps: int = 500, begin_value: float = 0.0
 ) -> Schedule:
@@ -458,6 +472,7 @@ def constant_with_linear_warmup(
     return fn
 
 
+@register_configurable
 def linear_schedule_with_warmup(
     peak_lr: float,
     *,
@@ -488,6 +503,7 @@ def linear_schedule_with_warmup(
     return fn
 
 
+@register_configurable
 def ema_schedule(decay: float = 0.9999, *, warmup_steps: int = 1) -> Schedule:
     """An EMA decay of `step / (step + 1)` (0, 1/2, 2/3, ...: the running mean) before
     `warmup_steps`, then `decay`."""

@@ -16,6 +16,7 @@ from axlearn.common.config import (
     ConfigModifier,
     Required,
     config_class,
+    config_for_function,
     get_recursively,
     set_recursively,
 )
@@ -301,4 +302,48 @@ class ReplaceLayerConfigModifier(ConfigModifier):
             raise ConfigError(
                 f"ReplaceLayerConfigModifier: the model config has no {target.__name__} config"
             )
+        return cfg
+
+
+class OptimizerStateDtypeModifier(ConfigModifier):
+    """Keeps parts of the optimizer's state in narrower dtypes between steps: the
+    optimizer config at `optimizer_path` is wrapped in one `optimizers.cast_optimizer_state`
+    per entry of `state_dtypes`, the first entry outermost (as
+    `adastar_learner_config(state_dtype={...})` builds it). Each update still computes in
+    float32; only what is carried to the next step is rounded.
+
+    A mesh rule for a card whose memory holds a model only in a compact state (gpt_7b on
+    one H200) sets it, so the same named config keeps float32 moments where they fit.
+    """
+
+    @config_class
+    class Config(ConfigModifier.Config):
+        """Configures OptimizerStateDtypeModifier."""
+
+        # {state path regex (cast_optimizer_state.state_paths): dtype}, e.g.
+        # {'gradient_square_ema': jnp.bfloat16, 'update_ema': jnp.float16} for Adastar.
+        state_dtypes: Required[dict[str, Any]] = REQUIRED
+        # The config path of the optimizer whose state is cast: the learner's optimizer
+        # inside its skip-and-clip wrapper for the GPT configs.
+        optimizer_path: str = "learner.optimizer.inner"
+
+    def __call__(self, cfg):
+        # pylint: disable-next=import-outside-toplevel
+        from axlearn.common.optimizers import cast_optimizer_state
+
+        modifier = self.config
+        path = modifier.optimizer_path
+        if not modifier.state_dtypes:
+            raise ConfigError("OptimizerStateDtypeModifier.state_dtypes: give at least one entry")
+        try:
+            inner = get_recursively(cfg, path)
+        except (AttributeError, KeyError, ConfigError) as e:
+            raise ConfigError(f"OptimizerStateDtypeModifier: no optimizer config at '{path}'") from e
+        if not isinstance(inner, ConfigBase) or not hasattr(inner, "instantiate"):
+            raise ConfigError(f"OptimizerStateDtypeModifier: '{path}' is not an optimizer config")
+        for state_paths, dtype in reversed(list(modifier.state_dtypes.items())):
+            inner = config_for_function(cast_optimizer_state).set(
+                inner=inner, dtype=dtype, state_paths=state_paths
+            )
+        set_recursively(cfg, path, inner)
         return cfg

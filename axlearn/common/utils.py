@@ -7,7 +7,8 @@ by '/' (`{'a': {'b': [x, y]}}` holds 'a/b/0' and 'a/b/1'): the names that checkp
 parameter regexes and golden `_init` lines use. Leaves come in jax's flatten order (dict
 keys sorted), and None is an empty subtree, as in `jax.tree_util`.
 
-This module is the bottom of the library's layering: it imports no other axlearn module.
+This module is the bottom of the library's layering: of axlearn it imports only `config`
+(pure Python), whose `register_configurable` lets config text name the policies.
 """
 
 import re
@@ -16,6 +17,8 @@ from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+
+from axlearn.common.config import register_configurable
 
 
 def _key_str(key: Any) -> str:
@@ -96,6 +99,7 @@ def _remat_types():
     return partial_eval.Saveable, partial_eval.Recompute, partial_eval.Offloadable
 
 
+@register_configurable
 def save_and_offload_only_these_names_regex(
     *,
     names_which_can_be_saved: Optional[str],
@@ -122,6 +126,7 @@ def save_and_offload_only_these_names_regex(
     return policy
 
 
+@register_configurable
 def offload_dots_with_no_batch_dims(prim: Any, *_, **params) -> Any:
     """A remat policy: offload the output of every matmul without batch dimensions (x @ W:
     the attention projections and the feed-forward layers) from device to pinned host
@@ -148,6 +153,7 @@ def _remat_type(decision: Any) -> Any:
     return decision
 
 
+@register_configurable
 def combine_fn(p1: Any, p2: Any, *, prim: Any, args: tuple, kwargs: dict) -> Any:
     """How `combine_remat_policies` joins two decisions by default: whichever does not
     recompute wins; two different non-recompute decisions (save vs offload) are an error."""
@@ -163,6 +169,7 @@ def combine_fn(p1: Any, p2: Any, *, prim: Any, args: tuple, kwargs: dict) -> Any
     )
 
 
+@register_configurable
 def combine_remat_policies(
     policy_1: Union[Callable, Any],
     policy_2: Union[Callable, Any],

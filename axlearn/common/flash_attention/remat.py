@@ -8,8 +8,10 @@ the policy saves nothing there.
 
 # pylint: disable-next=protected-access
 from axlearn.common.attention import _CUDNN_ATTENTION_FORWARD
+from axlearn.common.config import register_configurable
 
 
+@register_configurable
 def policy(prim, *args, **params) -> bool:
     """True (save) for the outputs of the flash-attention forward kernel."""
     del args, params

@@ -13,6 +13,7 @@ All of them have `encode`, `decode`, `vocab_size` and `eos_id`; ids 0 and 1 are 
 
 from typing import Any, Optional
 
+from axlearn.common.config import register_configurable
 from axlearn.common.input_vocab import (
     BYTES_VOCAB_NAME,
     ByteVocabulary,
@@ -22,6 +23,7 @@ from axlearn.common.input_vocab import (
 )
 
 
+@register_configurable
 def vocab(sentencepiece_model_name: str, num_extra_ids: Optional[int] = None) -> Any:
     """The vocabulary named `sentencepiece_model_name` ('bytes' or a model file name).
 

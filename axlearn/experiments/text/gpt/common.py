@@ -29,7 +29,12 @@ from axlearn.common.checkpointer import (
     TensorStoreStateStorage,
     every_n_steps_and_last_policy,
 )
-from axlearn.common.config import ConfigBase, ConfigError, config_for_function
+from axlearn.common.config import (
+    ConfigBase,
+    ConfigError,
+    config_for_function,
+    register_configurable,
+)
 from axlearn.common.decoder import Decoder
 from axlearn.common.evaler import ModelSummaryAccumulator, SpmdEvaler, every_n_steps_policy
 from axlearn.common.input_tf_data import (
@@ -68,6 +73,7 @@ from axlearn.common.trainer_config_modifier import (
 from axlearn.experiments.text.common import vocab
 
 
+@register_configurable
 def tfds_input(
     *,
     dataset_name: str,
@@ -114,6 +120,7 @@ def tfds_input(
 DATA_MIXTURE_COMPONENT_KEYS = ("name", "weight", "shuffle_buffer_size", "split", "info")
 
 
+@register_configurable
 def mixture_train_input_source(
     *,
     is_training: Optional[bool] = None,
@@ -190,6 +197,7 @@ FSDP_AXIS_NAMES = ("expert", "fsdp", "seq")
 ACTIVATION_PARTITION_SPEC = (MODEL_BATCH_AXIS_NAMES, "seq", "model")
 
 
+@register_configurable
 def scale_fn(
     input_dim: Optional[int] = None, *, scale: float, round_up_to_multiples_of: int = 1
 ) -> int:

@@ -33,7 +33,12 @@ from axlearn.common.attention import (
     TransformerLayer,
     build_remat_spec,
 )
-from axlearn.common.config import ConfigBase, ConfigError, config_for_function
+from axlearn.common.config import (
+    ConfigBase,
+    ConfigError,
+    config_for_function,
+    register_configurable,
+)
 from axlearn.common.flash_attention import remat as flash_remat
 from axlearn.common.flash_attention.layer import FlashBlockSizeModifier
 from axlearn.common.kv_cache.kv_cache import KVCache
@@ -70,12 +75,14 @@ _OFFLOAD_ATTENTION_PROJ = save_and_offload_only_these_names_regex(
 )
 
 
+@register_configurable
 def offload_dots_saveable_policy(prim, *args, **params):
     """Remat policy: offload the outputs of matmuls without batch dimensions to host memory
     and recompute everything else."""
     return _OFFLOAD_DOTS(prim, *args, **params)
 
 
+@register_configurable
 def offload_attention_proj_policy(prim, *args, **params):
     """Remat policy: offload the q/k/v projections to host memory, recompute the rest."""
     return _OFFLOAD_ATTENTION_PROJ(prim, *args, **params)
