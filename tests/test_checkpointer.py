@@ -364,6 +364,20 @@ def test_step_directory_without_index_is_never_restored(make_checkpointer, tmp_p
     _assert_trees_equal(restored, _random_state(1))
 
 
+def test_a_save_cut_short_is_removed_at_restore_with_one_line(make_checkpointer, tmp_path, caplog):
+    checkpointer = make_checkpointer(keep_last_n=5)
+    checkpointer.save(1, _random_state(1))
+    checkpointer.wait_until_finished()
+    torn = tmp_path / "ckpt" / step_dir_name(2)
+    torn.mkdir()
+    (torn / "model").write_bytes(b"half a chunk")  # As if killed before its commit.
+    with caplog.at_level(logging.WARNING, logger="axlearn.common.checkpointer"):
+        step, _, _ = checkpointer.restore(state=_template(_random_state(0)))
+    assert step == 1 and not torn.exists()
+    (line,) = [r.getMessage() for r in caplog.records if step_dir_name(2) in r.getMessage()]
+    assert f"no {INDEX_FILE}" in line and "removed" in line and "step is 1" in line
+
+
 def test_truncated_chunk_falls_back_to_previous_step_with_warning(
     make_checkpointer, tmp_path, caplog
 ):

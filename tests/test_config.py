@@ -3,7 +3,8 @@
 import json
 import subprocess
 import sys
-from typing import Optional
+from collections.abc import Sequence
+from typing import Optional, Union
 
 import pytest
 
@@ -19,6 +20,7 @@ from axlearn.common.config import (
     config_class,
     config_for_class,
     config_for_function,
+    describe_annotation,
     get_recursively,
     maybe_instantiate,
     register_configurable,
@@ -241,7 +243,7 @@ def test_apply_overrides_literals_and_type_checks():
 
     assert cfg.leaf.eps == 3e-4 and cfg.fn.b == 3.0 and isinstance(cfg.fn.b, float)
     assert cfg.spec[0][1] == "data" and cfg.leaf.dtype is jnp.float32
-    with pytest.raises(ConfigError, match=r"leaf.eps: expected float, got 'big' \(str\)"):
+    with pytest.raises(ConfigError, match=r"leaf.eps: expected a number, got 'big' \(a str\)"):
         apply_overrides(cfg, ["leaf.eps='big'"])
     with pytest.raises(UnknownFieldError, match="did you mean: eps"):
         apply_overrides(cfg, ["leaf.epsilon=1.0"])
@@ -737,3 +739,18 @@ def test_config_for_partial_function_binds_arguments_and_dumps_as_axlearns():
 def test_config_for_class_of_functools_partial_is_the_partial_function_config():
     cfg = config_for_class(__import__("functools").partial).set(args=(pow,), kwargs={"exp": 2})
     assert isinstance(cfg, config_lib.PartialFunctionConfig) and cfg.instantiate()(3) == 9
+
+
+@pytest.mark.parametrize(
+    "annotation,words",
+    [
+        (Required[int], "an int"),
+        (Optional[float], "a number or None"),
+        (Required[Optional[str]], "a string or None"),
+        (bool, "True or False"),
+        (Sequence[str], "a list of a string"),
+        (Union[str, Sequence[str]], "a string or a list of a string"),
+    ],
+)
+def test_a_field_type_is_described_in_a_user_s_words(annotation, words):
+    assert describe_annotation(annotation) == words

@@ -123,6 +123,13 @@ def test_vocabulary_name_mismatch_is_rejected(tmp_path):
         _input([path], is_training=True, vocab_name="spm.model")
 
 
+def test_vocabulary_larger_than_the_model_names_the_override_that_fixes_it(tmp_path):
+    path = _write(tmp_path)
+    with pytest.raises(TokenShardError) as e:
+        _input([path], is_training=True, model_vocab_size=256)
+    assert "--config_override=model.decoder.vocab_size=259 (or larger)" in str(e.value)
+
+
 def test_vocabulary_larger_than_the_model_is_rejected(tmp_path):
     path = _write(tmp_path)
     message = r"s.tok: vocabulary 'bytes' has 259 ids, more than the model's vocab_size 256"

@@ -319,6 +319,23 @@ def test_command_reports_bad_input_in_one_line_and_fails(tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.slow
+def test_the_command_off_a_terminal_prints_no_blank_line_and_ends_with_its_throughput(tmp_path):
+    texts = _texts(700, seed=5)
+    inputs = _write_jsonl(tmp_path / "in.jsonl", texts)
+    result = subprocess.run(
+        [sys.executable, "-m", "axlearn.common.input_tokens", "build", "--num_workers=2",
+         "--validation_fraction=0.1", f"--output={tmp_path}/out/", inputs],
+        capture_output=True, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    for stream in (result.stdout, result.stderr):
+        assert stream.endswith("\n") and "" not in stream[:-1].split("\n")
+    tokens = sum(len(_byte_ids(text)) for text in texts)
+    assert result.stderr.splitlines()[-1].startswith(f"tokenized: {tokens:,} tokens, ")
+
+
 # ----- every core, same bytes -----
 
 
@@ -343,8 +360,29 @@ def test_rebuild_replaces_the_older_shards_of_its_prefix(tmp_path):
     main(["build", "--tokens_per_shard=100", f"--output={tmp_path}/out/train", inputs])
     assert len(_listing(tmp_path / "out")) > 2
     other.write_bytes(b"another prefix's file")
-    main(["build", f"--output={tmp_path}/out/train", inputs])
+    main(["build", "--overwrite", f"--output={tmp_path}/out/train", inputs])
     assert _listing(tmp_path / "out") == ["other-00005.tok", "train-00000.tok"]
+
+
+def test_build_into_an_output_holding_shards_is_refused_without_overwrite(tmp_path):
+    inputs = _write_jsonl(tmp_path / "in.jsonl", _texts(10, seed=7))
+    main(["build", f"--output={tmp_path}/out/", inputs])
+    before = (tmp_path / "out" / "train-00000.tok").read_bytes()
+    other = _write_jsonl(tmp_path / "other.jsonl", _texts(10, seed=8))
+    with pytest.raises(InputError, match=r"already holds the shards of a build .*--overwrite"):
+        main(["build", f"--output={tmp_path}/out/", other])
+    assert (tmp_path / "out" / "train-00000.tok").read_bytes() == before
+
+
+def test_overwrite_also_removes_the_old_validation_split(tmp_path):
+    inputs = _write_jsonl(tmp_path / "in.jsonl", _texts(10, seed=7))
+    held_out = _write_jsonl(tmp_path / "held.jsonl", _texts(5, seed=9))
+    main(["build", f"--output={tmp_path}/out/", inputs, "--validation_files", held_out])
+    assert _listing(tmp_path / "out") == ["train-00000.tok", "validation-00000.tok"]
+    texts = _texts(10, seed=8)
+    main(["build", "--overwrite", f"--output={tmp_path}/out/", _write_jsonl(tmp_path / "b.jsonl", texts)])
+    assert _listing(tmp_path / "out") == ["train-00000.tok"]
+    assert _documents(tmp_path / "out" / "train-00000.tok") == [_byte_ids(t) for t in texts]
 
 
 # ----- validation splits -----
@@ -401,7 +439,9 @@ def test_model_vocab_smaller_than_the_shards_vocabulary_names_both_sizes(tmp_pat
     )
     message = (
         rf"train-00000.tok: vocabulary 'llama_style.model' has {size} ids, more than the model's "
-        rf"vocab_size {size - 1}$"
+        rf"vocab_size {size - 1}; raise the model's with "
+        rf"--config_override=model\.decoder\.vocab_size={size} \(or larger\), or build the "
+        r"shards with the model's vocabulary$"
     )
     with pytest.raises(TokenShardError, match=message):
         cfg.instantiate(parent=None)
@@ -441,10 +481,27 @@ def test_a_build_off_a_terminal_prints_progress_lines_counting_its_tokens(tmp_pa
         progress_stream=stream,
     )
     lines = stream.getvalue().splitlines()
-    assert len(lines) >= 2 and all(line.startswith("tokenizing: ") for line in lines)
-    tokens = sum(TokenShard(p).header.num_tokens for p in summary.paths["train"])
-    assert lines[-1].startswith(f"tokenizing: {tokens:,} tokens, ")
-    assert f", {len(texts):,} documents" in lines[-1] and " tok/s, " in lines[-1]
+    assert len(lines) >= 3 and all(line.startswith("tokenizing: ") for line in lines[:-1])
+    tokens = sum(len(_byte_ids(text)) for text in texts)  # Each with its EOS.
+    assert lines[-2].startswith(f"tokenizing: {tokens:,} tokens, ")
+
+
+def test_a_build_off_a_terminal_ends_with_its_throughput_and_no_blank_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("AXLEARN_PROGRESS_BARS", raising=False)
+    stream = io.StringIO()  # No terminal; no line before the interval.
+    texts = _texts(50, seed=3)
+    build_splits(
+        ((text, "train") for text in texts),
+        vocab=load_vocabulary("bytes"),
+        prefixes={"train": str(tmp_path / "train")},
+        progress=True,
+        progress_stream=stream,
+    )
+    tokens = sum(len(_byte_ids(text)) for text in texts)
+    text = stream.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")
+    assert text.startswith(f"tokenized: {tokens:,} tokens, ") and " tok/s, " in text
+    assert f", {len(texts):,} documents, " in text
 
 
 def test_the_build_command_stores_its_tokenizer_where_a_run_finds_it(tmp_path):

@@ -185,8 +185,10 @@ def test_config_overrides_are_repeatable_and_applied_in_order(capsys):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("max_step='many'", "max_step: expected Union\\[int, .*got 'many'"),
-        ("save_input_iterator=1", "save_input_iterator: expected bool"),
+        ("max_step='many'", "max_step: expected an int, got 'many'"),
+        ("save_input_iterator=1", "save_input_iterator: expected True or False"),
+        ("model.decoder.dim=1.5", r"model\.decoder\.dim: expected an int, got 1\.5 \(a float\)$"),
+        ("max_step=0", r"--config_override=max_step=0: max_step must be a positive int"),
         ("max_steps=3", "no field 'max_steps'.*max_step"),
         ("max_step", "is not of the form path=value"),
     ],
@@ -984,3 +986,34 @@ def test_a_checkpoint_that_cannot_be_restored_stops_the_run_with_one_line(
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("launch_trainer_main: ") and message in last
     assert "Move the bad step directories out of" in last
+
+
+# ----- trackers -----
+
+
+@pytest.mark.slow
+def test_trackers_flag_logs_a_run_to_wandb_offline_and_a_restart_continues_it(tmp_path):
+    from tests import test_summary_writer  # pylint: disable=import-outside-toplevel
+
+    trainer_dir = tmp_path / "run"
+    env = {"WANDB_MODE": "offline"}
+    for max_step in (2, 3):
+        result = _main(
+            *TINY_RUN, f"--trainer_dir={trainer_dir}", f"--config_override=max_step={max_step}",
+            "--trackers=tensorboard,jsonl,wandb", env=env,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    run_id = (trainer_dir / "wandb_run_id").read_text()
+    files = sorted((trainer_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(files) == 2  # The restart logged on into the same run.
+    histories = [test_summary_writer._history(test_summary_writer._finished_wandb_records(f))
+                 for f in files]
+    assert sorted(histories[0]) == [1, 2] and sorted(histories[1]) == [3]
+    assert all("train/loss" in histories[0][step] for step in (1, 2))
+    records = test_summary_writer._finished_wandb_records(files[0])
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert config["max_step"] == "2" and config["model.decoder.dim"] == "128"
+    # The other trackers wrote as well.
+    assert (trainer_dir / "summaries" / "train" / "metrics.jsonl").exists()
+    assert list((trainer_dir / "summaries" / "train").glob("events.out.tfevents.*"))

@@ -2,6 +2,7 @@
 and the system's error, STORAGE_EXIT_CODE, no traceback. Real processes; as root (whom
 file modes do not stop) the launcher runs as user nobody, through setpriv."""
 
+import errno
 import os
 import shutil
 import pathlib
@@ -140,3 +141,51 @@ def test_a_full_disk_is_a_storage_exit(tmp_path):
     error = OSError(28, "No space left on device")
     status, line = exit_for(error, trainer_dir=str(tmp_path / "run"))
     assert status == STORAGE_EXIT_CODE and "No space left on device" in line
+
+
+# ----- a trainer directory that cannot be made -----
+
+
+def test_a_trainer_dir_under_a_file_is_a_storage_exit_naming_the_file(tmp_path):
+    from axlearn.common import run_record  # pylint: disable=import-outside-toplevel
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(run_record.TrainerDirNotWritableError) as e:
+        run_record.check_trainer_dir(str(blocker / "run" / "a"))
+    status, line = exit_for(e.value, trainer_dir=str(blocker / "run" / "a"))
+    assert status == STORAGE_EXIT_CODE
+    assert line.endswith(f"cannot create the directory: {blocker} is a file, not a directory")
+
+
+def test_a_trainer_dir_on_a_read_only_file_system_says_so(tmp_path, monkeypatch):
+    from axlearn.common import run_record  # pylint: disable=import-outside-toplevel
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), kwargs.get("dir") or args[0])
+
+    monkeypatch.setattr(os, "makedirs", read_only)
+    with pytest.raises(run_record.TrainerDirNotWritableError, match="Read-only file system"):
+        run_record.check_trainer_dir(str(tmp_path / "new"))
+    monkeypatch.undo()
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)  # An existing directory there.
+    with pytest.raises(run_record.TrainerDirNotWritableError) as e:
+        run_record.check_trainer_dir(str(tmp_path))
+    assert "Read-only file system" in str(e.value) and "Permission" not in str(e.value)
+    assert exit_for(e.value, trainer_dir=str(tmp_path))[0] == STORAGE_EXIT_CODE
+
+
+@pytest.mark.slow
+def test_the_launcher_exits_74_on_a_trainer_dir_under_a_file(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = subprocess.run(
+        [sys.executable, "-m", "axlearn.common.launch_trainer_main", "--config=gpt_test",
+         "--data_dir=FAKE", f"--trainer_dir={blocker / 'run'}", "--jax_backend=cpu"],
+        cwd=REPO, env=fresh_env(1), capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == STORAGE_EXIT_CODE, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"launch_trainer_main: --trainer_dir={blocker / 'run'}: cannot create the directory: "
+        f"{blocker} is a file, not a directory"
+    )

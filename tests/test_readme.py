@@ -1,10 +1,12 @@
 """The README's examples do what it says: the experiment of "Write an experiment" is a
-named config with its own line in --list_configs."""
+named config with its own line in --list_configs; the tests that need the reference files
+are found where it says."""
 
 import os
 import re
 
 from axlearn.common import experiment_registry
+from tests import reference_spec, test_axlearn_goldens
 from tests.fresh_python import REPO
 
 
@@ -27,3 +29,13 @@ def test_the_readme_experiment_is_listed_with_its_description(tmp_path, monkeypa
     assert builder().model.decoder.dim == 256
     description = experiment_registry.config_description("mine", "gpt_test_wide", builder)
     assert description == "gpt_test with a model twice as wide."
+
+
+def test_the_readme_says_where_the_reference_files_of_the_skipped_tests_go():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    # The names and places the tests look for (reference_spec.shared_path).
+    assert f"`spec/{reference_spec.NAME}`" in text and "`axlearn_goldens/`" in text
+    assert "`../shared/`" in text
+    assert f"`{reference_spec.SPEC_ENV}=FILE`" in text
+    assert f"`{test_axlearn_goldens.GOLDENS_ENV}=DIR`" in text

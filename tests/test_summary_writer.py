@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -207,3 +208,138 @@ def test_dropping_records_after_the_files_opened_is_an_error(tmp_path):
     with pytest.raises(RuntimeError, match="drop_records_after"):
         writer.drop_records_after(0)
     writer.close()
+
+
+# ----- trackers: several at once, W&B -----
+
+
+def test_an_unknown_tracker_is_an_error_naming_the_field_and_a_close_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"summary_writer.trackers: unknown tracker 'wandbb' "
+                       r"\(did you mean 'wandb'\?\)"):
+        _writer(tmp_path, trackers=["jsonl", "wandbb"])
+
+
+def test_only_the_chosen_trackers_write(tmp_path):
+    writer = _writer(tmp_path, trackers=["jsonl"])
+    writer(1, {"loss": 0.5})
+    writer.close()
+    assert os.listdir(tmp_path) == [JSONL_FILE_NAME]
+
+
+class _BrokenRun:
+    """A W&B run whose every log fails, as one that lost its connection."""
+
+    settings = None
+
+    def __init__(self):
+        self.calls = 0
+
+    def log(self, values, step):
+        self.calls += 1
+        raise ConnectionError("the W&B server went away\nand more")
+
+
+def test_a_tracker_that_fails_warns_once_and_the_others_write_on(tmp_path, monkeypatch, caplog):
+    broken = _BrokenRun()
+    monkeypatch.setattr(
+        summary_writer_lib._WandbRun, "_start", lambda self, config: setattr(self, "_run", broken)
+    )
+    writer = _writer(tmp_path, trackers=["jsonl", "wandb"], run_dir=str(tmp_path / "run"))
+    for step in (1, 2, 3):
+        writer(step, {"loss": float(step)})
+    writer.close()
+    summary_writer_lib.finish_wandb_runs()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "ConnectionError: the W&B server went away" in warnings[0]
+    assert "training goes on" in warnings[0] and broken.calls == 1
+    assert [r["step"] for r in _jsonl(tmp_path)] == [1, 2, 3]
+
+
+def _wandb_records(path) -> list:
+    """The records of a W&B run file (`run-ID.wandb`), parsed with wandb's own protos:
+    LevelDB-log framing (32 KiB blocks; records of a 7-byte header, crc32 length type, and
+    data; a record split over blocks as first, middle, last) after a 7-byte file header."""
+    from wandb.proto import wandb_internal_pb2  # pylint: disable=import-outside-toplevel
+
+    data, block, pos = path.read_bytes(), 32768, 7
+    assert data[:4] == b":W&B"
+    records, pending = [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # A block's tail too short for a header is padding.
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if kind == 0:
+            break
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # Full, or the last piece.
+            records.append(wandb_internal_pb2.Record.FromString(pending))
+            pending = b""
+    return records
+
+
+def _finished_wandb_records(path) -> list:
+    """`_wandb_records` once the run file ends with its exit record: wandb's service
+    finishes writing the file after `finish()` returns."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            records = _wandb_records(path)
+        except Exception:  # pylint: disable=broad-except  (a record still being written)
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"{path} has no exit record"
+        time.sleep(0.1)
+
+
+def _wandb_run_files(run_dir) -> list:
+    return sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def _history(records) -> dict[int, dict[str, object]]:
+    """Step -> {key: value} of the history records."""
+    steps = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                     for item in record.history.item}
+            steps[items.pop("_step")] = {k: v for k, v in items.items() if not k.startswith("_")}
+    return steps
+
+
+@pytest.mark.slow
+def test_wandb_offline_files_hold_the_scalars_and_the_config_and_a_resume_appends(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = dict(trackers=["jsonl", "wandb"], run_dir=str(run_dir), write_every_n_steps=1)
+    writer = _writer(run_dir / "summaries" / "train", **config)
+    writer(1, {"loss": 2.5, "learner": {"lr": np.float32(0.125)}, "note": "first"})
+    writer(2, {"loss": 2.0, "learner": {"lr": np.float32(0.25)}})
+    summary_writer_lib.finish_wandb_runs()
+    run_id = (run_dir / summary_writer_lib.WANDB_RUN_ID_FILE).read_text()
+    (first,) = _wandb_run_files(run_dir)
+    assert first.name == f"run-{run_id}.wandb"
+    records = _finished_wandb_records(first)
+    assert _history(records) == {
+        1: {"train/loss": 2.5, "train/learner/lr": 0.125, "train/note": "first"},
+        2: {"train/loss": 2.0, "train/learner/lr": 0.25},
+    }
+    # The config: the root module's golden text lines (here the writer's own).
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    recorded = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert recorded["write_every_n_steps"] == "1"
+    assert recorded["klass"] == "'axlearn.common.summary_writer.SummaryWriter'"
+
+    # A restart of the run: a new writer logs on into the same W&B run.
+    writer = _writer(run_dir / "summaries" / "train", **config)
+    writer(3, {"loss": 1.5})
+    summary_writer_lib.finish_wandb_runs()
+    files = _wandb_run_files(run_dir)
+    assert len(files) == 2 and all(f.name == f"run-{run_id}.wandb" for f in files)
+    resumed = [f for f in files if f != first][0]
+    assert _history(_finished_wandb_records(resumed)) == {3: {"train/loss": 1.5}}

@@ -14,8 +14,26 @@ _TOOLS = sorted(p.stem for p in (pathlib.Path(REPO) / "tools").glob("*.py"))
 def test_the_tools_are_the_maintained_ones():
     assert _TOOLS == [
         "attention_check", "checkpoint_check", "generate_bench", "kernel_check", "matmul_check",
-        "op_profile", "peft_bench", "step_breakdown", "sweep_7b",
+        "op_profile", "peft_bench", "start_time", "step_breakdown", "sweep_7b",
     ]
+
+
+@pytest.mark.slow
+def test_start_time_times_a_cold_start_and_two_that_load_the_train_step_from_the_cache(tmp_path):
+    env = fresh_env(1)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # The tool's starts share a cache of their own.
+    proc = subprocess.run(
+        [sys.executable, "tools/start_time.py", "--config=gpt_test", "--max_step=50",
+         f"--workdir={tmp_path / 'work'}", "--config_override=input.global_batch_size=2",
+         "--config_override=input.max_sequence_length=16", "--config_override=evalers={}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = proc.stdout.splitlines()[-3:]
+    assert rows[0].startswith("cold (empty cache)") and "(not in the compilation cache)" in rows[0]
+    for row, name in zip(rows[1:], ("warm: restart of the run", "warm: new run, same config")):
+        assert row.startswith(name) and "% of cold" in row
+        assert row.endswith("(loaded from the compilation cache)")
 
 
 @pytest.mark.slow

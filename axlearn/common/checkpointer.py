@@ -1021,6 +1021,31 @@ class Checkpointer(Module):
                 return step
         return None
 
+    def remove_unfinished_saves(self) -> list[int]:
+        """Removes the step directories without an index, the saves that a kill or crash cut
+        short (none of this checkpointer's is running: `restore` calls it after waiting),
+        saying so in one warning line; returns their steps. Process 0 removes them; every
+        process returns the same steps."""
+        self.wait_until_finished()
+        unfinished = {
+            step: path
+            for step, path in _step_dirs(self._dir).items()
+            if not file_system.isfile(file_system.join(path, INDEX_FILE))
+        }
+        if not unfinished:
+            return []
+        names = ", ".join(step_dir_name(step) for step in sorted(unfinished))
+        _log.warning(
+            "%s in %s: no %s, a save that a kill or crash cut short; removed (the newest "
+            "committed step is %s)",
+            names, self._dir, INDEX_FILE,
+            self.latest_committed_step() if self.committed_steps() else "none (a fresh start)",
+        )
+        if jax.process_index() == 0:
+            for path in unfinished.values():
+                file_system.rmtree(path, ignore_errors=True)
+        return sorted(unfinished)
+
     # --- restore ---
 
     def restore(
@@ -1040,6 +1065,7 @@ class Checkpointer(Module):
         it is not committed or fails its checks.
         """
         self.wait_until_finished()
+        self.remove_unfinished_saves()
         if step is not None:
             step_dir = file_system.join(self._dir, step_dir_name(step))
             if not file_system.isfile(file_system.join(step_dir, INDEX_FILE)):

@@ -1390,8 +1390,8 @@ def _coerce_override(field_path: str, field: Optional[ConfigField], current: Any
         return import_name(value, where=f"{field_path}: ")
     if field is not None and not _type_matches(value, field.annotation):
         raise InvalidConfigValueError(
-            f"{field_path}: expected {_annotation_str(field.annotation)}, "
-            f"got {value!r} ({type(value).__name__})"
+            f"{field_path}: expected {describe_annotation(field.annotation)}, "
+            f"got {value!r} ({_article(type(value).__name__)})"
         )
     if field is not None and field.annotation is float and isinstance(value, int):
         return float(value)
@@ -1402,6 +1402,41 @@ def _annotation_str(annotation: Any) -> str:
     if isinstance(annotation, type):
         return annotation.__name__
     return str(annotation).replace("typing.", "")
+
+
+def _article(noun: str) -> str:
+    return f"an {noun}" if noun[:1] in "aeiouAEIOU" else f"a {noun}"
+
+
+# How a user reads the plain types of a field (an override's value is a Python literal).
+_PLAIN_TYPES = {int: "an int", float: "a number", bool: "True or False", str: "a string"}
+
+
+def describe_annotation(annotation: Any) -> str:
+    """A field's type in a user's words: `Required[int]` -> 'an int', `Optional[float]` ->
+    'a number or None', `Sequence[str]` -> 'a list of a string'...; no internal names
+    (REQUIRED's marker type is left out: it is no value to give)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, getattr(types, "UnionType", Union)):
+        arms = [a for a in args if a is not RequiredFieldValue]
+        named = [describe_annotation(a) for a in arms if a is not type(None)]
+        if type(None) in arms:
+            named.append("None")
+        return " or ".join(dict.fromkeys(named)) if named else "REQUIRED"
+    if annotation is type(None):
+        return "None"
+    if annotation in _PLAIN_TYPES:
+        return _PLAIN_TYPES[annotation]
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (list, tuple, Sequence, typing.Sequence) or annotation in (list, tuple):
+        item = args[0] if args and (origin is not tuple or args[-1] is Ellipsis) else None
+        return f"a list of {describe_annotation(item)}" if item not in (None, Any) else "a list"
+    if origin in (dict, Mapping, typing.Mapping) or annotation is dict:
+        return "a dict"
+    if isinstance(annotation, type) and issubclass(annotation, ConfigBase):
+        return f"a config ({annotation.__qualname__})"
+    return _annotation_str(annotation)
 
 
 def apply_overrides(cfg: C, overrides: Iterable[str]) -> C:

@@ -795,10 +795,12 @@ def _read_prompts(fv: flags.FlagValues) -> list[str]:
     return prompts
 
 
-def run(fv: flags.FlagValues, out=None) -> GenerationStats:
-    """The command: loads the model, generates, prints completions (streamed if asked),
-    the time to the first token and tokens/s."""
+def run(fv: flags.FlagValues, out=None, err=None) -> GenerationStats:
+    """The command: loads the model, generates, prints completions (streamed if asked) to
+    `out` (stdout: the text alone, for a pipe), and the time to the first token and
+    tokens/s to `err` (stderr)."""
     out = out or sys.stdout
+    err = err or sys.stderr
     prompts = _read_prompts(fv)
     if fv.trainer_dir:
         generator, tokenizer = from_trainer_dir(
@@ -834,14 +836,15 @@ def run(fv: flags.FlagValues, out=None) -> GenerationStats:
         for prompt_ids, new in zip(ids, outputs):
             out.write(decode_completion(vocab, prompt_ids, new, generator.eos_ids) + "\n\n")
     devices = 1 if generator.mesh is None else generator.mesh.size
-    out.write(
+    out.flush()
+    err.write(
         f"{stats.new_tokens} tokens generated in {stats.decode_seconds:.2f} s: "
         f"{stats.tokens_per_second:,.1f} tokens/s (batch {fv.batch_size}, {devices} device(s); "
         f"first token after {stats.first_token_seconds * 1000:,.1f} ms, then "
         f"{stats.decode_tokens_per_second:,.1f} tokens/s; compile and warm-up "
         f"{stats.compile_seconds:.1f} s apart)\n"
     )
-    out.flush()
+    err.flush()
     return stats
 
 

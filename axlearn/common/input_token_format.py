@@ -357,9 +357,17 @@ class TokenShard:
             raise TokenShardError(
                 f"{self.path}: vocabulary '{header.vocab_name}' has {header.vocab_size} ids, more "
                 f"than the model's vocab_size {model_vocab_size} (shard vocabulary "
-                f"{self.vocabulary.describe()}; build the shards with the model's vocabulary or "
-                "raise the model's vocab_size)"
+                f"{self.vocabulary.describe()}); {vocab_size_remedy(header.vocab_size)}"
             )
+
+
+def vocab_size_remedy(shard_vocab_size: int) -> str:
+    """What fixes shards whose vocabulary has more ids than the model: the launcher's
+    override of the model's vocab_size (the inputs' copies follow it), or other shards."""
+    return (
+        f"raise the model's with --config_override=model.decoder.vocab_size={shard_vocab_size} "
+        "(or larger), or build the shards with the model's vocabulary"
+    )
 
 
 def read_manifest(data: bytes, header: ShardHeader, *, path: str) -> VocabularyRecord:

@@ -48,7 +48,9 @@ Commands:
         line (or Parquet row); a failed or interrupted build leaves nothing behind. The
         tokenizer file is copied into DIR, where generate and export find it from a run's
         data paths. Progress: a bar with the token rate on a terminal, else a line every
-        PROGRESS_INTERVAL_S seconds.
+        PROGRESS_INTERVAL_S seconds; either way a closing line with the whole build's
+        tokens and rate. An --output already holding shards is refused unless
+        --overwrite, which replaces both splits' shards there.
 
     ... build --chat --vocab=HF_DIR [--train_on=assistant|all|last_turn]
           [--chat_template=FILE] --output=DIR/ FILE.jsonl...
@@ -73,6 +75,7 @@ import io
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -102,6 +105,7 @@ from axlearn.common.input_token_format import (
     VocabularyRecord,
     decode_header,
     expand_paths,
+    vocab_size_remedy,
     write_shard,
 )
 from axlearn.common.input_vocab import (
@@ -600,7 +604,8 @@ def check_vocabulary(
     if model_vocab_size is not None and header.vocab_size > model_vocab_size:
         raise TokenShardError(
             f"{path}: vocabulary '{header.vocab_name}' has {header.vocab_size} ids, more "
-            f"than the model's vocab_size {model_vocab_size}"
+            f"than the model's vocab_size {model_vocab_size}; "
+            f"{vocab_size_remedy(header.vocab_size)}"
         )
 
 
@@ -972,29 +977,39 @@ class _ProgressLines:
         self._interval_s = interval_s
         self._clock = clock
         self._start = self._last = clock()
-        self._tokens = 0
+        self.tokens = 0
+        self.documents = 0
 
     def update(self, tokens: int, documents: int) -> None:
-        self._tokens += tokens
+        self.tokens += tokens
+        self.documents = documents
         now = self._clock()
         if now - self._last >= self._interval_s:
             self._last = now
-            rate = self._tokens / max(now - self._start, 1e-9)
-            print(
-                f"tokenizing: {self._tokens:,} tokens, {rate:,.0f} tok/s, {documents:,} "
-                f"documents, {now - self._start:.0f}s",
-                file=self._stream,
-                flush=True,
-            )
+            print(f"tokenizing: {self._summary(now)}", file=self._stream, flush=True)
+
+    def _summary(self, now: float) -> str:
+        rate = self.tokens / max(now - self._start, 1e-9)
+        return (
+            f"{self.tokens:,} tokens, {rate:,.0f} tok/s, {self.documents:,} documents, "
+            f"{now - self._start:.0f}s"
+        )
+
+    def finish(self) -> None:
+        """The closing line: the whole build's tokens, rate, documents and time."""
+        print(f"tokenized: {self._summary(self._clock())}", file=self._stream, flush=True)
 
 
-class _ProgressBar:
-    """The build's progress as a tqdm bar of tokens, with their rate and the documents."""
+class _ProgressBar(_ProgressLines):
+    """The build's progress as a tqdm bar of tokens, with their rate and the documents;
+    the closing line as off a terminal once the bar is gone."""
 
-    def __init__(self, bar: Any):
+    def __init__(self, bar: Any, stream: Any):
+        super().__init__(stream, interval_s=math.inf)
         self._bar = bar
 
     def update(self, tokens: int, documents: int) -> None:
+        super().update(tokens, documents)
         self._bar.set_postfix(documents=documents, refresh=False)
         self._bar.update(tokens)
 
@@ -1004,7 +1019,8 @@ def _build_progress(show: bool, *, stream: Any = None, interval_s: Optional[floa
     """A progress report with `update(tokens, documents so far)`: a bar where `stream`
     (default stderr) is a terminal or AXLEARN_PROGRESS_BARS=1, lines every `interval_s`
     (None: PROGRESS_INTERVAL_S) elsewhere (a log shows them as they come), None where not
-    `show`n or AXLEARN_PROGRESS_BARS=0."""
+    `show`n or AXLEARN_PROGRESS_BARS=0. A build that completes ends either with one
+    closing line: its tokens, their rate, the documents and the time."""
     if not show:
         yield None
         return
@@ -1018,10 +1034,14 @@ def _build_progress(show: bool, *, stream: Any = None, interval_s: Optional[floa
     elif setting == "1" or stream.isatty():
         with progress_bar(total=None, desc="tokenizing", unit="tok") as bar:
             bar.unit_scale = True
-            yield _ProgressBar(bar)
+            report = _ProgressBar(bar, stream)
+            yield report
+        report.finish()
     else:
         interval_s = PROGRESS_INTERVAL_S if interval_s is None else interval_s
-        yield _ProgressLines(stream, interval_s=interval_s)
+        report = _ProgressLines(stream, interval_s=interval_s)
+        yield report
+        report.finish()
 
 
 @dataclasses.dataclass
@@ -1302,6 +1322,21 @@ def output_prefixes(output: str, *, with_validation: bool) -> dict[str, str]:
     return prefixes
 
 
+def _split_prefixes(train_prefix: str) -> list[str]:
+    """The shard prefixes of both splits for the train split's `train_prefix` (the
+    validation split's beside it, `output_prefixes`)."""
+    validation = os.path.join(os.path.dirname(train_prefix), "validation")
+    same = os.path.abspath(validation) == os.path.abspath(train_prefix)
+    return [train_prefix] if same else [train_prefix, validation]
+
+
+def earlier_shards(train_prefix: str) -> list[str]:
+    """The shards of either split that an earlier build left for `train_prefix`."""
+    if not os.path.isdir(os.path.dirname(os.path.abspath(train_prefix))):
+        return []
+    return sorted(p for prefix in _split_prefixes(train_prefix) for p in _stale_shards(prefix, []))
+
+
 # ----- the tokenizer beside the shards -----
 
 _HF_TOKENIZER_CONFIG = "tokenizer_config.json"  # Names a tokenizer.json's special tokens.
@@ -1418,6 +1453,13 @@ def _build_command(args: flags.FlagValues, files: Sequence[str]) -> None:
         args.output, with_validation=bool(validation_files or args.validation_fraction)
     )
     shard_dir = os.path.dirname(os.path.abspath(prefixes["train"]))
+    earlier = earlier_shards(prefixes["train"])
+    if earlier and not args.overwrite:
+        raise InputError(
+            f"--output={args.output} already holds the shards of a build ({earlier[0]}"
+            f"{f' and {len(earlier) - 1} more' if len(earlier) > 1 else ''}): pass --overwrite "
+            "to replace them (every train and validation shard there goes), or write elsewhere"
+        )
     tokenizer_destination(vocab, shard_dir)  # Refused before any work, not after.
     train_split = None if args.validation_fraction else "train"  # None: by document hash.
     if chat_mode:
@@ -1455,6 +1497,12 @@ def _build_command(args: flags.FlagValues, files: Sequence[str]) -> None:
             sources=sources,
             progress=True,
         )
+    written = [path for paths in summary.paths.values() for path in paths]
+    for split_prefix in _split_prefixes(prefixes["train"]):
+        if split_prefix not in prefixes.values():  # A split this build did not write.
+            for path in _stale_shards(split_prefix, written):
+                os.remove(path)
+                summary.removed_stale.append(path)
     record = vocabulary_record(vocab)
     for paths in summary.paths.values():
         for path in paths:
@@ -1509,6 +1557,14 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     )
     flags.DEFINE_string(
         "text_field", "text", "JSON field or Parquet column holding the text.", **fv
+    )
+    flags.DEFINE_bool(
+        "overwrite",
+        False,
+        "Replace the shards an earlier build left at --output (both splits' train-*.tok and "
+        "validation-*.tok go, also a split this build does not write); without it such an "
+        "--output is refused.",
+        **fv,
     )
     flags.DEFINE_float(
         "validation_fraction",

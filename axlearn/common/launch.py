@@ -13,7 +13,7 @@ from typing import Optional
 
 from absl import flags
 
-from axlearn.common import cluster_env, peer_watch, run_lock
+from axlearn.common import cluster_env, compilation_cache, peer_watch, run_lock
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,21 @@ FLAGS_TABLE = (
         "auto (SLURM, then a Kubernetes indexed Job), slurm, kubernetes or none "
         "(docs/cluster.md).",
     ),
+    (
+        flags.DEFINE_string,
+        "jax_compilation_cache_dir",
+        None,
+        "Where compiled programs are kept for later starts to load: a local directory, "
+        "gs://bucket/dir or s3://bucket/dir; none: no cache. Unset: $JAX_COMPILATION_CACHE_DIR, "
+        "else $XDG_CACHE_HOME/axlearn/jax (~/.cache/axlearn/jax).",
+    ),
+    (
+        flags.DEFINE_multi_string,
+        "jax_config",
+        [],
+        "KEY=VALUE: sets the jax.config option KEY (e.g. jax_debug_nans=true, "
+        "jax_persistent_cache_min_compile_time_secs=0), type-checked; repeatable.",
+    ),
 )
 
 
@@ -112,9 +127,14 @@ def setup(
     distributed_auto: bool = False,
     local_device_ids: Optional[Sequence[int]] = None,
     cluster_env_name: str = "auto",
+    compilation_cache_dir: Optional[str] = None,
+    jax_configs: Sequence[str] = (),
+    use_compilation_cache: bool = False,
 ) -> None:
-    """Chooses the backend, applies XLA flags and joins a multi-process run if the flags
-    or the cluster's environment say so (`cluster_env.process_placement`)."""
+    """Chooses the backend, applies XLA flags, places the compilation cache and sets the
+    `jax_configs` (KEY=VALUE) with `use_compilation_cache` (`compilation_cache.configure`),
+    and joins a multi-process run if the flags or the cluster's environment say so
+    (`cluster_env.process_placement`)."""
     if distributed_auto:
         placement = None
     else:
@@ -131,6 +151,10 @@ def setup(
 
     if jax_backend:
         jax.config.update("jax_platforms", jax_backend)
+    if use_compilation_cache:
+        compilation_cache.configure(compilation_cache_dir, jax_configs)
+    elif jax_configs:
+        compilation_cache.apply_jax_configs(compilation_cache.parse_jax_configs(jax_configs))
     if placement is None and not distributed_auto:
         return
     if jax_backend == "cpu" or backend == "cpu":
@@ -169,6 +193,9 @@ def setup_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         distributed_auto=flag_values.distributed_auto,
         local_device_ids=cluster_env.parse_device_ids(flag_values.local_device_ids),
         cluster_env_name=flag_values.cluster_env,
+        compilation_cache_dir=flag_values.jax_compilation_cache_dir,
+        jax_configs=flag_values.jax_config,
+        use_compilation_cache=True,
     )
 
 

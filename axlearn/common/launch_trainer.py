@@ -157,6 +157,14 @@ FLAGS_TABLE = (
         "Run every evaler once on the latest checkpoint (a fresh run: the initial or "
         "--init_from_hf weights), print their metrics and exit without training.",
     ),
+    (
+        flags.DEFINE_list,
+        "trackers",
+        None,
+        "Where summaries go, several at once: tensorboard, jsonl, wandb (the wandb extra; "
+        "WANDB_MODE=offline needs no network). Sets the trainer's and every evaler's "
+        "summary_writer.trackers; unset: the config's (tensorboard,jsonl).",
+    ),
     (flags.DEFINE_list, "trusted_packages", [], TRUSTED_PACKAGES_HELP),
 )
 
@@ -366,6 +374,7 @@ def build_trainer_config(
     init_from_hf: Optional[str] = None,
     init_lora_from: Optional[str] = None,
     init_from_checkpoint: Optional[str] = None,
+    trackers: Optional[Sequence[str]] = None,
 ) -> ConfigBase:
     """The whole launch-time recipe: name -> Hugging Face model and weights -> mesh rule
     -> data dir (which checks the model's vocabulary) -> overrides (max_step carrying
@@ -401,13 +410,33 @@ def build_trainer_config(
     old_max_step = cfg.max_step
     old_vocab_size = model_vocab_size(cfg)
     cfg = apply_overrides(cfg, config_overrides)
+    new_max_step = cfg.max_step
+    # pylint: disable-next=unidiomatic-typecheck  (not bool)
+    if new_max_step != old_max_step and not (type(new_max_step) is int and new_max_step >= 1):
+        raise ConfigError(
+            f"--config_override=max_step={new_max_step!r}: max_step must be a positive int, the "
+            f"steps to train ({config_name}'s is {old_max_step})"
+        )
     pinned = [override.split("=", 1)[0].strip() for override in config_overrides]
     follow_max_step(cfg, old_max_step, pinned=pinned)
     follow_vocab_size(cfg, old_vocab_size, pinned=pinned)
+    if trackers is not None:
+        use_trackers(cfg, trackers)
     if layouts:
         check_evaler_shards(cfg, config_name, data_dir, layouts)
     if trainer_dir:
         cfg.dir = trainer_dir
+    return cfg
+
+
+def use_trackers(cfg: ConfigBase, trackers: Sequence[str]) -> ConfigBase:
+    """--trackers: the trainer's and every evaler's summary writer write to `trackers`."""
+    writers = [cfg.summary_writer] + [
+        evaler.summary_writer for evaler in getattr(cfg, "evalers", {}).values()
+    ]
+    for writer in writers:
+        if "trackers" in writer.keys():
+            writer.trackers = list(trackers)
     return cfg
 
 
@@ -450,6 +479,7 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         init_from_hf=flag_values.init_from_hf,
         init_lora_from=flag_values.init_lora_from,
         init_from_checkpoint=flag_values.init_from_checkpoint,
+        trackers=flag_values.trackers,
     )
     if flag_values.print_config:
         print(cfg.debug_string())

@@ -18,8 +18,9 @@ Exit status (every failure but an unexpected one ends with one line naming its c
   immediate abort (a C++ stack dump): so each process of a multi-process run trains in a
   child process under a `supervisor`, which prints one line naming the lost coordinator
   instead and exits 69. A single process runs with no child.
-- 74 (`STORAGE_EXIT_CODE`): the trainer directory cannot be written (read-only, no
-  permission, disk full); the line names the file and the system's error.
+- 74 (`STORAGE_EXIT_CODE`): the trainer directory cannot be created (under a file, on a
+  read-only file system) or written (read-only, no permission, disk full); the line names
+  the path and the system's error.
 - 75 (`preemption.PREEMPTED_EXIT_CODE`): SIGTERM or SIGINT stopped the run (the step it
   reached is saved unless the grace period ran out; before training started there is
   nothing to save); restart with the same flags to resume.

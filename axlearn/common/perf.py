@@ -275,17 +275,22 @@ class StepTimer:
 
 @contextlib.contextmanager
 def compile_notice(
-    what: str, log: Callable[[str], None], *, compile_clock: Callable[[], float] = compile_seconds
+    what: str,
+    log: Callable[[str], None],
+    *,
+    compile_clock: Callable[[], float] = compile_seconds,
+    note: Optional[Callable[[], str]] = None,
 ) -> Iterator[None]:
     """Says that `what` compiles before it runs (a first call's dispatch can take minutes,
     in which nothing else is printed), and once dispatched, how long compiling took
-    (`compile_clock`: see `compile_seconds`)."""
+    (`compile_clock`: see `compile_seconds`), with `note()` in parentheses where given
+    (e.g. whether the program came from the compilation cache)."""
     log(f"Compiling {what}...")
     before = compile_clock()
     yield
     seconds = compile_clock() - before
     took = f"{seconds:.1f}s" if seconds < 60 else format_duration(seconds)
-    log(f"Compiled {what} in {took}")
+    log(f"Compiled {what} in {took}" + (f" ({note()})" if note is not None else ""))
 
 
 class WindowMean:

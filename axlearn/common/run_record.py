@@ -6,11 +6,13 @@ over from a start to the next, so the record of a start that failed (a bad value
 that does not fit the model) is replaced by the next start's, whatever changed.
 """
 
+import errno
 import logging
 import os
 import re
+import tempfile
 from collections.abc import Callable, Sequence
-from typing import Union
+from typing import Optional, Union
 
 from axlearn.common import file_system
 from axlearn.common.config import ConfigError
@@ -25,11 +27,12 @@ MAX_LISTED_CHANGES = 10
 # The line of a recorded config naming the trainer's class: any recorded config has it.
 _ROOT_KLASS = re.compile(r"klass: '[\w.]+'")
 # Keys that may change between restarts of one run: its length, the cadences of logs,
-# summaries, evals, checkpoints and traces, and the directory itself (should it move).
+# summaries, evals, checkpoints and traces, where summaries go (trackers, W&B's project),
+# and the directory itself (should it move).
 # Fields that follow max_step may change with it (`_follows_max_step`).
 RESTARTABLE_KEYS = re.compile(
     r"max_step|dir|log_every_n_steps|start_trace_steps(\[\d+\])?|start_trace_num_steps"
-    r"|(.+\.)?write_every_n_steps"
+    r"|(.+\.)?write_every_n_steps|(.+\.)?summary_writer\.(trackers(\[\d+\])?|wandb_\w+)"
     r"|evalers\[.+\]\.eval_policy\.(n|min_step)"
     r"|checkpointer\.save_policy\.(n|min_step)|checkpointer\.keep_(last_n|every_n_steps)"
 )
@@ -67,12 +70,36 @@ def config_changes(
 
 
 class TrainerDirNotWritableError(ConfigError):
-    """The trainer directory exists but this process may not write in it."""
+    """The trainer directory cannot be made, or this process may not write in it."""
+
+
+def _file_above(path: str) -> Optional[str]:
+    """The nearest existing ancestor of `path` that is a file, not a directory; None."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and parent != os.path.dirname(parent):
+        if os.path.exists(parent):
+            return None if os.path.isdir(parent) else parent
+        parent = os.path.dirname(parent)
+    return None
+
+
+def _write_problem(path: str) -> Optional[OSError]:
+    """The error of writing a file in the directory `path` (read-only file system,
+    permission denied, disk full), or None where a file can be written there."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".axlearn-write-probe-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return e
+    return None
 
 
 def check_trainer_dir(trainer_dir: str) -> None:
-    """Raises ConfigError for a --trainer_dir URL that no storage driver accepts, and for
-    a local path that names a file or cannot be created as a directory (made here)."""
+    """Raises ConfigError for a --trainer_dir URL that no storage driver accepts or a local
+    path that names a file, TrainerDirNotWritableError for a local directory that cannot be
+    created (made here: under a file, on a read-only file system, without permission) or
+    written in."""
     try:
         file_system.kvstore_spec(trainer_dir)
     except ValueError as e:
@@ -85,14 +112,17 @@ def check_trainer_dir(trainer_dir: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise ConfigError(
-            f"--trainer_dir={trainer_dir}: cannot create the directory ({e.strerror or e})"
+        above = _file_above(path) if e.errno in (errno.ENOTDIR, errno.EEXIST) else None
+        reason = f"{above} is a file, not a directory" if above else (e.strerror or str(e))
+        raise TrainerDirNotWritableError(
+            f"--trainer_dir={trainer_dir}: cannot create the directory: {reason}"
         ) from e
-    if not os.access(path, os.W_OK | os.X_OK):
+    problem = _write_problem(path)
+    if problem is not None:
         raise TrainerDirNotWritableError(
             f"--trainer_dir={trainer_dir}: cannot write the run's files: the directory is not "
-            "writable (Permission denied)"
-        )
+            f"writable ({problem.strerror or problem})"
+        ) from problem
 
 
 def has_checkpoint(trainer_dir: str) -> bool:

@@ -13,6 +13,18 @@ in `cfg.dir`:
   past the restored step (and a cut-off last line of an older crash), so that each step
   appears once.
 
+- W&B (`trackers` naming "wandb", the `wandb` extra): the scalars and strings of each
+  write, named `<dir's last name>/<summary>` (`train/loss`, `validation/loss`), in one W&B
+  run per run directory (`run_dir`, the trainer's) that the trainer's and the evalers'
+  writers of this process share. The run records the root module's config (its golden
+  text lines) and keeps its id in `run_dir/wandb_run_id`, so that a resumed run logs on
+  into the same W&B run (its steps past the restored one are W&B's to drop or keep).
+  `WANDB_MODE=offline` writes the run under `run_dir/wandb/` without a network (`wandb
+  sync` uploads it later). A W&B run that cannot start or log warns once and is left
+  out: training goes on.
+
+`trackers` chooses any of TRACKERS, several at once (None: TensorBoard and JSON lines).
+
 `cfg.dir` may be a local path or a storage URL (`gs://`, `s3://`, `memory://`, see
 `file_system`). Object stores have no append: there, both files are held in memory and
 each flush rewrites them whole, so a writer to a URL should flush less often (`max_queue`).
@@ -21,12 +33,16 @@ Only process 0 writes; every process must still call the writer, because fetchin
 sharded value to the host is a collective.
 """
 
+import difflib
+import importlib.util
 import json
 import logging
 import os
+import secrets
 import socket
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import jax
@@ -43,6 +59,11 @@ _FLUSH_SECS = 120.0
 # Buckets of a histogram summary.
 _HISTOGRAM_BUCKETS = 30
 JSONL_FILE_NAME = "metrics.jsonl"
+# Where summaries can go (SummaryWriter.Config.trackers), and where they go by default.
+TRACKERS = ("tensorboard", "jsonl", "wandb")
+DEFAULT_TRACKERS = ("tensorboard", "jsonl")
+# The file in the run directory that holds its W&B run's id.
+WANDB_RUN_ID_FILE = "wandb_run_id"
 
 
 class SummaryWriteError(RuntimeError):
@@ -250,6 +271,118 @@ class _EventFile:
         self._records.close()
 
 
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+class _WandbRun:
+    """The W&B run of one run directory in this process (`wandb_run`): started on first
+    use, resumed by the id in `run_dir/WANDB_RUN_ID_FILE`. A failure to start or to log
+    warns once, naming the cause, and the run is left out from then on."""
+
+    def __init__(self, run_dir: str, *, project: Optional[str], entity: Optional[str]):
+        self._run_dir = run_dir
+        self._project = project or "axlearn"
+        self._entity = entity
+        self._run: Any = None
+        self._failed = False
+        self._lock = threading.Lock()
+
+    @property
+    def run(self) -> Any:
+        """The wandb Run object, None before the first log or after a failure."""
+        return self._run
+
+    def _fail(self, what: str, error: BaseException) -> None:
+        if self._failed:  # Warned once already.
+            return
+        self._failed = True
+        logging.warning(
+            "W&B (run directory %s) failed to %s (%s); its summaries go to the other "
+            "trackers only, and training goes on",
+            self._run_dir, what, _one_line(error),
+        )
+
+    def _start(self, config: Mapping[str, Any]) -> None:
+        import wandb  # pylint: disable=import-outside-toplevel
+
+        id_path = file_system.join(self._run_dir, WANDB_RUN_ID_FILE)
+        try:
+            run_id = file_system.read_text(id_path).strip() or None
+        except FileNotFoundError:
+            run_id = None
+        resumed = run_id is not None
+        run_id = run_id or secrets.token_hex(4)
+        local_dir = (
+            file_system.local_path(self._run_dir) if file_system.is_local(self._run_dir) else None
+        )
+        self._run = wandb.init(
+            project=self._project,
+            entity=self._entity,
+            id=run_id,
+            resume="allow",
+            name=os.path.basename(self._run_dir.rstrip("/")) or None,
+            dir=local_dir,
+            config=dict(config),
+            reinit="create_new",
+            # The launcher's stdout and stderr stay its own: no console capture, no banner.
+            settings=wandb.Settings(console="off", silent=True, disable_git=True, save_code=False),
+        )
+        if not resumed:
+            file_system.write_text(id_path, run_id)
+        logging.info(
+            "W&B run %s (%s, %s) in project %s",
+            run_id, "resumed" if resumed else "new", self._run.settings.mode, self._project,
+        )
+
+    def log(self, step: int, values: Mapping[str, Any], config: Any) -> None:
+        """Logs `values` at `step`; `config()` gives the run's config at the start."""
+        with self._lock:
+            if self._failed:
+                return
+            if self._run is None:
+                try:
+                    self._start(config())
+                except Exception as e:  # pylint: disable=broad-except
+                    self._fail("start", e)
+                    return
+            try:
+                self._run.log(dict(values), step=int(step))
+            except Exception as e:  # pylint: disable=broad-except
+                self._fail(f"log step {step}", e)
+
+    def finish(self) -> None:
+        with self._lock:
+            run, self._run = self._run, None
+            if run is not None:
+                try:
+                    run.finish()
+                except Exception as e:  # pylint: disable=broad-except
+                    self._fail("finish", e)
+
+
+_wandb_runs: dict[str, _WandbRun] = {}
+_wandb_runs_lock = threading.Lock()
+
+
+def wandb_run(run_dir: str, *, project: Optional[str], entity: Optional[str]) -> _WandbRun:
+    """The W&B run of `run_dir` in this process (one for all its writers)."""
+    with _wandb_runs_lock:
+        if run_dir not in _wandb_runs:
+            _wandb_runs[run_dir] = _WandbRun(run_dir, project=project, entity=entity)
+        return _wandb_runs[run_dir]
+
+
+def finish_wandb_runs() -> None:
+    """Finishes every W&B run of this process (they also finish when it exits)."""
+    with _wandb_runs_lock:
+        runs = list(_wandb_runs.values())
+        _wandb_runs.clear()
+    for run in runs:
+        run.finish()
+
+
 class SummaryWriter(Module):
     """Writes summaries every `write_every_n_steps` steps to event files and metrics.jsonl."""
 
@@ -262,6 +395,14 @@ class SummaryWriter(Module):
         # URL a flush rewrites the files whole: set it there.
         max_queue: Optional[int] = None
         dir: Optional[str] = None  # Output directory; set by the trainer or the evaler.
+        # Where summaries go, any of TRACKERS ("tensorboard", "jsonl", "wandb"); None:
+        # DEFAULT_TRACKERS (TensorBoard event files and metrics.jsonl).
+        trackers: Optional[Sequence[str]] = None
+        wandb_project: Optional[str] = None  # The W&B project; None: "axlearn".
+        wandb_entity: Optional[str] = None  # The W&B team or user; None: the account's.
+        # The run's directory, where its W&B run keeps its id and (locally) its files; set
+        # by the trainer to the trainer directory. None: dir.
+        run_dir: Optional[str] = None
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
@@ -274,8 +415,29 @@ class SummaryWriter(Module):
             raise ConfigError(
                 f"{self.path()}.max_queue must be None or a positive int, got {cfg.max_queue!r}"
             )
+        trackers = DEFAULT_TRACKERS if cfg.trackers is None else cfg.trackers
+        if isinstance(trackers, str) or not all(isinstance(t, str) for t in trackers):
+            raise ConfigError(
+                f"{self.path()}.trackers must be a list of names from {list(TRACKERS)}, got "
+                f"{trackers!r}"
+            )
+        for name in trackers:
+            if name not in TRACKERS:
+                close = difflib.get_close_matches(name, TRACKERS, n=1)
+                raise ConfigError(
+                    f"{self.path()}.trackers: unknown tracker {name!r}"
+                    f"{f' (did you mean {close[0]!r}?)' if close else ''}; choose from "
+                    f"{', '.join(TRACKERS)}"
+                )
+        if "wandb" in trackers and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                f"{self.path()}.trackers names wandb, but the wandb package is not installed "
+                "(pip install 'axlearn[wandb]')"
+            )
+        self._trackers = tuple(trackers)
         self._event_file: Optional[_EventFile] = None
         self._jsonl: Optional[_JsonLines] = None
+        self._wandb: Optional[_WandbRun] = None
         self._opened = False
         self._pending = 0  # Writes since the last flush.
         self._last_flush = time.time()
@@ -296,17 +458,23 @@ class SummaryWriter(Module):
         if not cfg.dir:
             raise ConfigError(f"{self.path()}.dir is not set: set it to the summaries directory")
         file_system.makedirs(cfg.dir)
-        try:
-            self._event_file = _EventFile(cfg.dir)
-        except ImportError as e:
-            logging.warning(
-                "%s: the tensorboard package is not installed (%s); writing only %s in %s",
-                self.path(),
-                e,
-                JSONL_FILE_NAME,
-                cfg.dir,
+        if "tensorboard" in self._trackers:
+            try:
+                self._event_file = _EventFile(cfg.dir)
+            except ImportError as e:
+                logging.warning(
+                    "%s: the tensorboard package is not installed (%s); writing no event "
+                    "files in %s",
+                    self.path(),
+                    e,
+                    cfg.dir,
+                )
+        if "jsonl" in self._trackers:
+            self._jsonl = _JsonLines(file_system.join(cfg.dir, JSONL_FILE_NAME))
+        if "wandb" in self._trackers:
+            self._wandb = wandb_run(
+                cfg.run_dir or cfg.dir, project=cfg.wandb_project, entity=cfg.wandb_entity
             )
-        self._jsonl = _JsonLines(file_system.join(cfg.dir, JSONL_FILE_NAME))
 
     def drop_records_after(self, step: int) -> None:
         """Drops the records of metrics.jsonl past `step` (and a cut-off last line), before
@@ -357,7 +525,12 @@ class SummaryWriter(Module):
                 record[name] = value
             elif value.ndim == 0:
                 record[name] = _python_scalar(value)
-        self._jsonl.append(record)
+        if self._jsonl is not None:
+            self._jsonl.append(record)
+        if self._wandb is not None:
+            prefix = os.path.basename(self._config.dir.rstrip("/"))
+            scalars = {f"{prefix}/{k}": v for k, v in record.items() if k != "step"}
+            self._wandb.log(step, scalars, config=self._run_config)
         self._pending += 1
         max_queue = self._config.max_queue
         if (
@@ -366,6 +539,17 @@ class SummaryWriter(Module):
             or time.time() - self._last_flush >= _FLUSH_SECS
         ):
             self.flush()
+
+    def _run_config(self) -> dict[str, str]:
+        """The root module's config (the trainer's, for a trainer's writers) as its golden
+        text's `key: value` lines, for a tracker to record with the run."""
+        # pylint: disable-next=import-outside-toplevel
+        from axlearn.common.golden_text import flat_lines
+
+        root: Module = self
+        while root.parent is not None:
+            root = root.parent
+        return flat_lines(root.config.debug_string())
 
     def flush(self, *, durable: bool = False) -> None:
         """Writes every pending summary to storage; `durable` also fsyncs local files, so

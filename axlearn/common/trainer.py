@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from axlearn.common import fp8, perf, preemption, run_lock
+from axlearn.common import compilation_cache, fp8, perf, preemption, run_lock
 from axlearn.common.base_layer import BaseLayer, ParameterSpec, is_parameter_spec
 from axlearn.common.checkpointer import (
     Checkpointer,
@@ -317,10 +317,12 @@ class SpmdTrainer(Module):
             self._add_child(
                 "checkpointer", cfg.checkpointer.clone(dir=os.path.join(trainer_dir, "checkpoints"))
             )
-            self._add_child(
-                "summary_writer",
-                cfg.summary_writer.clone(dir=os.path.join(trainer_dir, "summaries", "train")),
+            writer_cfg = cfg.summary_writer.clone(
+                dir=os.path.join(trainer_dir, "summaries", "train")
             )
+            if "run_dir" in writer_cfg.keys():  # The W&B run's, shared with the evalers.
+                writer_cfg.run_dir = trainer_dir
+            self._add_child("summary_writer", writer_cfg)
         self._model_param_specs = self.model.create_parameter_specs_recursively()
         self._check_parameters_split_evenly()
         # Model parameter paths that checkpoints leave out (checkpoint_frozen_params).
@@ -346,6 +348,8 @@ class SpmdTrainer(Module):
                 evaler_cfg.per_device_microbatch_size = cfg.per_device_microbatch_size
             if trainer_dir is not None and "dir" in evaler_cfg.summary_writer.keys():
                 evaler_cfg.summary_writer.dir = os.path.join(trainer_dir, "summaries", name)
+                if "run_dir" in evaler_cfg.summary_writer.keys():  # One W&B run for all.
+                    evaler_cfg.summary_writer.run_dir = trainer_dir
             self._evalers[name] = self._add_child(
                 name,
                 evaler_cfg,
@@ -761,7 +765,13 @@ class SpmdTrainer(Module):
         if first:
             self._jit_train_step = self._compile_train_step()
         # The first call compiles: said before it starts, with its time after.
-        compiling = perf.compile_notice("the train step", log.info) if first else None
+        compiling = (
+            perf.compile_notice(
+                "the train step", log.info, note=compilation_cache.CacheOutcome().describe
+            )
+            if first
+            else None
+        )
         with jax.set_mesh(self._mesh), compiling or contextlib.nullcontext():
             self._state, summaries = self._jit_train_step(self._state, input_batch)
         self._step += 1

@@ -1,0 +1,135 @@
+"""How long a start takes to its first trained step, cold and with the compilation cache warm.
+
+    PYTHONPATH=. python tools/start_time.py [--config=gpt_1b] [--data_dir=FAKE] \
+        [--workdir=/tmp/start_time] [--config_override=PATH=VALUE ...]
+
+Runs the launcher (`axlearn.common.launch_trainer_main`) three times with the same flags
+and a compilation cache of its own (`--workdir`/cache, emptied first):
+1. cold: a new run (`--workdir`/run), with the cache empty;
+2. warm, restart: the same run again, resuming from the step the first start saved;
+3. warm, new run: another trainer directory (`--workdir`/new_run), the same config.
+Each start is timed from its launch to its first progress line (the first trained step,
+its loss read back), then stopped with SIGTERM (it saves that step and exits 75). Printed:
+the three times, each warm one as a share of the cold, and each start's compile line for
+the train step (whether it came from the cache). Every start trains with `--max_step`
+steps planned, so that all three compile the same program.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Optional
+
+from absl import flags
+
+from axlearn.common.command_flags import parse_command_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The trainer's progress line of a step ("step   1/1000 | loss ..."): that step has trained.
+_PROGRESS = re.compile(r"\] step +\d+/\d+ \|")
+_COMPILED = re.compile(r"Compiled the train step in .*")
+
+
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The tool's flags."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_string("config", "gpt_1b", "The named config to start.", **fv)
+    flags.DEFINE_string("data_dir", "FAKE", "The launcher's --data_dir.", **fv)
+    flags.DEFINE_string(
+        "workdir", None, "Holds the cache and both runs (emptied first); default: a new "
+        "temporary directory, removed after.", **fv
+    )
+    flags.DEFINE_integer("max_step", 1000, "The runs' max_step (they stop long before).", **fv)
+    flags.DEFINE_multi_string(
+        "config_override", [], "Passed to every start (repeatable).", **fv
+    )
+    flags.DEFINE_multi_string(
+        "launcher_flag", [], "Another launcher flag for every start, e.g. "
+        "--launcher_flag=--jax_config=jax_persistent_cache_min_compile_time_secs=0.", **fv
+    )
+    flags.DEFINE_integer("timeout_s", 1800, "Seconds a start may take to its first step.", **fv)
+
+
+def time_start(command: Sequence[str], timeout_s: float) -> tuple[float, Optional[str]]:
+    """Seconds from launching `command` to its first progress line, and its compile line
+    for the train step; the start is then stopped (SIGTERM) and waited for."""
+    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    start = time.monotonic()
+    process = subprocess.Popen(
+        list(command), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, bufsize=1,
+    )
+    seconds, compiled, tail = None, None, []
+    try:
+        for line in process.stdout:
+            tail = (tail + [line.rstrip()])[-30:]
+            found = _COMPILED.search(line)
+            if found:
+                compiled = found.group(0)
+            if _PROGRESS.search(line):
+                seconds = time.monotonic() - start
+                break
+            if time.monotonic() - start > timeout_s:
+                break
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        for line in process.stdout:  # Until it has saved and exited.
+            tail = (tail + [line.rstrip()])[-30:]
+        process.wait()
+    if seconds is None:
+        sys.stderr.write("\n".join(tail) + "\n")
+        raise SystemExit(f"start_time: {' '.join(command[2:4])}... reached no trained step")
+    return seconds, compiled
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """The command line `argv` (None: sys.argv's) run."""
+    args, _ = parse_command_flags(
+        define_flags, argv, program="tools/start_time.py",
+        doc=f"usage: start_time.py [flags]\n\n{__doc__}",
+    )
+    workdir = args.workdir or tempfile.mkdtemp(prefix="start_time-")
+    shutil.rmtree(workdir, ignore_errors=True)
+    os.makedirs(workdir)
+    cache = os.path.join(workdir, "cache")
+
+    def command(trainer_dir: str) -> list[str]:
+        return [
+            sys.executable, "-m", "axlearn.common.launch_trainer_main",
+            f"--config={args.config}", f"--data_dir={args.data_dir}",
+            f"--trainer_dir={trainer_dir}", f"--jax_compilation_cache_dir={cache}",
+            f"--config_override=max_step={args.max_step}",
+            "--config_override=log_every_n_steps=1",
+            *(f"--config_override={o}" for o in args.config_override),
+            *args.launcher_flag,
+        ]
+
+    starts = (
+        ("cold (empty cache)", os.path.join(workdir, "run")),
+        ("warm: restart of the run", os.path.join(workdir, "run")),
+        ("warm: new run, same config", os.path.join(workdir, "new_run")),
+    )
+    rows = []
+    try:
+        for name, trainer_dir in starts:
+            rows.append((name, *time_start(command(trainer_dir), args.timeout_s)))
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    cold = rows[0][1]
+    print(f"{args.config}: seconds from launch to the first trained step")
+    for name, seconds, compiled in rows:
+        share = "" if seconds is cold else f"{100 * seconds / cold:.0f}% of cold"
+        print(f"{name:<28} {seconds:8.1f} s  {share:<12}  {compiled or '(no compile line)'}")
+
+
+if __name__ == "__main__":
+    main()
