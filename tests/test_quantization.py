@@ -53,6 +53,7 @@ def test_int6_packing_matches_a_bit_string_reference():
     np.testing.assert_array_equal(quantization.unpack_int6(packed, 23), values)
 
 
+@pytest.mark.slow
 def test_jax_quantization_equals_numpys():
     w = np.random.default_rng(1).normal(size=(16, 12)).astype(np.float32)
     q, scale = quantization.jax_quantize(jnp.asarray(w), 6, (-2,))
