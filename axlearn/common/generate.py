@@ -426,7 +426,7 @@ class Generator:
         position and emits the next one chosen from its logits (the fill id once a row
         has ended: at an EOS id or at max_len)."""
         choose = self._choose_fn(sampling)
-        eos_ids = jnp.asarray(self.eos_ids, jnp.int32)
+        eos_ids = np.asarray(self.eos_ids, np.int32)  # A constant of the program.
         fill_id = self._fill_id
 
         def ended(state):
