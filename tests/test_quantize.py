@@ -2,6 +2,7 @@
 generate reading an artifact (its stdout the text alone)."""
 
 import io
+import json
 import subprocess
 import sys
 
@@ -154,3 +155,32 @@ def test_the_generate_command_refuses_an_unsupported_quantize_value_in_one_line(
         )
         assert result.returncode != 0 and "Traceback" not in result.stderr
         assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_export_then_eval_only_and_generate_read_the_artifact(tmp_path):
+    # pylint: disable-next=import-outside-toplevel
+    from tests.test_launch import TINY_RUN, _main
+
+    run_dir, artifact = tmp_path / "run", tmp_path / "m.axq"
+    assert _main(*TINY_RUN, f"--trainer_dir={run_dir}", "--config_override=max_step=2").returncode == 0
+
+    def command(module, *args):
+        return subprocess.run(
+            [sys.executable, "-m", module, *args], cwd=REPO, env=fresh_env(1),
+            capture_output=True, text=True, timeout=600, check=False,
+        )
+
+    export = command("axlearn.common.quantize", "export", f"--trainer_dir={run_dir}",
+                     "--quantize=int6", "--min_size=1024", f"--output={artifact}")
+    assert export.returncode == 0, export.stderr[-3000:]
+    summary, row = (json.loads(line) for line in export.stdout.splitlines()[-2:])
+    assert summary["bytes"] == artifact.stat().st_size and summary["quantized_tensors"] > 0
+    assert row["quantized_loss"] != row["loss"] and abs(row["quantized_loss"] - row["loss"]) < 0.1
+    evaluated = command("axlearn.common.launch_trainer_main", *TINY_RUN[:-2], "--eval_only",
+                        f"--artifact={artifact}")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert json.loads(evaluated.stdout.splitlines()[-1])["loss"] == row["quantized_loss"]
+    generated = command("axlearn.common.generate", f"--artifact={artifact}", "--prompt=hi",
+                        "--tokenizer=bytes", "--max_new_tokens=3")
+    assert generated.returncode == 0 and generated.stdout.startswith("hi"), generated.stderr[-3000:]

@@ -5,8 +5,9 @@
 
 writes the model parameters of the run's checkpoint (latest, or --step) quantized per row
 (`axlearn.common.quantization`: int8, or int6 packed four values to three bytes, float16
-scales; tensors under 65,536 elements, and those --keep matches, as they are), compressed;
-reads the file back, checks it holds exactly what was written, and prints its byte count
+scales; tensors under --min_size=65,536 elements, and those --keep matches, as they are),
+compressed; reads the file back, checks it holds exactly what was written, prints its
+byte count
 and, for each of the run's evalers, the validation loss and bits per byte of the original
 model beside those of the dequantized one (one JSON line each). The artifact also holds
 the model's config and the run's tokenizer name, so that
@@ -288,6 +289,10 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_string(
         "keep", None, "A regex (re.search) of parameter paths stored as they are.", **fv
     )
+    flags.DEFINE_integer(
+        "min_size", quantization.MIN_QUANTIZED_SIZE,
+        "Tensors with fewer elements are stored as they are.", **fv
+    )
     flags.DEFINE_bool("no_eval", False, "Skip the round-trip evaluation.", **fv)
 
 
@@ -331,7 +336,7 @@ def export(fv: flags.FlagValues, out=None) -> dict[str, Any]:
     step, params = trainer_dir.restore_model_params(fv.trainer_dir, step=fv.step, model_config=cfg.model)
     params = jax.device_get(params)
     flat = {path: np.asarray(x) for path, x in flatten_with_paths(params)}
-    entries = quantize_params(flat, fv.quantize, keep=fv.keep)
+    entries = quantize_params(flat, fv.quantize, keep=fv.keep, min_size=fv.min_size)
     meta = dict(
         step=step, model_config=cfg.model.debug_string(),
         tokenizer=trainer_dir.recorded_tokenizer(cfg), source=fv.trainer_dir,
