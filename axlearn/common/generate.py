@@ -4,6 +4,7 @@ directory, over one device or several (tensor parallel).
     python -m axlearn.common.generate --trainer_dir=T [--step=N] --prompt="Once upon a time"
     python -m axlearn.common.generate --hf_dir=D --prompt_file=prompts.txt --max_new_tokens=128 \\
         [--temperature=0.8 --top_k=50 --top_p=0.95] [--batch_size=8] [--devices=4]
+    python -m axlearn.common.generate --artifact=model.axq [--quantize=int8] --prompt=...
 
 Prompts (`--prompt`, repeatable, or `--prompt_file`, one a line) are encoded with the
 model's tokenizer: a trainer directory's is the one recorded with its data
@@ -26,9 +27,17 @@ vocabulary, the KV cache over its key/value heads; XLA places the collectives, o
 all-reduce after each layer's attention and one after its MLP. A Hugging Face
 directory's weights load straight into their shards.
 
-Prints each completion (at batch size 1, `--stream` prints the tokens of each chunk as it
-arrives), then the time to the first token and the decoding speed in generated tokens per
-second (compiling and one warm-up run of each program apart).
+`--artifact` reads a quantized artifact (`axlearn.common.quantize`: the model's config,
+its weights, its tokenizer's name), dequantized. `--quantize=int8` decodes with int8
+weights and per-row scales (`quantize_for_decoding`; an int8 artifact's own), on one
+device: each matmul converts the int8 values inside the dot and scales its product, so a
+token reads half the bytes of bf16 weights.
+
+Prints each completion on stdout, the text alone (at batch size 1, `--stream` prints the
+tokens of each chunk as it arrives), and on stderr the time to the first token and the
+decoding speed in generated tokens per second (compiling and one warm-up run of each
+program apart). Nothing in a call compiles but its two programs: the prompts reach the
+device as plain transfers and the PRNG key is made inside the prefill.
 """
 
 import dataclasses
