@@ -21,6 +21,8 @@ their medians of
 - first token: the prefill of `--prompt_len` tokens up to the first generated token;
 - decode: tokens after each row's first, per second, after the prefill;
 - overall: all generated tokens over the whole call (what the command prints).
+The JSON rows also give the warm-up call's first token and overall speed (compiling
+apart): what one `generate` command, which makes a single call, prints.
 
 `--profile_top=N` also traces one more call per row and prints the GPU kernels launched
 per generated token, their summed time per token, and the N kernels that take the most
@@ -68,6 +70,10 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer("chunk_size", generate.DEFAULT_CHUNK_SIZE, "Tokens per jitted call.", **fv)
     flags.DEFINE_integer("repeats", 3, "Timed generate calls per row of the table.", **fv)
     flags.DEFINE_bool("via_hf_dir", False, "Load through a Hugging Face directory export.", **fv)
+    flags.DEFINE_string(
+        "keep_hf_dir", None, "With --via_hf_dir: write the export here and keep it (for "
+        "`generate --hf_dir`), one shape only.", **fv
+    )
     flags.DEFINE_string("json_out", None, "Also write the rows as JSON lines here.", **fv)
     flags.DEFINE_integer("profile_top", 0, "Trace a call per row; print its top N kernels.", **fv)
     flags.DEFINE_string(
@@ -142,7 +148,8 @@ def random_params(cfg: ConfigBase, mesh: jax.sharding.Mesh, *, seed: int = 0) ->
 
 
 def build_generator(
-    shape: str, num_devices: int, *, via_hf_dir: bool, quantize: Optional[str] = None
+    shape: str, num_devices: int, *, via_hf_dir: bool, quantize: Optional[str] = None,
+    keep_hf_dir: Optional[str] = None,
 ) -> generate.Generator:
     """A Generator of a random `shape` model sharded over `num_devices` devices (with
     int8 weights if `quantize` says so)."""
@@ -157,7 +164,8 @@ def build_generator(
     fused = llama_config(shape)
     host = jax.sharding.Mesh(np.asarray(jax.local_devices()[:1]), (generate.MODEL_AXIS,))
     params = jax.device_get(random_params(fused, host))
-    with tempfile.TemporaryDirectory() as directory:
+    with tempfile.TemporaryDirectory() as temporary:
+        directory = keep_hf_dir or temporary
         hf_llama.write_hf_model(params, fused, directory)
         del params
         generator, _ = generate.from_hf_dir(
@@ -195,6 +203,9 @@ def measure(
         decode_tokens_per_s=statistics.median(s.decode_tokens_per_second for s in runs),
         overall_tokens_per_s=statistics.median(s.tokens_per_second for s in runs),
         compile_s=warm.compile_seconds,
+        # The warm-up call is what one `generate` command runs: its figures, compiling apart.
+        first_call_first_token_ms=1000 * warm.first_token_seconds,
+        first_call_overall_tokens_per_s=warm.tokens_per_second,
     )
     if profile_top:
         summary, lines = kernel_profile(generator, prompts, profile_top, **kwargs)
@@ -247,6 +258,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def run(fv: flags.FlagValues) -> list[dict[str, Any]]:
     """Every (shape, devices, batch size) of the flags; prints each row and the table."""
     generate.check_quantize(fv.quantize)
+    if fv.keep_hf_dir and (not fv.via_hf_dir or len(fv.shapes) > 1):
+        raise ConfigError("--keep_hf_dir applies to --via_hf_dir with one shape")
     if fv.quantize and any(int(d) > 1 for d in fv.devices):
         raise ConfigError(f"--quantize={fv.quantize} decodes on one device: pass --devices=1")
     batch_sizes = [int(b) for b in fv.batch_sizes]
@@ -264,7 +277,8 @@ def run(fv: flags.FlagValues) -> list[dict[str, Any]]:
                 continue
             began = time.perf_counter()
             generator = build_generator(
-                shape, num_devices, via_hf_dir=fv.via_hf_dir, quantize=fv.quantize
+                shape, num_devices, via_hf_dir=fv.via_hf_dir, quantize=fv.quantize,
+                keep_hf_dir=fv.keep_hf_dir,
             )
             print(f"{shape} on {num_devices} device(s): weights ready in "
                   f"{time.perf_counter() - began:.1f} s", flush=True)
