@@ -283,8 +283,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     fv = dict(flag_values=flag_values)
     flags.DEFINE_string("trainer_dir", None, "The run's directory.", **fv)
     flags.DEFINE_integer("step", None, "Its checkpoint step (default: the latest).", **fv)
-    flags.DEFINE_string("quantize", "int8", "int8 or int6.", **fv)
-    flags.DEFINE_string("output", None, "The artifact's path.", **fv)
+    flags.DEFINE_string(
+        "quantize", "int8", "int8 or int6, or both (int8,int6: one artifact each).", **fv
+    )
+    flags.DEFINE_string(
+        "output", None, "The artifact's path; with several --quantize values, '{quantize}' "
+        "in it stands for each.", **fv
+    )
     flags.DEFINE_string("compression", "zlib", "zlib or zstd (the zstandard package).", **fv)
     flags.DEFINE_string(
         "keep", None, "A regex (re.search) of parameter paths stored as they are.", **fv
@@ -296,25 +301,39 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_bool("no_eval", False, "Skip the round-trip evaluation.", **fv)
 
 
-def _round_trip_eval(cfg: ConfigBase, original: Any, dequantized: Any, step: int) -> list[dict]:
-    """Each evaler's metrics of both parameter trees (the run's trainer, no directory:
-    nothing is written into the run)."""
+def _round_trip_eval(
+    cfg: ConfigBase, original: Any, dequantized: dict[str, Any], step: int
+) -> list[dict]:
+    """Each evaler's metrics of the original parameters beside those of each dequantized
+    tree (the run's trainer without a directory: nothing is written into the run)."""
     trainer = cfg.clone(dir=None).instantiate(parent=None)
-    rows = []
     before = trainer.evaluate_params(original, step=step)
-    after = trainer.evaluate_params(dequantized, step=step)
-    for name in before:
-        row = dict(evaler=name, step=step)
-        for metric in ("loss", "bits_per_byte"):
-            if metric in before[name]:
-                row[metric] = before[name][metric]
-                row[f"quantized_{metric}"] = after[name][metric]
-        rows.append(row)
+    after = {kind: trainer.evaluate_params(params, step=step) for kind, params in dequantized.items()}
+    rows = []
+    for kind, results in after.items():
+        for name in before:
+            row = dict(evaler=name, step=step, quantize=kind)
+            for metric in ("loss", "bits_per_byte"):
+                if metric in before[name]:
+                    row[metric] = before[name][metric]
+                    row[f"quantized_{metric}"] = results[name][metric]
+            rows.append(row)
     return rows
 
 
+def output_paths(output: str, kinds: Sequence[str]) -> dict[str, str]:
+    """{quantization: artifact path}: `output` itself for one, with '{quantize}' filled in
+    for several (a ConfigError if it lacks it)."""
+    if len(kinds) > 1 and "{quantize}" not in output:
+        raise ConfigError(
+            f"--output={output}: several --quantize values need '{{quantize}}' in the path"
+        )
+    return {kind: output.replace("{quantize}", kind) for kind in kinds}
+
+
 def export(fv: flags.FlagValues, out=None) -> dict[str, Any]:
-    """The export command; returns what it printed (bytes, evaluation rows)."""
+    """The export command; returns what it printed (one summary per artifact, the
+    evaluation rows)."""
     # pylint: disable=import-outside-toplevel
     import jax
 
@@ -322,7 +341,10 @@ def export(fv: flags.FlagValues, out=None) -> dict[str, Any]:
     from axlearn.common.utils import flatten_with_paths
 
     out = out or sys.stdout
-    quantization.bits_of(fv.quantize)
+    kinds = [kind.strip() for kind in fv.quantize.split(",")]
+    for kind in kinds:
+        quantization.bits_of(kind)
+    paths = output_paths(fv.output, kinds)
     if fv.compression not in COMPRESSIONS:
         raise ConfigError(f"--compression={fv.compression!r}: choose one of {', '.join(COMPRESSIONS)}")
     if fv.compression == "zstd":
@@ -336,29 +358,32 @@ def export(fv: flags.FlagValues, out=None) -> dict[str, Any]:
     step, params = trainer_dir.restore_model_params(fv.trainer_dir, step=fv.step, model_config=cfg.model)
     params = jax.device_get(params)
     flat = {path: np.asarray(x) for path, x in flatten_with_paths(params)}
-    entries = quantize_params(flat, fv.quantize, keep=fv.keep, min_size=fv.min_size)
     meta = dict(
         step=step, model_config=cfg.model.debug_string(),
         tokenizer=trainer_dir.recorded_tokenizer(cfg), source=fv.trainer_dir,
     )
-    data = encode_artifact(entries, quantize=fv.quantize, compression=fv.compression, meta=meta)
-    _, read_back = decode_artifact(data, source=fv.output)
-    _check_identical(entries, read_back, source=fv.output)
-    file_system.write_bytes(fv.output, data)
-    quantized = sum(1 for e in entries.values() if e["encoding"] != "raw")
-    summary = dict(
-        artifact=fv.output, bytes=len(data), quantize=fv.quantize, compression=fv.compression,
-        quantized_tensors=quantized, kept_tensors=len(entries) - quantized, step=step,
-    )
-    out.write(json.dumps(summary) + "\n")
-    out.flush()
+    summaries, dequantized = [], {}
+    for kind, path in paths.items():
+        entries = quantize_params(flat, kind, keep=fv.keep, min_size=fv.min_size)
+        data = encode_artifact(entries, quantize=kind, compression=fv.compression, meta=meta)
+        _, read_back = decode_artifact(data, source=path)
+        _check_identical(entries, read_back, source=path)
+        file_system.write_bytes(path, data)
+        quantized = sum(1 for e in entries.values() if e["encoding"] != "raw")
+        summaries.append(dict(
+            artifact=path, bytes=len(data), quantize=kind, compression=fv.compression,
+            quantized_tensors=quantized, kept_tensors=len(entries) - quantized, step=step,
+        ))
+        out.write(json.dumps(summaries[-1]) + "\n")
+        out.flush()
+        dequantized[kind] = dequantized_params(read_back)
     rows = []
     if not fv.no_eval and cfg.evalers:
-        rows = _round_trip_eval(cfg, params, dequantized_params(read_back), step)
+        rows = _round_trip_eval(cfg, params, dequantized, step)
         for row in rows:
             out.write(json.dumps(row, sort_keys=True) + "\n")
         out.flush()
-    return dict(summary, evaluation=rows)
+    return dict(artifacts=summaries, evaluation=rows)
 
 
 def _check_identical(written: dict, read: dict, *, source: str) -> None:
