@@ -133,3 +133,45 @@ def test_the_qat_modifier_makes_the_model_fake_quantized_and_refuses_unknown_bit
     modifier = quantization.QuantizationAwareTrainingModifier.default_config().set(quantize="int5")
     with pytest.raises(ConfigError, match="quantize='int5' is not supported"):
         modifier.instantiate()(golf.golf_baseline())
+
+
+@pytest.mark.slow
+def test_a_fake_quantized_model_trains_on_the_weights_the_artifact_would_hold():
+    from axlearn.common.module import functional  # pylint: disable=import-outside-toplevel
+    from axlearn.common.utils import flatten_with_paths, unflatten_paths  # noqa
+    from tools import generate_bench  # pylint: disable=import-outside-toplevel
+
+    plain = generate_bench.llama_config("32x1x2x1x64x96").set(dtype=jnp.float32)
+    model = plain.clone(name="model").instantiate(parent=None)
+    params = model.initialize_parameters_recursively(jax.random.PRNGKey(0))
+    qat = quantization.QuantizationAwareTrainingModifier.default_config().set(
+        quantize="int8", min_size=1024
+    ).instantiate()
+    trainer_like = type("Cfg", (), {})()
+    trainer_like.model = plain.clone()
+    fake = qat(trainer_like).model.clone(name="model").instantiate(parent=None)
+    expected = {}
+    for path, x in flatten_with_paths(params):
+        x = np.asarray(x)
+        if x.ndim >= 2 and x.size >= 1024:
+            x = quantization.dequantize(
+                *quantization.quantize(x, 8, quantization.contracted_axes(path, x.ndim))
+            )
+        expected[path] = jnp.asarray(x)
+    ids = jnp.asarray(np.random.default_rng(5).integers(1, 96, size=(2, 8)), jnp.int32)
+    batch = dict(input_ids=ids, target_labels=jnp.roll(ids, -1, axis=1))
+    loss = lambda m, p: functional(  # noqa: E731
+        m, state=p, inputs=dict(input_batch=batch), prng_key=jax.random.PRNGKey(1),
+        is_training=True,
+    )[0][0]
+    np.testing.assert_allclose(
+        float(loss(fake, params)), float(loss(model, unflatten_paths(expected))), rtol=1e-6
+    )
+    # Evaluation sees the float weights.
+    evaluated = functional(
+        fake, state=params, inputs=dict(input_batch=batch), prng_key=None, is_training=False
+    )[0][0]
+    plain_eval = functional(
+        model, state=params, inputs=dict(input_batch=batch), prng_key=None, is_training=False
+    )[0][0]
+    assert float(evaluated) == float(plain_eval)
