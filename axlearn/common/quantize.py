@@ -21,6 +21,7 @@ decode and evaluate it without the run's directory. The file format is docs/quan
 import hashlib
 import json
 import logging
+import os
 import re
 import struct
 import sys
@@ -345,6 +346,10 @@ def export(fv: flags.FlagValues, out=None) -> dict[str, Any]:
     for kind in kinds:
         quantization.bits_of(kind)
     paths = output_paths(fv.output, kinds)
+    for path in paths.values():
+        parent = os.path.dirname(path)
+        if file_system.is_local(path) and parent and not os.path.isdir(parent):
+            raise ConfigError(f"--output={path}: no directory {parent}")
     if fv.compression not in COMPRESSIONS:
         raise ConfigError(f"--compression={fv.compression!r}: choose one of {', '.join(COMPRESSIONS)}")
     if fv.compression == "zstd":
@@ -415,7 +420,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"{PROGRAM} export: pass {' and '.join('--' + m for m in missing)}")
     try:
         export(fv)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, OSError) as e:
         raise SystemExit(f"{PROGRAM} export: {e}") from e
 
 
