@@ -450,7 +450,8 @@ class Generator:
             if quantized:
                 # Ties the int8 weights to the step, so that XLA converts them inside each
                 # step's matmuls instead of once, to bf16 copies, before the loop.
-                params, state = jax.lax.optimization_barrier((params, state))
+                params, token = jax.lax.optimization_barrier((params, state["token"]))
+                state = dict(state, token=token)
             done = ended(state)
             time_step = state["time_step"]
             # Finished rows re-write a slot at or past their end, which nothing reads.
