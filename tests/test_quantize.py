@@ -163,7 +163,8 @@ def test_export_then_eval_only_and_generate_read_the_artifact(tmp_path):
     from tests.test_launch import TINY_RUN, _main
 
     run_dir, artifact = tmp_path / "run", tmp_path / "m.axq"
-    assert _main(*TINY_RUN, f"--trainer_dir={run_dir}", "--config_override=max_step=2").returncode == 0
+    trained = _main(*TINY_RUN, f"--trainer_dir={run_dir}", "--config_override=max_step=2")
+    assert trained.returncode == 0, trained.stderr[-3000:]
 
     def command(module, *args):
         return subprocess.run(

@@ -237,7 +237,8 @@ def dequantized_params(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def model_config_of(header: dict, *, source: str) -> ConfigBase:
     """The model config an artifact recorded."""
-    from axlearn.common.golden_text import parse_flat_text  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.golden_text import parse_flat_text
 
     text = header.get("meta", {}).get("model_config")
     if not text:
@@ -309,7 +310,9 @@ def _round_trip_eval(
     tree (the run's trainer without a directory: nothing is written into the run)."""
     trainer = cfg.clone(dir=None).instantiate(parent=None)
     before = trainer.evaluate_params(original, step=step)
-    after = {kind: trainer.evaluate_params(params, step=step) for kind, params in dequantized.items()}
+    after = {
+        kind: trainer.evaluate_params(params, step=step) for kind, params in dequantized.items()
+    }
     rows = []
     for kind, results in after.items():
         for name in before:
@@ -351,7 +354,9 @@ def export(fv: flags.FlagValues, out=None) -> dict[str, Any]:
         if file_system.is_local(path) and parent and not os.path.isdir(parent):
             raise ConfigError(f"--output={path}: no directory {parent}")
     if fv.compression not in COMPRESSIONS:
-        raise ConfigError(f"--compression={fv.compression!r}: choose one of {', '.join(COMPRESSIONS)}")
+        raise ConfigError(
+            f"--compression={fv.compression!r}: choose one of {', '.join(COMPRESSIONS)}"
+        )
     if fv.compression == "zstd":
         _zstd()
     if fv.keep:
@@ -360,7 +365,9 @@ def export(fv: flags.FlagValues, out=None) -> dict[str, Any]:
         except re.error as e:
             raise ConfigError(f"--keep={fv.keep!r}: {e}") from e
     cfg = trainer_dir.read_trainer_config(fv.trainer_dir)
-    step, params = trainer_dir.restore_model_params(fv.trainer_dir, step=fv.step, model_config=cfg.model)
+    step, params = trainer_dir.restore_model_params(
+        fv.trainer_dir, step=fv.step, model_config=cfg.model
+    )
     params = jax.device_get(params)
     flat = {path: np.asarray(x) for path, x in flatten_with_paths(params)}
     meta = dict(
