@@ -175,3 +175,21 @@ def test_a_fake_quantized_model_trains_on_the_weights_the_artifact_would_hold():
         model, state=params, inputs=dict(input_batch=batch), prng_key=None, is_training=False
     )[0][0]
     assert float(evaluated) == float(plain_eval)
+
+
+def test_embeddings_read_the_rows_of_a_quantized_table():
+    from axlearn.common.layers import Embedding, OneHotGradEmbedding  # pylint: disable=C0415
+    from axlearn.common.module import functional  # pylint: disable=import-outside-toplevel
+
+    table = np.random.default_rng(6).normal(size=(10, 4)).astype(np.float32)
+    q, scale = quantization.quantize(table, 8, (-1,))
+    weight = QuantizedWeight(jnp.asarray(q), jnp.asarray(scale.astype(np.float32)), jnp.float32)
+    ids = jnp.asarray([[3, 0, 9]])
+    for klass in (Embedding, OneHotGradEmbedding):
+        layer = klass.default_config().set(name="emb", num_embeddings=10, dim=4).instantiate(
+            parent=None
+        )
+        rows, _ = functional(layer, state=dict(weight=weight), inputs=[ids], prng_key=None,
+                             is_training=False)
+        expected = quantization.dequantize(q, scale)[[[3, 0, 9]]]
+        np.testing.assert_array_equal(np.asarray(rows), expected)
