@@ -331,3 +331,18 @@ def test_a_generate_call_compiles_its_two_programs_and_nothing_else(caplog):
         for r in caplog.records if r.getMessage().startswith("Compiling jit(")
     )
     assert compiled == ["chunk", "prefill"]
+
+
+@pytest.mark.slow
+def test_the_command_keeps_its_compiled_programs_for_the_next_run(tmp_path):
+    _save_hf_dir(tmp_path / "hf", seed=8)
+    cache = tmp_path / "cache"
+    args = [f"--hf_dir={tmp_path / 'hf'}", "--prompt=w3", f"--compilation_cache_dir={cache}"]
+    env = dict(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # Tiny programs count too.
+    result = subprocess.run(
+        [sys.executable, "-m", "axlearn.common.generate", *args], cwd=REPO,
+        env={**fresh_env(1), **env}, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    kept = {p.name.split("-")[0] for p in cache.iterdir()}
+    assert {"jit_chunk", "jit_prefill"} <= kept, kept
