@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -313,3 +314,35 @@ def test_the_split_qkv_layout_for_several_devices_decodes_as_transformers():
     assert sorted(attention["i_proj"]["i_proj"]) == ["k_proj", "q_proj", "v_proj"]
     outputs, _ = generate.Generator(split, params).generate(prompts, max_new_tokens=6)
     assert outputs == expected
+
+
+@pytest.mark.slow
+def test_a_generate_call_compiles_its_two_programs_and_nothing_else(caplog):
+    # Eager ops on the host's inputs (jnp.asarray of a NumPy array, a PRNG key) would each
+    # compile a program of their own on first use, inside the first token's time.
+    cfg = generate_bench.model_config("32x1x2x1x32x64", 1)
+    generator = generate.Generator(
+        cfg, generate_bench.random_params(cfg, generate.make_mesh(1))
+    )
+    with caplog.at_level("WARNING"), jax.log_compiles(True):
+        generator.generate([[1, 2, 3]], max_new_tokens=3, batch_size=1, chunk_size=2)
+    compiled = sorted(
+        r.getMessage().split("(")[1].split(")")[0]
+        for r in caplog.records if r.getMessage().startswith("Compiling jit(")
+    )
+    assert compiled == ["chunk", "prefill"]
+
+
+@pytest.mark.slow
+def test_the_command_keeps_its_compiled_programs_for_the_next_run(tmp_path):
+    _save_hf_dir(tmp_path / "hf", seed=8)
+    cache = tmp_path / "cache"
+    args = [f"--hf_dir={tmp_path / 'hf'}", "--prompt=w3", f"--jax_compilation_cache_dir={cache}"]
+    env = dict(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # Tiny programs count too.
+    result = subprocess.run(
+        [sys.executable, "-m", "axlearn.common.generate", *args], cwd=REPO,
+        env={**fresh_env(1), **env}, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    kept = {p.name.split("-")[0] for p in cache.iterdir()}
+    assert {"jit_chunk", "jit_prefill"} <= kept, kept

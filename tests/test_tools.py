@@ -14,7 +14,7 @@ _TOOLS = sorted(p.stem for p in (pathlib.Path(REPO) / "tools").glob("*.py"))
 def test_the_tools_are_the_maintained_ones():
     assert _TOOLS == [
         "attention_check", "checkpoint_check", "generate_bench", "kernel_check", "matmul_check",
-        "op_profile", "peft_bench", "start_time", "step_breakdown", "sweep_7b",
+        "op_profile", "peft_bench", "quantize_check", "start_time", "step_breakdown", "sweep_7b",
     ]
 
 

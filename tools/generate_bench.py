@@ -11,7 +11,8 @@ DIMxLAYERSxHEADSxKV_HEADSxMLP_HIDDENxVOCAB, e.g. 64x2x4x2x128x256) is built as a
 whose weights are drawn at random on the devices, each device drawing its own shard
 (`tensor_parallel_shardings`): a 70B model never exists whole on the host or on one
 device. `--via_hf_dir` instead writes the weights as a Hugging Face directory
-(our export) and loads it the way `generate --hf_dir` does.
+(our export) and loads it the way `generate --hf_dir` does. `--quantize=int8` decodes
+with int8 weights and per-row scales, as `generate --quantize=int8` does.
 
 The runs use `generate.Generator`, the command's decoding, with an EOS id the model
 cannot produce (so every row decodes `--new_tokens`). Per (shape, devices, batch size):
@@ -20,6 +21,8 @@ their medians of
 - first token: the prefill of `--prompt_len` tokens up to the first generated token;
 - decode: tokens after each row's first, per second, after the prefill;
 - overall: all generated tokens over the whole call (what the command prints).
+The JSON rows also give the warm-up call's first token and overall speed (compiling
+apart): what one `generate` command, which makes a single call, prints.
 
 `--profile_top=N` also traces one more call per row and prints the GPU kernels launched
 per generated token, their summed time per token, and the N kernels that take the most
@@ -67,8 +70,15 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer("chunk_size", generate.DEFAULT_CHUNK_SIZE, "Tokens per jitted call.", **fv)
     flags.DEFINE_integer("repeats", 3, "Timed generate calls per row of the table.", **fv)
     flags.DEFINE_bool("via_hf_dir", False, "Load through a Hugging Face directory export.", **fv)
+    flags.DEFINE_string(
+        "keep_hf_dir", None, "With --via_hf_dir: write the export here and keep it (for "
+        "`generate --hf_dir`), one shape only.", **fv
+    )
     flags.DEFINE_string("json_out", None, "Also write the rows as JSON lines here.", **fv)
     flags.DEFINE_integer("profile_top", 0, "Trace a call per row; print its top N kernels.", **fv)
+    flags.DEFINE_string(
+        "quantize", None, "int8: decode with int8 weights (generate --quantize=int8).", **fv
+    )
 
 
 def _sizes(shape: str) -> tuple[int, ...]:
@@ -137,20 +147,30 @@ def random_params(cfg: ConfigBase, mesh: jax.sharding.Mesh, *, seed: int = 0) ->
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
 
-def build_generator(shape: str, num_devices: int, *, via_hf_dir: bool) -> generate.Generator:
-    """A Generator of a random `shape` model sharded over `num_devices` devices."""
+def build_generator(
+    shape: str, num_devices: int, *, via_hf_dir: bool, quantize: Optional[str] = None,
+    keep_hf_dir: Optional[str] = None,
+) -> generate.Generator:
+    """A Generator of a random `shape` model sharded over `num_devices` devices (with
+    int8 weights if `quantize` says so)."""
     cfg = model_config(shape, num_devices)
     mesh = generate.make_mesh(num_devices)
     generate.check_devices(cfg, num_devices)
     if not via_hf_dir:
-        return generate.Generator(cfg, random_params(cfg, mesh), mesh=mesh)
+        params = random_params(cfg, mesh)
+        if quantize:
+            params = generate.quantize_for_decoding(params, cfg.dtype)
+        return generate.Generator(cfg, params, mesh=mesh)
     fused = llama_config(shape)
     host = jax.sharding.Mesh(np.asarray(jax.local_devices()[:1]), (generate.MODEL_AXIS,))
     params = jax.device_get(random_params(fused, host))
-    with tempfile.TemporaryDirectory() as directory:
+    with tempfile.TemporaryDirectory() as temporary:
+        directory = keep_hf_dir or temporary
         hf_llama.write_hf_model(params, fused, directory)
         del params
-        generator, _ = generate.from_hf_dir(directory, dtype="bfloat16", devices=num_devices)
+        generator, _ = generate.from_hf_dir(
+            directory, dtype="bfloat16", devices=num_devices, quantize=quantize
+        )
     generator.set_eos_ids([cfg.decoder.vocab_size])
     return generator
 
@@ -183,6 +203,9 @@ def measure(
         decode_tokens_per_s=statistics.median(s.decode_tokens_per_second for s in runs),
         overall_tokens_per_s=statistics.median(s.tokens_per_second for s in runs),
         compile_s=warm.compile_seconds,
+        # The warm-up call is what one `generate` command runs: its figures, compiling apart.
+        first_call_first_token_ms=1000 * warm.first_token_seconds,
+        first_call_overall_tokens_per_s=warm.tokens_per_second,
     )
     if profile_top:
         summary, lines = kernel_profile(generator, prompts, profile_top, **kwargs)
@@ -234,6 +257,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 def run(fv: flags.FlagValues) -> list[dict[str, Any]]:
     """Every (shape, devices, batch size) of the flags; prints each row and the table."""
+    generate.check_quantize(fv.quantize)
+    if fv.keep_hf_dir and (not fv.via_hf_dir or len(fv.shapes) > 1):
+        raise ConfigError("--keep_hf_dir applies to --via_hf_dir with one shape")
+    if fv.quantize and any(int(d) > 1 for d in fv.devices):
+        raise ConfigError(f"--quantize={fv.quantize} decodes on one device: pass --devices=1")
     batch_sizes = [int(b) for b in fv.batch_sizes]
     device_counts = [int(d) for d in fv.devices]
     device = jax.local_devices()[0]
@@ -242,13 +270,16 @@ def run(fv: flags.FlagValues) -> list[dict[str, Any]]:
     for shape in fv.shapes:
         cfg = llama_config(shape)
         for num_devices in device_counts:
-            base = dict(shape=shape, devices=num_devices)
+            base = dict(shape=shape, devices=num_devices, weights=fv.quantize or "bf16")
             if num_devices > len(jax.local_devices()) or not _fits(cfg, num_devices):
                 for batch in batch_sizes:
                     rows.append(dict(base, batch=batch, skipped="does not fit / too few devices"))
                 continue
             began = time.perf_counter()
-            generator = build_generator(shape, num_devices, via_hf_dir=fv.via_hf_dir)
+            generator = build_generator(
+                shape, num_devices, via_hf_dir=fv.via_hf_dir, quantize=fv.quantize,
+                keep_hf_dir=fv.keep_hf_dir,
+            )
             print(f"{shape} on {num_devices} device(s): weights ready in "
                   f"{time.perf_counter() - began:.1f} s", flush=True)
             for batch in batch_sizes:

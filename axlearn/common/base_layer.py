@@ -10,7 +10,8 @@ value does not depend on what else the model holds.
 A layer multiplies by a weight (a parameter with fan axes) through `weight_einsum` and
 looks up its rows through `weight_take`, not through jnp directly: in a train step that
 sums microbatches on one device the trainer hands such weights over as `WeightWithCopy`
-(the float32 weight and its bf16 copy), which only these two helpers take.
+(the float32 weight and its bf16 copy), which only these two helpers take. Decoding with
+int8 weights (`generate --quantize=int8`) hands them over as `QuantizedWeight`s.
 """
 
 import dataclasses
@@ -139,10 +140,56 @@ class WeightWithCopy(NamedTuple):
     copy: Tensor
 
 
+@jax.tree_util.register_pytree_node_class
+class QuantizedWeight:
+    """An int8 weight and its per-row scales: what the weight stands for is
+    values * scale, in `dtype` (`axlearn.common.quantization` makes them).
+
+    `scale` has the weight's rank, 1 along the axes each scale covers (those a matmul
+    contracts). `weight_einsum` multiplies by the int8 values converted (a convert XLA
+    fuses into the matmul) and scales the product; `weight_take` scales the rows it reads.
+    """
+
+    def __init__(self, values: Tensor, scale: Tensor, dtype: Any):
+        self.values, self.scale, self.dtype = values, scale, jnp.dtype(dtype)
+
+    def tree_flatten(self):
+        return (self.values, self.scale), self.dtype.name
+
+    @classmethod
+    def tree_unflatten(cls, dtype, children):
+        return cls(*children, dtype=dtype)
+
+    def dequantized(self) -> Tensor:
+        """The weight it stands for, in `dtype`."""
+        return (self.values.astype(jnp.float32) * self.scale.astype(jnp.float32)).astype(
+            self.dtype
+        )
+
+
+def _quantized_einsum(
+    spec: str, x: Tensor, weight: QuantizedWeight, partition_spec: Optional[MeshAxes]
+) -> Tensor:
+    """jnp.einsum(spec, x, weight.dequantized()), with the scales applied to the product
+    where they lie along the output's axes (else to the weight first)."""
+    inputs, out_axes = spec.split("->")
+    weight_axes = inputs.split(",")[1]
+    values = gathered_for_matmul(weight.values, partition_spec)
+    kept = [(axis, n) for axis, n in zip(weight_axes, weight.scale.shape) if axis in out_axes]
+    contracted = [n for axis, n in zip(weight_axes, weight.scale.shape) if axis not in out_axes]
+    if any(n != 1 for n in contracted):
+        dequantized = QuantizedWeight(values, weight.scale, x.dtype).dequantized()
+        return jnp.einsum(spec, x, dequantized)
+    y = jnp.einsum(spec, x, values.astype(x.dtype), preferred_element_type=jnp.float32)
+    scale = weight.scale.astype(jnp.float32).reshape([n for _, n in kept])
+    scale_axes = "".join(axis for axis, _ in kept)
+    return jnp.einsum(f"{out_axes},{scale_axes}->{out_axes}", y, scale).astype(x.dtype)
+
+
 def weight_einsum(
     spec: str,
     x: Tensor,
-    weight: Union[Tensor, WeightWithCopy],
+    weight: Union[Tensor, WeightWithCopy, QuantizedWeight],
     *,
     partition_spec: Optional[MeshAxes] = None,
 ) -> Tensor:
@@ -153,19 +200,24 @@ def weight_einsum(
     param_partition_spec): on some meshes the weight is gathered to its 'model' entries
     first (`sharding.gathered_for_matmul` says which and why).
     """
+    if isinstance(weight, QuantizedWeight):
+        return _quantized_einsum(spec, x, weight, partition_spec)
     if not isinstance(weight, WeightWithCopy):
         return jnp.einsum(spec, x, gathered_for_matmul(weight, partition_spec))
     copy = gathered_for_matmul(weight.copy, partition_spec)
     return _einsum_with_weight_grad(spec, x, weight.weight, copy)
 
 
-def weight_take(weight: Union[Tensor, WeightWithCopy], ids: Tensor) -> Tensor:
+def weight_take(weight: Union[Tensor, WeightWithCopy, QuantizedWeight], ids: Tensor) -> Tensor:
     """The rows `ids` of a lookup table, an array or a `WeightWithCopy`.
 
     A `WeightWithCopy`'s rows are read from the copy, and the weight's gradient is summed
     in the weight's own dtype: through a cast, the rows' cotangents would be scatter-added
     into a bf16 table, where a frequent token's hundreds of rows lose ~2% of their sum.
     """
+    if isinstance(weight, QuantizedWeight):
+        rows = jnp.take(weight.values, ids, axis=0).astype(jnp.float32)
+        return (rows * jnp.take(weight.scale, ids, axis=0).astype(jnp.float32)).astype(weight.dtype)
     if not isinstance(weight, WeightWithCopy):
         return jnp.take(weight, ids, axis=0)
     return _take_with_weight_grad(ids, weight.weight, weight.copy)

@@ -5,6 +5,7 @@ or several (tensor parallel).
     python -m axlearn.common.generate --trainer_dir=T [--step=N] --prompt="Once upon a time"
     python -m axlearn.common.generate --hf_dir=D --prompt_file=prompts.txt --max_new_tokens=128 \\
         [--temperature=0.8 --top_k=50 --top_p=0.95] [--batch_size=8] [--devices=4]
+    python -m axlearn.common.generate --artifact=model.axq [--quantize=int8] --prompt=...
 
 Prompts (`--prompt`, repeatable, or `--prompt_file`, one a line) are encoded with the
 model's tokenizer: a trainer directory's is the one recorded with its data
@@ -27,14 +28,26 @@ vocabulary, the KV cache over its key/value heads; XLA places the collectives, o
 all-reduce after each layer's attention and one after its MLP. A Hugging Face
 directory's weights load straight into their shards.
 
-Prints each completion (at batch size 1, `--stream` prints the tokens of each chunk as it
-arrives), then the time to the first token and the decoding speed in generated tokens per
-second (compiling and one warm-up run of each program apart).
+`--artifact` reads a quantized artifact (`axlearn.common.quantize`: the model's config,
+its weights, its tokenizer's name), dequantized. `--quantize=int8` decodes with int8
+weights and per-row scales (`quantize_for_decoding`; an int8 artifact's own), on one
+device: each matmul converts the int8 values inside the dot and scales its product, so a
+token reads half the bytes of bf16 weights.
+
+Prints each completion on stdout, the text alone (at batch size 1, `--stream` prints the
+tokens of each chunk as it arrives), and on stderr the time to the first token and the
+decoding speed in generated tokens per second (compiling and one warm-up run of each
+program apart). Nothing in a call compiles but its two programs: the prompts reach the
+device as plain transfers and the PRNG key is made inside the prefill. The command keeps
+its compiled programs (`--jax_compilation_cache_dir`, `compilation_cache`): a later run with the same model and
+shapes loads them instead of compiling.
 """
 
 import dataclasses
+import functools
 import logging
 import math
+import os
 import sys
 import time
 import warnings
@@ -47,8 +60,16 @@ import numpy as np
 from absl import flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from axlearn.common import hf_checkpoint, hf_models, lora, trainer_dir
+from axlearn.common import (
+    compilation_cache,
+    hf_checkpoint,
+    hf_models,
+    lora,
+    quantization,
+    trainer_dir,
+)
 from axlearn.common.attention import FusedGroupedQKVLinear, GroupedQKVLinear
+from axlearn.common.base_layer import QuantizedWeight
 from axlearn.common.causal_lm import language_model_config
 from axlearn.common.command_flags import parse_command_flags
 from axlearn.common.config import ConfigBase, ConfigError
@@ -394,7 +415,12 @@ class Generator:
         the cache holding the prompts and the first chosen token of each row."""
         choose = self._choose_fn(sampling)
 
-        def prefill(params, prompt_ids, prompt_lengths, prng_key):
+        def prefill(params, prompt_ids, prompt_lengths, seed_and_offset):
+            # The key is made here, not on the host: eager PRNG ops would each compile a
+            # program of their own before the first token.
+            prng_key = jax.random.fold_in(
+                jax.random.PRNGKey(seed_and_offset[0]), seed_and_offset[1]
+            )
             batch_size = prompt_ids.shape[0]
             cache = self._decoder_call(
                 params, "init_states", batch_size=batch_size, max_len=max_len
@@ -427,7 +453,7 @@ class Generator:
         position and emits the next one chosen from its logits (the fill id once a row
         has ended: at an EOS id or at max_len)."""
         choose = self._choose_fn(sampling)
-        eos_ids = jnp.asarray(self.eos_ids, jnp.int32)
+        eos_ids = np.asarray(self.eos_ids, np.int32)  # A constant of the program.
         fill_id = self._fill_id
 
         def ended(state):
@@ -435,7 +461,15 @@ class Generator:
             is_eos = jnp.any(token[:, None] == eos_ids, axis=-1)
             return state["done"] | is_eos | (time_step + 1 >= max_len)
 
+        greedy = sampling.temperature == 0
+        quantized = self.quantized
+
         def step(params, state):
+            if quantized:
+                # Ties the int8 weights to the step, so that XLA converts them inside each
+                # step's matmuls instead of once, to bf16 copies, before the loop.
+                params, token = jax.lax.optimization_barrier((params, state["token"]))
+                state = dict(state, token=token)
             done = ended(state)
             time_step = state["time_step"]
             # Finished rows re-write a slot at or past their end, which nothing reads.
@@ -446,7 +480,9 @@ class Generator:
                 input_ids=state["token"][:, None],
                 time_step=jnp.minimum(time_step, max_len - 1),
             )
-            prng_key, choose_key = jax.random.split(state["prng_key"])
+            prng_key, choose_key = state["prng_key"], None
+            if not greedy:  # Greedy choice needs no key: no PRNG kernels a token.
+                prng_key, choose_key = jax.random.split(prng_key)
             token = choose(outputs["logits"][:, 0].astype(jnp.float32), choose_key)
             token = jnp.where(done, fill_id, token)
             state = dict(
@@ -478,15 +514,31 @@ class Generator:
         chunk = jax.jit(self._chunk_fn(max_len, steps, sampling), donate_argnums=(1,))
         state = prefill(
             self.params,
-            jnp.ones((batch_size, prompt_len), jnp.int32),
-            jnp.ones((batch_size,), jnp.int32),
-            jax.random.PRNGKey(0),
+            *self._host_inputs(
+                np.ones((batch_size, prompt_len), np.int32), np.ones((batch_size,), np.int32),
+                seed=0, offset=0,
+            ),
         )
         if max_len > prompt_len + 1:  # Else no chunk follows the prefill.
             state = chunk(self.params, state)
         jax.block_until_ready(state)
         self._programs[key] = (prefill, chunk)
         return prefill, chunk, time.perf_counter() - start
+
+    @staticmethod
+    def _host_inputs(ids: np.ndarray, lengths: np.ndarray, *, seed: int, offset: int) -> tuple:
+        """The prefill's host inputs as device arrays: plain transfers (jnp.asarray of a
+        NumPy array would run, and on first use compile, a conversion program each)."""
+        seed_and_offset = np.asarray([seed, offset]).astype(np.int32)
+        return tuple(jax.device_put(x) for x in (ids, lengths, seed_and_offset))
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the parameters hold int8 weights (`quantize_for_decoding`)."""
+        return any(
+            isinstance(x, QuantizedWeight)
+            for x in jax.tree.leaves(self.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        )
 
     def generate(
         self,
@@ -530,7 +582,6 @@ class Generator:
                 batch_size, prompt_len, max_len, steps, sampling
             )
             stats.compile_seconds += compile_seconds
-            key = jax.random.fold_in(jax.random.PRNGKey(sampling.seed), start)
             new = [[] for _ in batch]
             ended = [False] * len(batch)
 
@@ -549,7 +600,8 @@ class Generator:
                         on_tokens(start + i, row)
 
             began = time.perf_counter()
-            state = prefill(self.params, jnp.asarray(ids), jnp.asarray(lengths), key)
+            inputs = self._host_inputs(ids, lengths, seed=sampling.seed, offset=start)
+            state = prefill(self.params, *inputs)
             first = np.asarray(state["token"])[:, None]
             stats.prefill_seconds += time.perf_counter() - began
             take(first)
@@ -580,6 +632,44 @@ class Generator:
 
 # ----- loading -----
 
+# The --quantize values decoding takes (an int6 artifact decodes dequantized).
+DECODING_QUANTIZATIONS = ("int8",)
+
+
+def check_quantize(quantize: Optional[str]) -> None:
+    """A ConfigError (one line) for a --quantize value decoding does not take."""
+    if quantize and quantize not in DECODING_QUANTIZATIONS:
+        raise ConfigError(
+            f"--quantize={quantize!r} is not supported for decoding: choose "
+            f"{' or '.join(DECODING_QUANTIZATIONS)} (an int6 --artifact decodes dequantized "
+            "without --quantize)"
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _quantizer(axes: tuple[int, ...]) -> Callable:
+    return jax.jit(lambda w: quantization.jax_quantize(w, 8, axes))
+
+
+def quantize_for_decoding(params: Any, dtype: Any) -> Any:
+    """`params` with each weight that artifacts quantize (`quantization.is_quantized`) as
+    a `QuantizedWeight`: int8 values and per-row scales, quantized on its device."""
+    flat = flatten_with_paths(params)
+    leaves = []
+    for path, x in flat:
+        if quantization.is_quantized(path, x.shape, x.dtype):
+            values, scale = _quantizer(quantization.contracted_axes(path, x.ndim))(x)
+            x = QuantizedWeight(values, scale.astype(jnp.float32), dtype)
+        leaves.append(x)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), leaves)
+
+
+def _check_quantized_devices(mesh: Mesh) -> None:
+    if mesh.size > 1:
+        raise ConfigError(
+            f"--quantize=int8 decodes on one device; pass --devices=1 (got {mesh.size})"
+        )
+
 
 def _decode_dtype(name: str) -> Optional[jnp.dtype]:
     """The dtype to decode in: 'auto' is bfloat16 on accelerators, float32 on a CPU."""
@@ -596,13 +686,21 @@ def _mesh_for(model_config: ConfigBase, devices: Optional[int]) -> tuple[Mesh, C
     return mesh, decoding_config(model_config, num_devices=num_devices)
 
 
+def _generator(model: ConfigBase, params: Any, mesh: Mesh, quantize: Optional[str]) -> Generator:
+    if quantize:
+        _check_quantized_devices(mesh)
+        params = quantize_for_decoding(params, model.dtype)
+    return Generator(model, params, mesh=mesh)
+
+
 def from_trainer_dir(
     directory: str, *, step: Optional[int] = None, dtype: str = "auto",
-    devices: Optional[int] = None,
+    devices: Optional[int] = None, quantize: Optional[str] = None,
 ) -> tuple[Generator, Optional[str]]:
     """(a Generator of the run's model at `step` over `devices` devices (None: the
     default), the tokenizer recorded with its data). The checkpoint is restored to host
-    memory and then placed in its shards."""
+    memory and then placed in its shards; `quantize='int8'` decodes with int8 weights."""
+    check_quantize(quantize)
     cfg = trainer_dir.read_trainer_config(directory)
     decode_dtype = _decode_dtype(dtype)
     lm_config = language_model_config(cfg.model)  # A DPO run's policy.
@@ -616,15 +714,58 @@ def from_trainer_dir(
         params = lora.merged_params(lora_model, params)
     params = cast_floats(unfuse_qkv(params, model_cfg, model), decode_dtype)
     params = jax.device_put(params, tensor_parallel_shardings(params, mesh))
-    return Generator(model, params, mesh=mesh), trainer_dir.recorded_tokenizer(cfg)
+    return _generator(model, params, mesh, quantize), trainer_dir.recorded_tokenizer(cfg)
+
+
+def from_artifact(
+    path: str, *, dtype: str = "auto", devices: Optional[int] = None,
+    quantize: Optional[str] = None,
+) -> tuple[Generator, Optional[str]]:
+    """(a Generator of a quantized artifact's model (`axlearn.common.quantize`), the
+    tokenizer it records). With `quantize='int8'` an int8 artifact's own values and scales
+    are decoded; otherwise its weights are dequantized to the decoding dtype."""
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.quantize import ArtifactError, model_config_of, read_artifact
+    from axlearn.common.utils import unflatten_paths  # pylint: disable=import-outside-toplevel
+
+    check_quantize(quantize)
+    try:
+        header, entries = read_artifact(path)
+    except ArtifactError as e:
+        raise ConfigError(str(e)) from e
+    fused = model_config_of(header, source=path)
+    decode_dtype = _decode_dtype(dtype)
+    mesh, model = _mesh_for(fused.clone(dtype=decode_dtype), devices)
+    specs = fused.clone(name="model").instantiate(parent=None).create_parameter_specs_recursively()
+    from axlearn.common.quantize import check_matches, dequantized_params  # pylint: disable=C0415
+
+    check_matches(entries, specs, source=path)
+    tokenizer = header.get("meta", {}).get("tokenizer")
+    if quantize and header["quantize"] == "int8":
+        _check_quantized_devices(mesh)
+        flat = {}
+        for name, entry in entries.items():
+            if entry["encoding"] == "raw":
+                flat[name] = jnp.asarray(entry["array"], decode_dtype)
+            else:
+                flat[name] = QuantizedWeight(
+                    jax.device_put(entry["values"]),
+                    jax.device_put(entry["scale"].astype(np.float32)), decode_dtype,
+                )
+        return Generator(model, unflatten_paths(flat), mesh=mesh), tokenizer
+    params = cast_floats(unfuse_qkv(dequantized_params(entries), fused, model), decode_dtype)
+    params = jax.device_put(params, tensor_parallel_shardings(params, mesh))
+    return _generator(model, params, mesh, quantize), tokenizer
 
 
 def from_hf_dir(
-    directory: str, *, dtype: str = "auto", devices: Optional[int] = None
+    directory: str, *, dtype: str = "auto", devices: Optional[int] = None,
+    quantize: Optional[str] = None,
 ) -> tuple[Generator, Optional[str]]:
     """(a Generator of the Hugging Face model in `directory` over `devices` devices
     (None: the default), its tokenizer file). Each device reads its own shard of each
-    weight from the safetensors files."""
+    weight from the safetensors files; `quantize='int8'` decodes with int8 weights."""
+    check_quantize(quantize)
     # Layers unrolled (not a scan over stacked weights): each decoding step then reads
     # every weight matrix in place, with no per-layer slice of the stack.
     model = hf_models.model_config_from_hf(
@@ -645,7 +786,7 @@ def from_hf_dir(
          if path.endswith(name)),
         None,
     )
-    return Generator(model, params, mesh=mesh), tokenizer
+    return _generator(model, params, mesh, quantize), tokenizer
 
 
 # ----- text -----
@@ -730,6 +871,14 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "hf_dir", None, "A local Hugging Face directory (Llama, Qwen2, Qwen3, Qwen3-MoE, "
         "Mistral).", **fv
     )
+    flags.DEFINE_string(
+        "artifact", None, "A quantized artifact (python -m axlearn.common.quantize export).",
+        **fv,
+    )
+    flags.DEFINE_string(
+        "quantize", None, "int8: decode with int8 weights (per-row scales), dequantized "
+        "inside the matmuls; on one device.", **fv
+    )
     flags.DEFINE_integer(
         "step", None, "The checkpoint step of --trainer_dir (default: latest).", **fv
     )
@@ -756,6 +905,12 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "chunk_size", DEFAULT_CHUNK_SIZE, "Tokens decoded per jitted call (and per streamed "
         "piece of text).", **fv
     )
+    flags.DEFINE_string(
+        "jax_compilation_cache_dir", None, "Where the command keeps its compiled programs "
+        "for its next run with the same shapes, as the launcher's flag (local, gs://, "
+        "s3://; default: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/axlearn/jax; none: off).",
+        **fv,
+    )
     flags.DEFINE_bool(
         "stream", None, "Print tokens as they are produced (default: at batch size 1 with "
         "one prompt).", **fv
@@ -775,8 +930,9 @@ def parse_flags(argv: Optional[Sequence[str]]) -> flags.FlagValues:
 
 def check_flags(fv: flags.FlagValues) -> None:
     """A ConfigError (one line) for flags that contradict each other."""
-    if bool(fv.trainer_dir) == bool(fv.hf_dir):
-        raise ConfigError("Pass exactly one of --trainer_dir and --hf_dir")
+    if sum(bool(x) for x in (fv.trainer_dir, fv.hf_dir, fv.artifact)) != 1:
+        raise ConfigError("Pass exactly one of --trainer_dir, --hf_dir and --artifact")
+    check_quantize(fv.quantize)
     if fv.step is not None and not fv.trainer_dir:
         raise ConfigError("--step applies to --trainer_dir")
     if fv.temperature < 0:
@@ -802,12 +958,13 @@ def run(fv: flags.FlagValues, out=None, err=None) -> GenerationStats:
     out = out or sys.stdout
     err = err or sys.stderr
     prompts = _read_prompts(fv)
+    load = dict(dtype=fv.dtype, devices=fv.devices, quantize=fv.quantize)
     if fv.trainer_dir:
-        generator, tokenizer = from_trainer_dir(
-            fv.trainer_dir, step=fv.step, dtype=fv.dtype, devices=fv.devices
-        )
+        generator, tokenizer = from_trainer_dir(fv.trainer_dir, step=fv.step, **load)
+    elif fv.artifact:
+        generator, tokenizer = from_artifact(fv.artifact, **load)
     else:
-        generator, tokenizer = from_hf_dir(fv.hf_dir, dtype=fv.dtype, devices=fv.devices)
+        generator, tokenizer = from_hf_dir(fv.hf_dir, **load)
     if fv.eos_id:
         generator.set_eos_ids(fv.eos_id)
     vocab = load_tokenizer(fv.tokenizer or tokenizer)
@@ -835,6 +992,7 @@ def run(fv: flags.FlagValues, out=None, err=None) -> GenerationStats:
     else:
         for prompt_ids, new in zip(ids, outputs):
             out.write(decode_completion(vocab, prompt_ids, new, generator.eos_ids) + "\n\n")
+    out.flush()
     devices = 1 if generator.mesh is None else generator.mesh.size
     out.flush()
     err.write(
@@ -856,7 +1014,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # Donation is what lets a chunk update the cache in place; a CPU ignores it.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     try:
-        run(parse_flags(argv))
+        fv = parse_flags(argv)
+        compilation_cache.configure(fv.jax_compilation_cache_dir)
+        run(fv)
     except (ConfigError, ValueError, KeyError) as e:
         raise SystemExit(f"generate: {e}") from e
 

@@ -165,6 +165,14 @@ FLAGS_TABLE = (
         "WANDB_MODE=offline needs no network). Sets the trainer's and every evaler's "
         "summary_writer.trackers; unset: the config's (tensorboard,jsonl).",
     ),
+    (
+        flags.DEFINE_string,
+        "artifact",
+        None,
+        "With --eval_only: evaluate this quantized artifact's weights (python -m "
+        "axlearn.common.quantize export), dequantized, instead of a checkpoint's; "
+        "--trainer_dir is then not needed and nothing is written.",
+    ),
     (flags.DEFINE_list, "trusted_packages", [], TRUSTED_PACKAGES_HELP),
 )
 
@@ -484,6 +492,10 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
     if flag_values.print_config:
         print(cfg.debug_string())
         return None
+    if flag_values.artifact:
+        if not flag_values.eval_only:
+            raise ConfigError("--artifact applies to --eval_only")
+        return evaluate_artifact(cfg, flag_values.artifact)
     if not flag_values.trainer_dir:
         raise ConfigError("--trainer_dir is required to train (or pass --print_config)")
     check_trainer_dir(flag_values.trainer_dir)
@@ -564,4 +576,29 @@ def evaluate_only(
         for name, metrics in results.items():
             headline = {k: v for k, v in metrics.items() if k in EVAL_ONLY_METRICS}
             print(json.dumps({"evaler": name, "step": trainer.step, **headline}, sort_keys=True))
+    return results
+
+
+def evaluate_artifact(cfg: ConfigBase, path: str) -> dict[str, Any]:
+    """--eval_only --artifact: every evaler once on the artifact's dequantized weights
+    (the trainer without a directory: no checkpoint is read, nothing written); prints
+    one JSON line of metrics per evaler, as evaluate_only does."""
+    from axlearn.common import quantize  # pylint: disable=import-outside-toplevel
+
+    if not cfg.evalers:
+        raise ConfigError("--eval_only: the config has no evalers")
+    try:
+        header, entries = quantize.read_artifact(path)
+    except quantize.ArtifactError as e:
+        raise ConfigError(f"--artifact: {e}") from e
+    trainer = cfg.clone(dir=None).instantiate(parent=None)
+    specs = trainer.model.create_parameter_specs_recursively()
+    params = quantize.params_for_specs(entries, specs, source=path)
+    step = int(header.get("meta", {}).get("step") or 0)
+    results = trainer.evaluate_params(params, step=step)
+    for name, metrics in results.items():
+        headline = {k: v for k, v in metrics.items() if k in EVAL_ONLY_METRICS}
+        print(json.dumps(
+            {"evaler": name, "step": step, "artifact": path, **headline}, sort_keys=True
+        ))
     return results

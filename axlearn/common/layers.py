@@ -18,6 +18,7 @@ from axlearn.common.base_layer import (
     BaseLayer,
     MeshAxes,
     ParameterSpec,
+    QuantizedWeight,
     WeightWithCopy,
     weight_einsum,
     weight_take,
@@ -242,6 +243,8 @@ class OneHotGradEmbedding(Embedding):
     (2 * vocab * dim flops a token). The forward pass is the same row lookup."""
 
     def _rows(self, weight: Union[Tensor, WeightWithCopy], ids: Tensor) -> Tensor:
+        if isinstance(weight, QuantizedWeight):  # Decoding: no gradient to shape.
+            return weight_take(weight, ids)
         if isinstance(weight, WeightWithCopy):
             return _take_with_one_hot_grad(ids, weight.weight, weight.copy)
         return _take_with_one_hot_grad(ids, weight, weight)

@@ -799,7 +799,17 @@ class SpmdTrainer(Module):
         that step, whatever its eval_policy, and returns {evaler name: its metrics}."""
         self._restore_step = restore_step
         self._restore_or_init()
-        model_params = self.model_params()
+        return self._evaluate(self.model_params())
+
+    def evaluate_params(self, model_params: Any, *, step: int = 0) -> dict[str, dict[str, Any]]:
+        """Every evaler once on `model_params` (the model's parameter tree, host or device
+        arrays, e.g. a quantized artifact's dequantized), reported at `step`; restores and
+        initializes nothing."""
+        self._step = step
+        shardings = self._param_shardings(self._model_param_specs)
+        return self._evaluate(jax.device_put(model_params, shardings))
+
+    def _evaluate(self, model_params: Any) -> dict[str, dict[str, Any]]:
         results = {}
         for name, evaler in self._evalers.items():
             with jax.set_mesh(self._mesh):
