@@ -17,13 +17,13 @@ import sys
 
 import pytest
 
-from axlearn.common import data_record
+from axlearn.common import data_record, run_dir
 from axlearn.common.checkpointer import INDEX_FILE
 from axlearn.common.config import ConfigError
 from axlearn.common.input_tokens import build_token_shards
 from axlearn.common.input_vocab import ByteVocabulary, load_vocabulary
 from axlearn.common.launch_trainer import build_trainer_config
-from axlearn.common.run_record import CHECKPOINTS
+from axlearn.common.run_dir import CHECKPOINTS
 from tests.fresh_python import REPO, fresh_env
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bad jam".split()
@@ -207,7 +207,7 @@ def test_a_restart_on_data_rebuilt_with_another_vocabulary_is_refused_unless_all
     _build_command(data_dir, "bytes", text_file)
     first = _launch(data_dir, trainer_dir, "--config_override=max_step=2")
     assert first.returncode == 0, first.stderr[-3000:]
-    recorded = json.loads((trainer_dir / data_record.DATA_RECORD).read_text())["sources"]
+    recorded = json.loads((trainer_dir / run_dir.DATA_RECORD).read_text())["sources"]
     assert recorded["input"]["vocabulary"]["name"] == "bytes"
 
     _build_command(data_dir, bpe_file, text_file)
@@ -222,6 +222,6 @@ def test_a_restart_on_data_rebuilt_with_another_vocabulary_is_refused_unless_all
         data_dir, trainer_dir, "--config_override=max_step=3", "--allow_data_change"
     )
     assert allowed.returncode == 0, allowed.stderr[-3000:]
-    recorded = json.loads((trainer_dir / data_record.DATA_RECORD).read_text())["sources"]
+    recorded = json.loads((trainer_dir / run_dir.DATA_RECORD).read_text())["sources"]
     assert recorded["input"]["vocabulary"]["name"] == "tokenizer.json"
     assert os.path.exists(trainer_dir / "config.txt")

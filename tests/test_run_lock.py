@@ -17,8 +17,9 @@ import threading
 import pytest
 from absl import flags
 
-from axlearn.common import launch, launch_trainer, run_lock, run_record
-from axlearn.common.run_lock import LOCK_FILE_NAME, RunLock, RunLockError
+from axlearn.common import launch, launch_trainer, run_dir, run_lock
+from axlearn.common.run_dir import LOCK as LOCK_FILE_NAME
+from axlearn.common.run_lock import RunLock, RunLockError
 from axlearn.common.trainer import SpmdTrainer
 from tests.fresh_python import REPO, fresh_env
 from tests.trainer_script import tiny_trainer_config
@@ -150,7 +151,7 @@ def test_a_second_launcher_run_fails_before_recording_its_config(tmp_path):
     )
     with pytest.raises(RunLockError, match="names pid 1 on host another-host"):
         launch_trainer.run_from_flags(flag_values)
-    assert not os.path.exists(tmp_path / run_record.CONFIG_RECORD)
+    assert not os.path.exists(tmp_path / run_dir.CONFIG_RECORD)
 
 
 # ----- stale and foreign locks -----

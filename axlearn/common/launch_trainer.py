@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from absl import flags
 
-from axlearn.common import data_record, file_system
+from axlearn.common import data_record
 from axlearn.common.command_flags import TRUSTED_PACKAGES_HELP
 from axlearn.common.config import (
     ConfigBase,
@@ -47,7 +47,8 @@ from axlearn.common.mesh_selection import (
     mesh_selector_from_devices,
     select_mesh_rule,
 )
-from axlearn.common.run_record import CHECKPOINTS, check_trainer_dir, record_config
+from axlearn.common.run_dir import RunDir
+from axlearn.common.run_record import check_trainer_dir, record_config
 
 log = logging.getLogger(__name__)
 
@@ -498,44 +499,38 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         return evaluate_artifact(cfg, flag_values.artifact)
     if not flag_values.trainer_dir:
         raise ConfigError("--trainer_dir is required to train (or pass --print_config)")
-    check_trainer_dir(flag_values.trainer_dir)
+    run = RunDir(flag_values.trainer_dir)  # cfg.dir too (build_trainer_config).
+    check_trainer_dir(run.root)
     check_input_packages(cfg, flag_values.config)
     import jax  # pylint: disable=import-outside-toplevel
 
-    from axlearn.common import run_lock  # pylint: disable=import-outside-toplevel
-
     if flag_values.eval_only:
-        return evaluate_only(cfg, flag_values.trainer_dir, restore_step=flag_values.restore_step)
+        return evaluate_only(cfg, run, restore_step=flag_values.restore_step)
     # Locked before the config is recorded: a second run on the directory fails before it
     # writes anything there. The trainer holds the lock again while it trains (re-entrant).
-    with run_lock.hold_on_process_0(flag_values.trainer_dir):
+    with run.lock():
         data = data_record.describe_data(cfg)
-        data_record.check_data_record(
-            flag_values.trainer_dir, data, allow_change=flag_values.allow_data_change
-        )
+        data_record.check_data_record(run, data, allow_change=flag_values.allow_data_change)
         record_config(
-            flag_values.trainer_dir,
+            run,
             cfg.debug_string(),
             allow_change=flag_values.allow_config_change,
             write=jax.process_index() == 0,
             all_have_read=_sync_processes,
         )
         if jax.process_index() == 0:  # After record_config's barrier: all have compared.
-            data_record.write_data_record(flag_values.trainer_dir, data)
+            data_record.write_data_record(run, data)
         trainer = cfg.instantiate(parent=None)
         if jax.process_index() == 0:
-            log.info(
-                "Summaries: tensorboard --logdir=%s",
-                file_system.join(flag_values.trainer_dir, "summaries"),
-            )
+            log.info("Summaries: tensorboard --logdir=%s", run.summaries())
         # Raises preemption.Preempted on SIGTERM or SIGINT, once the step it reached is
         # saved; launch_trainer_main turns that into preemption.PREEMPTED_EXIT_CODE.
-        with _checkpoint_errors_as_config_errors(flag_values.trainer_dir):
+        with _checkpoint_errors_as_config_errors(run):
             return trainer.run(restore_step=flag_values.restore_step)
 
 
 @contextlib.contextmanager
-def _checkpoint_errors_as_config_errors(trainer_dir: str) -> Iterator[None]:
+def _checkpoint_errors_as_config_errors(run: RunDir) -> Iterator[None]:
     """Turns the checkpointer's verdict on checkpoints that cannot be restored (every one
     corrupt, one that does not fit the model) into a ConfigError naming what to do."""
     from axlearn.common import checkpointer  # pylint: disable=import-outside-toplevel
@@ -545,7 +540,7 @@ def _checkpoint_errors_as_config_errors(trainer_dir: str) -> Iterator[None]:
     except checkpointer.RestoreStepError:
         raise  # Names the step asked for and the committed ones.
     except (checkpointer.CheckpointCorruptError, checkpointer.CheckpointMismatchError) as e:
-        directory = file_system.join(trainer_dir, CHECKPOINTS)
+        directory = run.checkpoints
         raise ConfigError(
             f"{e}. Move the bad step directories out of {directory} (the run resumes from "
             "the newest one left, or starts afresh), or start a new run in another --trainer_dir"
@@ -557,7 +552,7 @@ EVAL_ONLY_METRICS = ("loss", "perplexity", "bits_per_byte", "accuracy")
 
 
 def evaluate_only(
-    cfg: ConfigBase, trainer_dir: str, *, restore_step: Optional[int] = None
+    cfg: ConfigBase, run: RunDir, *, restore_step: Optional[int] = None
 ) -> dict[str, Any]:
     """--eval_only: every evaler once on the run's latest checkpoint, or `restore_step` (a
     fresh run: its initial weights); prints one JSON line of metrics per evaler (loss, perplexity, bits
@@ -565,11 +560,9 @@ def evaluate_only(
     evaluation is no start of the run."""
     import jax  # pylint: disable=import-outside-toplevel
 
-    from axlearn.common import run_lock  # pylint: disable=import-outside-toplevel
-
     if not cfg.evalers:
         raise ConfigError("--eval_only: the config has no evalers")
-    with run_lock.hold_on_process_0(trainer_dir), _checkpoint_errors_as_config_errors(trainer_dir):
+    with run.lock(), _checkpoint_errors_as_config_errors(run):
         trainer = cfg.instantiate(parent=None)
         results = trainer.evaluate(restore_step=restore_step)
     if jax.process_index() == 0:

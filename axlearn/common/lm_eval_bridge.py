@@ -58,6 +58,7 @@ from axlearn.common.config import (
 from axlearn.common.evaler import every_n_steps_policy
 from axlearn.common.input_vocab import NO_ID, Vocabulary
 from axlearn.common.module import Module, functional
+from axlearn.common.run_dir import RunDir
 from axlearn.common.summary_writer import SummaryWriter
 from axlearn.common.utils import cast_floats
 
@@ -406,7 +407,7 @@ class LmEvalEvaler(Module):
         self._policy = cfg.eval_policy.instantiate()
         writer = cfg.summary_writer.clone()
         if writer.dir is None and parent is not None and getattr(parent.config, "dir", None):
-            writer.dir = f"{parent.config.dir}/summaries/{self.name}"
+            writer.dir = RunDir(parent.config.dir).summaries(self.name)
         if writer.dir is not None:
             self._add_child("summary_writer", writer)
 

@@ -1,9 +1,9 @@
 """One trainer per directory: a lock file naming the process that trains there.
 
-While a run trains, `<trainer_dir>/LOCK` holds JSON naming its holder:
-`{"host": ..., "pid": ..., "start_time": ...}` (process 0 of a multi-process run holds
-it). A second trainer started on the directory fails at once with an error naming the
-holder. A lock left by a process of this host that no longer runs (no process has its
+While a run trains, `<trainer_dir>/LOCK` (`run_dir.RunDir.lock_file`) holds JSON naming
+its holder: `{"host": ..., "pid": ..., "start_time": ...}` (process 0 of a multi-process
+run holds it). A second trainer started on the directory fails at once with an error
+naming the holder. A lock left by a process of this host that no longer runs (no process has its
 pid, or the one that has started after the lock was taken) is taken over, with a warning
 naming the old holder; a lock of another host cannot be checked, so it is refused, and
 the error says how to delete it. The holder deletes the file when its run returns,
@@ -25,9 +25,10 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, Optional
 
+from axlearn.common.run_dir import RunDir
+
 log = logging.getLogger(__name__)
 
-LOCK_FILE_NAME = "LOCK"
 # Created exclusively by the one process taking over a stale lock, for the few
 # instructions between checking the stale lock and replacing it.
 TAKEOVER_SUFFIX = ".takeover"
@@ -167,7 +168,7 @@ class RunLock:
 
     def __init__(self, directory: str):
         self._directory = directory
-        self._path = os.path.join(directory, LOCK_FILE_NAME)
+        self._path = RunDir(directory).lock_file
         self._text: Optional[str] = None  # Our lock file's text while we hold it.
 
     @property
@@ -288,7 +289,7 @@ def hold(directory: str) -> Iterator[None]:
     the trainer's run, which holds it again); another thread of this process fails as
     another process would.
     """
-    key = os.path.abspath(os.path.join(directory, LOCK_FILE_NAME))
+    key = os.path.abspath(RunDir(directory).lock_file)
     with _HELD_GUARD:
         entry = _HELD.get(key)
         if entry is not None and entry[1] != threading.get_ident():
@@ -352,7 +353,7 @@ def hold_on_process_0(directory: str) -> Iterator[None]:
             raise error
         if not locked:
             raise RunLockError(
-                f"Process 0 could not lock {os.path.join(directory, LOCK_FILE_NAME)}; "
+                f"Process 0 could not lock {RunDir(directory).lock_file}; "
                 "its log says which process holds it"
             )
         yield

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -39,6 +38,7 @@ from axlearn.common.input_prefetch import prefetch_in_thread
 from axlearn.common.learner import Learner, restore_with_legacy_schedule_step
 from axlearn.common.module import Module, functional
 from axlearn.common.optimizers import SkipClipState, find_states, global_norm
+from axlearn.common.run_dir import TRAIN_SUMMARIES, RunDir
 from axlearn.common.sharding import (
     batch_shards,
     create_mesh,
@@ -312,16 +312,14 @@ class SpmdTrainer(Module):
         self._add_child("model", cfg.model)
         self._add_child("learner", cfg.learner)
         self._add_child("input", cfg.input.clone(is_training=True))
-        trainer_dir = cfg.dir
-        if trainer_dir is not None:
-            self._add_child(
-                "checkpointer", cfg.checkpointer.clone(dir=os.path.join(trainer_dir, "checkpoints"))
-            )
-            writer_cfg = cfg.summary_writer.clone(
-                dir=os.path.join(trainer_dir, "summaries", "train")
-            )
+        # Every path under the trainer directory comes from it (None: nothing is written).
+        self._run_dir: Optional[RunDir] = None if cfg.dir is None else RunDir(cfg.dir)
+        run = self._run_dir
+        if run is not None:
+            self._add_child("checkpointer", cfg.checkpointer.clone(dir=run.checkpoints))
+            writer_cfg = cfg.summary_writer.clone(dir=run.summaries(TRAIN_SUMMARIES))
             if "run_dir" in writer_cfg.keys():  # The W&B run's, shared with the evalers.
-                writer_cfg.run_dir = trainer_dir
+                writer_cfg.run_dir = run.root
             self._add_child("summary_writer", writer_cfg)
         self._model_param_specs = self.model.create_parameter_specs_recursively()
         self._check_parameters_split_evenly()
@@ -346,10 +344,10 @@ class SpmdTrainer(Module):
                 # Eval batches are as large as training ones: a share that training runs
                 # in microbatches would not fit one forward pass either.
                 evaler_cfg.per_device_microbatch_size = cfg.per_device_microbatch_size
-            if trainer_dir is not None and "dir" in evaler_cfg.summary_writer.keys():
-                evaler_cfg.summary_writer.dir = os.path.join(trainer_dir, "summaries", name)
+            if run is not None and "dir" in evaler_cfg.summary_writer.keys():
+                evaler_cfg.summary_writer.dir = run.summaries(name)
                 if "run_dir" in evaler_cfg.summary_writer.keys():  # One W&B run for all.
-                    evaler_cfg.summary_writer.run_dir = trainer_dir
+                    evaler_cfg.summary_writer.run_dir = run.root
             self._evalers[name] = self._add_child(
                 name,
                 evaler_cfg,
@@ -844,8 +842,8 @@ class SpmdTrainer(Module):
         self._restore_step = restore_step
         grace = cfg.preemption_grace_period_s or preemption.DEFAULT_GRACE_PERIOD_S
         with contextlib.ExitStack() as stack:
-            if cfg.dir is not None:
-                stack.enter_context(run_lock.hold_on_process_0(cfg.dir))
+            if self._run_dir is not None:
+                stack.enter_context(self._run_dir.lock())
             self._stop = stack.enter_context(
                 preemption.StopRequest(grace_period_s=grace, on_forced_exit=run_lock.release_all)
             )
@@ -1028,9 +1026,9 @@ class SpmdTrainer(Module):
             and cfg.start_trace_steps
             and self._step in cfg.start_trace_steps
             and jax.process_index() in cfg.start_trace_process_indices
-            and cfg.dir is not None
+            and self._run_dir is not None
         ):
-            trace_dir = os.path.join(cfg.dir, "traces")
+            trace_dir = self._run_dir.traces
             jax.profiler.start_trace(trace_dir)
             tracing_until = self._step + (cfg.start_trace_num_steps or 3)
             log.info("Tracing steps %d-%d into %s", self._step + 1, tracing_until, trace_dir)
