@@ -98,17 +98,20 @@ def build_benchmark_config(
     *,
     module: Optional[str] = None,
     mesh_selector: Optional[str] = None,
+    devices: Optional[Sequence[Any]] = None,
     data_dir: str = "FAKE",
     overrides: Sequence[str] = (),
 ) -> Any:
     """The named trainer config as benchmarks run it: no trainer directory (so no
-    checkpoints or summaries) and no evalers; only the step is measured."""
+    checkpoints or summaries) and no evalers; only the step is measured. `mesh_selector`
+    and `devices` as `launch_trainer.build_trainer_config` reads them."""
     from axlearn.common.launch_trainer import build_trainer_config  # pylint: disable=import-outside-toplevel
 
     cfg = build_trainer_config(
         config_name=config,
         module=module,
         mesh_selector=mesh_selector,
+        devices=devices,
         data_dir=data_dir,
         config_overrides=list(overrides),
     )
@@ -166,9 +169,6 @@ def run_benchmark(
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.experiment_registry import lookup_named_config
 
-    # pylint: disable-next=import-outside-toplevel
-    from axlearn.common.mesh_selection import mesh_selector_from_devices
-
     # A wrong name fails before JAX looks for devices.
     lookup_named_config(config, module=module)
     if xla_dump_dir:
@@ -180,10 +180,11 @@ def run_benchmark(
 
     from axlearn.common import perf  # pylint: disable=import-outside-toplevel
 
-    # As the launcher does: unset, the selector is named from the devices (gpu-h100-1, cpu).
-    mesh_selector = mesh_selector_from_devices(mesh_selector)
+    # As the launcher does: the selector checked against the devices, or (unset) named
+    # from them (gpu-h100-1, cpu).
     cfg = build_benchmark_config(
-        config, module=module, mesh_selector=mesh_selector, data_dir=data_dir, overrides=overrides
+        config, module=module, mesh_selector=mesh_selector, devices=jax.devices(),
+        data_dir=data_dir, overrides=overrides,
     )
     if modify is not None:
         cfg = modify(cfg)

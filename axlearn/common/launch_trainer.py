@@ -42,11 +42,7 @@ from axlearn.common.launch_data import (
     use_data_dir,
     use_fake_data,
 )
-from axlearn.common.mesh_selection import (
-    NO_MESH_RULE,
-    mesh_selector_from_devices,
-    select_mesh_rule,
-)
+from axlearn.common.mesh_selection import mesh_rule_for
 from axlearn.common.run_dir import RunDir
 from axlearn.common.run_record import check_trainer_dir, record_config
 
@@ -377,6 +373,7 @@ def build_trainer_config(
     config_name: str,
     module: Optional[str] = None,
     mesh_selector: Optional[str] = None,
+    devices: Optional[Sequence[Any]] = None,
     data_dir: Optional[str] = None,
     config_overrides: Sequence[str] = (),
     trainer_dir: Optional[str] = None,
@@ -386,7 +383,8 @@ def build_trainer_config(
     trackers: Optional[Sequence[str]] = None,
 ) -> ConfigBase:
     """The whole launch-time recipe: name -> Hugging Face model and weights -> mesh rule
-    -> data dir (which checks the model's vocabulary) -> overrides (max_step carrying
+    (`mesh_selection.mesh_rule_for`: `mesh_selector` checked against `devices`, or named
+    from them; without devices, as given) -> data dir (which checks the model's vocabulary) -> overrides (max_step carrying
     the fields that held the step count with it, `follow_max_step`; the model's
     vocab_size the inputs' copies of it, `follow_vocab_size`)."""
     # pylint: disable-next=import-outside-toplevel
@@ -401,14 +399,10 @@ def build_trainer_config(
         cfg = use_run_checkpoint(cfg, init_from_checkpoint)
     if init_lora_from:
         cfg = use_peft_adapter(cfg, init_lora_from)
-    if mesh_selector and mesh_selector != NO_MESH_RULE:
-        pattern, rule = select_mesh_rule(cfg.mesh_rules, mesh_selector, config_name=config_name)
-        what = type(rule).__qualname__.split(".")[0] if hasattr(rule, "klass") else f"mesh {rule}"
-        log.info(
-            "Mesh selector %s: %s's rule %r, %s (see --print_config)",
-            mesh_selector, config_name, pattern, what,
-        )
-        cfg = apply_mesh_rule(cfg, rule)
+    # The --mesh_selector flag (checked against `devices`, or named from them) -> the rule.
+    chosen = mesh_rule_for(mesh_selector, cfg.mesh_rules, devices=devices, config_name=config_name)
+    if chosen is not None:
+        cfg = apply_mesh_rule(cfg, chosen.rule)
     layouts = None
     if data_dir == FAKE_DATA_DIR:
         cfg = use_fake_data(cfg)
@@ -473,15 +467,16 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         )
     # The name is checked before JAX starts looking for devices.
     lookup_named_config(flag_values.config, module=flag_values.module)
-    selector = flag_values.mesh_selector
-    if not (flag_values.print_config and selector and selector != NO_MESH_RULE):
-        # A run checks the selector against its devices; printing a config for other
-        # hardware (e.g. a GPU host's, from a laptop, to review it) does not.
-        selector = mesh_selector_from_devices(selector)
+    devices = None  # Printing a config for other hardware (to review a GPU host's) checks none.
+    if not (flag_values.print_config and flag_values.mesh_selector):
+        import jax  # pylint: disable=import-outside-toplevel
+
+        devices = jax.devices()  # A run checks the selector against them, or names it.
     cfg = build_trainer_config(
         config_name=flag_values.config,
         module=flag_values.module,
-        mesh_selector=selector,
+        mesh_selector=flag_values.mesh_selector,
+        devices=devices,
         data_dir=flag_values.data_dir,
         config_overrides=flag_values.config_override,
         trainer_dir=flag_values.trainer_dir,
