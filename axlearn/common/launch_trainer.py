@@ -457,6 +457,19 @@ def _sync_processes() -> None:
 
 
 def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict[str, Any]]:
+    """The launcher's entry point (`launch_trainer_main`, after `launch.setup_from_flags`):
+    the flags -> a trainer config -> a run. Returns None for `--list_configs` and
+    `--print_config` (printed), the metrics of `--eval_only` (also printed, one JSON line
+    an evaler), and otherwise the trainer's `run()` result.
+
+    A run, in order: the named config is looked up before jax looks for devices;
+    `build_trainer_config` applies the Hugging Face model, the mesh rule (for these devices,
+    `mesh_selection.mesh_rule_for`), the data, the overrides; then the trainer directory
+    (`run_dir.RunDir` of `--trainer_dir`) is checked, locked, and given the run's
+    `config.txt` and `data.json` (`run_record`, `data_record`: a restart may not silently
+    change either), and the trainer trains to max_step. Errors are ConfigErrors (one line:
+    `launch_trainer_main.exit_for`), `preemption.Preempted` on SIGTERM or SIGINT.
+    """
     trust_packages(flag_values.trusted_packages)  # Before any config text or override is read.
     if flag_values.list_configs:
         print(list_configs_text(flag_values.module))
