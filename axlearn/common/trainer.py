@@ -266,42 +266,7 @@ class SpmdTrainer(Module):
         super().__init__(cfg, parent=parent)
         cfg = self._config
         devices = list(jax.devices() if devices is None else devices)
-        if len(cfg.mesh_shape) != len(cfg.mesh_axis_names):
-            raise ConfigError(
-                f"{self.path()}: mesh_shape {tuple(cfg.mesh_shape)} and mesh_axis_names "
-                f"{tuple(cfg.mesh_axis_names)} differ in length"
-            )
-        WeightCopies.check_options(
-            self.path(),
-            train_dtype=cfg.train_dtype,
-            carry=cfg.carry_train_dtype_weights,
-            split=cfg.split_carried_weights,
-        )
-        max_bad = cfg.max_consecutive_bad_steps
-        if max_bad is not None and (not isinstance(max_bad, int) or max_bad < 1):
-            raise ConfigError(
-                f"{self.path()}.max_consecutive_bad_steps must be None or an int >= 1, "
-                f"got {max_bad!r}"
-            )
-        microbatch = cfg.per_device_microbatch_size
-        if microbatch is not None:
-            if not isinstance(microbatch, int) or microbatch < 1:
-                raise ConfigError(
-                    f"{self.path()}.per_device_microbatch_size must be None or an int >= 1, "
-                    f"got {microbatch!r}"
-                )
-        steps = cfg.grad_acc_steps
-        if steps is not None and (not isinstance(steps, int) or steps < 1 or microbatch):
-            raise ConfigError(
-                f"{self.path()}.grad_acc_steps must be None or an int >= 1, and not set with "
-                f"per_device_microbatch_size; got {steps!r} and {microbatch!r}"
-            )
-        grace = cfg.preemption_grace_period_s
-        if grace is not None and not (isinstance(grace, (int, float)) and 0 < grace < math.inf):
-            raise ConfigError(
-                f"{self.path()}.preemption_grace_period_s must be None or a positive number "
-                f"of seconds, got {grace!r}"
-            )
+        self._check_fields()
         mesh_shape = infer_mesh_shape(cfg.mesh_shape, len(devices))
         self._mesh = create_mesh(mesh_shape, cfg.mesh_axis_names, devices)
         self._devices = devices
@@ -373,6 +338,48 @@ class SpmdTrainer(Module):
         self._jit_parameter_norm = None
         self._jit_model_params = None
         self._stop: Optional[preemption.StopRequest] = None  # While run() runs.
+
+    def _check_fields(self) -> None:
+        """ConfigErrors naming the field, for fields that no type annotation checks: the
+        mesh's two lists, the weight copies' options, the bad-step limit, microbatches and
+        gradient accumulation, the preemption grace period."""
+        cfg = self._config
+        if len(cfg.mesh_shape) != len(cfg.mesh_axis_names):
+            raise ConfigError(
+                f"{self.path()}: mesh_shape {tuple(cfg.mesh_shape)} and mesh_axis_names "
+                f"{tuple(cfg.mesh_axis_names)} differ in length"
+            )
+        WeightCopies.check_options(
+            self.path(),
+            train_dtype=cfg.train_dtype,
+            carry=cfg.carry_train_dtype_weights,
+            split=cfg.split_carried_weights,
+        )
+        max_bad = cfg.max_consecutive_bad_steps
+        if max_bad is not None and (not isinstance(max_bad, int) or max_bad < 1):
+            raise ConfigError(
+                f"{self.path()}.max_consecutive_bad_steps must be None or an int >= 1, "
+                f"got {max_bad!r}"
+            )
+        microbatch = cfg.per_device_microbatch_size
+        if microbatch is not None:
+            if not isinstance(microbatch, int) or microbatch < 1:
+                raise ConfigError(
+                    f"{self.path()}.per_device_microbatch_size must be None or an int >= 1, "
+                    f"got {microbatch!r}"
+                )
+        steps = cfg.grad_acc_steps
+        if steps is not None and (not isinstance(steps, int) or steps < 1 or microbatch):
+            raise ConfigError(
+                f"{self.path()}.grad_acc_steps must be None or an int >= 1, and not set with "
+                f"per_device_microbatch_size; got {steps!r} and {microbatch!r}"
+            )
+        grace = cfg.preemption_grace_period_s
+        if grace is not None and not (isinstance(grace, (int, float)) and 0 < grace < math.inf):
+            raise ConfigError(
+                f"{self.path()}.preemption_grace_period_s must be None or a positive number "
+                f"of seconds, got {grace!r}"
+            )
 
     # ----- properties -----
 
