@@ -6,7 +6,6 @@ docstring), written out as literal strings."""
 import os
 import threading
 
-
 from axlearn.common.run_dir import RunDir, as_run_dir
 from axlearn.common.run_lock import RunLockError
 
