@@ -113,7 +113,7 @@ def test_builtin_data_records_the_byte_vocabulary_of_its_split(tmp_path, monkeyp
 
 def _record_with_a_checkpoint(run: pathlib.Path, description: dict) -> None:
     """Records the data as a run's start does, and a committed checkpoint after it."""
-    data_record.write_data_record(str(run), description)
+    data_record.write_data_record(run_dir.RunDir(str(run)), description)
     step = run / CHECKPOINTS / "step_00000001"
     step.mkdir(parents=True)
     (step / INDEX_FILE).write_text("{}")
@@ -121,11 +121,10 @@ def _record_with_a_checkpoint(run: pathlib.Path, description: dict) -> None:
 
 def test_other_data_replaces_the_record_of_a_start_that_left_no_checkpoint(tmp_path, bpe_file):
     _build(tmp_path / "data" / "train", ByteVocabulary())
-    data_record.write_data_record(str(tmp_path / "run"), _described(tmp_path / "data"))
+    run = run_dir.RunDir(str(tmp_path / "run"))
+    data_record.write_data_record(run, _described(tmp_path / "data"))
     _build(tmp_path / "data" / "train", load_vocabulary(bpe_file, any_special_ids=True))
-    data_record.check_data_record(
-        str(tmp_path / "run"), _described(tmp_path / "data"), allow_change=False
-    )
+    data_record.check_data_record(run, _described(tmp_path / "data"), allow_change=False)
 
 
 def test_the_same_data_rebuilt_is_no_change(tmp_path):
@@ -133,7 +132,7 @@ def test_the_same_data_rebuilt_is_no_change(tmp_path):
     _record_with_a_checkpoint(tmp_path / "run", _described(tmp_path / "data"))
     _build(tmp_path / "data" / "train", ByteVocabulary())
     data_record.check_data_record(
-        str(tmp_path / "run"), _described(tmp_path / "data"), allow_change=False
+        run_dir.RunDir(str(tmp_path / "run")), _described(tmp_path / "data"), allow_change=False
     )
 
 
@@ -143,7 +142,7 @@ def test_data_rebuilt_with_another_vocabulary_is_refused_naming_both(tmp_path, b
     _build(tmp_path / "data" / "train", load_vocabulary(bpe_file, any_special_ids=True))
     with pytest.raises(ConfigError, match=r"input: vocabulary 'bytes' .* -> 'tokenizer.json'"):
         data_record.check_data_record(
-            str(tmp_path / "run"), _described(tmp_path / "data"), allow_change=False
+            run_dir.RunDir(str(tmp_path / "run")), _described(tmp_path / "data"), allow_change=False
         )
 
 
@@ -154,7 +153,7 @@ def test_more_shards_are_refused_naming_the_counts(tmp_path):
     later = len(glob.glob(str(tmp_path / "data" / "train-*.tok")))
     with pytest.raises(ConfigError, match=f"shards {len(first)} -> {later}"):
         data_record.check_data_record(
-            str(tmp_path / "run"), _described(tmp_path / "data"), allow_change=False
+            run_dir.RunDir(str(tmp_path / "run")), _described(tmp_path / "data"), allow_change=False
         )
 
 
@@ -164,7 +163,7 @@ def test_a_change_allowed_is_logged_not_refused(tmp_path, bpe_file, caplog):
     _build(tmp_path / "data" / "train", load_vocabulary(bpe_file, any_special_ids=True))
     with caplog.at_level(logging.WARNING, logger="axlearn.common.data_record"):
         data_record.check_data_record(
-            str(tmp_path / "run"), _described(tmp_path / "data"), allow_change=True
+            run_dir.RunDir(str(tmp_path / "run")), _described(tmp_path / "data"), allow_change=True
         )
     assert "the data changed since the run's last start (allowed)" in caplog.text
 

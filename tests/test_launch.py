@@ -36,6 +36,7 @@ from axlearn.common.input_token_format import write_shard
 from axlearn.common.launch_data import missing_input_packages
 from axlearn.common.launch_trainer import build_trainer_config
 from axlearn.common.mesh_selection import instance_type, mesh_rule_for, selector_contradiction
+from axlearn.common.run_dir import RunDir
 from axlearn.common.run_record import config_changes
 from axlearn.common.causal_lm import count_parameters
 from axlearn.common.trainer import infer_mesh_shape
@@ -812,7 +813,7 @@ runpy.run_module("axlearn.common.launch_trainer_main", run_name="__main__")
 
 
 def _record(tmp_path, text: str, **kwargs) -> None:
-    run_record.record_config(str(tmp_path), text, allow_change=False, write=True, **kwargs)
+    run_record.record_config(RunDir(str(tmp_path)), text, allow_change=False, write=True, **kwargs)
 
 
 def _add_checkpoint(trainer_dir) -> None:

@@ -17,11 +17,11 @@ import dataclasses
 import hashlib
 import json
 import logging
-from typing import Any, Union
+from typing import Any
 
 from axlearn.common import file_system, run_record
 from axlearn.common.config import ConfigBase, ConfigError, qualified_name
-from axlearn.common.run_dir import RunDir, as_run_dir
+from axlearn.common.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -178,12 +178,11 @@ def data_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def check_data_record(
-    trainer_dir: Union[str, RunDir], description: dict[str, Any], *, allow_change: bool
+    run: RunDir, description: dict[str, Any], *, allow_change: bool
 ) -> None:
     """Compares `description` with the data recorded by the run's last start, if any:
     once the run has a checkpoint, a change is an error naming it, unless `allow_change`
     (then a warning); before (a start that failed), the record is simply replaced."""
-    run = as_run_dir(trainer_dir)
     path = run.data_record
     if not file_system.isfile(path) or not run_record.has_checkpoint(run):
         return
@@ -207,9 +206,8 @@ def check_data_record(
     )
 
 
-def write_data_record(trainer_dir: Union[str, RunDir], description: dict[str, Any]) -> None:
+def write_data_record(run: RunDir, description: dict[str, Any]) -> None:
     """Records `description` as the run's data (process 0 only)."""
-    run = as_run_dir(trainer_dir)
     file_system.makedirs(run.root)
     text = json.dumps({"sources": description}, indent=1, sort_keys=True) + "\n"
     file_system.write_text(run.data_record, text)

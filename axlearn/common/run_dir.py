@@ -12,7 +12,7 @@ what a run writes there, and the holder of its lock.
       wandb_run_id, wandb/     the W&B run that all the summary writers share
 
     run = RunDir(trainer_dir)
-    run.checkpoints, run.summaries("train"), run.config_record
+    run.checkpoints, run.summaries("train"), run.config_record  # paths (strings)
     with run.lock():  # re-entrant: the launcher holds it, then the trainer again
         ...
 
@@ -21,9 +21,7 @@ imports no jax.
 """
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
-from typing import Union
 
 from axlearn.common import file_system
 
@@ -38,44 +36,33 @@ METRICS_JSONL = "metrics.jsonl"  # A summary writer's JSON lines, in its directo
 WANDB_RUN_ID = "wandb_run_id"  # The id of the W&B run its summary writers share.
 
 
-@dataclasses.dataclass(frozen=True)
 class RunDir:
-    """The paths under one trainer directory, `root` (a local path or a storage URL)."""
+    """The paths under one trainer directory, `root` (a local path or a storage URL), each
+    joined once, when it is made; `summaries(name)` joins a writer's on demand."""
 
-    root: str
+    def __init__(self, root: str):
+        self.root = root
+        self.config_record = file_system.join(root, CONFIG_RECORD)
+        self.data_record = file_system.join(root, DATA_RECORD)
+        self.lock_file = file_system.join(root, LOCK)
+        self.checkpoints = file_system.join(root, CHECKPOINTS)
+        self.traces = file_system.join(root, TRACES)
+        self.wandb_run_id = file_system.join(root, WANDB_RUN_ID)
 
-    def path(self, *parts: str) -> str:
-        """`root/part/...`."""
-        return file_system.join(self.root, *parts)
+    def __repr__(self) -> str:
+        return f"RunDir({self.root!r})"
 
-    @property
-    def config_record(self) -> str:
-        return self.path(CONFIG_RECORD)
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunDir) and other.root == self.root
 
-    @property
-    def data_record(self) -> str:
-        return self.path(DATA_RECORD)
-
-    @property
-    def lock_file(self) -> str:
-        return self.path(LOCK)
-
-    @property
-    def checkpoints(self) -> str:
-        return self.path(CHECKPOINTS)
+    def __hash__(self) -> int:
+        return hash(self.root)
 
     def summaries(self, name: str = "") -> str:
         """The summary directory of `name` (an evaler, or TRAIN_SUMMARIES); without a
         name, the directory that holds them all (TensorBoard's --logdir)."""
-        return self.path(SUMMARIES, name) if name else self.path(SUMMARIES)
-
-    @property
-    def traces(self) -> str:
-        return self.path(TRACES)
-
-    @property
-    def wandb_run_id(self) -> str:
-        return self.path(WANDB_RUN_ID)
+        parts = (SUMMARIES, name) if name else (SUMMARIES,)
+        return file_system.join(self.root, *parts)
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
@@ -85,8 +72,3 @@ class RunDir:
 
         with run_lock.hold_on_process_0(self.root):
             yield
-
-
-def as_run_dir(directory: Union[str, RunDir]) -> RunDir:
-    """`directory` as a RunDir: the launcher hands one down, a caller may pass the path."""
-    return directory if isinstance(directory, RunDir) else RunDir(directory)

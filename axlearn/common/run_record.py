@@ -17,7 +17,7 @@ from typing import Optional, Union
 from axlearn.common import file_system
 from axlearn.common.config import ConfigError
 from axlearn.common.golden_text import flat_lines
-from axlearn.common.run_dir import RunDir, as_run_dir
+from axlearn.common.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -124,13 +124,13 @@ def check_trainer_dir(trainer_dir: str) -> None:
         ) from problem
 
 
-def has_checkpoint(trainer_dir: Union[str, RunDir]) -> bool:
+def has_checkpoint(run: RunDir) -> bool:
     """Whether the trainer directory holds a committed checkpoint (a step's index)."""
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.checkpointer import INDEX_FILE
 
     # Not joined whole: `join` percent-encodes a URL's parts, the glob's '*' included.
-    pattern = f"{as_run_dir(trainer_dir).checkpoints.rstrip('/')}/step_*/{INDEX_FILE}"
+    pattern = f"{run.checkpoints.rstrip('/')}/step_*/{INDEX_FILE}"
     return bool(file_system.glob(pattern))
 
 
@@ -168,7 +168,7 @@ def _listed(changes: Sequence[str]) -> str:
 
 
 def record_config(
-    trainer_dir: Union[str, RunDir],
+    run: RunDir,
     text: str,
     *,
     allow_change: bool,
@@ -185,7 +185,6 @@ def record_config(
     anything this one resumes. `all_have_read` returns once every process has compared (a
     barrier), so that all compare with the same record.
     """
-    run = as_run_dir(trainer_dir)
     path = run.config_record
     if file_system.isfile(path):
         resumes = has_checkpoint(run)
