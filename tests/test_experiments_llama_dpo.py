@@ -127,6 +127,7 @@ def test_a_dpo_config_trains_on_pair_shards_given_as_its_data_dir(tmp_path):
     assert build.returncode == 0, build.stderr[-2000:]
     train = run("axlearn.common.launch_trainer_main", "--config=llama_dpo_test",
                 f"--data_dir={tmp_path / 'data'}", f"--trainer_dir={tmp_path / 'run'}",
-                "--config_override=max_step=2", "--config_override=model.policy.decoder.vocab_size=384")
+                "--config_override=max_step=2",
+                "--config_override=model.policy.decoder.vocab_size=384")
     assert train.returncode == 0, train.stderr[-3000:]
     assert "PreferencePairInput" in (tmp_path / "run" / "config.txt").read_text(encoding="utf-8")
