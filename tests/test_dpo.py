@@ -281,7 +281,8 @@ def test_bad_settings_are_refused_by_field(fields, message):
 
 def _load(model_cfg, init_params):
     """`model_cfg`'s parameters as `init_params` (an init_params config) loads them."""
-    specs = model_cfg.clone(name="model").instantiate(parent=None).create_parameter_specs_recursively()
+    model = model_cfg.clone(name="model").instantiate(parent=None)
+    specs = model.create_parameter_specs_recursively()
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     shardings = jax.tree.map(lambda _: cpu, specs, is_leaf=lambda x: hasattr(x, "shape"))
     return init_params.instantiate().load(
