@@ -169,6 +169,11 @@ class ConfigField:
     annotation: Any
     default: Any
 
+    @property
+    def type(self) -> Any:
+        """The annotation, under the name AXLearn's (attrs') fields give it."""
+        return self.annotation
+
 
 def close_names(
     name: str, candidates: Iterable[str], *, n: int = 3, cutoff: float = 0.5
@@ -288,6 +293,7 @@ class ConfigBase:
             raise MissingConfigClassDecoratorError(
                 f"{type(self).__qualname__} was not decorated with @config_class"
             )
+        _check_no_late_class_attributes(type(self))
         for field in self._fields.values():
             object.__setattr__(self, field.name, _copy_value(field.default))
         for key, value in kwargs.items():
@@ -671,7 +677,7 @@ def config_class(cls: type[C]) -> type[C]:
     annotations = cls.__dict__.get("__annotations__", {})
     _check_non_config_attributes(cls, annotations)
     for name, annotation in annotations.items():
-        if typing.get_origin(annotation) is ClassVar or annotation is ClassVar:
+        if _is_class_var(annotation):
             continue
         validate_config_field_name(name)
         if name not in cls.__dict__:
@@ -686,27 +692,70 @@ def config_class(cls: type[C]) -> type[C]:
             raise InvalidConfigValueError(f"{cls.__qualname__}.{name}: {e}") from e
         fields[name] = ConfigField(name=name, annotation=annotation, default=default)
     for name in fields:
+        if name in cls.__dict__ and name not in annotations or _is_class_var(annotations.get(name)):
+            # A method, property or ClassVar named as an inherited field would be deleted
+            # below (or shadow the field): the field is redefined only with an annotation.
+            raise NonConfigFieldError(
+                f"{cls.__qualname__}.{name} redefines an inherited config field as a non-field; "
+                f"redefine it as a field ('{name}: <type> = <default>') or use another name"
+            )
         # Defaults live in `_fields`; the class attributes would shadow `__getattr__`.
         if name in cls.__dict__:
             delattr(cls, name)
     cls._fields = fields
+    # What `ConfigBase.__init__` checks: a name set on the class later is no field.
+    cls._class_attributes = frozenset()
+    cls._class_attributes = frozenset(dir(cls))
     return cls
+
+
+def _is_class_var(annotation: Any) -> bool:
+    return annotation is ClassVar or typing.get_origin(annotation) is ClassVar
+
+
+def _check_no_late_class_attributes(cls: type) -> None:
+    """Raises NonConfigFieldError for a class attribute set on `cls` (or a base) after
+    @config_class (`Config.foo = 1`): it would not be a field, and setting a field's
+    name so would not change its default."""
+    late = sorted(
+        name
+        for name in set(dir(cls)) - cls._class_attributes
+        if not name.startswith("__")
+    )
+    if late:
+        raise NonConfigFieldError(
+            f"Non-config attribute is not supported: {cls.__qualname__}.{late[0]} was set on "
+            "the class after @config_class; declare fields in the class body and set values "
+            "on a config"
+        )
 
 
 def _check_non_config_attributes(cls: type, annotations: dict[str, Any]) -> None:
     """Raises NonConfigFieldError for a class attribute that looks like a field but has no
     annotation (`foo = 10`): it would silently not be a field. Methods, properties,
     nested classes and private (`_x`) attributes are allowed (AXLearn allows only
-    methods)."""
+    methods). As in AXLearn, a method is a function defined in the body of the class or
+    of one of its bases (`def foo(self)`, its `__qualname__` says so): a function defined
+    elsewhere and assigned (`foo = some_fn`, `foo = lambda self: ...`) is a value without
+    a type, so no field either."""
     for name, value in cls.__dict__.items():
         if name.startswith("_") or name in annotations:
             continue
-        if isinstance(value, (types.FunctionType, classmethod, staticmethod, property, type)):
+        if isinstance(value, (classmethod, staticmethod)):
+            value = value.__func__
+        if isinstance(value, types.FunctionType) and _is_method_of(value, cls, name):
+            continue
+        if isinstance(value, (property, type)):
             continue
         raise NonConfigFieldError(
             f"Non-config attribute is not supported: {cls.__qualname__}.{name}; annotate it "
             "with a type to make it a field"
         )
+
+
+def _is_method_of(fn: types.FunctionType, cls: type, name: str) -> bool:
+    """Whether `fn` was defined as `name` in the body of `cls` or of a base of it."""
+    return any(fn.__qualname__ == f"{klass.__qualname__}.{name}" for klass in cls.__mro__)
 
 
 def _check_required(cfg: "ConfigBase", path: str) -> list[str]:
@@ -780,7 +829,7 @@ class InstantiableConfig(ConfigBase, Generic[T]):
 class ClassConfigBase(InstantiableConfig[T]):
     """A config whose `klass` is the class it instantiates."""
 
-    klass: type = REQUIRED
+    klass: type[T] = REQUIRED
 
     def _uncopied_field(self) -> Optional[str]:
         return "klass"
@@ -794,7 +843,7 @@ class ClassConfigBase(InstantiableConfig[T]):
 class FunctionConfigBase(InstantiableConfig[T]):
     """A config whose fields are the keyword arguments of `fn`."""
 
-    fn: Callable = REQUIRED
+    fn: Callable[..., T] = REQUIRED
 
     def _uncopied_field(self) -> Optional[str]:
         return "fn"
@@ -812,7 +861,7 @@ class FunctionConfigBase(InstantiableConfig[T]):
 class CallableClassConfigBase(InstantiableConfig[T]):
     """A config whose fields are the constructor arguments of `klass`."""
 
-    klass: type = REQUIRED
+    klass: type[T] = REQUIRED
 
     _positional_field: ClassVar[Optional[str]] = None  # As in FunctionConfigBase.
 
@@ -877,13 +926,32 @@ class Configurable:
         return copy.deepcopy(self._config)
 
 
-def _signature_fields(fn: Callable, skip: Sequence[str] = ()) -> dict[str, Any]:
-    fields = {}
-    hints = {}
+def _parameter_types(fn: Callable) -> dict[str, Any]:
+    """The annotation of each annotated parameter of `fn`, forward references (strings)
+    resolved in `fn`'s module. One that does not resolve keeps its text and leaves the
+    others' types as they are (AXLearn records every annotation as written)."""
     try:
-        hints = typing.get_type_hints(fn)
+        return typing.get_type_hints(fn)
     except Exception:  # pylint: disable=broad-except
-        pass
+        pass  # One annotation does not resolve: resolve the others one by one.
+    hints = {}
+    namespace = getattr(inspect.unwrap(fn), "__globals__", {})
+    for name, param in inspect.signature(fn).parameters.items():
+        if param.annotation is param.empty:
+            continue
+        one = types.SimpleNamespace(__annotations__={name: param.annotation}, __globals__=namespace)
+        try:
+            hints[name] = typing.get_type_hints(one)[name]
+        except Exception:  # pylint: disable=broad-except
+            hints[name] = param.annotation  # Kept as written.
+    return hints
+
+
+def _signature_fields(fn: Callable, skip: Sequence[str] = ()) -> dict[str, Any]:
+    """name -> (annotation, default) of each parameter of `fn` but `skip` and **kwargs:
+    the annotation as `fn` declares it (Any where it has none)."""
+    fields = {}
+    hints = _parameter_types(fn)
     for param in inspect.signature(fn).parameters.values():
         if param.kind == param.VAR_KEYWORD or param.name in skip:
             continue
