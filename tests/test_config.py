@@ -1,5 +1,6 @@
 """Specification of axlearn.common.config."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -871,3 +872,30 @@ def test_a_field_default_set_on_the_class_after_decoration_raises_on_constructio
     Late.x = 5  # Would not change the default: the class attribute is not the field.
     with pytest.raises(config_lib.NonConfigFieldError, match="Late.x"):
         Late()
+
+
+# ----- AXLearn's config core: dataclass fields that skip serialization -----
+
+
+@dataclasses.dataclass
+class _WithCache:
+    name: str
+    cache: dict = dataclasses.field(
+        default_factory=dict, metadata={"skip_serialization": True}
+    )
+    size: int = 42
+
+
+@config_class
+class _HoldsRecord(config_lib.ConfigBase):
+    data: object = _WithCache(name="x")
+
+
+def test_a_field_marked_skip_serialization_is_left_out_of_debug_string():
+    cfg = _HoldsRecord(data=_WithCache(name="y", cache={"k": 1}, size=7))
+    assert cfg.debug_string().splitlines() == ["data['name']: 'y'", "data['size']: 7"]
+
+
+def test_a_field_marked_skip_serialization_is_left_out_even_where_defaults_are_kept():
+    flat = _HoldsRecord().to_flat_dict(omit_default_values=())
+    assert flat == {"data['name']": "x", "data['size']": 42}

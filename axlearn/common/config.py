@@ -422,7 +422,8 @@ class ConfigBase:
         """Returns `{flat_key: value}` for every leaf.
 
         A field whose value equals its default and is one of `omit_default_values`
-        (by default None and REQUIRED) is left out.
+        (by default None and REQUIRED) is left out, and so is a dataclass value's field
+        marked `metadata={"skip_serialization": True}`, whatever its value.
         """
         omitted = list(omit_default_values)
         result = {}
@@ -439,8 +440,9 @@ class ConfigBase:
                 return False
             record = _record_fields(value)
             if record is not None:  # As for config fields, omit defaults that are omitted.
+                skipped = _skipped_fields(value)
                 for key, item, default in record:
-                    if not _is_omitted(item, default, omitted):
+                    if key not in skipped and not _is_omitted(item, default, omitted):
                         _visit(item, f"{path}[{key!r}]", visit, enter)
                 return False
             return True
@@ -505,6 +507,21 @@ def _record_fields(value: Any) -> Optional[list[tuple[str, Any, Any]]]:
         defaults = getattr(type(value), "_field_defaults", {})
         return [(k, v, defaults.get(k, dataclasses.MISSING)) for k, v in value._asdict().items()]
     return None
+
+
+# A dataclass field whose metadata holds this key as True is left out of `to_flat_dict`
+# and `debug_string` (AXLearn's `dataclasses.field(metadata={"skip_serialization": True})`):
+# a cache or debugging aid inside a value, not part of what the config says.
+SKIP_SERIALIZATION = "skip_serialization"
+
+
+def _skipped_fields(value: Any) -> frozenset:
+    """The names of a dataclass value's fields marked to skip serialization."""
+    if not _is_dataclass_instance(value):
+        return frozenset()
+    return frozenset(
+        f.name for f in dataclasses.fields(value) if f.metadata.get(SKIP_SERIALIZATION, False)
+    )
 
 
 def _visit(value, path, visit_fn, enter_fn) -> None:
