@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import typing
 from typing import Any, ClassVar, Optional, Union
 
+import numpy as np
 import pytest
 
 from axlearn.common import config as config_lib
@@ -899,3 +900,51 @@ def test_a_field_marked_skip_serialization_is_left_out_of_debug_string():
 def test_a_field_marked_skip_serialization_is_left_out_even_where_defaults_are_kept():
     flat = _HoldsRecord().to_flat_dict(omit_default_values=())
     assert flat == {"data['name']": "x", "data['size']": 42}
+
+
+# ----- AXLearn's config core: values given at instantiate() -----
+
+
+def test_a_required_function_field_may_be_given_at_instantiate():
+    assert config_for_function(scaled_sum).instantiate(a=3) == (3 + 2.0) * 1.0
+
+
+def test_instantiate_kwargs_take_precedence_over_function_fields():
+    assert config_for_function(scaled_sum).set(a=1, b=1.0).instantiate(b=5.0) == 6.0
+
+
+def test_a_required_class_field_may_be_given_at_instantiate():
+    point = config_for_class(Point).set(y=2).instantiate(x=np.asarray([0, 1]))
+    np.testing.assert_array_equal(point.x, [0, 1])
+    assert point.y == 2
+
+
+def test_a_required_field_given_neither_in_the_config_nor_at_instantiate_is_missing():
+    with pytest.raises(MissingRequiredFieldsError, match=r"fields of ClassConfig\[Point\]: x"):
+        config_for_class(Point).instantiate(y=1)
+
+
+def test_the_star_args_field_may_be_given_at_instantiate():
+    def gather(*items):
+        return list(items)
+
+    assert config_for_function(gather).set(items=[1]).instantiate(items=[2, 3]) == [2, 3]
+
+
+def _keywords(a=0, **options):
+    return dict(a=a, **options)
+
+
+def test_the_star_star_kwargs_parameter_is_a_dict_field_passed_as_keywords():
+    cfg = config_for_function(_keywords).set(options={"b": 2, "c": 3})
+    assert cfg.instantiate() == {"a": 0, "b": 2, "c": 3}
+
+
+def test_instantiate_kwargs_take_precedence_over_the_star_star_kwargs_field():
+    cfg = config_for_function(_keywords).set(options={"b": 2, "c": 3})
+    assert cfg.instantiate(b=5) == {"a": 0, "b": 5, "c": 3}
+
+
+def test_an_unset_star_star_kwargs_field_is_left_out_of_debug_string():
+    cfg = config_for_function(_keywords)
+    assert cfg.options is None and "options" not in cfg.debug_string()

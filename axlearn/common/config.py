@@ -832,9 +832,16 @@ class InstantiableConfig(ConfigBase, Generic[T]):
     def instantiate(self, **kwargs) -> T:
         raise NotImplementedError(type(self))
 
-    def check_required_fields(self, path: str = "") -> None:
-        """Raises one error that lists every REQUIRED field by its dotted path."""
-        missing = _check_required(self, path)
+    def check_required_fields(self, path: str = "", *, given: Iterable[str] = ()) -> None:
+        """Raises one error that lists every REQUIRED field by its dotted path, but for
+        the fields named in `given` (those the caller supplies itself)."""
+        prefix = f"{path}." if path else ""
+        given = set(given)
+        missing = [
+            m
+            for m in _check_required(self, path)
+            if re.split(r"[.\[]", m[len(prefix) :], maxsplit=1)[0] not in given
+        ]
         if missing:
             raise MissingRequiredFieldsError(
                 f"Missing required fields of {type(self).__qualname__}: {', '.join(missing)}"
@@ -868,9 +875,15 @@ class FunctionConfigBase(InstantiableConfig[T]):
     # The field that holds `fn`'s *args (AXLearn's `chain` takes its transformations as
     # `args`), passed positionally; None: fn takes no *args.
     _positional_field: ClassVar[Optional[str]] = None
+    # The field that holds `fn`'s **kwargs (a dict, AXLearn's `var_kwargs` field), whose
+    # entries are passed as keyword arguments after the other fields; None: fn has none.
+    _keyword_field: ClassVar[Optional[str]] = None
 
     def instantiate(self, **kwargs) -> T:
-        self.check_required_fields(kwargs.pop("config_path", ""))
+        """Calls `fn` with the fields as keyword arguments; `kwargs` add to them and take
+        precedence (AXLearn's rule), so that a REQUIRED field may be given here (an array,
+        a shared object) instead of in the config."""
+        self.check_required_fields(kwargs.pop("config_path", ""), given=kwargs)
         return _call_with_fields(self, self.fn, "fn", kwargs)
 
 
@@ -881,20 +894,30 @@ class CallableClassConfigBase(InstantiableConfig[T]):
     klass: type[T] = REQUIRED
 
     _positional_field: ClassVar[Optional[str]] = None  # As in FunctionConfigBase.
+    _keyword_field: ClassVar[Optional[str]] = None  # As in FunctionConfigBase.
 
     def _uncopied_field(self) -> Optional[str]:
         return "klass"
 
     def instantiate(self, **kwargs) -> T:
-        self.check_required_fields(kwargs.pop("config_path", ""))
+        """Constructs `klass` from the fields; `kwargs` add to them and take precedence,
+        as in FunctionConfigBase."""
+        self.check_required_fields(kwargs.pop("config_path", ""), given=kwargs)
         return _call_with_fields(self, self.klass, "klass", kwargs)
 
 
 def _call_with_fields(cfg: ConfigBase, target: Callable, key: str, kwargs: dict) -> Any:
-    """`target(*positional, **fields, **kwargs)` with the fields of a function/class config."""
+    """`target(*positional, **fields)` with the fields of a function/class config, those
+    named in `kwargs` replaced by its values (and its other entries added); the entries
+    of the **kwargs field come under the named fields."""
     fields = {k: getattr(cfg, k) for k in cfg._fields if k != key}
     positional = fields.pop(cfg._positional_field) if cfg._positional_field else None
-    return target(*(positional or ()), **fields, **kwargs)
+    if cfg._positional_field in kwargs:
+        positional = kwargs.pop(cfg._positional_field)
+    keywords = fields.pop(cfg._keyword_field) if cfg._keyword_field else None
+    if cfg._keyword_field in kwargs:
+        keywords = kwargs.pop(cfg._keyword_field)
+    return target(*(positional or ()), **{**(keywords or {}), **fields, **kwargs})
 
 
 _registered: dict[int, Any] = {}  # id -> object: what `register_configurable` declared.
@@ -965,35 +988,39 @@ def _parameter_types(fn: Callable) -> dict[str, Any]:
 
 
 def _signature_fields(fn: Callable, skip: Sequence[str] = ()) -> dict[str, Any]:
-    """name -> (annotation, default) of each parameter of `fn` but `skip` and **kwargs:
-    the annotation as `fn` declares it (Any where it has none)."""
+    """name -> (annotation, default) of each parameter of `fn` but `skip`: the annotation
+    as `fn` declares it (Any where it has none)."""
     fields = {}
     hints = _parameter_types(fn)
     for param in inspect.signature(fn).parameters.values():
-        if param.kind == param.VAR_KEYWORD or param.name in skip:
+        if param.name in skip:
             continue
         if param.kind == param.VAR_POSITIONAL:  # A sequence field, None: no arguments.
             fields[param.name] = (Optional[Sequence[hints.get(param.name, Any)]], None)
+            continue
+        if param.kind == param.VAR_KEYWORD:  # A dict field, None: no more arguments.
+            fields[param.name] = (Optional[dict[str, hints.get(param.name, Any)]], None)
             continue
         default = REQUIRED if param.default is param.empty else param.default
         fields[param.name] = (hints.get(param.name, Any), default)
     return fields
 
 
-def _positional_field(fn: Callable) -> Optional[str]:
-    """The name of `fn`'s *args parameter, if it has one."""
+def _positional_field(fn: Callable, kind=inspect.Parameter.VAR_POSITIONAL) -> Optional[str]:
+    """The name of `fn`'s *args parameter (of its **kwargs with `kind=VAR_KEYWORD`)."""
     for param in inspect.signature(fn).parameters.values():
-        if param.kind == param.VAR_POSITIONAL:
+        if param.kind == kind:
             return param.name
     return None
 
 
-def _make_config_class(
-    base: type, name: str, fields: dict[str, Any], positional_field: Optional[str] = None
-) -> type:
+def _make_config_class(base: type, name: str, fields: dict[str, Any], fn: Callable) -> type:
     annotations = {k: v[0] for k, v in fields.items()}
     namespace = {k: v[1] for k, v in fields.items()}
-    namespace["_positional_field"] = positional_field
+    for attribute, kind in (("_positional_field", inspect.Parameter.VAR_POSITIONAL),
+                            ("_keyword_field", inspect.Parameter.VAR_KEYWORD)):  # fmt: skip
+        field = _positional_field(fn, kind)
+        namespace[attribute] = field if field in fields else None
     namespace["__annotations__"] = annotations
     namespace["__module__"] = __name__
     namespace["__qualname__"] = name
@@ -1003,9 +1030,7 @@ def _make_config_class(
 def config_for_function(fn: Callable[..., T], **kwargs) -> FunctionConfigBase[T]:
     """A config with one field per parameter of `fn` (REQUIRED where `fn` has no default)."""
     fields = _signature_fields(fn, skip=("fn",))
-    cls = _make_config_class(
-        FunctionConfigBase, f"FunctionConfig[{fn.__name__}]", fields, _positional_field(fn)
-    )
+    cls = _make_config_class(FunctionConfigBase, f"FunctionConfig[{fn.__name__}]", fields, fn)
     return cls(fn=fn, **kwargs)
 
 
@@ -1019,7 +1044,7 @@ def config_for_class(klass: type[T], **kwargs) -> CallableClassConfigBase[T]:
         CallableClassConfigBase,
         f"ClassConfig[{klass.__name__}]",
         fields,
-        _positional_field(klass.__init__),
+        klass.__init__,
     )
     return cls(klass=klass, **kwargs)
 
