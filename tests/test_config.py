@@ -948,3 +948,8 @@ def test_instantiate_kwargs_take_precedence_over_the_star_star_kwargs_field():
 def test_an_unset_star_star_kwargs_field_is_left_out_of_debug_string():
     cfg = config_for_function(_keywords)
     assert cfg.options is None and "options" not in cfg.debug_string()
+
+
+def test_a_field_marked_skip_serialization_stays_in_to_dict():
+    cfg = _HoldsRecord(data=_WithCache(name="y", cache={"k": 1}))
+    assert cfg.to_dict() == {"data": {"name": "y", "cache": {"k": 1}, "size": 42}}

@@ -17,7 +17,17 @@ Names read from text or overrides resolve only to what was declared configurable
 The API is AXLearn's: the same names (`config_class`, `REQUIRED`, `register_validator`,
 `get_named_trainer_config`, ...) with the same behaviour and error classes, each of
 which is also a `ConfigError`. Field values are validated on assignment by the
-registered validators; field names must be lower_snake_case.
+registered validators; field names must be lower_snake_case. As in AXLearn:
+- `config_for_function` / `config_for_class` record each parameter's type
+  (`cfg.fields()[name].type`), keep `*args` as a sequence field and `**kwargs` as a dict
+  field, and take values at `instantiate(**kwargs)`, which supply REQUIRED fields and win
+  over the config's;
+- a subclass redefines an inherited field by annotating it again (type and default);
+- a class attribute without an annotation (a value, a function not defined in the class
+  body, an inherited field's name as a method) raises NonConfigFieldError, and so does
+  constructing a config whose class got an attribute after @config_class;
+- a dataclass value's field marked `metadata={"skip_serialization": True}` is left out of
+  `to_flat_dict` and `debug_string` (`to_dict` keeps it, as AXLearn's does).
 
 This module is pure Python: importing it must not import jax.
 """
