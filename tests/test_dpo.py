@@ -224,6 +224,7 @@ def test_frozen_copy_starts_equal_to_the_policy_and_gives_zero_rewards():
     assert set(dpo.METRIC_NAMES) <= set(collection)
 
 
+@pytest.mark.slow  # Compiles several models: seconds of the quick suite's budget.
 def test_response_log_probs_are_the_policy_logits_log_softmax_over_response_tokens():
     model = _model(reference="none")
     params = model.initialize_parameters_recursively(jax.random.PRNGKey(1))
@@ -304,6 +305,7 @@ def _numpy_pair_logps(decoder, params, batch):
     return (picked * weights).sum(-1).reshape(2, -1)
 
 
+@pytest.mark.slow  # Compiles several models: seconds of the quick suite's budget.
 def test_adapters_disabled_reference_equals_a_separately_loaded_base(tmp_path):
     base_cfg = _policy_config()
     base = base_cfg.clone(name="model").instantiate(parent=None)
