@@ -12,7 +12,12 @@ weights (frozen by the learner's `update_rules`: no optimizer state), the input 
   tokens a step. Its input is synthetic pairs until `--data_dir` names pair shards.
 - `gpt_1b_dpo`: gpt_1b's model and mesh rules under DPO on synthetic pairs of 2 x 2,048
   tokens: the benchmark of DPO against gpt_1b's SFT step.
-- `llama_dpo_test`: a tiny Llama under DPO on synthetic pairs; trains on the CPU.
+- `llama_dpo_lora`: `llama_dpo` with LoRA r16, alpha 32 on all seven linear maps
+  (`llama_ft.lora_modifier`): only the adapters train (AdamW at 5e-6), the base is frozen
+  in bfloat16 and left out of checkpoints, and the reference is the policy with its
+  adapters switched off (`reference='adapters_disabled'`): no second copy of the weights.
+- `llama_dpo_test`, `llama_dpo_lora_test`: tiny Llamas under DPO (the second with LoRA
+  r4 on the seven maps, float32) on synthetic pairs; they train on the CPU.
 """
 
 from collections.abc import Callable
@@ -26,7 +31,7 @@ from axlearn.common.input_fake import FakePairInput
 from axlearn.common.trainer import SpmdTrainer
 from axlearn.experiments.text.gpt import c4
 from axlearn.experiments.text.gpt import common
-from experiments import gpt
+from experiments import gpt, llama_ft
 
 PAIR_LENGTH = 2048  # Tokens of each side of a pair (prompt and response).
 
@@ -115,6 +120,21 @@ def llama_dpo_trainer() -> SpmdTrainer.Config:
     return cfg.set(name="llama_dpo")
 
 
+def llama_dpo_lora_trainer() -> SpmdTrainer.Config:
+    """LoRA DPO of a Llama: the adapters train, the reference is the base without them."""
+    vocab_size = gpt.SIZES["1B"].vocab_size
+    cfg = as_dpo(
+        llama_ft.lora_modifier().instantiate()(gpt.gpt_trainer("1B")),
+        pairs=_pairs(global_batch_size=64, length=PAIR_LENGTH, vocab_size=vocab_size),
+        learning_rate=5e-6,
+        max_step=1000,
+        reference="adapters_disabled",
+    )
+    single_host = ("gpu-h", "gpu-(h", common.CPU)
+    cfg.mesh_rules = [rule for rule in cfg.mesh_rules if rule[0].startswith(single_host)]
+    return cfg.set(name="llama_dpo_lora")
+
+
 def gpt_1b_dpo_trainer() -> SpmdTrainer.Config:
     """gpt_1b under DPO on synthetic pairs of 2 x 2,048 tokens (benchmarks)."""
     size = gpt.SIZES["1B"]
@@ -129,8 +149,8 @@ def gpt_1b_dpo_trainer() -> SpmdTrainer.Config:
     return cfg.set(name="gpt_1b_dpo")
 
 
-def llama_dpo_test_trainer() -> SpmdTrainer.Config:
-    """A tiny Llama under DPO on synthetic pairs; trains on the CPU."""
+def _tiny_lm_trainer() -> SpmdTrainer.Config:
+    """A tiny Llama's LM trainer on the CPU (float32), its input synthetic pairs."""
     model = common.model_config(
         dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=64, vocab_size=128,
         rope_theta=10000.0, stack="stack", qk_norm=False,
@@ -147,10 +167,27 @@ def llama_dpo_test_trainer() -> SpmdTrainer.Config:
         summary_every_n_steps=10,
         train_dtype=jnp.float32,  # bf16 is emulated (slow) on CPUs.
     )
+    return base
+
+
+def llama_dpo_test_trainer() -> SpmdTrainer.Config:
+    """A tiny Llama under DPO on synthetic pairs; trains on the CPU."""
+    base = _tiny_lm_trainer()
     cfg = as_dpo(
         base, pairs=base.input, learning_rate=1e-3, max_step=100, beta=0.5
     )
     return cfg.set(name="llama_dpo_test")
+
+
+def llama_dpo_lora_test_trainer() -> SpmdTrainer.Config:
+    """A tiny Llama under LoRA DPO (r4 on the seven maps, all float32); trains on the CPU."""
+    modifier = llama_ft.lora_modifier().set(rank=4, alpha=8.0, base_dtype=jnp.float32)
+    base = modifier.instantiate()(_tiny_lm_trainer())
+    cfg = as_dpo(
+        base, pairs=base.input, learning_rate=1e-2, max_step=100, beta=0.5,
+        reference="adapters_disabled",
+    )
+    return cfg.set(name="llama_dpo_lora_test")
 
 
 def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
@@ -158,6 +195,8 @@ def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
         "llama_dpo": llama_dpo_trainer,
         "gpt_1b_dpo": gpt_1b_dpo_trainer,
         "llama_dpo_test": llama_dpo_test_trainer,
+        "llama_dpo_lora": llama_dpo_lora_trainer,
+        "llama_dpo_lora_test": llama_dpo_lora_test_trainer,
     }
 
 
@@ -168,5 +207,8 @@ DESCRIPTIONS = {
     "gpt_1b_dpo": "gpt_1b under DPO on synthetic pairs of 2 x 2,048 tokens (benchmarks "
     "against gpt_1b).",
     "llama_dpo_test": "A tiny Llama under DPO on synthetic pairs; trains on the CPU.",
+    "llama_dpo_lora": "LoRA DPO (r16 on the seven linear maps, reference: the base with "
+    "the adapters off) of a Llama: --init_from_hf=DIR; pairs of 2 x 2,048 tokens.",
+    "llama_dpo_lora_test": "A tiny Llama under LoRA DPO on synthetic pairs; trains on the CPU.",
 }
 

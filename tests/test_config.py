@@ -1,11 +1,14 @@
 """Specification of axlearn.common.config."""
 
+import dataclasses
 import json
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import Optional, Union
+import typing
+from typing import Any, ClassVar, Optional, Union
 
+import numpy as np
 import pytest
 
 from axlearn.common import config as config_lib
@@ -754,3 +757,199 @@ def test_config_for_class_of_functools_partial_is_the_partial_function_config():
 )
 def test_a_field_type_is_described_in_a_user_s_words(annotation, words):
     assert describe_annotation(annotation) == words
+
+
+# ----- AXLearn's config core: field types, redefinition, non-config fields -----
+
+
+def _typed(w: int, x: "str", y: Union[int, str], z: Required[float], u):
+    return (w, x, y, z, u)
+
+
+def test_config_for_function_records_each_parameter_s_type():
+    types_ = {name: field.type for name, field in config_for_function(_typed).fields().items()}
+    del types_["fn"]
+    assert types_ == {"w": int, "x": str, "y": Union[int, str], "z": Required[float], "u": Any}
+
+
+def test_an_unresolvable_annotation_keeps_the_other_parameters_types():
+    def fn(a: int, b: "NoSuchType" = None):  # noqa: F821 -- the forward reference is the point.
+        return a, b
+
+    fields = config_for_function(fn).fields()
+    assert fields["a"].type is int and fields["b"].type == "NoSuchType"
+
+
+def test_config_for_class_records_each_constructor_parameter_s_type():
+    fields = config_for_class(Point).fields()
+    assert (fields["x"].type, fields["y"].type) == (int, int) and "self" not in fields
+
+
+def test_fn_and_klass_fields_are_typed_as_a_callable_and_a_class():
+    assert typing.get_origin(config_for_function(_typed).fields()["fn"].type).__name__ == "Callable"
+    assert typing.get_origin(config_for_class(Point).fields()["klass"].type) is type
+
+
+@config_class
+class _Scaled(config_lib.ConfigBase):
+    scale: int = 1  # Redefined below.
+    name: str = "a"
+
+
+def test_a_redefined_field_takes_the_subclass_s_type_and_default():
+    @config_class
+    class Rescaled(_Scaled):
+        scale: float = 0.1
+
+    assert (Rescaled().fields()["scale"].type, Rescaled().scale) == (float, 0.1)
+    assert (_Scaled().fields()["scale"].type, _Scaled().scale) == (int, 1)
+    assert Rescaled().name == "a"
+
+
+def test_redefining_an_inherited_field_as_a_method_raises_non_config_field_error():
+    with pytest.raises(config_lib.NonConfigFieldError, match="scale redefines an inherited"):
+
+        @config_class
+        class Bad(_Scaled):  # pylint: disable=unused-variable
+            def scale(self):
+                return 2
+
+
+def test_redefining_an_inherited_field_as_a_class_var_raises_non_config_field_error():
+    with pytest.raises(config_lib.NonConfigFieldError, match="scale redefines an inherited"):
+
+        @config_class
+        class Bad(_Scaled):  # pylint: disable=unused-variable
+            scale: ClassVar[int] = 2
+
+
+def _elsewhere(self):
+    return self
+
+
+def test_a_function_assigned_in_the_class_body_raises_non_config_field_error():
+    with pytest.raises(config_lib.NonConfigFieldError, match="helper"):
+
+        @config_class
+        class Bad(config_lib.ConfigBase):  # pylint: disable=unused-variable
+            helper = _elsewhere
+
+
+def test_a_lambda_assigned_in_the_class_body_raises_non_config_field_error():
+    with pytest.raises(config_lib.NonConfigFieldError, match="helper"):
+
+        @config_class
+        class Bad(config_lib.ConfigBase):  # pylint: disable=unused-variable
+            helper = lambda self: self  # noqa: E731 -- the assignment is what is refused.
+
+
+def test_overriding_an_inherited_method_is_allowed():
+    @config_class
+    class WithSet(config_lib.ConfigBase):
+        x: int = 1
+
+        def set(self, **kwargs):
+            return super().set(**{k: v * 10 for k, v in kwargs.items()})
+
+    assert WithSet().set(x=2).x == 20
+
+
+def test_an_attribute_set_on_the_class_after_decoration_raises_on_construction():
+    @config_class
+    class Late(config_lib.ConfigBase):
+        x: int = 1
+
+    Late()
+    Late.other_field = 1
+    with pytest.raises(config_lib.NonConfigFieldError, match="Late.other_field"):
+        Late()
+
+
+def test_a_field_default_set_on_the_class_after_decoration_raises_on_construction():
+    @config_class
+    class Late(config_lib.ConfigBase):
+        x: int = 1
+
+    Late.x = 5  # Would not change the default: the class attribute is not the field.
+    with pytest.raises(config_lib.NonConfigFieldError, match="Late.x"):
+        Late()
+
+
+# ----- AXLearn's config core: dataclass fields that skip serialization -----
+
+
+@dataclasses.dataclass
+class _WithCache:
+    name: str
+    cache: dict = dataclasses.field(
+        default_factory=dict, metadata={"skip_serialization": True}
+    )
+    size: int = 42
+
+
+@config_class
+class _HoldsRecord(config_lib.ConfigBase):
+    data: object = _WithCache(name="x")
+
+
+def test_a_field_marked_skip_serialization_is_left_out_of_debug_string():
+    cfg = _HoldsRecord(data=_WithCache(name="y", cache={"k": 1}, size=7))
+    assert cfg.debug_string().splitlines() == ["data['name']: 'y'", "data['size']: 7"]
+
+
+def test_a_field_marked_skip_serialization_is_left_out_even_where_defaults_are_kept():
+    flat = _HoldsRecord().to_flat_dict(omit_default_values=())
+    assert flat == {"data['name']": "x", "data['size']": 42}
+
+
+# ----- AXLearn's config core: values given at instantiate() -----
+
+
+def test_a_required_function_field_may_be_given_at_instantiate():
+    assert config_for_function(scaled_sum).instantiate(a=3) == (3 + 2.0) * 1.0
+
+
+def test_instantiate_kwargs_take_precedence_over_function_fields():
+    assert config_for_function(scaled_sum).set(a=1, b=1.0).instantiate(b=5.0) == 6.0
+
+
+def test_a_required_class_field_may_be_given_at_instantiate():
+    point = config_for_class(Point).set(y=2).instantiate(x=np.asarray([0, 1]))
+    np.testing.assert_array_equal(point.x, [0, 1])
+    assert point.y == 2
+
+
+def test_a_required_field_given_neither_in_the_config_nor_at_instantiate_is_missing():
+    with pytest.raises(MissingRequiredFieldsError, match=r"fields of ClassConfig\[Point\]: x"):
+        config_for_class(Point).instantiate(y=1)
+
+
+def test_the_star_args_field_may_be_given_at_instantiate():
+    def gather(*items):
+        return list(items)
+
+    assert config_for_function(gather).set(items=[1]).instantiate(items=[2, 3]) == [2, 3]
+
+
+def _keywords(a=0, **options):
+    return dict(a=a, **options)
+
+
+def test_the_star_star_kwargs_parameter_is_a_dict_field_passed_as_keywords():
+    cfg = config_for_function(_keywords).set(options={"b": 2, "c": 3})
+    assert cfg.instantiate() == {"a": 0, "b": 2, "c": 3}
+
+
+def test_instantiate_kwargs_take_precedence_over_the_star_star_kwargs_field():
+    cfg = config_for_function(_keywords).set(options={"b": 2, "c": 3})
+    assert cfg.instantiate(b=5) == {"a": 0, "b": 5, "c": 3}
+
+
+def test_an_unset_star_star_kwargs_field_is_left_out_of_debug_string():
+    cfg = config_for_function(_keywords)
+    assert cfg.options is None and "options" not in cfg.debug_string()
+
+
+def test_a_field_marked_skip_serialization_stays_in_to_dict():
+    cfg = _HoldsRecord(data=_WithCache(name="y", cache={"k": 1}))
+    assert cfg.to_dict() == {"data": {"name": "y", "cache": {"k": 1}, "size": 42}}

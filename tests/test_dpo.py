@@ -1,5 +1,6 @@
 """DPOModel and preference_loss: the losses and their gradients against trl's own loss
-code on the same log-probabilities, the reference options, the trl-named summaries."""
+code on the same log-probabilities, the reference options (the LoRA base with its adapters
+off against a plain model loaded alone), the trl-named summaries."""
 
 import collections
 import types
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axlearn.common import dpo
+from axlearn.common import dpo, hf_llama, lora
 from axlearn.common.config import ConfigError
 from axlearn.common.hf_llama import llama_model_config
 from axlearn.common.module import functional
@@ -223,6 +224,7 @@ def test_frozen_copy_starts_equal_to_the_policy_and_gives_zero_rewards():
     assert set(dpo.METRIC_NAMES) <= set(collection)
 
 
+@pytest.mark.slow  # Compiles several models: seconds of the quick suite's budget.
 def test_response_log_probs_are_the_policy_logits_log_softmax_over_response_tokens():
     model = _model(reference="none")
     params = model.initialize_parameters_recursively(jax.random.PRNGKey(1))
@@ -278,29 +280,64 @@ def test_bad_settings_are_refused_by_field(fields, message):
         _model(**fields)
 
 
-def test_adapters_disabled_reference_is_the_policy_inside_lora_context(monkeypatch):
-    # lora.adapters_disabled() (interface of axlearn.common.lora) stood in for by a context
-    # that counts its entries: with no adapters, the reference is the policy itself.
-    import contextlib  # pylint: disable=import-outside-toplevel
-    import sys  # pylint: disable=import-outside-toplevel
+def _load(model_cfg, init_params):
+    """`model_cfg`'s parameters as `init_params` (an init_params config) loads them."""
+    model = model_cfg.clone(name="model").instantiate(parent=None)
+    specs = model.create_parameter_specs_recursively()
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    shardings = jax.tree.map(lambda _: cpu, specs, is_leaf=lambda x: hasattr(x, "shape"))
+    return init_params.instantiate().load(
+        model_config=model_cfg, param_specs=specs, shardings=shardings
+    )
 
-    entered = []
 
-    @contextlib.contextmanager
-    def adapters_disabled():
-        entered.append(True)
-        yield
+def _numpy_pair_logps(decoder, params, batch):
+    """Summed response log-probs [2, B] (chosen, rejected) of `decoder`'s logits (one jitted
+    call), by NumPy log-softmax."""
+    ids = jnp.concatenate([batch[f"{side}_input_ids"] for side in dpo.SIDES])
+    logits = jax.jit(lambda p, x: functional(
+        decoder, state=p, inputs=(x,), prng_key=None, is_training=False)[0]["logits"])(params, ids)
+    logits = np.asarray(logits, np.float64)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    labels = np.concatenate([np.asarray(batch[f"{side}_target_labels"]) for side in dpo.SIDES])
+    weights = np.concatenate([np.asarray(batch[f"{side}_target_weights"]) for side in dpo.SIDES])
+    picked = np.take_along_axis(logp, labels[..., None], -1)[..., 0]
+    return (picked * weights).sum(-1).reshape(2, -1)
 
-    fake = types.ModuleType("axlearn.common.lora")
-    fake.adapters_disabled = adapters_disabled
-    monkeypatch.setitem(sys.modules, "axlearn.common.lora", fake)
-    import axlearn.common  # pylint: disable=import-outside-toplevel
 
-    monkeypatch.setattr(axlearn.common, "lora", fake, raising=False)
-    model = _model(reference="adapters_disabled")
-    params = model.initialize_parameters_recursively(jax.random.PRNGKey(4))
+@pytest.mark.slow  # Compiles several models: seconds of the quick suite's budget.
+def test_adapters_disabled_reference_equals_a_separately_loaded_base(tmp_path):
+    base_cfg = _policy_config()
+    base = base_cfg.clone(name="model").instantiate(parent=None)
+    hf_llama.write_hf_model(
+        jax.jit(base.initialize_parameters_recursively)(jax.random.PRNGKey(4)), base_cfg,
+        str(tmp_path), dtype="float32",
+    )
+    weights = hf_llama.HfLlamaWeights.default_config().set(path=str(tmp_path))
+    # The plain model, loaded by itself.
+    base_params = _load(base_cfg, weights)
+    # A LoRA policy on all seven maps under DPO, its base loaded from the same directory.
+    policy_cfg = lora.LoraConfigModifier.default_config().set(
+        target_modules=list(lora.PEFT_LLAMA_MODULES), rank=2, alpha=4.0, base_dtype=None
+    ).instantiate().apply_to_model(_policy_config())
+    dpo_cfg = dpo.DPOModel.default_config().set(policy=policy_cfg, reference="adapters_disabled")
+    params = _load(dpo_cfg, dpo.DPOModel.init_params_config(weights))
+    # Nonzero adapters: lora_up drawn at random (it starts at zero).
+    rng = np.random.default_rng(5)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(rng.normal(size=x.shape), x.dtype)
+        if "lora_up" in jax.tree_util.keystr(path) else x,
+        params,
+    )
     assert set(params) == {"policy"}  # No second copy of the weights.
-    (loss, aux), _ = _run(model, params, _pair_batch(4))
-    assert entered
-    np.testing.assert_allclose(float(loss), np.log(2.0), rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(aux["chosen_rewards"]), 0.0)
+    model = dpo_cfg.clone(name="model").instantiate(parent=None)
+    batch = _pair_batch(4)
+    reference = jax.jit(lambda p, b: functional(
+        model, state=p, inputs=dict(input_batch=b), prng_key=None, is_training=False,
+        method="reference_log_probs")[0])(params, batch)
+    got = np.stack([np.asarray(reference[f"reference_{side}_logps"]) for side in dpo.SIDES])
+    want = _numpy_pair_logps(base.decoder, base_params["decoder"], batch)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # The policy itself (adapters on) scores the responses otherwise.
+    adapted = _numpy_pair_logps(model.policy.decoder, params["policy"]["decoder"], batch)
+    assert np.min(np.abs(adapted - got)) > 1e-3

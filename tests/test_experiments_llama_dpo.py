@@ -65,3 +65,69 @@ def test_init_from_hf_loads_the_policy_and_an_equal_reference(tmp_path):
     # float32 weights travel exactly; the reference equals them too.
     jax.tree.map(np.testing.assert_array_equal, loaded["policy"], params)
     jax.tree.map(np.testing.assert_array_equal, loaded["reference"], params)
+
+
+@pytest.mark.slow
+def test_init_from_checkpoint_starts_the_policy_and_reference_from_another_runs_policy(tmp_path):
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    from axlearn.common import trainer_dir  # pylint: disable=import-outside-toplevel
+    from axlearn.common.launch_trainer import (  # pylint: disable=import-outside-toplevel
+        use_run_checkpoint,
+    )
+    from tests.fresh_python import REPO, fresh_env  # pylint: disable=import-outside-toplevel
+
+    source = tmp_path / "first"  # A DPO run: its policy is the language model to start from.
+    result = subprocess.run(
+        [sys.executable, "-m", "axlearn.common.launch_trainer_main", "--config=llama_dpo_test",
+         f"--trainer_dir={source}", "--config_override=max_step=2", "--jax_backend=cpu"],
+        env=fresh_env(1), cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, _, expected = trainer_dir.restore_language_model(str(source))
+    cfg = use_run_checkpoint(llama_dpo.llama_dpo_test_trainer(), str(source))
+    model = cfg.model.clone(name="model").instantiate(parent=None)
+    specs = model.create_parameter_specs_recursively()
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    shardings = jax.tree.map(lambda _: cpu, specs, is_leaf=lambda x: hasattr(x, "shape"))
+    loaded = cfg.init_params.instantiate().load(
+        model_config=cfg.model, param_specs=specs, shardings=shardings
+    )
+    jax.tree.map(np.testing.assert_array_equal, loaded["policy"], expected)
+    jax.tree.map(np.testing.assert_array_equal, loaded["reference"], expected)
+
+
+@pytest.mark.slow
+def test_a_dpo_config_trains_on_pair_shards_given_as_its_data_dir(tmp_path):
+    import json  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    from tests.fresh_python import REPO, fresh_env  # pylint: disable=import-outside-toplevel
+
+    with open(tmp_path / "pairs.jsonl", "w", encoding="utf-8") as f:
+        for a in range(60):
+            f.write(json.dumps({"prompt": f"{a} plus 1?", "chosen": f" {a + 1}.",
+                                "rejected": f" {a + 2}."}) + "\n")
+    (tmp_path / "t.jinja").write_text(
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}",
+        encoding="utf-8",
+    )
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", *args], env=fresh_env(1), cwd=REPO, capture_output=True,
+            text=True, timeout=600, check=False,
+        )
+
+    build = run("axlearn.common.input_tokens", "build", "--pairs", "--vocab=bytes",
+                f"--chat_template={tmp_path / 't.jinja'}", "--max_sequence_length=32",
+                f"--output={tmp_path}/data/train", str(tmp_path / "pairs.jsonl"))
+    assert build.returncode == 0, build.stderr[-2000:]
+    train = run("axlearn.common.launch_trainer_main", "--config=llama_dpo_test",
+                f"--data_dir={tmp_path / 'data'}", f"--trainer_dir={tmp_path / 'run'}",
+                "--config_override=max_step=2",
+                "--config_override=model.policy.decoder.vocab_size=384")
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert "PreferencePairInput" in (tmp_path / "run" / "config.txt").read_text(encoding="utf-8")

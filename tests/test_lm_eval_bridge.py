@@ -15,7 +15,9 @@ from axlearn.common.input_vocab import load_vocabulary
 
 
 def _bridge():
-    """The bridge, imported when a test runs (lm-eval's import takes seconds)."""
+    """The bridge, imported when a test runs (lm-eval's import takes seconds); the tests
+    skip where lm-eval (the eval extra) is not installed."""
+    pytest.importorskip("lm_eval")
     return pytest.importorskip("axlearn.common.lm_eval_bridge")
 
 WORDS = [f"w{i}" for i in range(40)]

@@ -242,6 +242,7 @@ def test_gate_without_up_is_refused():
         )
 
 
+@pytest.mark.slow  # Compiles several models: seconds of the quick suite's budget.
 def test_a_frozen_base_gets_no_gradient_no_update_and_no_optimizer_state():
     import optax  # pylint: disable=import-outside-toplevel
 

@@ -1,5 +1,5 @@
 """llama_lora end to end: a random transformers Llama warm-starts the LoRA config, trains on
-a corpus built here, checkpoints its adapters alone, and comes out as a PEFT adapter that
+chat shards built here (the loss on the assistant's turns alone), checkpoints its adapters alone, and comes out as a PEFT adapter that
 peft loads onto transformers, or merged, with our logits; generate runs it."""
 
 import json
@@ -56,18 +56,30 @@ def fixture_hf_dir(tmp_path_factory):
     return _save_hf(tmp_path_factory.mktemp("hf"))
 
 
+# A chat template of the simplest kind: each turn as `<|role|>content` and a newline.
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+
+
 @pytest.fixture(name="data_dir", scope="module")
 def fixture_data_dir(tmp_path_factory):
-    """Token shards (bytes) of sums written as text: 600 documents of five each."""
+    """Chat shards (bytes) of sums: 600 conversations of five questions and answers, the
+    loss counted on the assistant's answers alone (`input_tokens build --chat`)."""
     work = tmp_path_factory.mktemp("sums")
     rng = random.Random(0)
+    (work / "template.jinja").write_text(TEMPLATE, encoding="utf-8")
     with open(work / "sums.jsonl", "w", encoding="utf-8") as f:
         for _ in range(600):
-            pairs = [(rng.randint(0, 50), rng.randint(0, 50)) for _ in range(5)]
-            text = "\n".join(f"Question: what is {a} plus {b}? Answer: {a + b}." for a, b in pairs)
-            f.write(json.dumps({"text": text}) + "\n")
+            messages = []
+            for _ in range(5):
+                a, b = rng.randint(0, 50), rng.randint(0, 50)
+                messages += [
+                    {"role": "user", "content": f"What is {a} plus {b}?"},
+                    {"role": "assistant", "content": f"{a + b}."},
+                ]
+            f.write(json.dumps({"messages": messages}) + "\n")
     build = subprocess.run(
-        [sys.executable, "-m", "axlearn.common.input_tokens", "build", "--vocab=bytes",
+        [sys.executable, "-m", "axlearn.common.input_tokens", "build", "--chat",
+         "--vocab=bytes", f"--chat_template={work / 'template.jinja'}",
          f"--output={work}/data/train", "--validation_fraction=0.1", str(work / "sums.jsonl")],
         env=fresh_env(), cwd=REPO, capture_output=True, text=True, timeout=300,
     )
@@ -121,7 +133,7 @@ IDS = np.random.RandomState(0).randint(3, 259, size=(2, 24))
 
 
 @pytest.mark.slow
-def test_lora_sft_lowers_the_loss_on_a_corpus_made_in_the_test(lora_run):
+def test_lora_sft_lowers_the_assistant_token_loss_on_a_chat_corpus_made_in_the_test(lora_run):
     run_dir, log = lora_run
     assert "Initialized the model parameters with HfLlamaWeights" in log
     losses = _losses(run_dir)

@@ -566,18 +566,15 @@ def _default_positions(x: Tensor) -> Tensor:
     return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
 
 
-class RoFormerQKVLinear(BaseQKVLinear):
-    """Any QKV projection (child `i_proj`) followed by rotary position embeddings."""
+class _WrappedQKVLinear(BaseQKVLinear):
+    """A QKV projection around another (child `i_proj`, built from `input_linear` with this
+    layer's dims), whose key/value head count and cache dtype it takes."""
 
     @config_class
     class Config(BaseQKVLinear.Config):
-        """Configures RoFormerQKVLinear."""
+        """Configures _WrappedQKVLinear."""
 
-        input_linear: BaseQKVLinear.Config = QKVLinear.default_config()
-        rope_pos_emb_layer: RoFormerSinusoidalPositionalEmbedding.Config = (
-            RoFormerSinusoidalPositionalEmbedding.default_config()
-        )
-        rotary_value: bool = True  # Whether values are rotated too (queries and keys always).
+        input_linear: BaseQKVLinear.Config = QKVLinear.default_config()  # The projection.
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
@@ -591,7 +588,6 @@ class RoFormerQKVLinear(BaseQKVLinear):
                 per_head_dim=cfg.per_head_dim,
             ),
         )
-        self._add_child("rope_pos_emb_layer", cfg.rope_pos_emb_layer.clone(dim=cfg.per_head_dim))
 
     @property
     def num_kv_heads(self) -> int:
@@ -600,6 +596,23 @@ class RoFormerQKVLinear(BaseQKVLinear):
     @property
     def cache_dtype(self) -> Optional[jnp.dtype]:
         return self._config.cache_dtype or self.i_proj.cache_dtype
+
+
+class RoFormerQKVLinear(_WrappedQKVLinear):
+    """Any QKV projection (child `i_proj`) followed by rotary position embeddings."""
+
+    @config_class
+    class Config(_WrappedQKVLinear.Config):
+        """Configures RoFormerQKVLinear."""
+
+        rope_pos_emb_layer: RoFormerSinusoidalPositionalEmbedding.Config = (
+            RoFormerSinusoidalPositionalEmbedding.default_config()
+        )
+        rotary_value: bool = True  # Whether values are rotated too (queries and keys always).
+
+    def __init__(self, cfg: Config, *, parent: Optional[Module]):
+        super().__init__(cfg, parent=parent)
+        self._add_child("rope_pos_emb_layer", cfg.rope_pos_emb_layer.clone(dim=cfg.per_head_dim))
 
     def forward(
         self,
@@ -626,7 +639,7 @@ class RoFormerQKVLinear(BaseQKVLinear):
         return QKV(q, k, v)
 
 
-class QKNormQKVLinear(BaseQKVLinear):
+class QKNormQKVLinear(_WrappedQKVLinear):
     """Any QKV projection (child `i_proj`) whose query and key heads are then normalized
     over H (children `q_norm`, `k_norm`), as Qwen3 normalizes them before rotary
     embeddings: put it under a RoFormerQKVLinear (`input_linear`). A norm in
@@ -634,34 +647,15 @@ class QKNormQKVLinear(BaseQKVLinear):
     different function where the norm's scale differs between the dims RoPE pairs."""
 
     @config_class
-    class Config(BaseQKVLinear.Config):
+    class Config(_WrappedQKVLinear.Config):
         """Configures QKNormQKVLinear."""
 
-        input_linear: BaseQKVLinear.Config = QKVLinear.default_config()  # The projection.
         norm: Required[BaseLayer.Config] = REQUIRED  # E.g. RMSNorm; its input_dim is set to H.
 
     def __init__(self, cfg: Config, *, parent: Optional[Module]):
         super().__init__(cfg, parent=parent)
-        self._add_child(
-            "i_proj",
-            cfg.input_linear.clone(
-                query_dim=cfg.query_dim,
-                key_dim=cfg.key_dim,
-                value_dim=cfg.value_dim,
-                num_heads=cfg.num_heads,
-                per_head_dim=cfg.per_head_dim,
-            ),
-        )
         self._add_child("q_norm", cfg.norm.clone(input_dim=cfg.per_head_dim))
         self._add_child("k_norm", cfg.norm.clone(input_dim=cfg.per_head_dim))
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.i_proj.num_kv_heads
-
-    @property
-    def cache_dtype(self) -> Optional[jnp.dtype]:
-        return self._config.cache_dtype or self.i_proj.cache_dtype
 
     def forward(
         self,

@@ -22,7 +22,6 @@ damaged): jax compiles those programs again and overwrites them.
 trainer logs it with the train step's compile time).
 """
 
-import difflib
 import logging
 import os
 import threading
@@ -31,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from axlearn.common import file_system
-from axlearn.common.config import ConfigError
+from axlearn.common.config import ConfigError, close_names
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +104,7 @@ def parse_jax_configs(entries: Sequence[str]) -> list[tuple[str, Any]]:
         if key not in values and f"jax_{key}" in values:
             key = f"jax_{key}"
         if key not in values:
-            close = difflib.get_close_matches(key, list(values), n=3)
+            close = close_names(key, values)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ConfigError(f"--jax_config={entry}: jax has no option {key}{hint}")
         parsed.append((key, _parse_value(key, text, values[key])))

@@ -17,7 +17,17 @@ Names read from text or overrides resolve only to what was declared configurable
 The API is AXLearn's: the same names (`config_class`, `REQUIRED`, `register_validator`,
 `get_named_trainer_config`, ...) with the same behaviour and error classes, each of
 which is also a `ConfigError`. Field values are validated on assignment by the
-registered validators; field names must be lower_snake_case.
+registered validators; field names must be lower_snake_case. As in AXLearn:
+- `config_for_function` / `config_for_class` record each parameter's type
+  (`cfg.fields()[name].type`), keep `*args` as a sequence field and `**kwargs` as a dict
+  field, and take values at `instantiate(**kwargs)`, which supply REQUIRED fields and win
+  over the config's;
+- a subclass redefines an inherited field by annotating it again (type and default);
+- a class attribute without an annotation (a value, a function not defined in the class
+  body, an inherited field's name as a method) raises NonConfigFieldError, and so does
+  constructing a config whose class got an attribute after @config_class;
+- a dataclass value's field marked `metadata={"skip_serialization": True}` is left out of
+  `to_flat_dict` and `debug_string` (`to_dict` keeps it, as AXLearn's does).
 
 This module is pure Python: importing it must not import jax.
 """
@@ -169,6 +179,11 @@ class ConfigField:
     annotation: Any
     default: Any
 
+    @property
+    def type(self) -> Any:
+        """The annotation, under the name AXLearn's (attrs') fields give it."""
+        return self.annotation
+
 
 def close_names(
     name: str, candidates: Iterable[str], *, n: int = 3, cutoff: float = 0.5
@@ -288,6 +303,7 @@ class ConfigBase:
             raise MissingConfigClassDecoratorError(
                 f"{type(self).__qualname__} was not decorated with @config_class"
             )
+        _check_no_late_class_attributes(type(self))
         for field in self._fields.values():
             object.__setattr__(self, field.name, _copy_value(field.default))
         for key, value in kwargs.items():
@@ -416,7 +432,8 @@ class ConfigBase:
         """Returns `{flat_key: value}` for every leaf.
 
         A field whose value equals its default and is one of `omit_default_values`
-        (by default None and REQUIRED) is left out.
+        (by default None and REQUIRED) is left out, and so is a dataclass value's field
+        marked `metadata={"skip_serialization": True}`, whatever its value.
         """
         omitted = list(omit_default_values)
         result = {}
@@ -433,8 +450,9 @@ class ConfigBase:
                 return False
             record = _record_fields(value)
             if record is not None:  # As for config fields, omit defaults that are omitted.
+                skipped = _skipped_fields(value)
                 for key, item, default in record:
-                    if not _is_omitted(item, default, omitted):
+                    if key not in skipped and not _is_omitted(item, default, omitted):
                         _visit(item, f"{path}[{key!r}]", visit, enter)
                 return False
             return True
@@ -499,6 +517,21 @@ def _record_fields(value: Any) -> Optional[list[tuple[str, Any, Any]]]:
         defaults = getattr(type(value), "_field_defaults", {})
         return [(k, v, defaults.get(k, dataclasses.MISSING)) for k, v in value._asdict().items()]
     return None
+
+
+# A dataclass field whose metadata holds this key as True is left out of `to_flat_dict`
+# and `debug_string` (AXLearn's `dataclasses.field(metadata={"skip_serialization": True})`):
+# a cache or debugging aid inside a value, not part of what the config says.
+SKIP_SERIALIZATION = "skip_serialization"
+
+
+def _skipped_fields(value: Any) -> frozenset:
+    """The names of a dataclass value's fields marked to skip serialization."""
+    if not _is_dataclass_instance(value):
+        return frozenset()
+    return frozenset(
+        f.name for f in dataclasses.fields(value) if f.metadata.get(SKIP_SERIALIZATION, False)
+    )
 
 
 def _visit(value, path, visit_fn, enter_fn) -> None:
@@ -671,7 +704,7 @@ def config_class(cls: type[C]) -> type[C]:
     annotations = cls.__dict__.get("__annotations__", {})
     _check_non_config_attributes(cls, annotations)
     for name, annotation in annotations.items():
-        if typing.get_origin(annotation) is ClassVar or annotation is ClassVar:
+        if _is_class_var(annotation):
             continue
         validate_config_field_name(name)
         if name not in cls.__dict__:
@@ -686,27 +719,70 @@ def config_class(cls: type[C]) -> type[C]:
             raise InvalidConfigValueError(f"{cls.__qualname__}.{name}: {e}") from e
         fields[name] = ConfigField(name=name, annotation=annotation, default=default)
     for name in fields:
+        if name in cls.__dict__ and name not in annotations or _is_class_var(annotations.get(name)):
+            # A method, property or ClassVar named as an inherited field would be deleted
+            # below (or shadow the field): the field is redefined only with an annotation.
+            raise NonConfigFieldError(
+                f"{cls.__qualname__}.{name} redefines an inherited config field as a non-field; "
+                f"redefine it as a field ('{name}: <type> = <default>') or use another name"
+            )
         # Defaults live in `_fields`; the class attributes would shadow `__getattr__`.
         if name in cls.__dict__:
             delattr(cls, name)
     cls._fields = fields
+    # What `ConfigBase.__init__` checks: a name set on the class later is no field.
+    cls._class_attributes = frozenset()
+    cls._class_attributes = frozenset(dir(cls))
     return cls
+
+
+def _is_class_var(annotation: Any) -> bool:
+    return annotation is ClassVar or typing.get_origin(annotation) is ClassVar
+
+
+def _check_no_late_class_attributes(cls: type) -> None:
+    """Raises NonConfigFieldError for a class attribute set on `cls` (or a base) after
+    @config_class (`Config.foo = 1`): it would not be a field, and setting a field's
+    name so would not change its default."""
+    late = sorted(
+        name
+        for name in set(dir(cls)) - cls._class_attributes
+        if not name.startswith("__")
+    )
+    if late:
+        raise NonConfigFieldError(
+            f"Non-config attribute is not supported: {cls.__qualname__}.{late[0]} was set on "
+            "the class after @config_class; declare fields in the class body and set values "
+            "on a config"
+        )
 
 
 def _check_non_config_attributes(cls: type, annotations: dict[str, Any]) -> None:
     """Raises NonConfigFieldError for a class attribute that looks like a field but has no
     annotation (`foo = 10`): it would silently not be a field. Methods, properties,
     nested classes and private (`_x`) attributes are allowed (AXLearn allows only
-    methods)."""
+    methods). As in AXLearn, a method is a function defined in the body of the class or
+    of one of its bases (`def foo(self)`, its `__qualname__` says so): a function defined
+    elsewhere and assigned (`foo = some_fn`, `foo = lambda self: ...`) is a value without
+    a type, so no field either."""
     for name, value in cls.__dict__.items():
         if name.startswith("_") or name in annotations:
             continue
-        if isinstance(value, (types.FunctionType, classmethod, staticmethod, property, type)):
+        if isinstance(value, (classmethod, staticmethod)):
+            value = value.__func__
+        if isinstance(value, types.FunctionType) and _is_method_of(value, cls, name):
+            continue
+        if isinstance(value, (property, type)):
             continue
         raise NonConfigFieldError(
             f"Non-config attribute is not supported: {cls.__qualname__}.{name}; annotate it "
             "with a type to make it a field"
         )
+
+
+def _is_method_of(fn: types.FunctionType, cls: type, name: str) -> bool:
+    """Whether `fn` was defined as `name` in the body of `cls` or of a base of it."""
+    return any(fn.__qualname__ == f"{klass.__qualname__}.{name}" for klass in cls.__mro__)
 
 
 def _check_required(cfg: "ConfigBase", path: str) -> list[str]:
@@ -766,9 +842,16 @@ class InstantiableConfig(ConfigBase, Generic[T]):
     def instantiate(self, **kwargs) -> T:
         raise NotImplementedError(type(self))
 
-    def check_required_fields(self, path: str = "") -> None:
-        """Raises one error that lists every REQUIRED field by its dotted path."""
-        missing = _check_required(self, path)
+    def check_required_fields(self, path: str = "", *, given: Iterable[str] = ()) -> None:
+        """Raises one error that lists every REQUIRED field by its dotted path, but for
+        the fields named in `given` (those the caller supplies itself)."""
+        prefix = f"{path}." if path else ""
+        given = set(given)
+        missing = [
+            m
+            for m in _check_required(self, path)
+            if re.split(r"[.\[]", m[len(prefix) :], maxsplit=1)[0] not in given
+        ]
         if missing:
             raise MissingRequiredFieldsError(
                 f"Missing required fields of {type(self).__qualname__}: {', '.join(missing)}"
@@ -780,7 +863,7 @@ class InstantiableConfig(ConfigBase, Generic[T]):
 class ClassConfigBase(InstantiableConfig[T]):
     """A config whose `klass` is the class it instantiates."""
 
-    klass: type = REQUIRED
+    klass: type[T] = REQUIRED
 
     def _uncopied_field(self) -> Optional[str]:
         return "klass"
@@ -794,7 +877,7 @@ class ClassConfigBase(InstantiableConfig[T]):
 class FunctionConfigBase(InstantiableConfig[T]):
     """A config whose fields are the keyword arguments of `fn`."""
 
-    fn: Callable = REQUIRED
+    fn: Callable[..., T] = REQUIRED
 
     def _uncopied_field(self) -> Optional[str]:
         return "fn"
@@ -802,9 +885,15 @@ class FunctionConfigBase(InstantiableConfig[T]):
     # The field that holds `fn`'s *args (AXLearn's `chain` takes its transformations as
     # `args`), passed positionally; None: fn takes no *args.
     _positional_field: ClassVar[Optional[str]] = None
+    # The field that holds `fn`'s **kwargs (a dict, AXLearn's `var_kwargs` field), whose
+    # entries are passed as keyword arguments after the other fields; None: fn has none.
+    _keyword_field: ClassVar[Optional[str]] = None
 
     def instantiate(self, **kwargs) -> T:
-        self.check_required_fields(kwargs.pop("config_path", ""))
+        """Calls `fn` with the fields as keyword arguments; `kwargs` add to them and take
+        precedence (AXLearn's rule), so that a REQUIRED field may be given here (an array,
+        a shared object) instead of in the config."""
+        self.check_required_fields(kwargs.pop("config_path", ""), given=kwargs)
         return _call_with_fields(self, self.fn, "fn", kwargs)
 
 
@@ -812,23 +901,33 @@ class FunctionConfigBase(InstantiableConfig[T]):
 class CallableClassConfigBase(InstantiableConfig[T]):
     """A config whose fields are the constructor arguments of `klass`."""
 
-    klass: type = REQUIRED
+    klass: type[T] = REQUIRED
 
     _positional_field: ClassVar[Optional[str]] = None  # As in FunctionConfigBase.
+    _keyword_field: ClassVar[Optional[str]] = None  # As in FunctionConfigBase.
 
     def _uncopied_field(self) -> Optional[str]:
         return "klass"
 
     def instantiate(self, **kwargs) -> T:
-        self.check_required_fields(kwargs.pop("config_path", ""))
+        """Constructs `klass` from the fields; `kwargs` add to them and take precedence,
+        as in FunctionConfigBase."""
+        self.check_required_fields(kwargs.pop("config_path", ""), given=kwargs)
         return _call_with_fields(self, self.klass, "klass", kwargs)
 
 
 def _call_with_fields(cfg: ConfigBase, target: Callable, key: str, kwargs: dict) -> Any:
-    """`target(*positional, **fields, **kwargs)` with the fields of a function/class config."""
+    """`target(*positional, **fields)` with the fields of a function/class config, those
+    named in `kwargs` replaced by its values (and its other entries added); the entries
+    of the **kwargs field come under the named fields."""
     fields = {k: getattr(cfg, k) for k in cfg._fields if k != key}
     positional = fields.pop(cfg._positional_field) if cfg._positional_field else None
-    return target(*(positional or ()), **fields, **kwargs)
+    if cfg._positional_field in kwargs:
+        positional = kwargs.pop(cfg._positional_field)
+    keywords = fields.pop(cfg._keyword_field) if cfg._keyword_field else None
+    if cfg._keyword_field in kwargs:
+        keywords = kwargs.pop(cfg._keyword_field)
+    return target(*(positional or ()), **{**(keywords or {}), **fields, **kwargs})
 
 
 _registered: dict[int, Any] = {}  # id -> object: what `register_configurable` declared.
@@ -877,38 +976,61 @@ class Configurable:
         return copy.deepcopy(self._config)
 
 
-def _signature_fields(fn: Callable, skip: Sequence[str] = ()) -> dict[str, Any]:
-    fields = {}
-    hints = {}
+def _parameter_types(fn: Callable) -> dict[str, Any]:
+    """The annotation of each annotated parameter of `fn`, forward references (strings)
+    resolved in `fn`'s module. One that does not resolve keeps its text and leaves the
+    others' types as they are (AXLearn records every annotation as written)."""
     try:
-        hints = typing.get_type_hints(fn)
+        return typing.get_type_hints(fn)
     except Exception:  # pylint: disable=broad-except
-        pass
+        pass  # One annotation does not resolve: resolve the others one by one.
+    hints = {}
+    namespace = getattr(inspect.unwrap(fn), "__globals__", {})
+    for name, param in inspect.signature(fn).parameters.items():
+        if param.annotation is param.empty:
+            continue
+        one = types.SimpleNamespace(__annotations__={name: param.annotation}, __globals__=namespace)
+        try:
+            hints[name] = typing.get_type_hints(one)[name]
+        except Exception:  # pylint: disable=broad-except
+            hints[name] = param.annotation  # Kept as written.
+    return hints
+
+
+def _signature_fields(fn: Callable, skip: Sequence[str] = ()) -> dict[str, Any]:
+    """name -> (annotation, default) of each parameter of `fn` but `skip`: the annotation
+    as `fn` declares it (Any where it has none)."""
+    fields = {}
+    hints = _parameter_types(fn)
     for param in inspect.signature(fn).parameters.values():
-        if param.kind == param.VAR_KEYWORD or param.name in skip:
+        if param.name in skip:
             continue
         if param.kind == param.VAR_POSITIONAL:  # A sequence field, None: no arguments.
             fields[param.name] = (Optional[Sequence[hints.get(param.name, Any)]], None)
+            continue
+        if param.kind == param.VAR_KEYWORD:  # A dict field, None: no more arguments.
+            fields[param.name] = (Optional[dict[str, hints.get(param.name, Any)]], None)
             continue
         default = REQUIRED if param.default is param.empty else param.default
         fields[param.name] = (hints.get(param.name, Any), default)
     return fields
 
 
-def _positional_field(fn: Callable) -> Optional[str]:
-    """The name of `fn`'s *args parameter, if it has one."""
+def _positional_field(fn: Callable, kind=inspect.Parameter.VAR_POSITIONAL) -> Optional[str]:
+    """The name of `fn`'s *args parameter (of its **kwargs with `kind=VAR_KEYWORD`)."""
     for param in inspect.signature(fn).parameters.values():
-        if param.kind == param.VAR_POSITIONAL:
+        if param.kind == kind:
             return param.name
     return None
 
 
-def _make_config_class(
-    base: type, name: str, fields: dict[str, Any], positional_field: Optional[str] = None
-) -> type:
+def _make_config_class(base: type, name: str, fields: dict[str, Any], fn: Callable) -> type:
     annotations = {k: v[0] for k, v in fields.items()}
     namespace = {k: v[1] for k, v in fields.items()}
-    namespace["_positional_field"] = positional_field
+    for attribute, kind in (("_positional_field", inspect.Parameter.VAR_POSITIONAL),
+                            ("_keyword_field", inspect.Parameter.VAR_KEYWORD)):  # fmt: skip
+        field = _positional_field(fn, kind)
+        namespace[attribute] = field if field in fields else None
     namespace["__annotations__"] = annotations
     namespace["__module__"] = __name__
     namespace["__qualname__"] = name
@@ -918,9 +1040,7 @@ def _make_config_class(
 def config_for_function(fn: Callable[..., T], **kwargs) -> FunctionConfigBase[T]:
     """A config with one field per parameter of `fn` (REQUIRED where `fn` has no default)."""
     fields = _signature_fields(fn, skip=("fn",))
-    cls = _make_config_class(
-        FunctionConfigBase, f"FunctionConfig[{fn.__name__}]", fields, _positional_field(fn)
-    )
+    cls = _make_config_class(FunctionConfigBase, f"FunctionConfig[{fn.__name__}]", fields, fn)
     return cls(fn=fn, **kwargs)
 
 
@@ -934,7 +1054,7 @@ def config_for_class(klass: type[T], **kwargs) -> CallableClassConfigBase[T]:
         CallableClassConfigBase,
         f"ClassConfig[{klass.__name__}]",
         fields,
-        _positional_field(klass.__init__),
+        klass.__init__,
     )
     return cls(klass=klass, **kwargs)
 

@@ -245,13 +245,18 @@ def use_token_shards(
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.input_tokens import TokenShardInput
 
-    vocab_size = cfg.model.decoder.vocab_size
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.causal_lm import language_model_config, language_model_field
+
+    vocab_size = language_model_config(cfg.model).decoder.vocab_size
     validation = [pattern for layout, _ in sources for pattern in layout.validation]
+    # A model that wraps the LM (DPO) trains on pairs: its input reads pair shards.
+    shard_input = TokenShardInput if language_model_field(cfg.model) is None else PreferencePairInput
 
     def shards_like(input_cfg: ConfigBase, paths: Sequence[str]) -> ConfigBase:
         batch, seq_len = _batch_shape(cfg, input_cfg, data_dir)
         keeps = getattr(input_cfg, "klass", None) in (TokenShardInput, PreferencePairInput)
-        shards = input_cfg.clone() if keeps else TokenShardInput.default_config()
+        shards = input_cfg.clone() if keeps else shard_input.default_config()
         return shards.set(
             is_training=input_cfg.is_training,
             paths=list(paths) if paths else REQUIRED,

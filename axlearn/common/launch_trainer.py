@@ -321,26 +321,39 @@ def use_hf_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
 
 
 def use_run_checkpoint(cfg: ConfigBase, path: str) -> ConfigBase:
-    """Replaces the model with the one of the run in trainer directory `path` (without its
-    LoRA layers; with the named config's, if any, and its parameter dtype) and makes the
-    trainer start from that run's latest checkpoint (`trainer_dir.TrainerDirWeights`)."""
+    """Replaces the model with the language model of the run in trainer directory `path`
+    (without its LoRA layers; with the named config's, if any, and its parameter dtype) and
+    makes the trainer start from that run's latest checkpoint (`trainer_dir.TrainerDirWeights`).
+    A model that wraps the language model (DPO's 'policy') keeps its wrapper."""
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common import lora, trainer_dir
 
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common.causal_lm import language_model_config, language_model_field
+
     path = os.path.abspath(path)
     source = trainer_dir.read_trainer_config(path)
+    field = language_model_field(cfg.model)
+    recipe = cfg.model if field is None else getattr(cfg.model, field)
     model = lora.with_lora_layers(
-        lora.base_model_config(source.model), lora.lora_layer_configs(cfg.model)
+        lora.base_model_config(language_model_config(source.model)),
+        lora.lora_layer_configs(recipe),
     )
-    model.dtype = cfg.model.dtype
-    cfg.model = model
+    model.dtype = recipe.dtype
     source_init = source.init_params
+    if source_init is not None and "source" in source_init.keys():
+        source_init = source_init.source  # A DPO run's policy weights (dpo.PolicyWeights).
     step = trainer_dir.latest_restorable_step(path)  # Pinned: restores read it again.
-    cfg.init_params = trainer_dir.TrainerDirWeights.default_config().set(
+    weights = trainer_dir.TrainerDirWeights.default_config().set(
         path=path,
         step=step,
         source_fields=getattr(source_init, "source_fields", None) if source_init else None,
     )
+    if field is None:
+        cfg.model, cfg.init_params = model, weights
+    else:
+        setattr(cfg.model, field, model)
+        cfg.init_params = cfg.model.klass.init_params_config(weights)
     log.info(
         "--init_from_checkpoint=%s: its model and step %d, read at step 0 of a fresh run",
         path, step,

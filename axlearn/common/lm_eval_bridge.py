@@ -52,6 +52,7 @@ from axlearn.common.config import (
     ConfigError,
     InstantiableConfig,
     Required,
+    close_names,
     config_class,
     config_for_function,
 )
@@ -289,13 +290,10 @@ def task_manager(include_path: Optional[str] = None, *, include_registry: bool =
 
 def check_tasks(tasks: Sequence[str], manager: Any, *, where: str = "tasks") -> None:
     """Refuses task names lm-eval does not know, naming the closest ones."""
-    # pylint: disable-next=import-outside-toplevel
-    import difflib
-
     known = set(manager.all_tasks)
     for name in tasks:
         if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=3)
+            close = close_names(name, sorted(known))
             hint = f"; close names: {', '.join(close)}" if close else ""
             raise TaskError(
                 f"{where}: unknown lm-eval task {name!r}{hint} (a local task: its YAML in "

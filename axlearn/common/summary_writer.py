@@ -33,7 +33,6 @@ Only process 0 writes; every process must still call the writer, because fetchin
 sharded value to the host is a collective.
 """
 
-import difflib
 import importlib.util
 import json
 import logging
@@ -49,7 +48,7 @@ import jax
 import numpy as np
 
 from axlearn.common import file_system
-from axlearn.common.config import ConfigError, config_class
+from axlearn.common.config import ConfigError, close_names, config_class
 from axlearn.common.module import Module
 from axlearn.common.run_dir import METRICS_JSONL, WANDB_RUN_ID, RunDir
 from axlearn.common.summary import WeightedScalar
@@ -424,7 +423,7 @@ class SummaryWriter(Module):
             )
         for name in trackers:
             if name not in TRACKERS:
-                close = difflib.get_close_matches(name, TRACKERS, n=1)
+                close = close_names(name, TRACKERS, n=1)
                 raise ConfigError(
                     f"{self.path()}.trackers: unknown tracker {name!r}"
                     f"{f' (did you mean {close[0]!r}?)' if close else ''}; choose from "

@@ -207,10 +207,8 @@ class TrainerDirWeights(Configurable):
         """The parameters of `model_config` in the dtypes of `param_specs`, placed by
         `shardings`."""
         cfg = self.config
-        source_cfg = read_trainer_config(cfg.path)
-        step, source = restore_model_params(
-            cfg.path, step=cfg.step, model_config=source_cfg.model
-        )
+        # The source run's language model: its model, or the one it wraps (a DPO policy).
+        step, _, source = restore_language_model(cfg.path, step=cfg.step)
         log.info("Starting from step %d of %s", step, cfg.path)
         source = dict(flatten_with_paths(source))
         model = model_config.clone(name="model").instantiate(parent=None)
