@@ -118,5 +118,11 @@ def llama_lora_trainer() -> SpmdTrainer.Config:
     return lora_modifier().instantiate()(cfg)
 
 
+DESCRIPTIONS = {
+    "llama_sft": "Full-parameter SFT of an --init_from_hf Llama (default: Llama-2-7B's shape)",
+    "llama_lora": "LoRA r16 on all seven linear maps of an --init_from_hf Llama, bf16 base",
+}
+
+
 def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
     return {"llama_sft": llama_sft_trainer, "llama_lora": llama_lora_trainer}

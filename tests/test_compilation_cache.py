@@ -93,6 +93,11 @@ def _compile_fresh(seed: int) -> tuple[float, compilation_cache.CacheOutcome]:
 
 @pytest.mark.parametrize("url", ["memory://axlearn-cache-test/", None])
 def test_second_compile_loads_from_the_cache(tmp_path, url, restore_cache):
+    from jax._src import path as jax_path  # pylint: disable=import-outside-toplevel
+
+    if url and getattr(jax_path, "epath_installed", False):
+        # jax then reads URLs through etils[epath] itself, which has no memory:// scheme.
+        pytest.skip("etils[epath] is installed: jax reads cache URLs through it")
     cache_dir = url or str(tmp_path / "cache")
     compilation_cache.configure(cache_dir, ["jax_persistent_cache_min_compile_time_secs=0"])
     seed = np.random.default_rng(0).integers(1000, 10**6)

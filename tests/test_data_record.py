@@ -189,6 +189,7 @@ def _build_command(data_dir, vocab: str, text_file) -> None:
     command = [
         sys.executable, "-m", "axlearn.common.input_tokens", "build", str(text_file),
         f"--vocab={vocab}", f"--output={data_dir}/train", "--num_workers=1",
+        "--overwrite",  # The test rebuilds the same directory with another vocabulary.
     ]
     result = subprocess.run(
         command, cwd=REPO, env=fresh_env(), capture_output=True, text=True, timeout=300

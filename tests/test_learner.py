@@ -104,7 +104,9 @@ def test_the_spec_learner_subtree_dumps_byte_for_byte_and_parses_back():
     params = model_params(np.random.default_rng(RNG_SEED))
     state = learner.init(params)
     _, _, summaries = learner.update(params, jax.tree.map(jnp.ones_like, params), state)
-    assert float(summaries["learning_rate"]) == 0.0  # Warmup starts at begin_value=0.
+    # The first update reads the schedule at step 1, as AXLearn's learner does: the spec's
+    # learning_rate 0.01 x peak_lr 1.0 x 1/5000 of its linear warmup.
+    np.testing.assert_allclose(float(summaries["learning_rate"]), 0.01 * 1.0 / 5000, rtol=1e-6)
 
 
 def test_bad_update_rules_name_the_config_path():

@@ -65,14 +65,19 @@ def _verdicts(trainer_dir) -> dict[int, object]:
 
 @pytest.fixture(name="diverged_and_rerun", scope="module")
 def fixture_diverged_and_rerun(tmp_path_factory):
-    """gpt_test at learning rate 1e6 (step 2's update blows the parameters up), then rerun
-    at the config's own rate to step 5: (trainer dir, first run, rerun)."""
+    """gpt_test trained two steps, resumed at learning rate 1e6 (step 3's update blows the
+    parameters up), then rerun at the config's own rate to step 5: (trainer dir, the
+    diverged run, the checkpoint verdicts after it, the rerun). The schedules read the
+    update count + 1, so a first step at 1e6 would blow up before any checkpoint."""
     trainer_dir = tmp_path_factory.mktemp("diverged")
+    warm = _main(*TINY_RUN, f"--trainer_dir={trainer_dir}", "--config_override=max_step=2")
+    assert warm.returncode == 0, warm.stderr[-3000:]
     first = _main(
         *TINY_RUN,
         f"--trainer_dir={trainer_dir}",
         "--config_override=max_step=10",
         "--config_override=learner.optimizer.inner.learning_rate=1e6",
+        "--allow_config_change",
     )
     verdicts_after_first = _verdicts(trainer_dir)
     rerun = _main(
@@ -89,19 +94,19 @@ def test_a_blown_up_update_stops_the_run_naming_the_state_before_it(diverged_and
     trainer_dir, first, verdicts, _ = diverged_and_rerun
     assert first.returncode == 1, first.stderr[-3000:]
     line = _last_line(first)
-    assert "The parameter norm grew from" in line and "at step 2" in line
-    assert f"the last good checkpoint is step 1 in {trainer_dir}/checkpoints" in line
-    # Step 1 trained on (step 2's loss and gradients were finite): judged good and kept.
-    assert verdicts == {1: True}
+    assert "The parameter norm grew from" in line and "at step 3" in line
+    assert f"the last good checkpoint is step 2 in {trainer_dir}/checkpoints" in line
+    # Step 2 trained on (step 3's loss and gradients were finite): judged good and kept.
+    assert verdicts == {2: True}
 
 
 @pytest.mark.slow
 def test_a_rerun_at_a_sane_learning_rate_trains_on_from_the_good_step(diverged_and_rerun):
     trainer_dir, first, _, rerun = diverged_and_rerun
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "Restored step 1 from" in rerun.stderr
+    assert "Restored step 2 from" in rerun.stderr
     records = read_metrics(str(trainer_dir))
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # The blown-up step 2 is gone.
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # The blown-up step 3 is gone.
     first_norm = records[0]["learner/parameter_norm"]
     for record in records[1:]:
         assert record["learner/skipped_steps"] == 0

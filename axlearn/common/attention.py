@@ -469,6 +469,7 @@ def linear_rope_scaling(*, factor: float) -> Callable[[Tensor], Tensor]:
     return lambda inv_freq: inv_freq / factor
 
 
+@register_configurable
 def llama3_rope_scaling(
     *,
     factor: float,

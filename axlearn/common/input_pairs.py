@@ -31,7 +31,7 @@ import numpy as np
 
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.input_base import BaseInput, Batch, InputError
-from axlearn.common.input_prefetch import prefetch_in_thread
+from axlearn.common.input_prefetch import prefetch_indexed
 from axlearn.common.input_token_format import check_vocabulary
 from axlearn.common.input_tokens import check_same_vocabulary, expand_shard_paths, open_shard
 from axlearn.common.module import Module
@@ -213,11 +213,5 @@ class PreferencePairInput(BaseInput):
 
     def _host_batches(self, start: int) -> Iterator[Batch]:
         cfg = self.config
-
-        def generate():
-            step = start
-            while cfg.is_training or step < self.num_eval_batches:
-                yield self.host_batch(step)
-                step += 1
-
-        return prefetch_in_thread(generate(), cfg.prefetch_batches)
+        stop = None if cfg.is_training else self.num_eval_batches
+        return prefetch_indexed(self.host_batch, start=start, stop=stop, size=cfg.prefetch_batches)

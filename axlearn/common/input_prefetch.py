@@ -11,8 +11,8 @@ asynchronous, so a batch put there still copies while the previous step runs.
 
 import queue
 import threading
-from collections.abc import Iterator
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -67,3 +67,18 @@ def prefetch_in_thread(items: Iterator[T], size: int) -> Iterator[T]:
         stop.set()
         # A daemon thread still inside jax when the interpreter exits aborts the process.
         thread.join(timeout=30)
+
+
+def prefetch_indexed(
+    batch_at: Callable[[int], T], *, start: int, stop: Optional[int], size: int
+) -> Iterator[T]:
+    """`batch_at(start)`, `batch_at(start + 1)`, ... up to `stop` (None: without end), each
+    computed from its index alone, produced up to `size` ahead (`prefetch_in_thread`)."""
+
+    def generate():
+        step = start
+        while stop is None or step < stop:
+            yield batch_at(step)
+            step += 1
+
+    return prefetch_in_thread(generate(), size)

@@ -94,7 +94,7 @@ from axlearn.common.command_flags import parse_command_flags, usage_error
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.input_base import BaseInput, Batch, InputError
 from axlearn.common.input_packing import FEATURE_KEYS
-from axlearn.common.input_prefetch import prefetch_in_thread
+from axlearn.common.input_prefetch import prefetch_indexed
 from axlearn.common.input_tokenize import map_in_order, tokenize_documents
 from axlearn.common.input_token_format import (
     HEADER_SIZE,
@@ -516,14 +516,8 @@ class TokenShardInput(BaseInput):
 
     def _host_batches(self, start: int) -> Iterator[Batch]:
         cfg = self.config
-
-        def generate():
-            step = start
-            while cfg.is_training or step < self.num_eval_batches:
-                yield self.host_batch(step)
-                step += 1
-
-        return prefetch_in_thread(generate(), cfg.prefetch_batches)
+        stop = None if cfg.is_training else self.num_eval_batches
+        return prefetch_indexed(self.host_batch, start=start, stop=stop, size=cfg.prefetch_batches)
 
 
 def concatenate_rows(parts: Sequence[Batch]) -> Batch:
