@@ -6,6 +6,7 @@ docstring), written out as literal strings."""
 import os
 import threading
 
+from axlearn.common import run_lock
 from axlearn.common.run_dir import RunDir
 from axlearn.common.run_lock import RunLockError
 
@@ -35,10 +36,28 @@ def test_run_dirs_of_one_root_are_equal():
     assert RunDir("/runs/a") == RunDir("/runs/a") != RunDir("/runs/b")
 
 
+def test_a_lock_inside_a_lock_of_the_same_run_dir_takes_nothing_more(tmp_path, monkeypatch):
+    taken = []
+    hold = run_lock.hold_on_process_0
+
+    def counting_hold(path):
+        taken.append(path)
+        return hold(path)
+
+    monkeypatch.setattr(run_lock, "hold_on_process_0", counting_hold)
+    run = RunDir(str(tmp_path))
+    with run.lock():
+        with run.lock():  # The trainer's, given the launcher's RunDir.
+            assert run.locked
+        assert run.locked and os.path.isfile(tmp_path / "LOCK")
+    assert taken == [str(tmp_path / "LOCK")] and not run.locked
+    assert not os.path.exists(tmp_path / "LOCK")
+
+
 def test_the_lock_is_the_lock_file_and_reentrant_in_its_thread(tmp_path):
     run = RunDir(str(tmp_path))
     with run.lock():
-        with RunDir(str(tmp_path)).lock():  # The trainer's, inside the launcher's.
+        with RunDir(str(tmp_path)).lock():  # Another RunDir of the same directory.
             assert os.path.isfile(tmp_path / "LOCK")
         assert os.path.isfile(tmp_path / "LOCK")
     assert not os.path.exists(tmp_path / "LOCK")

@@ -209,11 +209,10 @@ class SpmdEvaler(Module):
         self._cast_fns: dict[Any, Callable] = {}
 
     def _default_summary_dir(self, parent: Optional[Module]) -> Optional[str]:
-        """<parent dir>/summaries/<evaler name> when the parent (the trainer) has a dir."""
-        if parent is None or "dir" not in parent.config:
-            return None
-        parent_dir = parent.config.dir
-        return RunDir(parent_dir).summaries(self.name) if parent_dir else None
+        """<run dir>/summaries/<evaler name> when the parent (the trainer) has a run
+        directory (its `run_dir`, a `RunDir`)."""
+        run: Optional[RunDir] = getattr(parent, "run_dir", None)
+        return None if run is None else run.summaries(self.name)
 
     # ----- parameters and batches -----
 

@@ -528,7 +528,7 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
     if flag_values.eval_only:
         return evaluate_only(cfg, run, restore_step=flag_values.restore_step)
     # Locked before the config is recorded: a second run on the directory fails before it
-    # writes anything there. The trainer holds the lock again while it trains (re-entrant).
+    # writes anything there. The trainer gets `run` locked, and takes the lock no more.
     with run.lock():
         data = data_record.describe_data(cfg)
         data_record.check_data_record(run, data, allow_change=flag_values.allow_data_change)
@@ -541,7 +541,7 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         )
         if jax.process_index() == 0:  # After record_config's barrier: all have compared.
             data_record.write_data_record(run, data)
-        trainer = cfg.instantiate(parent=None)
+        trainer = cfg.instantiate(parent=None, run_dir=run)
         if jax.process_index() == 0:
             log.info("Summaries: tensorboard --logdir=%s", run.summaries())
         # Raises preemption.Preempted on SIGTERM or SIGINT, once the step it reached is
@@ -584,7 +584,7 @@ def evaluate_only(
     if not cfg.evalers:
         raise ConfigError("--eval_only: the config has no evalers")
     with run.lock(), _checkpoint_errors_as_config_errors(run):
-        trainer = cfg.instantiate(parent=None)
+        trainer = cfg.instantiate(parent=None, run_dir=run)
         results = trainer.evaluate(restore_step=restore_step)
     if jax.process_index() == 0:
         for name, metrics in results.items():

@@ -404,8 +404,9 @@ class LmEvalEvaler(Module):
         self._vocab = generate.load_tokenizer(cfg.tokenizer)
         self._policy = cfg.eval_policy.instantiate()
         writer = cfg.summary_writer.clone()
-        if writer.dir is None and parent is not None and getattr(parent.config, "dir", None):
-            writer.dir = RunDir(parent.config.dir).summaries(self.name)
+        run: Optional[RunDir] = getattr(parent, "run_dir", None)  # The trainer's.
+        if writer.dir is None and run is not None:
+            writer.dir = run.summaries(self.name)
         if writer.dir is not None:
             self._add_child("summary_writer", writer)
 

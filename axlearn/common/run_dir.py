@@ -13,7 +13,7 @@ what a run writes there, and the holder of its lock.
 
     run = RunDir(trainer_dir)
     run.checkpoints, run.summaries("train"), run.config_record  # paths (strings)
-    with run.lock():  # re-entrant: the launcher holds it, then the trainer again
+    with run.lock():  # the launcher's; the trainer it hands `run` to takes it no more
         ...
 
 Paths are joined with `file_system.join` (local paths and storage URLs). This module
@@ -21,9 +21,11 @@ imports no jax.
 """
 
 import contextlib
+import threading
 from collections.abc import Iterator
+from typing import Optional
 
-from axlearn.common import file_system
+from axlearn.common import file_system, run_lock
 
 CONFIG_RECORD = "config.txt"  # The resolved config in golden text.
 DATA_RECORD = "data.json"  # The data every input reads.
@@ -48,6 +50,7 @@ class RunDir:
         self.checkpoints = file_system.join(root, CHECKPOINTS)
         self.traces = file_system.join(root, TRACES)
         self.wandb_run_id = file_system.join(root, WANDB_RUN_ID)
+        self._locking_thread: Optional[int] = None  # That of the `lock()` block running.
 
     def __repr__(self) -> str:
         return f"RunDir({self.root!r})"
@@ -64,11 +67,23 @@ class RunDir:
         parts = (SUMMARIES, name) if name else (SUMMARIES,)
         return file_system.join(self.root, *parts)
 
+    @property
+    def locked(self) -> bool:
+        """Whether a `lock()` block of this RunDir runs (on every process of the run)."""
+        return self._locking_thread is not None
+
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Holds the directory's LOCK on process 0 (`run_lock.hold_on_process_0`):
-        re-entrant within a process, so the launcher and the trainer may both hold it."""
-        from axlearn.common import run_lock  # pylint: disable=import-outside-toplevel
-
-        with run_lock.hold_on_process_0(self.root):
+        """Holds the directory's LOCK while the block runs, on process 0 of the run
+        (`run_lock.hold_on_process_0`: every process fails if it cannot). Taken once: a
+        `lock()` in the same thread inside a block of this RunDir's (the trainer's, in the
+        launcher's) takes nothing more; another thread fails as another process would."""
+        if self._locking_thread == threading.get_ident():
             yield
+            return
+        with run_lock.hold_on_process_0(self.lock_file):
+            self._locking_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._locking_thread = None

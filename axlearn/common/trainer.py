@@ -262,7 +262,16 @@ class SpmdTrainer(Module):
         # source fails the restore, naming the parameter. None: saved like the others.
         checkpoint_frozen_params: Optional[bool] = None
 
-    def __init__(self, cfg: Config, *, parent: Optional[Module] = None, devices=None):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        parent: Optional[Module] = None,
+        devices=None,
+        run_dir: Optional[RunDir] = None,
+    ):
+        """`run_dir`: the RunDir of `cfg.dir` that the launcher made (and may hold locked);
+        None: one made here."""
         super().__init__(cfg, parent=parent)
         cfg = self._config
         devices = list(jax.devices() if devices is None else devices)
@@ -278,7 +287,11 @@ class SpmdTrainer(Module):
         self._add_child("learner", cfg.learner)
         self._add_child("input", cfg.input.clone(is_training=True))
         # Every path under the trainer directory comes from it (None: nothing is written).
-        self._run_dir: Optional[RunDir] = None if cfg.dir is None else RunDir(cfg.dir)
+        if run_dir is None and cfg.dir is not None:
+            run_dir = RunDir(cfg.dir)
+        if run_dir is not None and run_dir.root != cfg.dir:
+            raise ValueError(f"{self.path()}: run_dir {run_dir.root} is not dir {cfg.dir}")
+        self._run_dir: Optional[RunDir] = run_dir
         run = self._run_dir
         if run is not None:
             self._add_child("checkpointer", cfg.checkpointer.clone(dir=run.checkpoints))
@@ -386,6 +399,11 @@ class SpmdTrainer(Module):
     @property
     def mesh(self) -> jax.sharding.Mesh:
         return self._mesh
+
+    @property
+    def run_dir(self) -> Optional[RunDir]:
+        """The paths under `dir` (None: the trainer writes nothing)."""
+        return self._run_dir
 
     @property
     def step(self) -> int:
@@ -838,8 +856,8 @@ class SpmdTrainer(Module):
         checkpoints are judged bad: the run goes on from the chosen step, and replaces
         them as it reaches their steps.
 
-        Holds the directory's lock while it runs (`run_lock`: a second trainer there fails
-        at once). SIGTERM or SIGINT stops it early: it finishes the current step, saves
+        Holds the directory's lock while it runs (`RunDir.lock`: a second trainer there
+        fails at once), unless its RunDir, the launcher's, is held already. SIGTERM or SIGINT stops it early: it finishes the current step, saves
         it, flushes the summaries and raises `preemption.Preempted` (the launcher exits
         with `preemption.PREEMPTED_EXIT_CODE`) within `preemption_grace_period_s`; a
         second SIGINT exits at once.
