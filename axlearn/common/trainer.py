@@ -292,13 +292,8 @@ class SpmdTrainer(Module):
         if run_dir is not None and run_dir.root != cfg.dir:
             raise ValueError(f"{self.path()}: run_dir {run_dir.root} is not dir {cfg.dir}")
         self._run_dir: Optional[RunDir] = run_dir
-        run = self._run_dir
-        if run is not None:
-            self._add_child("checkpointer", cfg.checkpointer.clone(dir=run.checkpoints))
-            writer_cfg = cfg.summary_writer.clone(dir=run.summaries(TRAIN_SUMMARIES))
-            if "run_dir" in writer_cfg.keys():  # The W&B run's, shared with the evalers.
-                writer_cfg.run_dir = run.root
-            self._add_child("summary_writer", writer_cfg)
+        if run_dir is not None:
+            self._add_run_dir_children(run_dir)
         self._model_param_specs = self.model.create_parameter_specs_recursively()
         self._check_parameters_split_evenly()
         # Model parameter paths that checkpoints leave out (checkpoint_frozen_params).
@@ -314,24 +309,7 @@ class SpmdTrainer(Module):
             split=cfg.split_carried_weights,
             path=self.path(),
         )
-        self._evalers = {}
-        for name, evaler_cfg in cfg.evalers.items():
-            # Evaluation batches are split over the same mesh axes as training batches.
-            evaler_cfg = evaler_cfg.clone(batch_axis_names=cfg.batch_axis_names)
-            if evaler_cfg.per_device_microbatch_size is None:
-                # Eval batches are as large as training ones: a share that training runs
-                # in microbatches would not fit one forward pass either.
-                evaler_cfg.per_device_microbatch_size = cfg.per_device_microbatch_size
-            if run is not None and "dir" in evaler_cfg.summary_writer.keys():
-                evaler_cfg.summary_writer.dir = run.summaries(name)
-                if "run_dir" in evaler_cfg.summary_writer.keys():  # One W&B run for all.
-                    evaler_cfg.summary_writer.run_dir = run.root
-            self._evalers[name] = self._add_child(
-                name,
-                evaler_cfg,
-                model=self.model,
-                model_param_partition_specs=self._model_param_specs,
-            )
+        self._evalers = self._add_evalers()
         self._step = 0
         self._skipped_steps = 0  # The optimizer's count of skipped steps, as last checked.
         self._bad_steps = BadStepCounts()
@@ -351,6 +329,41 @@ class SpmdTrainer(Module):
         self._jit_parameter_norm = None
         self._jit_model_params = None
         self._stop: Optional[preemption.StopRequest] = None  # While run() runs.
+
+    def _add_run_dir_children(self, run: RunDir) -> None:
+        """The children that write under the run directory: the checkpointer and the
+        trainer's summary writer."""
+        cfg = self._config
+        self._add_child("checkpointer", cfg.checkpointer.clone(dir=run.checkpoints))
+        writer_cfg = cfg.summary_writer.clone(dir=run.summaries(TRAIN_SUMMARIES))
+        if "run_dir" in writer_cfg.keys():  # The W&B run's, shared with the evalers.
+            writer_cfg.run_dir = run.root
+        self._add_child("summary_writer", writer_cfg)
+
+    def _add_evalers(self) -> dict[str, Module]:
+        """The evalers of cfg.evalers, as children: over the training batch axes, in the
+        training microbatch size unless they name their own, each writing its summaries
+        under the run directory."""
+        cfg, run = self._config, self._run_dir
+        evalers = {}
+        for name, evaler_cfg in cfg.evalers.items():
+            # Evaluation batches are split over the same mesh axes as training batches.
+            evaler_cfg = evaler_cfg.clone(batch_axis_names=cfg.batch_axis_names)
+            if evaler_cfg.per_device_microbatch_size is None:
+                # Eval batches are as large as training ones: a share that training runs
+                # in microbatches would not fit one forward pass either.
+                evaler_cfg.per_device_microbatch_size = cfg.per_device_microbatch_size
+            if run is not None and "dir" in evaler_cfg.summary_writer.keys():
+                evaler_cfg.summary_writer.dir = run.summaries(name)
+                if "run_dir" in evaler_cfg.summary_writer.keys():  # One W&B run for all.
+                    evaler_cfg.summary_writer.run_dir = run.root
+            evalers[name] = self._add_child(
+                name,
+                evaler_cfg,
+                model=self.model,
+                model_param_partition_specs=self._model_param_specs,
+            )
+        return evalers
 
     def _check_fields(self) -> None:
         """ConfigErrors naming the field, for fields that no type annotation checks: the
