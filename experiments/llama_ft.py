@@ -5,13 +5,17 @@ names (the model is then the Hugging Face directory's, its weights the starting 
 - `llama_lora`: LoRA rank 16, alpha 32 on all seven linear maps of each layer (q, k, v,
   o, gate, up, down; `lora.LoraConfigModifier`); everything else is frozen in bfloat16
   with no optimizer state (AdamW from 2e-4 on the adapters only).
+- `llama3_sft`, `llama3_lora`: the same at Llama 3 / 3.1 8B's shape.
 
 Without `--init_from_hf` the model is the Llama-2-7B shape (d 4096, 32 layers, 32 heads,
-FFN 11008, vocabulary 32000; random weights), which is what the benchmarks run. Data
-comes from `--data_dir` (token shards, e.g. chat shards with their loss masks);
-sequences of 4,096, packed documents attend within themselves only.
+FFN 11008, vocabulary 32000) or, for the `llama3_` configs, Llama-3-8B's (8 KV heads,
+FFN 14336, vocabulary 128,256, RoPE theta 500,000, an untied head), with random weights:
+what the benchmarks run. Data comes from `--data_dir` (token shards, e.g. chat shards
+with their loss masks); sequences of 4,096, packed documents attend within themselves only.
 """
 
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -51,15 +55,31 @@ def _learner(*, learning_rate: float, max_step: int, warmup_steps: int) -> Learn
     )
 
 
-def _trainer(*, learning_rate: float) -> SpmdTrainer.Config:
+@dataclasses.dataclass(frozen=True)
+class LlamaShape:
+    """What differs between the two shapes (both: d 4096, 32 layers, 32 heads)."""
+
+    num_kv_heads: int
+    hidden_dim: int
+    vocab_size: int
+    rope_theta: float
+    untied_lm_head: bool  # An LM head of its own instead of the token table's.
+
+
+LLAMA2_7B = LlamaShape(32, hidden_dim=11008, vocab_size=32000, rope_theta=1e4, untied_lm_head=False)
+LLAMA3_8B = LlamaShape(8, hidden_dim=14336, vocab_size=128256, rope_theta=5e5, untied_lm_head=True)
+
+
+def _trainer(*, learning_rate: float, shape: LlamaShape) -> SpmdTrainer.Config:
     model = common.model_config(
         dim=4096,
         num_layers=32,
         num_heads=32,
-        num_kv_heads=32,
-        hidden_dim=11008,
-        vocab_size=32000,
-        rope_theta=10000.0,
+        num_kv_heads=shape.num_kv_heads,
+        hidden_dim=shape.hidden_dim,
+        vocab_size=shape.vocab_size,
+        rope_theta=shape.rope_theta,
+        lm_head=common.untied_lm_head() if shape.untied_lm_head else None,
         qk_norm=False,
         z_loss_scale=0.0,
         remat_spec=build_remat_spec(),
@@ -95,9 +115,9 @@ def _trainer(*, learning_rate: float) -> SpmdTrainer.Config:
     )
 
 
-def llama_sft_trainer() -> SpmdTrainer.Config:
+def llama_sft_trainer(shape: LlamaShape = LLAMA2_7B) -> SpmdTrainer.Config:
     """Full-parameter SFT of the --init_from_hf Llama (default: the Llama-2-7B shape)."""
-    return _trainer(learning_rate=2e-5)
+    return _trainer(learning_rate=2e-5, shape=shape)
 
 
 def lora_modifier() -> lora.LoraConfigModifier.Config:
@@ -112,17 +132,24 @@ def lora_modifier() -> lora.LoraConfigModifier.Config:
     )
 
 
-def llama_lora_trainer() -> SpmdTrainer.Config:
+def llama_lora_trainer(shape: LlamaShape = LLAMA2_7B) -> SpmdTrainer.Config:
     """LoRA r16 on all seven linear maps of the --init_from_hf Llama, base frozen in bf16."""
-    cfg = _trainer(learning_rate=2e-4)
+    cfg = _trainer(learning_rate=2e-4, shape=shape)
     return lora_modifier().instantiate()(cfg)
 
 
 DESCRIPTIONS = {
     "llama_sft": "Full-parameter SFT of an --init_from_hf Llama (default: Llama-2-7B's shape)",
     "llama_lora": "LoRA r16 on all seven linear maps of an --init_from_hf Llama, bf16 base",
+    "llama3_sft": "llama_sft at Llama 3 8B's shape (GQA 32/8, vocabulary 128,256)",
+    "llama3_lora": "llama_lora at Llama 3 8B's shape (GQA 32/8, vocabulary 128,256)",
 }
 
 
 def named_trainer_configs() -> dict[str, Callable[[], SpmdTrainer.Config]]:
-    return {"llama_sft": llama_sft_trainer, "llama_lora": llama_lora_trainer}
+    return {
+        "llama_sft": llama_sft_trainer,
+        "llama_lora": llama_lora_trainer,
+        "llama3_sft": functools.partial(llama_sft_trainer, LLAMA3_8B),
+        "llama3_lora": functools.partial(llama_lora_trainer, LLAMA3_8B),
+    }

@@ -16,6 +16,7 @@ int8 weights (`generate --quantize=int8`) hands them over as `QuantizedWeight`s.
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional, Union
 
@@ -167,6 +168,52 @@ class QuantizedWeight:
         )
 
 
+# Up to this many rows of x (a decoding step's batch), an int8 matmul is written as a
+# multiply and a sum, which XLA emits as one reduction reading the int8 values: cuBLAS
+# takes no int8 x bf16 matmul, and its convert would write a bf16 copy of the weight.
+MULTIPLY_REDUCE_MAX_ROWS = 4
+
+
+def _einsum_axes(spec: str, x: Tensor) -> tuple[str, str, str, int]:
+    """(x's, the weight's and the output's named axes, x's leading axes under '...')."""
+    inputs, out_axes = spec.split("->")
+    x_axes, weight_axes = inputs.split(",")
+    x_axes, out_axes = x_axes.replace("...", ""), out_axes.replace("...", "")
+    return x_axes, weight_axes, out_axes, x.ndim - len(x_axes)
+
+
+def _rows_of(spec: str, x: Tensor) -> int:
+    """How many vectors of x the matmul multiplies (all but x's contracted axes)."""
+    x_axes, weight_axes, _, leading = _einsum_axes(spec, x)
+    kept = [n for axis, n in zip(x_axes, x.shape[leading:]) if axis not in weight_axes]
+    return math.prod(x.shape[:leading]) * math.prod(kept)
+
+
+def _multiply_reduce(spec: str, x: Tensor, values: Tensor) -> Tensor:
+    """jnp.einsum(spec, x, values) in float32 as a broadcast multiply and a sum."""
+    x_axes, weight_axes, out_axes, leading = _einsum_axes(spec, x)
+    axes = list(dict.fromkeys(x_axes + weight_axes))  # Every named axis, once.
+
+    def spread(t: Tensor, t_axes: str, offset: int) -> Tensor:
+        # t's axes in the order of `axes`, with a 1 for each axis t lacks.
+        order = [axis for axis in axes if axis in t_axes]
+        t = jnp.transpose(t, [*range(offset), *(offset + t_axes.index(a) for a in order)])
+        return t.reshape(*t.shape[:offset], *(t.shape[offset + order.index(a)] if a in t_axes
+                                              else 1 for a in axes))
+
+    product = spread(x, x_axes, leading).astype(jnp.float32) * spread(
+        values, weight_axes, 0
+    ).astype(jnp.float32)
+    summed = [leading + i for i, axis in enumerate(axes) if axis not in out_axes]
+    y = jnp.sum(product, axis=tuple(summed))
+    # y's axes: x's leading ones, then the kept named ones in the order of `axes`.
+    remaining = [axis for axis in axes if axis in out_axes]
+    order = []
+    for axis in spec.split("->")[1].replace("...", "."):
+        order.extend(range(leading) if axis == "." else [leading + remaining.index(axis)])
+    return jnp.transpose(y, order)
+
+
 def _quantized_einsum(
     spec: str, x: Tensor, weight: QuantizedWeight, partition_spec: Optional[MeshAxes]
 ) -> Tensor:
@@ -180,7 +227,10 @@ def _quantized_einsum(
     if any(n != 1 for n in contracted):
         dequantized = QuantizedWeight(values, weight.scale, x.dtype).dequantized()
         return jnp.einsum(spec, x, dequantized)
-    y = jnp.einsum(spec, x, values.astype(x.dtype), preferred_element_type=jnp.float32)
+    if _rows_of(spec, x) <= MULTIPLY_REDUCE_MAX_ROWS:
+        y = _multiply_reduce(spec, x, values)
+    else:
+        y = jnp.einsum(spec, x, values.astype(x.dtype), preferred_element_type=jnp.float32)
     scale = weight.scale.astype(jnp.float32).reshape([n for _, n in kept])
     scale_axes = "".join(axis for axis, _ in kept)
     return jnp.einsum(f"{out_axes},{scale_axes}->{out_axes}", y, scale).astype(x.dtype)
