@@ -17,6 +17,7 @@ with their loss masks); sequences of 4,096, packed documents attend within thems
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any, Optional
 
 import jax.numpy as jnp
 
@@ -30,7 +31,11 @@ from axlearn.common.trainer import SpmdTrainer
 from axlearn.experiments.text.gpt import common
 
 SEQ_LEN = 4096
-GLOBAL_BATCH_SIZE = 8  # Rows of SEQ_LEN tokens a step.
+GLOBAL_BATCH_SIZE = 8  # Rows of SEQ_LEN tokens a step of full-parameter SFT.
+# LoRA's step: 4 rows with nothing recomputed (80 GiB at Llama 2 7B's shape, 92 at Llama
+# 3 8B's, on one H200) ran 4% faster than 8 rows recomputing the MLP, and than 2
+# microbatches of 4 (docs/performance.md).
+LORA_GLOBAL_BATCH_SIZE = 4
 MAX_STEP = 2000
 # LoRA on every linear map of a Llama layer, as PEFT names them.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -70,7 +75,14 @@ LLAMA2_7B = LlamaShape(32, hidden_dim=11008, vocab_size=32000, rope_theta=1e4, u
 LLAMA3_8B = LlamaShape(8, hidden_dim=14336, vocab_size=128256, rope_theta=5e5, untied_lm_head=True)
 
 
-def _trainer(*, learning_rate: float, shape: LlamaShape) -> SpmdTrainer.Config:
+def _trainer(
+    *,
+    learning_rate: float,
+    shape: LlamaShape,
+    global_batch_size: int,
+    remat_spec: Optional[dict[str, Any]],
+) -> SpmdTrainer.Config:
+    """`remat_spec`: the layers' rematerialization (None: nothing recomputed)."""
     model = common.model_config(
         dim=4096,
         num_layers=32,
@@ -82,7 +94,7 @@ def _trainer(*, learning_rate: float, shape: LlamaShape) -> SpmdTrainer.Config:
         lm_head=common.untied_lm_head() if shape.untied_lm_head else None,
         qk_norm=False,
         z_loss_scale=0.0,
-        remat_spec=build_remat_spec(),
+        remat_spec=remat_spec,
         extra_ffn_summaries=False,
         attend_across_documents=None,  # Packed documents do not see each other.
     )
@@ -91,13 +103,13 @@ def _trainer(*, learning_rate: float, shape: LlamaShape) -> SpmdTrainer.Config:
         split="validation",
         max_sequence_length=SEQ_LEN,
         sentencepiece_model_name="bpe_32k_c4.model",
-        global_batch_size=GLOBAL_BATCH_SIZE,
+        global_batch_size=global_batch_size,
     )
     return common.trainer_config(
         model=model,
         learner=_learner(learning_rate=learning_rate, max_step=MAX_STEP, warmup_steps=50),
         train_input=common.tfds_train_input(
-            dataset_name="c4/en:3.0.1", global_batch_size=GLOBAL_BATCH_SIZE
+            dataset_name="c4/en:3.0.1", global_batch_size=global_batch_size
         ),
         evalers={
             "validation": common.evaler_config(
@@ -117,7 +129,12 @@ def _trainer(*, learning_rate: float, shape: LlamaShape) -> SpmdTrainer.Config:
 
 def llama_sft_trainer(shape: LlamaShape = LLAMA2_7B) -> SpmdTrainer.Config:
     """Full-parameter SFT of the --init_from_hf Llama (default: the Llama-2-7B shape)."""
-    return _trainer(learning_rate=2e-5, shape=shape)
+    return _trainer(
+        learning_rate=2e-5,
+        shape=shape,
+        global_batch_size=GLOBAL_BATCH_SIZE,
+        remat_spec=build_remat_spec(),  # The attention's projections saved, the MLP recomputed.
+    )
 
 
 def lora_modifier() -> lora.LoraConfigModifier.Config:
@@ -134,7 +151,9 @@ def lora_modifier() -> lora.LoraConfigModifier.Config:
 
 def llama_lora_trainer(shape: LlamaShape = LLAMA2_7B) -> SpmdTrainer.Config:
     """LoRA r16 on all seven linear maps of the --init_from_hf Llama, base frozen in bf16."""
-    cfg = _trainer(learning_rate=2e-4, shape=shape)
+    cfg = _trainer(
+        learning_rate=2e-4, shape=shape, global_batch_size=LORA_GLOBAL_BATCH_SIZE, remat_spec=None
+    )
     return lora_modifier().instantiate()(cfg)
 
 
