@@ -742,6 +742,24 @@ def test_adafactor_weight_decay_without_its_learning_rate_exponent_is_refused_by
         opt.adafactor_optimizer(0.01, b1=0.9, dtype_momentum=jnp.int8)
 
 
+def test_adafactor_eps_scale_and_min_dim_none_take_axlearns_fixed_values():
+    # AXLearn's dumps leave both fields out (it fixes them at 1e-3 and 128); read from
+    # such a dump they are None.
+    rng = np.random.default_rng(RNG_SEED)
+    shapes = {"square": (128, 128), "narrow": (127, 128), "b": (5,)}
+    params = random_tree(rng, shapes, scale=1e-5)  # rms(p) < 1e-3: eps_scale decides.
+    grads_seq = [random_tree(rng, shapes) for _ in range(3)]
+    ours = opt.adafactor_optimizer(0.01, eps_scale=None, min_dim_size_to_factor=None)
+    got, state = run_steps(ours, params, grads_seq)
+    assert state.v_row["square"].shape == (128,) and state.v_row["narrow"] is None
+    expected = adafactor_reference(
+        params, grads_seq, lr=0.01, b1=None, clip=1.0, eps=1e-30, eps_scale=1e-3,
+        weight_decay=0.0, factored_names={"square"},
+    )
+    for name in shapes:
+        np.testing.assert_allclose(got[name], expected[name], atol=1e-9, rtol=1e-5)
+
+
 def test_axlearn_gspmd_adafactor_golden_lines_parse_and_instantiate():
     text = textwrap.dedent(
         """\

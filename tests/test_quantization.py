@@ -105,6 +105,40 @@ def test_a_quantized_weight_multiplies_as_its_dequantized_weight():
 
 
 @pytest.mark.parametrize(
+    "spec, x_shape, w_shape, axes",
+    [
+        ("...i,io->...o", (1, 1, 6), (6, 5), (-2,)),  # Linear, a decoding step.
+        ("...i,io->...o", (3, 2, 6), (6, 5), (-2,)),  # Six rows: the einsum path.
+        ("...d,pdnh->p...nh", (2, 1, 6), (3, 6, 2, 4), (-3,)),  # Fused QKV.
+        ("...nh,hnd->...d", (1, 1, 2, 4), (4, 2, 6), (0, 1)),  # A spec's axes reordered.
+        ("...d,vd->...v", (4, 6), (7, 6), (-1,)),  # The tied head (transposed weight).
+    ],
+)
+@pytest.mark.parametrize("rows_last", [False, True])
+def test_a_quantized_matmul_equals_numpy_on_the_dequantized_weight(
+    spec, x_shape, w_shape, axes, rows_last
+):
+    # Up to MULTIPLY_REDUCE_MAX_ROWS rows the matmul is a multiply and a sum; past it, an
+    # einsum of the converted values; the values in the weight's layout or with each row
+    # last (decoding's): all against NumPy's einsum of values * scale.
+    rng = np.random.default_rng(5)
+    w, x = rng.normal(size=w_shape).astype(np.float32), rng.normal(size=x_shape)
+    q, scale = quantization.quantize(w, 8, axes)
+    make = QuantizedWeight.rows_last_layout if rows_last else QuantizedWeight
+    weight = make(jnp.asarray(q), jnp.asarray(scale.astype(np.float32)), jnp.float32)
+    if rows_last:  # Each row (one scale's values) contiguous, in the weight's order.
+        moved = np.moveaxis(q, [a % q.ndim for a in axes], range(-len(axes), 0))
+        np.testing.assert_array_equal(np.asarray(weight.values), moved)
+    y = weight_einsum(spec, jnp.asarray(x, jnp.float32), weight)
+    np_spec = spec.replace("...", "".join("ABC"[: len(x_shape) - len(spec.split(",")[0]) + 3]))
+    expected = np.einsum(np_spec, x, quantization.dequantize(q, scale))
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(weight.dequantized()), quantization.dequantize(q, scale), rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize(
     "w, message",
     [
         (np.array([[1.0, np.inf]] * 2, np.float32), "t: holds non-finite values"),

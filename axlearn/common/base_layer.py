@@ -16,11 +16,13 @@ int8 weights (`generate --quantize=int8`) hands them over as `QuantizedWeight`s.
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
@@ -146,25 +148,90 @@ class QuantizedWeight:
     values * scale, in `dtype` (`axlearn.common.quantization` makes them).
 
     `scale` has the weight's rank, 1 along the axes each scale covers (those a matmul
-    contracts). `weight_einsum` multiplies by the int8 values converted (a convert XLA
-    fuses into the matmul) and scales the product; `weight_take` scales the rows it reads.
+    contracts). `weight_einsum` multiplies by the int8 values converted and scales the
+    product; `weight_take` scales the rows it reads. With `rows_last`, `values` holds
+    those contracted axes last (`rows_last_layout`): each row is contiguous, so a decoding
+    step's matmul (`_multiply_reduce`) sums along memory instead of across it.
     """
 
-    def __init__(self, values: Tensor, scale: Tensor, dtype: Any):
+    def __init__(self, values: Tensor, scale: Tensor, dtype: Any, rows_last: bool = False):
         self.values, self.scale, self.dtype = values, scale, jnp.dtype(dtype)
+        self.rows_last = rows_last
 
     def tree_flatten(self):
-        return (self.values, self.scale), self.dtype.name
+        return (self.values, self.scale), (self.dtype.name, self.rows_last)
 
     @classmethod
-    def tree_unflatten(cls, dtype, children):
-        return cls(*children, dtype=dtype)
+    def tree_unflatten(cls, aux, children):
+        dtype, rows_last = aux
+        return cls(*children, dtype=dtype, rows_last=rows_last)
+
+    @classmethod
+    def rows_last_layout(cls, values: Tensor, scale: Tensor, dtype: Any) -> "QuantizedWeight":
+        """The weight of `values` (in the weight's own layout) and `scale`, its values
+        moved to hold the contracted axes (where `scale` is 1) last."""
+        return cls(jnp.transpose(values, _rows_last_order(scale.shape)), scale, dtype, True)
 
     def dequantized(self) -> Tensor:
-        """The weight it stands for, in `dtype`."""
-        return (self.values.astype(jnp.float32) * self.scale.astype(jnp.float32)).astype(
-            self.dtype
-        )
+        """The weight it stands for, in `dtype` (in the weight's own layout)."""
+        values = self.values
+        if self.rows_last:
+            values = jnp.transpose(values, np.argsort(_rows_last_order(self.scale.shape)))
+        return (values.astype(jnp.float32) * self.scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def _rows_last_order(scale_shape: Sequence[int]) -> list[int]:
+    """The weight's axes with the contracted ones (scale 1) after the others."""
+    kept = [i for i, n in enumerate(scale_shape) if n != 1]
+    return kept + [i for i, n in enumerate(scale_shape) if n == 1]
+
+
+# Up to this many rows of x (a decoding step's batch), an int8 matmul is written as a
+# multiply and a sum, which XLA emits as one reduction reading the int8 values: cuBLAS
+# takes no int8 x bf16 matmul, and its convert would write a bf16 copy of the weight.
+MULTIPLY_REDUCE_MAX_ROWS = 4
+
+
+def _einsum_axes(spec: str, x: Tensor) -> tuple[str, str, str, int]:
+    """(x's, the weight's and the output's named axes, x's leading axes under '...')."""
+    inputs, out_axes = spec.split("->")
+    x_axes, weight_axes = inputs.split(",")
+    x_axes, out_axes = x_axes.replace("...", ""), out_axes.replace("...", "")
+    return x_axes, weight_axes, out_axes, x.ndim - len(x_axes)
+
+
+def _rows_of(spec: str, x: Tensor) -> int:
+    """How many vectors of x the matmul multiplies (all but x's contracted axes)."""
+    x_axes, weight_axes, _, leading = _einsum_axes(spec, x)
+    kept = [n for axis, n in zip(x_axes, x.shape[leading:]) if axis not in weight_axes]
+    return math.prod(x.shape[:leading]) * math.prod(kept)
+
+
+def _multiply_reduce(spec: str, x: Tensor, values: Tensor) -> Tensor:
+    """jnp.einsum(spec, x, values) in float32 as a broadcast multiply and a sum."""
+    x_axes, weight_axes, out_axes, leading = _einsum_axes(spec, x)
+    # Every named axis once, the summed ones last: the sum then runs along the minor axes.
+    axes = list(dict.fromkeys(x_axes + weight_axes))
+    axes = [a for a in axes if a in out_axes] + [a for a in axes if a not in out_axes]
+
+    def spread(t: Tensor, t_axes: str, offset: int) -> Tensor:
+        # t's axes in the order of `axes`, with a 1 for each axis t lacks.
+        order = [axis for axis in axes if axis in t_axes]
+        t = jnp.transpose(t, [*range(offset), *(offset + t_axes.index(a) for a in order)])
+        return t.reshape(*t.shape[:offset], *(t.shape[offset + order.index(a)] if a in t_axes
+                                              else 1 for a in axes))
+
+    product = spread(x, x_axes, leading).astype(jnp.float32) * spread(
+        values, weight_axes, 0
+    ).astype(jnp.float32)
+    summed = [leading + i for i, axis in enumerate(axes) if axis not in out_axes]
+    y = jnp.sum(product, axis=tuple(summed))
+    # y's axes: x's leading ones, then the kept named ones in the order of `axes`.
+    remaining = [axis for axis in axes if axis in out_axes]
+    order = []
+    for axis in spec.split("->")[1].replace("...", "."):
+        order.extend(range(leading) if axis == "." else [leading + remaining.index(axis)])
+    return jnp.transpose(y, order)
 
 
 def _quantized_einsum(
@@ -173,14 +240,24 @@ def _quantized_einsum(
     """jnp.einsum(spec, x, weight.dequantized()), with the scales applied to the product
     where they lie along the output's axes (else to the weight first)."""
     inputs, out_axes = spec.split("->")
-    weight_axes = inputs.split(",")[1]
-    values = gathered_for_matmul(weight.values, partition_spec)
+    x_axes, weight_axes = inputs.split(",")
     kept = [(axis, n) for axis, n in zip(weight_axes, weight.scale.shape) if axis in out_axes]
     contracted = [n for axis, n in zip(weight_axes, weight.scale.shape) if axis not in out_axes]
     if any(n != 1 for n in contracted):
-        dequantized = QuantizedWeight(values, weight.scale, x.dtype).dequantized()
-        return jnp.einsum(spec, x, dequantized)
-    y = jnp.einsum(spec, x, values.astype(x.dtype), preferred_element_type=jnp.float32)
+        dequantized = QuantizedWeight(
+            weight.values, weight.scale, x.dtype, weight.rows_last
+        ).dequantized()
+        return jnp.einsum(spec, x, gathered_for_matmul(dequantized, partition_spec))
+    if weight.rows_last:  # The spec of the values as they lie (decoding: one device).
+        values = weight.values
+        stored_axes = "".join(weight_axes[i] for i in _rows_last_order(weight.scale.shape))
+        spec = f"{x_axes},{stored_axes}->{out_axes}"
+    else:
+        values = gathered_for_matmul(weight.values, partition_spec)
+    if _rows_of(spec, x) <= MULTIPLY_REDUCE_MAX_ROWS:
+        y = _multiply_reduce(spec, x, values)
+    else:
+        y = jnp.einsum(spec, x, values.astype(x.dtype), preferred_element_type=jnp.float32)
     scale = weight.scale.astype(jnp.float32).reshape([n for _, n in kept])
     scale_axes = "".join(axis for axis, _ in kept)
     return jnp.einsum(f"{out_axes},{scale_axes}->{out_axes}", y, scale).astype(x.dtype)
@@ -216,7 +293,10 @@ def weight_take(weight: Union[Tensor, WeightWithCopy, QuantizedWeight], ids: Ten
     into a bf16 table, where a frequent token's hundreds of rows lose ~2% of their sum.
     """
     if isinstance(weight, QuantizedWeight):
-        rows = jnp.take(weight.values, ids, axis=0).astype(jnp.float32)
+        values = weight.values
+        if weight.rows_last:  # Back to the table's layout (a table's rows are already last).
+            values = jnp.transpose(values, np.argsort(_rows_last_order(weight.scale.shape)))
+        rows = jnp.take(values, ids, axis=0).astype(jnp.float32)
         return (rows * jnp.take(weight.scale, ids, axis=0).astype(jnp.float32)).astype(weight.dtype)
     if not isinstance(weight, WeightWithCopy):
         return jnp.take(weight, ids, axis=0)

@@ -18,6 +18,20 @@ The API is AXLearn's: the same names (`config_class`, `REQUIRED`, `register_vali
 `get_named_trainer_config`, ...) with the same behaviour and error classes, each of
 which is also a `ConfigError`. Field values are validated on assignment by the
 registered validators; field names must be lower_snake_case. As in AXLearn:
+- a container value (list, tuple, set, dict, dataclass, attrs, Hugging Face config) is
+  accepted on assignment whatever its items; here every leaf is also checked, by its flat
+  key, when the config is written as text (`to_flat_dict`, `debug_string`: the launcher
+  writes it before it instantiates anything), so that no unreadable value reaches a
+  golden or a run's config.txt;
+- a class's defaults are validated when a config is constructed, not when the class is
+  declared (a validator registered in between admits them);
+- a field annotated without a value (`dim: int`) has no default: the constructor must be
+  given it (`Cfg(dim=16)`; MissingFieldArgumentError, also a TypeError, names it);
+- reading an unknown field raises an UnknownFieldError that is also a KeyError (what
+  AXLearn's `__getattr__` raises, which a subclass overriding it may catch);
+- `config_for_function` refuses a function with a parameter named `fn` or `_`, and
+  instantiating a function or class config whose target has a positional-only
+  parameter raises UnsupportedParameterError (also a NotImplementedError);
 - `config_for_function` / `config_for_class` record each parameter's type
   (`cfg.fields()[name].type`), keep `*args` as a sequence field and `**kwargs` as a dict
   field, and take values at `instantiate(**kwargs)`, which supply REQUIRED fields and win
@@ -98,6 +112,24 @@ class RequiredFieldMissingError(ConfigError):
     """A field still set to REQUIRED where a value is needed."""
 
 
+class MissingFieldArgumentError(RequiredFieldMissingError, TypeError):
+    """A config was constructed without a value for a field that has no default (attrs'
+    TypeError in AXLearn)."""
+
+
+class UnsupportedParameterError(ConfigError, NotImplementedError):
+    """A function or class config cannot pass a parameter of this kind (positional-only)."""
+
+
+class _UnknownFieldLookupError(UnknownFieldError, KeyError):
+    """Reading a field the config class does not define: an UnknownFieldError, and also the
+    KeyError that AXLearn's `ConfigBase.__getattr__` raises, which a subclass overriding
+    `__getattr__` may catch."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""  # Not KeyError's quoted repr.
+
+
 class MissingRequiredFieldsError(RequiredFieldMissingError):
     """`instantiate()` found fields still set to REQUIRED (all listed by path)."""
 
@@ -169,6 +201,17 @@ Required = Union[T, RequiredFieldValue]
 
 # Values that `to_flat_dict` omits when they equal the field's default.
 DEFAULT_OMITTED_VALUES = (None, REQUIRED)
+
+
+class _NoDefault:
+    """The `ConfigField.default` of a field declared without a value (`dim: int`)."""
+
+    def __repr__(self) -> str:
+        return "NO_DEFAULT"
+
+
+# A field with this default must be given to the config's constructor (`Cfg(dim=16)`).
+NO_DEFAULT = _NoDefault()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,11 +286,6 @@ def validate_config_field_value(value: Any) -> None:
         )
 
 
-def _validate_each(values: Iterable[Any]) -> None:
-    for v in values:
-        validate_config_field_value(v)
-
-
 def _is_basic_value(value: Any) -> bool:
     """Values AXLearn accepts as they are (plain data, classes, functions, enums, dtypes),
     plus configs and, deliberately beyond AXLearn, what golden text here names or writes:
@@ -270,26 +308,54 @@ def _is_basic_value(value: Any) -> bool:
     )
 
 
+def _is_container(value: Any) -> bool:
+    """Values whose items AXLearn leaves unchecked on assignment: sequences, sets, dicts,
+    dataclass and attrs instances, Hugging Face configs."""
+    return (
+        isinstance(value, (list, tuple, set, frozenset, dict))
+        or _is_dataclass_instance(value)
+        or (not isinstance(value, type) and is_attrs(value))
+        # Hugging Face configs (transformers.PretrainedConfig) hold plain data.
+        or (not isinstance(value, (type, ConfigBase)) and hasattr(value, "from_pretrained"))
+    )
+
+
+def _container_items(value: Any) -> list[tuple[str, Any]]:
+    """(flat key suffix, item) of each item of a container value (see `_is_container`)."""
+    if isinstance(value, (list, tuple)):
+        return [(f"[{i}]", item) for i, item in enumerate(value)]
+    if isinstance(value, (set, frozenset)):
+        return [(f"[{item!r}]", item) for item in value]
+    if isinstance(value, dict):
+        return [(f"[{k!r}]", item) for k, item in value.items()]
+    if _is_dataclass_instance(value):
+        return [(f"[{f.name!r}]", getattr(value, f.name)) for f in dataclasses.fields(value)]
+    if is_attrs(value):
+        return [(f"[{k!r}]", item) for k, item in _attrs_asdict(value).items()]
+    return _container_items(value.to_dict())
+
+
+def _check_text_value(path: str, value: Any) -> None:
+    """Raises InvalidConfigValueError, naming `path`, for a value that no validator accepts
+    at any depth of `value` (a container's items are checked here, when the config is
+    written as text, not when they are assigned)."""
+    if isinstance(value, ConfigBase):
+        return
+    try:
+        validate_config_field_value(value)
+    except InvalidConfigValueError as e:
+        raise InvalidConfigValueError(f"{path}: {e}") from e
+    if _is_container(value):
+        for key, item in _container_items(value):
+            _check_text_value(f"{path}{key}", item)
+
+
+# As AXLearn's validators do, a container is accepted on assignment whatever its items
+# (its list and dict validators build generators that nothing consumes): its items are
+# checked, by path, when the config is written as text (`to_flat_dict`, `debug_string`,
+# which the launcher writes before it instantiates anything).
 register_validator(match_fn=_is_basic_value, validate_fn=lambda _: None)
-register_validator(
-    match_fn=lambda v: isinstance(v, (list, tuple, set, frozenset)), validate_fn=_validate_each
-)
-register_validator(
-    match_fn=lambda v: isinstance(v, dict), validate_fn=lambda v: _validate_each(v.values())
-)
-register_validator(
-    match_fn=_is_dataclass_instance,
-    validate_fn=lambda v: _validate_each(getattr(v, f.name) for f in dataclasses.fields(v)),
-)
-register_validator(
-    match_fn=lambda v: not isinstance(v, type) and is_attrs(v),
-    validate_fn=lambda v: _validate_each(_attrs_asdict(v).values()),
-)
-# Hugging Face configs (transformers.PretrainedConfig) hold plain data.
-register_validator(
-    match_fn=lambda v: not isinstance(v, (type, ConfigBase)) and hasattr(v, "from_pretrained"),
-    validate_fn=lambda v: validate_config_field_value(v.to_dict()),
-)
+register_validator(match_fn=_is_container, validate_fn=lambda _: None)
 
 
 class ConfigBase:
@@ -304,8 +370,25 @@ class ConfigBase:
                 f"{type(self).__qualname__} was not decorated with @config_class"
             )
         _check_no_late_class_attributes(type(self))
+        missing = []
         for field in self._fields.values():
+            if field.name in kwargs:
+                continue
+            if field.default is NO_DEFAULT:
+                missing.append(field.name)
+                continue
+            # Defaults are validated here, not at @config_class (AXLearn's point): a value
+            # type whose validator is registered after the class is declared is accepted.
+            try:
+                validate_config_field_value(field.default)
+            except InvalidConfigValueError as e:
+                raise InvalidConfigValueError(f"{type(self).__qualname__}.{field.name}: {e}") from e
             object.__setattr__(self, field.name, _copy_value(field.default))
+        if missing:
+            raise MissingFieldArgumentError(
+                f"{type(self).__qualname__}() needs a value for its field(s) without a default: "
+                f"{', '.join(missing)} (e.g. {type(self).__qualname__}({missing[0]}=...))"
+            )
         for key, value in kwargs.items():
             setattr(self, key, value)
 
@@ -328,7 +411,7 @@ class ConfigBase:
         # Only called when normal lookup fails, i.e. for names that are not fields.
         if name.startswith("__"):
             raise AttributeError(name)
-        raise UnknownFieldError(
+        raise _UnknownFieldLookupError(
             f"{type(self).__qualname__} has no field '{name}'{_close_names(name, self._fields)}"
         )
 
@@ -433,7 +516,9 @@ class ConfigBase:
 
         A field whose value equals its default and is one of `omit_default_values`
         (by default None and REQUIRED) is left out, and so is a dataclass value's field
-        marked `metadata={"skip_serialization": True}`, whatever its value.
+        marked `metadata={"skip_serialization": True}`, whatever its value. A leaf that
+        no validator accepts (an item of a container: those are not checked on
+        assignment) raises InvalidConfigValueError naming its flat key.
         """
         omitted = list(omit_default_values)
         result = {}
@@ -458,6 +543,7 @@ class ConfigBase:
             return True
 
         def visit(path: str, value: Any) -> None:
+            _check_text_value(path, value)
             result[path] = value
 
         _visit(self, "", visit, enter)
@@ -694,7 +780,10 @@ def config_class(cls: type[C]) -> type[C]:
     """Turns the annotated class attributes of `cls` into config fields.
 
     Fields of base config classes are inherited; a subclass may override a default by
-    annotating the field again. Every field needs a default (`REQUIRED` for none).
+    annotating the field again. A field annotated without a value (`dim: int`) has no
+    default: the config's constructor must be given it (`Cfg(dim=16)`), as with AXLearn's
+    attrs classes; `REQUIRED` is the default of a field to be set later. Defaults are
+    validated when a config is constructed.
     """
     if not isinstance(cls, type) or not issubclass(cls, ConfigBase):
         raise InvalidConfigClassError(f"@config_class expects a ConfigBase subclass, got {cls}")
@@ -707,16 +796,7 @@ def config_class(cls: type[C]) -> type[C]:
         if _is_class_var(annotation):
             continue
         validate_config_field_name(name)
-        if name not in cls.__dict__:
-            raise ConfigError(
-                f"Field '{name}' of {cls.__qualname__} has no default; use REQUIRED if the "
-                "user must set it."
-            )
-        default = cls.__dict__[name]
-        try:
-            validate_config_field_value(default)
-        except InvalidConfigValueError as e:
-            raise InvalidConfigValueError(f"{cls.__qualname__}.{name}: {e}") from e
+        default = cls.__dict__.get(name, NO_DEFAULT)
         fields[name] = ConfigField(name=name, annotation=annotation, default=default)
     for name in fields:
         if name in cls.__dict__ and name not in annotations or _is_class_var(annotations.get(name)):
@@ -888,6 +968,8 @@ class FunctionConfigBase(InstantiableConfig[T]):
     # The field that holds `fn`'s **kwargs (a dict, AXLearn's `var_kwargs` field), whose
     # entries are passed as keyword arguments after the other fields; None: fn has none.
     _keyword_field: ClassVar[Optional[str]] = None
+    # `fn`'s positional-only parameters, which instantiate() refuses (AXLearn's rule).
+    _positional_only: ClassVar[tuple[str, ...]] = ()
 
     def instantiate(self, **kwargs) -> T:
         """Calls `fn` with the fields as keyword arguments; `kwargs` add to them and take
@@ -905,6 +987,7 @@ class CallableClassConfigBase(InstantiableConfig[T]):
 
     _positional_field: ClassVar[Optional[str]] = None  # As in FunctionConfigBase.
     _keyword_field: ClassVar[Optional[str]] = None  # As in FunctionConfigBase.
+    _positional_only: ClassVar[tuple[str, ...]] = ()  # As in FunctionConfigBase.
 
     def _uncopied_field(self) -> Optional[str]:
         return "klass"
@@ -919,7 +1002,15 @@ class CallableClassConfigBase(InstantiableConfig[T]):
 def _call_with_fields(cfg: ConfigBase, target: Callable, key: str, kwargs: dict) -> Any:
     """`target(*positional, **fields)` with the fields of a function/class config, those
     named in `kwargs` replaced by its values (and its other entries added); the entries
-    of the **kwargs field come under the named fields."""
+    of the **kwargs field come under the named fields. A positional-only parameter
+    cannot be passed so (AXLearn's NotImplementedError, at the same point)."""
+    if cfg._positional_only:
+        raise UnsupportedParameterError(
+            f"{type(cfg).__qualname__}: parameter '{cfg._positional_only[0]}' of "
+            f"{getattr(target, '__qualname__', target)} is positional-only (param kind "
+            "POSITIONAL_ONLY), which a config cannot pass by name; wrap it in a function "
+            "that takes keywords"
+        )
     fields = {k: getattr(cfg, k) for k in cfg._fields if k != key}
     positional = fields.pop(cfg._positional_field) if cfg._positional_field else None
     if cfg._positional_field in kwargs:
@@ -1031,6 +1122,11 @@ def _make_config_class(base: type, name: str, fields: dict[str, Any], fn: Callab
                             ("_keyword_field", inspect.Parameter.VAR_KEYWORD)):  # fmt: skip
         field = _positional_field(fn, kind)
         namespace[attribute] = field if field in fields else None
+    namespace["_positional_only"] = tuple(
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind == p.POSITIONAL_ONLY and p.name in fields
+    )
     namespace["__annotations__"] = annotations
     namespace["__module__"] = __name__
     namespace["__qualname__"] = name
@@ -1038,8 +1134,18 @@ def _make_config_class(base: type, name: str, fields: dict[str, Any], fn: Callab
 
 
 def config_for_function(fn: Callable[..., T], **kwargs) -> FunctionConfigBase[T]:
-    """A config with one field per parameter of `fn` (REQUIRED where `fn` has no default)."""
-    fields = _signature_fields(fn, skip=("fn",))
+    """A config with one field per parameter of `fn` (REQUIRED where `fn` has no default).
+    A parameter named `fn` (the config's own field) or `_` is refused, as in AXLearn."""
+    for reserved in ("fn", "_"):
+        if reserved in inspect.signature(fn).parameters:
+            raise ConfigError(
+                f"Configured function {getattr(fn, '__qualname__', fn)} should not have a "
+                f"'{reserved}' parameter (the config's `fn` field names the function)"
+                if reserved == "fn"
+                else f"Configured function {getattr(fn, '__qualname__', fn)} should not have "
+                "a '_' parameter (config fields need names)"
+            )
+    fields = _signature_fields(fn)
     cls = _make_config_class(FunctionConfigBase, f"FunctionConfig[{fn.__name__}]", fields, fn)
     return cls(fn=fn, **kwargs)
 

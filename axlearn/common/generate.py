@@ -659,7 +659,7 @@ def quantize_for_decoding(params: Any, dtype: Any) -> Any:
     for path, x in flat:
         if quantization.is_quantized(path, x.shape, x.dtype):
             values, scale = _quantizer(quantization.contracted_axes(path, x.ndim))(x)
-            x = QuantizedWeight(values, scale.astype(jnp.float32), dtype)
+            x = QuantizedWeight.rows_last_layout(values, scale.astype(jnp.float32), dtype)
         leaves.append(x)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), leaves)
 
@@ -748,7 +748,7 @@ def from_artifact(
             if entry["encoding"] == "raw":
                 flat[name] = jnp.asarray(entry["array"], decode_dtype)
             else:
-                flat[name] = QuantizedWeight(
+                flat[name] = QuantizedWeight.rows_last_layout(
                     jax.device_put(entry["values"]),
                     jax.device_put(entry["scale"].astype(np.float32)), decode_dtype,
                 )

@@ -1266,9 +1266,9 @@ def adafactor_optimizer(
     eps: float = 1e-30,
     clipping_threshold: Optional[float] = 1.0,
     multiply_by_parameter_scale: bool = True,
-    eps_scale: float = 1e-3,
+    eps_scale: Optional[float] = 1e-3,
     factored: bool = True,
-    min_dim_size_to_factor: int = 128,
+    min_dim_size_to_factor: Optional[int] = 128,
     dtype_momentum: Any = jnp.float32,
     weight_decay: Optional[float] = None,
     weight_decay_scale_by_learning_rate_exponent: Optional[float] = None,
@@ -1301,13 +1301,17 @@ def adafactor_optimizer(
     Which axes are 'row' and 'col' comes from the spec's `factorization`; without one, the
     last two axes of a parameter whose last two dims are both >= min_dim_size_to_factor
     (leading axes, e.g. stacked layers, keep separate statistics). `factored=False`
-    keeps full second moments everywhere.
+    keeps full second moments everywhere. `eps_scale` and `min_dim_size_to_factor` are
+    ours: AXLearn fixes them at 1e-3 and 128 and its dumps leave them out, so None (what
+    a field read from such a dump holds) means those values.
 
     Ours, not optax.adafactor: optax factors a parameter's two largest axes and takes b2
     only as the exponent of its power-law decay.
     """
     exponent = weight_decay_scale_by_learning_rate_exponent
     dtype_momentum = _adafactor_momentum_dtype(dtype_momentum, weight_decay, exponent)
+    eps_scale = 1e-3 if eps_scale is None else eps_scale
+    min_dim_size_to_factor = 128 if min_dim_size_to_factor is None else min_dim_size_to_factor
 
     def momentum_dtype(shape, param_dtype):  # Scalars keep their own dtype, as AXLearn's.
         return dtype_momentum if dtype_momentum is not None and len(shape) else param_dtype

@@ -46,7 +46,7 @@ from axlearn.common.input_tf_data import (
     lm_text_processor,
     tfds_dataset,
 )
-from axlearn.common.layers import RMSNorm, scaled_hidden_dim
+from axlearn.common.layers import Linear, RMSNorm, scaled_hidden_dim
 from axlearn.common.learner import Learner
 from axlearn.common.metrics import MetricAccumulator
 from axlearn.common.optimizers import (
@@ -239,6 +239,13 @@ def rms_norm_config(eps: float) -> RMSNorm.Config:
     """An RMSNorm of epsilon `eps`."""
     # forward_dtype None: normalize in the compute dtype (bf16 under train_dtype).
     return RMSNorm.default_config().set(eps=eps, forward_dtype=None)
+
+
+def untied_lm_head() -> Linear.Config:
+    """An LM head of its own, as Llama 3's (weight [dim, vocab], no bias: the layout
+    hf_llama maps to `lm_head.weight`), split over the FSDP axes along dim and the
+    vocabulary over 'model'."""
+    return Linear.default_config().set(bias=False, param_partition_spec=(FSDP_AXIS_NAMES, "model"))
 
 
 def model_config(
