@@ -98,17 +98,20 @@ def build_benchmark_config(
     *,
     module: Optional[str] = None,
     mesh_selector: Optional[str] = None,
+    devices: Optional[Sequence[Any]] = None,
     data_dir: str = "FAKE",
     overrides: Sequence[str] = (),
 ) -> Any:
     """The named trainer config as benchmarks run it: no trainer directory (so no
-    checkpoints or summaries) and no evalers; only the step is measured."""
+    checkpoints or summaries) and no evalers; only the step is measured. `mesh_selector`
+    and `devices` as `launch_trainer.build_trainer_config` reads them."""
     from axlearn.common.launch_trainer import build_trainer_config  # pylint: disable=import-outside-toplevel
 
     cfg = build_trainer_config(
         config_name=config,
         module=module,
         mesh_selector=mesh_selector,
+        devices=devices,
         data_dir=data_dir,
         config_overrides=list(overrides),
     )
@@ -163,11 +166,46 @@ def run_benchmark(
 
     `modify`: applied to the trainer config after overrides (benchmark variants).
     """
+    trainer = _benchmark_trainer(
+        config, module=module, mesh_selector=mesh_selector, data_dir=data_dir,
+        overrides=overrides, xla_dump_dir=xla_dump_dir, xla_flags_preset=xla_flags_preset,
+        modify=modify,
+    )
+    import jax  # pylint: disable=import-outside-toplevel
+
+    from axlearn.common import perf  # pylint: disable=import-outside-toplevel
+
+    accounting = perf.StepAccounting.for_trainer(trainer)
+    # Rows of the batch: a pair batch's pairs (each side's rows), not its sequences.
+    batch_rows = jax.tree.leaves(trainer.input.element_spec())[0].shape[0]
+    microbatches = trainer.num_microbatches(batch_rows)  # From per_device_microbatch_size.
+    step, host_batches = _train_step_fn(trainer)
+    try:
+        losses, step_times, gpu_samples = _measure_steps(
+            step, steps=steps, warmup_steps=warmup_steps, profile_dir=profile_dir
+        )
+    finally:
+        host_batches.close()
+    return _benchmark_row(config, accounting, microbatches, losses, step_times, gpu_samples)
+
+
+def _benchmark_trainer(
+    config: str,
+    *,
+    module: Optional[str],
+    mesh_selector: Optional[str],
+    data_dir: str,
+    overrides: Sequence[str],
+    xla_dump_dir: Optional[str],
+    xla_flags_preset: str,
+    modify: Optional[Callable[[Any], Any]],
+) -> Any:
+    """run_benchmark's trainer: the name checked before JAX looks for devices, XLA set
+    up (`launch.setup`, `xla_dump_dir`), the config built as the launcher does (the
+    selector checked against the devices, or named from them: gpu-h100-1, cpu), then
+    `modify`."""
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.experiment_registry import lookup_named_config
-
-    # pylint: disable-next=import-outside-toplevel
-    from axlearn.common.mesh_selection import mesh_selector_from_devices
 
     # A wrong name fails before JAX looks for devices.
     lookup_named_config(config, module=module)
@@ -178,31 +216,42 @@ def run_benchmark(
     launch.setup(xla_flags_preset=xla_flags_preset)
     import jax  # pylint: disable=import-outside-toplevel
 
-    from axlearn.common import perf  # pylint: disable=import-outside-toplevel
-
-    # As the launcher does: unset, the selector is named from the devices (gpu-h100-1, cpu).
-    mesh_selector = mesh_selector_from_devices(mesh_selector)
     cfg = build_benchmark_config(
-        config, module=module, mesh_selector=mesh_selector, data_dir=data_dir, overrides=overrides
+        config, module=module, mesh_selector=mesh_selector, devices=jax.devices(),
+        data_dir=data_dir, overrides=overrides,
     )
     if modify is not None:
         cfg = modify(cfg)
-    trainer = cfg.instantiate(parent=None)
-    accounting = perf.StepAccounting.for_trainer(trainer)
-    # Rows of the batch: a pair batch's pairs (each side's rows), not its sequences.
-    batch_rows = jax.tree.leaves(trainer.input.element_spec())[0].shape[0]
-    microbatches = trainer.num_microbatches(batch_rows)  # From per_device_microbatch_size.
-    trainer._state = trainer.init_state(jax.random.PRNGKey(0))  # pylint: disable=protected-access
+    return cfg.instantiate(parent=None)
+
+
+def _train_step_fn(trainer: Any) -> tuple[Callable[[], Any], Any]:
+    """(a function that dispatches one train step and returns its loss, the host batch
+    iterator to close), from the trainer's initial state. As in training
+    (SpmdTrainer.run): host batches are made in a thread, put on the devices in this one,
+    and the steps are dispatched ahead."""
+    import jax  # pylint: disable=import-outside-toplevel
+
     from axlearn.common.input_prefetch import prefetch_in_thread  # pylint: disable=import-outside-toplevel
 
-    # As in training (SpmdTrainer.run): host batches are made in a thread, put on the
-    # devices in this one, and the steps are dispatched ahead.
+    trainer._state = trainer.init_state(jax.random.PRNGKey(0))  # pylint: disable=protected-access
     host_batches = prefetch_in_thread(  # pylint: disable=protected-access
         (batch for _, batch in trainer._host_batches()), size=2
     )
 
     def step() -> Any:
         return trainer.train_step(trainer.global_batch(next(host_batches)))["loss"]
+
+    return step, host_batches
+
+
+def _measure_steps(
+    step: Callable[[], Any], *, steps: int, warmup_steps: int, profile_dir: Optional[str]
+) -> tuple[list[float], list[float], dict[str, Any]]:
+    """(every step's loss, the timed steps' seconds, the GPU's clock and power over them)
+    of `warmup_steps` untimed steps, then `steps` timed ones (`time_steps`), traced into
+    `profile_dir` if given (its summary printed)."""
+    import jax  # pylint: disable=import-outside-toplevel
 
     losses = []
     for _ in range(warmup_steps):
@@ -216,13 +265,28 @@ def run_benchmark(
         step_times, timed_losses = time_steps(step, steps)
     finally:
         gpu_samples = sampler.stop() if sampler is not None else {}
-    host_batches.close()
     losses += [float(loss) for loss in timed_losses]
     if profile_dir:
         jax.profiler.stop_trace()
         print(summarize_trace(profile_dir, steps=steps))
+    return losses, step_times, gpu_samples
+
+
+def _benchmark_row(
+    config: str,
+    accounting: Any,
+    microbatches: int,
+    losses: list[float],
+    step_times: list[float],
+    gpu_samples: dict[str, Any],
+) -> dict[str, Any]:
+    """run_benchmark's measured columns."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    from axlearn.common import perf  # pylint: disable=import-outside-toplevel
+
     # The mean over the timed steps: the first includes the dispatch lead-in.
-    avg = sum(step_times) / steps
+    avg = sum(step_times) / len(step_times)
     metrics = accounting.metrics(avg)
     memory = perf.device_memory()
     device = jax.devices()[0]

@@ -79,9 +79,9 @@ class OneGpu:
     microbatch: int = 1  # Sequences the GPU computes at once.
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Size:
-    """The numbers that distinguish one model size from another."""
+    """The numbers that distinguish one model size from another (named at every use)."""
 
     dim: int
     num_layers: int
@@ -101,24 +101,36 @@ class Size:
 
 SIZES = {
     "125M": Size(
-        768, 12, 12, 4, 2048, 32768, "bpe_32k_c4.model", 2048, 512, 100_000, 2000,
-        SingleHost((1, 2, 4, 8), microbatch=32, remat=None),
+        dim=768, num_layers=12, num_heads=12, num_kv_heads=4, hidden_dim=2048,
+        vocab_size=32768, sentencepiece_model_name="bpe_32k_c4.model",
+        max_sequence_length=2048, global_batch_size=512, max_step=100_000, warmup_steps=2000,
+        single_host=SingleHost((1, 2, 4, 8), microbatch=32, remat=None),
     ),
     "350M": Size(
-        1024, 24, 16, 8, 2816, 32768, "bpe_32k_c4.model", 2048, 512, 200_000, 2000,
-        SingleHost((1, 2, 4, 8), microbatch=16, remat=None),
+        dim=1024, num_layers=24, num_heads=16, num_kv_heads=8, hidden_dim=2816,
+        vocab_size=32768, sentencepiece_model_name="bpe_32k_c4.model",
+        max_sequence_length=2048, global_batch_size=512, max_step=200_000, warmup_steps=2000,
+        single_host=SingleHost((1, 2, 4, 8), microbatch=16, remat=None),
     ),
     "1B": Size(
-        2048, 16, 16, 8, 8192, 32768, "bpe_32k_c4.model", 4096, 1024, 250_000, 5000,
-        SingleHost((1, 2, 4, 8), microbatch=4, remat=None),
+        dim=2048, num_layers=16, num_heads=16, num_kv_heads=8, hidden_dim=8192,
+        vocab_size=32768, sentencepiece_model_name="bpe_32k_c4.model",
+        max_sequence_length=4096, global_batch_size=1024, max_step=250_000, warmup_steps=5000,
+        single_host=SingleHost((1, 2, 4, 8), microbatch=4, remat=None),
     ),
     "3B": Size(
-        3072, 26, 24, 8, 8064, 49152, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
-        None,  # The reference config keeps the mesh rules of its golden file.
+        dim=3072, num_layers=26, num_heads=24, num_kv_heads=8, hidden_dim=8064,
+        vocab_size=49152, sentencepiece_model_name="bpe_48k_honeycrisp.model",
+        max_sequence_length=4096, global_batch_size=2048, max_step=750_000, warmup_steps=5000,
+        single_host=None,  # The reference config keeps the mesh rules of its golden file.
     ),
     "7B": Size(
-        4096, 32, 32, 8, 14336, 49152, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
-        SingleHost((4, 8), microbatch=2, remat=build_remat_spec(), h200_without_remat=True),
+        dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, hidden_dim=14336,
+        vocab_size=49152, sentencepiece_model_name="bpe_48k_honeycrisp.model",
+        max_sequence_length=4096, global_batch_size=2048, max_step=750_000, warmup_steps=5000,
+        single_host=SingleHost(
+            (4, 8), microbatch=2, remat=build_remat_spec(), h200_without_remat=True
+        ),
         # One H200: every matmul's output saved (~13 GiB a sequence), norms and activations
         # recomputed; ~96 GiB with the state and the logits.
         one_gpu=OneGpu(common.GPU_H200_HOST, remat=build_save_matmuls_remat_spec()),
@@ -129,15 +141,21 @@ SIZES = {
     # Its 1.05B embedding and head parameters leave room on one H200 for the attention's
     # activations only (MLP recomputed).
     "8B": Size(
-        4096, 32, 32, 8, 14336, 128256, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
-        SingleHost((8,), microbatch=2, remat=build_remat_spec(), h200_without_remat=True),
+        dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, hidden_dim=14336,
+        vocab_size=128256, sentencepiece_model_name="bpe_48k_honeycrisp.model",
+        max_sequence_length=4096, global_batch_size=2048, max_step=750_000, warmup_steps=5000,
+        single_host=SingleHost(
+            (8,), microbatch=2, remat=build_remat_spec(), h200_without_remat=True
+        ),
         one_gpu=OneGpu(common.GPU_H200_HOST, remat=build_remat_spec()),
         untied_lm_head=True,
     ),
     # 70B's state (1.1 TB) is 140 GB a GPU on an 8-GPU host.
     "70B": Size(
-        8192, 80, 64, 8, 28672, 49152, "bpe_48k_honeycrisp.model", 4096, 2048, 750_000, 5000,
-        None,
+        dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, hidden_dim=28672,
+        vocab_size=49152, sentencepiece_model_name="bpe_48k_honeycrisp.model",
+        max_sequence_length=4096, global_batch_size=2048, max_step=750_000, warmup_steps=5000,
+        single_host=None,
     ),
 }
 

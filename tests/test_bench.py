@@ -16,7 +16,7 @@ from axlearn import bench
 from axlearn.common import file_system, launch
 from axlearn.common.input_tokens import build_token_shards
 from axlearn.common.input_vocab import ByteVocabulary
-from axlearn.common.mesh_selection import mesh_selector_for_devices
+from axlearn.common.mesh_selection import instance_type, mesh_rule_for
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -455,8 +455,8 @@ class _Built(Exception):
     """Stops a benchmark once its config is built."""
 
 
-def _mesh_selector_of_the_run(monkeypatch, *flags: str):
-    """The mesh selector `bench.main(["--config=gpt_test", *flags])` builds its config with."""
+def _mesh_rule_of_the_run(monkeypatch, *flags: str):
+    """The mesh rule `bench.main(["--config=gpt_test", *flags])` builds its config with."""
     built = {}
 
     def build(config, **kwargs):
@@ -467,14 +467,15 @@ def _mesh_selector_of_the_run(monkeypatch, *flags: str):
     monkeypatch.setattr(bench, "build_benchmark_config", build)
     with pytest.raises(_Built):
         bench.main(["--config=gpt_test", *flags])
-    return built["mesh_selector"]
+    rules = [("cpu", (1, -1)), ("gpu-.*", (-1, 1))]
+    return mesh_rule_for(built["mesh_selector"], rules, devices=built["devices"])
 
 
 def test_without_a_mesh_selector_the_run_names_it_from_its_devices(monkeypatch):
     device = jax.devices()[0]
-    expected = mesh_selector_for_devices(device.platform, device.device_kind, jax.device_count())
-    assert _mesh_selector_of_the_run(monkeypatch) == expected
-    assert _mesh_selector_of_the_run(monkeypatch, "--mesh_selector=none") is None
+    expected = instance_type(device.platform, device.device_kind, jax.device_count())
+    assert _mesh_rule_of_the_run(monkeypatch).selector == expected
+    assert _mesh_rule_of_the_run(monkeypatch, "--mesh_selector=none") is None
 
 
 def test_a_mesh_selector_that_contradicts_the_devices_is_one_line_on_stderr(monkeypatch, capsys):

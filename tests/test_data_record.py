@@ -17,13 +17,13 @@ import sys
 
 import pytest
 
-from axlearn.common import data_record
+from axlearn.common import data_record, run_dir
 from axlearn.common.checkpointer import INDEX_FILE
 from axlearn.common.config import ConfigError
 from axlearn.common.input_tokens import build_token_shards
 from axlearn.common.input_vocab import ByteVocabulary, load_vocabulary
 from axlearn.common.launch_trainer import build_trainer_config
-from axlearn.common.run_record import CHECKPOINTS
+from axlearn.common.run_dir import CHECKPOINTS
 from tests.fresh_python import REPO, fresh_env
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bad jam".split()
@@ -113,7 +113,7 @@ def test_builtin_data_records_the_byte_vocabulary_of_its_split(tmp_path, monkeyp
 
 def _record_with_a_checkpoint(run: pathlib.Path, description: dict) -> None:
     """Records the data as a run's start does, and a committed checkpoint after it."""
-    data_record.write_data_record(str(run), description)
+    data_record.write_data_record(run_dir.RunDir(str(run)), description)
     step = run / CHECKPOINTS / "step_00000001"
     step.mkdir(parents=True)
     (step / INDEX_FILE).write_text("{}")
@@ -121,11 +121,10 @@ def _record_with_a_checkpoint(run: pathlib.Path, description: dict) -> None:
 
 def test_other_data_replaces_the_record_of_a_start_that_left_no_checkpoint(tmp_path, bpe_file):
     _build(tmp_path / "data" / "train", ByteVocabulary())
-    data_record.write_data_record(str(tmp_path / "run"), _described(tmp_path / "data"))
+    run = run_dir.RunDir(str(tmp_path / "run"))
+    data_record.write_data_record(run, _described(tmp_path / "data"))
     _build(tmp_path / "data" / "train", load_vocabulary(bpe_file, any_special_ids=True))
-    data_record.check_data_record(
-        str(tmp_path / "run"), _described(tmp_path / "data"), allow_change=False
-    )
+    data_record.check_data_record(run, _described(tmp_path / "data"), allow_change=False)
 
 
 def test_the_same_data_rebuilt_is_no_change(tmp_path):
@@ -133,7 +132,7 @@ def test_the_same_data_rebuilt_is_no_change(tmp_path):
     _record_with_a_checkpoint(tmp_path / "run", _described(tmp_path / "data"))
     _build(tmp_path / "data" / "train", ByteVocabulary())
     data_record.check_data_record(
-        str(tmp_path / "run"), _described(tmp_path / "data"), allow_change=False
+        run_dir.RunDir(str(tmp_path / "run")), _described(tmp_path / "data"), allow_change=False
     )
 
 
@@ -143,7 +142,7 @@ def test_data_rebuilt_with_another_vocabulary_is_refused_naming_both(tmp_path, b
     _build(tmp_path / "data" / "train", load_vocabulary(bpe_file, any_special_ids=True))
     with pytest.raises(ConfigError, match=r"input: vocabulary 'bytes' .* -> 'tokenizer.json'"):
         data_record.check_data_record(
-            str(tmp_path / "run"), _described(tmp_path / "data"), allow_change=False
+            run_dir.RunDir(str(tmp_path / "run")), _described(tmp_path / "data"), allow_change=False
         )
 
 
@@ -154,7 +153,7 @@ def test_more_shards_are_refused_naming_the_counts(tmp_path):
     later = len(glob.glob(str(tmp_path / "data" / "train-*.tok")))
     with pytest.raises(ConfigError, match=f"shards {len(first)} -> {later}"):
         data_record.check_data_record(
-            str(tmp_path / "run"), _described(tmp_path / "data"), allow_change=False
+            run_dir.RunDir(str(tmp_path / "run")), _described(tmp_path / "data"), allow_change=False
         )
 
 
@@ -164,7 +163,7 @@ def test_a_change_allowed_is_logged_not_refused(tmp_path, bpe_file, caplog):
     _build(tmp_path / "data" / "train", load_vocabulary(bpe_file, any_special_ids=True))
     with caplog.at_level(logging.WARNING, logger="axlearn.common.data_record"):
         data_record.check_data_record(
-            str(tmp_path / "run"), _described(tmp_path / "data"), allow_change=True
+            run_dir.RunDir(str(tmp_path / "run")), _described(tmp_path / "data"), allow_change=True
         )
     assert "the data changed since the run's last start (allowed)" in caplog.text
 
@@ -208,7 +207,7 @@ def test_a_restart_on_data_rebuilt_with_another_vocabulary_is_refused_unless_all
     _build_command(data_dir, "bytes", text_file)
     first = _launch(data_dir, trainer_dir, "--config_override=max_step=2")
     assert first.returncode == 0, first.stderr[-3000:]
-    recorded = json.loads((trainer_dir / data_record.DATA_RECORD).read_text())["sources"]
+    recorded = json.loads((trainer_dir / run_dir.DATA_RECORD).read_text())["sources"]
     assert recorded["input"]["vocabulary"]["name"] == "bytes"
 
     _build_command(data_dir, bpe_file, text_file)
@@ -223,6 +222,6 @@ def test_a_restart_on_data_rebuilt_with_another_vocabulary_is_refused_unless_all
         data_dir, trainer_dir, "--config_override=max_step=3", "--allow_data_change"
     )
     assert allowed.returncode == 0, allowed.stderr[-3000:]
-    recorded = json.loads((trainer_dir / data_record.DATA_RECORD).read_text())["sources"]
+    recorded = json.loads((trainer_dir / run_dir.DATA_RECORD).read_text())["sources"]
     assert recorded["input"]["vocabulary"]["name"] == "tokenizer.json"
     assert os.path.exists(trainer_dir / "config.txt")

@@ -14,6 +14,7 @@ from axlearn.common.base_layer import BaseLayer, ParameterSpec
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class, config_for_function
 from axlearn.common.evaler import ModelSummaryAccumulator, SpmdEvaler, every_n_steps_policy
 from axlearn.common.module import Module
+from axlearn.common.run_dir import RunDir
 from axlearn.common.summary import WeightedScalar
 from axlearn.common.summary_writer import JSONL_FILE_NAME
 from tests.fresh_python import run_python
@@ -99,6 +100,10 @@ class FakeTrainer(Module):
         """Configures FakeTrainer."""
 
         dir: Required[str] = REQUIRED
+
+    @property
+    def run_dir(self) -> RunDir:
+        return RunDir(self.config.dir)
 
 
 def make_params(seed: int = 1) -> dict[str, np.ndarray]:

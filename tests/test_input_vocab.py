@@ -4,12 +4,14 @@ import io
 
 import pytest
 
+from axlearn.common.input_base import InputError
 from axlearn.common.input_vocab import (
     ByteVocabulary,
     SentencePieceVocabulary,
     VocabularyError,
     load_vocabulary,
     padded_vocab_size,
+    require_package,
     vocabulary_name,
 )
 from axlearn.experiments.text.common import vocab
@@ -116,3 +118,21 @@ def test_model_with_other_special_ids_is_rejected(tmp_path):
     message = r"default_ids.model: vocabulary has pad_id=-1, eos_id=2; expected pad_id=0, eos_id=1"
     with pytest.raises(VocabularyError, match=message):
         load_vocabulary(str(path))
+
+
+# A module name no environment has: what a missing optional package looks like.
+_MISSING = "axlearn_test_no_such_package"
+
+
+def test_a_missing_package_is_an_error_naming_what_needs_it_and_the_extra():
+    with pytest.raises(VocabularyError) as e:
+        require_package(_MISSING, needed_by="m.model: a SentencePiece model")
+    assert str(e.value) == (
+        f"m.model: a SentencePiece model needs the '{_MISSING}' package: "
+        "pip install 'axlearn[data]'"
+    )
+
+
+def test_a_missing_package_raises_the_callers_error_type():
+    with pytest.raises(InputError, match=f"^d.parquet: reading it needs the '{_MISSING}'"):
+        require_package(_MISSING, needed_by="d.parquet: reading it", error=InputError)

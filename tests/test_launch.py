@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -34,7 +35,8 @@ from axlearn.common.input_fake import FakeLmInput
 from axlearn.common.input_token_format import write_shard
 from axlearn.common.launch_data import missing_input_packages
 from axlearn.common.launch_trainer import build_trainer_config
-from axlearn.common.mesh_selection import mesh_selector_for_devices, selector_contradiction
+from axlearn.common.mesh_selection import instance_type, mesh_rule_for, selector_contradiction
+from axlearn.common.run_dir import RunDir
 from axlearn.common.run_record import config_changes
 from axlearn.common.causal_lm import count_parameters
 from axlearn.common.trainer import infer_mesh_shape
@@ -381,7 +383,7 @@ def test_unmatched_mesh_selector_fails_listing_the_rules():
     ],
 )
 def test_mesh_selector_is_named_from_the_devices(platform, device_kind, count, selector):
-    assert mesh_selector_for_devices(platform, device_kind, count) == selector
+    assert instance_type(platform, device_kind, count) == selector
 
 
 @pytest.mark.parametrize(
@@ -397,7 +399,7 @@ def test_mesh_selector_is_named_from_the_devices(platform, device_kind, count, s
 def test_named_devices_select_the_rule_written_for_them(devices, pattern):
     rules = dict(build_named_config("gpt_1b").mesh_rules)
     cfg = build_trainer_config(
-        config_name="gpt_1b", mesh_selector=mesh_selector_for_devices(*devices)
+        config_name="gpt_1b", mesh_selector=instance_type(*devices)
     )
     expected = build_trainer_config(config_name="gpt_1b", mesh_selector=None)
     assert cfg.debug_string() == apply_mesh_rule(expected, rules[pattern]).debug_string()
@@ -419,6 +421,33 @@ def test_named_devices_select_the_rule_written_for_them(devices, pattern):
 )
 def test_a_selector_contradicting_the_devices_is_found(selector, devices, reason):
     assert selector_contradiction(selector, *devices) == reason
+
+
+# Devices as mesh_rule_for reads them (JAX's have a platform and a device kind).
+_H200S = [types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")] * 8
+_RULES = [("gpu-h200-8", (1, 8)), ("cpu", (1, -1))]
+
+
+def test_mesh_rule_for_an_unset_selector_is_named_from_the_devices():
+    assert mesh_rule_for(None, _RULES, devices=_H200S) == ("gpu-h200-8", "gpu-h200-8", (1, 8))
+
+
+def test_mesh_rule_for_an_unset_selector_without_devices_is_no_rule():
+    assert mesh_rule_for(None, _RULES) is None
+
+
+@pytest.mark.parametrize("devices", [None, _H200S])
+def test_mesh_rule_for_none_is_no_rule(devices):
+    assert mesh_rule_for("none", _RULES, devices=devices) is None
+
+
+def test_mesh_rule_for_a_selector_naming_other_devices_is_an_error():
+    with pytest.raises(ConfigError, match=r"--mesh_selector=cpu contradicts .*8 NVIDIA H200"):
+        mesh_rule_for("cpu", _RULES, devices=_H200S)
+
+
+def test_mesh_rule_for_another_hosts_selector_without_devices_is_its_rule():
+    assert mesh_rule_for("cpu", _RULES).rule == (1, -1)
 
 
 @pytest.mark.slow
@@ -784,7 +813,7 @@ runpy.run_module("axlearn.common.launch_trainer_main", run_name="__main__")
 
 
 def _record(tmp_path, text: str, **kwargs) -> None:
-    run_record.record_config(str(tmp_path), text, allow_change=False, write=True, **kwargs)
+    run_record.record_config(RunDir(str(tmp_path)), text, allow_change=False, write=True, **kwargs)
 
 
 def _add_checkpoint(trainer_dir) -> None:

@@ -172,9 +172,10 @@ def dpo_run_fixture(tmp_path_factory):
     cfg.evalers["lm_eval"].eval_policy.set(n=4, max_step=4)
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common import run_record
+    from axlearn.common.run_dir import RunDir
 
     os.makedirs(cfg.dir)
-    run_record.record_config(cfg.dir, cfg.debug_string(), allow_change=False, write=True)
+    run_record.record_config(RunDir(cfg.dir), cfg.debug_string(), allow_change=False, write=True)
     cfg.instantiate(parent=None).run()
     yield str(root / "run")
     monkeypatch.undo()

@@ -20,7 +20,7 @@ import time
 import jax
 import pytest
 
-from axlearn.common import launch_trainer_main, preemption, run_lock
+from axlearn.common import launch_trainer_main, preemption, run_dir, run_lock
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import ConfigError
 from axlearn.common.preemption import (
@@ -126,7 +126,7 @@ def test_a_stop_signal_commits_the_step_reached_and_flushes_its_summaries(stoppe
 @pytest.mark.slow
 def test_a_stopped_run_releases_its_directory(stopped_run):
     trainer_dir, _, _ = stopped_run
-    assert not os.path.exists(os.path.join(trainer_dir, run_lock.LOCK_FILE_NAME))
+    assert not os.path.exists(os.path.join(trainer_dir, run_dir.LOCK))
 
 
 # One restart is enough: what it resumes from does not depend on the signal.

@@ -17,13 +17,14 @@ import threading
 import pytest
 from absl import flags
 
-from axlearn.common import launch, launch_trainer, run_lock, run_record
-from axlearn.common.run_lock import LOCK_FILE_NAME, RunLock, RunLockError
+from axlearn.common import launch, launch_trainer, run_dir, run_lock
+from axlearn.common.run_dir import LOCK as LOCK_FILE_NAME
+from axlearn.common.run_lock import RunLock, RunLockError
 from axlearn.common.trainer import SpmdTrainer
 from tests.fresh_python import REPO, fresh_env
 from tests.trainer_script import tiny_trainer_config
 
-# Takes the lock of argv[1], says so, and holds it until its standard input closes.
+# Takes the lock file argv[1], says so, and holds it until its standard input closes.
 HOLDER = """
 import sys
 from axlearn.common import run_lock
@@ -32,7 +33,7 @@ with run_lock.hold(sys.argv[1]):
     sys.stdin.read()
 """
 
-# Says it is ready, waits for the file argv[2], then tries the lock of argv[1] once; a
+# Says it is ready, waits for the file argv[2], then tries the lock file argv[1] once; a
 # winner holds it until its standard input closes.
 RACER = """
 import os, sys, time
@@ -93,7 +94,7 @@ def _trainer(trainer_dir) -> SpmdTrainer:
 
 
 def test_the_lock_names_its_holders_host_pid_and_start_time(tmp_path):
-    lock = RunLock(str(tmp_path))
+    lock = RunLock(_lock_path(tmp_path))
     lock.acquire()
     holder = _read_lock(tmp_path)
     lock.release()
@@ -124,7 +125,7 @@ def test_a_trainer_that_fails_releases_the_lock(tmp_path, monkeypatch):
 
 
 def test_a_second_trainer_fails_at_once_naming_the_holder(tmp_path, monkeypatch):
-    holder = _python(HOLDER, str(tmp_path))
+    holder = _python(HOLDER, _lock_path(tmp_path))
     assert holder.stdout.readline().strip() == "held"
     monkeypatch.setattr(SpmdTrainer, "_train", lambda self: pytest.fail("it trained"))
     try:
@@ -150,7 +151,7 @@ def test_a_second_launcher_run_fails_before_recording_its_config(tmp_path):
     )
     with pytest.raises(RunLockError, match="names pid 1 on host another-host"):
         launch_trainer.run_from_flags(flag_values)
-    assert not os.path.exists(tmp_path / run_record.CONFIG_RECORD)
+    assert not os.path.exists(tmp_path / run_dir.CONFIG_RECORD)
 
 
 # ----- stale and foreign locks -----
@@ -161,7 +162,7 @@ def test_a_stale_lock_of_a_dead_process_of_this_host_is_taken_over_with_a_warnin
 ):
     dead = _dead_pid()
     _write_lock(tmp_path, host=socket.gethostname(), pid=dead, start_time="2026-01-01T00:00:00")
-    lock = RunLock(str(tmp_path))
+    lock = RunLock(_lock_path(tmp_path))
     with caplog.at_level(logging.WARNING, logger="axlearn.common.run_lock"):
         lock.acquire()
     assert f"Took over the stale lock {_lock_path(tmp_path)}" in caplog.text
@@ -177,7 +178,7 @@ def test_a_lock_naming_a_pid_that_a_later_process_reuses_is_stale(tmp_path):
             tmp_path, host=socket.gethostname(), pid=later.pid,
             start_time="2000-01-01T00:00:00+00:00",
         )
-        lock = RunLock(str(tmp_path))
+        lock = RunLock(_lock_path(tmp_path))
         lock.acquire()
         assert _read_lock(tmp_path)["pid"] == os.getpid()
         lock.release()
@@ -191,18 +192,18 @@ def test_an_older_lock_naming_this_process_s_pid_is_a_previous_process_s(tmp_pat
         tmp_path, host=socket.gethostname(), pid=os.getpid(),
         start_time="2000-01-01T00:00:00+00:00",
     )
-    lock = RunLock(str(tmp_path))
+    lock = RunLock(_lock_path(tmp_path))
     lock.acquire()
     assert _read_lock(tmp_path)["start_time"] != "2000-01-01T00:00:00+00:00"
     lock.release()
 
 
 def test_a_lock_this_process_took_is_not_taken_again(tmp_path):
-    first = RunLock(str(tmp_path))
+    first = RunLock(_lock_path(tmp_path))
     first.acquire()
     try:
         with pytest.raises(RunLockError, match=f"names pid {os.getpid()} on host"):
-            RunLock(str(tmp_path)).acquire()
+            RunLock(_lock_path(tmp_path)).acquire()
     finally:
         first.release()
 
@@ -210,7 +211,7 @@ def test_a_lock_this_process_took_is_not_taken_again(tmp_path):
 def test_a_lock_of_another_host_is_refused_saying_how_to_delete_it(tmp_path):
     _write_lock(tmp_path, host="another-host", pid=_dead_pid(), start_time="2026-01-01T00:00:00")
     with pytest.raises(RunLockError) as error:
-        RunLock(str(tmp_path)).acquire()
+        RunLock(_lock_path(tmp_path)).acquire()
     assert "another host cannot be checked" in str(error.value)
     assert f"rm {_lock_path(tmp_path)}" in str(error.value)
 
@@ -219,13 +220,13 @@ def test_an_unreadable_lock_file_is_refused_naming_it(tmp_path):
     with open(_lock_path(tmp_path), "w", encoding="utf-8") as f:
         f.write("{not json")
     with pytest.raises(RunLockError, match=f"{_lock_path(tmp_path)} is not a lock file"):
-        RunLock(str(tmp_path)).acquire()
+        RunLock(_lock_path(tmp_path)).acquire()
 
 
 def test_of_processes_racing_for_a_stale_lock_exactly_one_takes_it(tmp_path):
     _write_lock(tmp_path, host=socket.gethostname(), pid=_dead_pid(), start_time="2026-01-01")
     go = str(tmp_path / "go")
-    racers = [_python(RACER, str(tmp_path), go) for _ in range(4)]
+    racers = [_python(RACER, _lock_path(tmp_path), go) for _ in range(4)]
     try:
         assert all(r.stdout.readline().strip() == "ready" for r in racers)
         open(go, "w", encoding="utf-8").close()
@@ -242,8 +243,8 @@ def test_of_processes_racing_for_a_stale_lock_exactly_one_takes_it(tmp_path):
 
 
 def test_holding_again_in_the_same_thread_keeps_the_lock_until_the_outer_hold_ends(tmp_path):
-    with run_lock.hold(str(tmp_path)):
-        with run_lock.hold(str(tmp_path)):
+    with run_lock.hold(_lock_path(tmp_path)):
+        with run_lock.hold(_lock_path(tmp_path)):
             pass
         assert _read_lock(tmp_path)["pid"] == os.getpid()
     assert not os.path.exists(_lock_path(tmp_path))
@@ -254,12 +255,12 @@ def test_another_thread_of_the_holding_process_is_refused(tmp_path):
 
     def second():
         try:
-            with run_lock.hold(str(tmp_path)):
+            with run_lock.hold(_lock_path(tmp_path)):
                 pass
         except RunLockError as e:
             errors.append(str(e))
 
-    with run_lock.hold(str(tmp_path)):
+    with run_lock.hold(_lock_path(tmp_path)):
         thread = threading.Thread(target=second)
         thread.start()
         thread.join()
@@ -267,7 +268,7 @@ def test_another_thread_of_the_holding_process_is_refused(tmp_path):
 
 
 def test_release_all_releases_the_held_locks_for_a_forced_exit(tmp_path):
-    with run_lock.hold(str(tmp_path / "a")), run_lock.hold(str(tmp_path / "b")):
+    with run_lock.hold(_lock_path(tmp_path / "a")), run_lock.hold(_lock_path(tmp_path / "b")):
         run_lock.release_all()
         assert not os.path.exists(_lock_path(tmp_path / "a"))
         assert not os.path.exists(_lock_path(tmp_path / "b"))
@@ -283,7 +284,7 @@ def test_a_lock_that_cannot_be_removed_leaves_the_run_s_own_error_standing(
 
     with pytest.raises(ValueError, match="the save failed"):
         with caplog.at_level(logging.WARNING, logger="axlearn.common.run_lock"):
-            with run_lock.hold(str(tmp_path)):
+            with run_lock.hold(_lock_path(tmp_path)):
                 # The directory turns read-only under the run, whose save then fails.
                 monkeypatch.setattr(run_lock._LockFiles, "remove", staticmethod(read_only))
                 raise ValueError("the save failed")

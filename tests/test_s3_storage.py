@@ -29,6 +29,7 @@ from axlearn.common.checkpointer import INDEX_FILE, Checkpointer, step_dir_name
 from axlearn.common.config import ConfigError
 from axlearn.common.input_token_format import TokenShardError, write_shard
 from axlearn.common.input_tokens import TokenShardInput
+from axlearn.common.run_dir import RunDir
 from axlearn.common.run_record import check_trainer_dir, record_config
 from axlearn.common.summary_writer import JSONL_FILE_NAME, SummaryWriter
 from tests.fresh_python import REPO, fresh_env
@@ -259,13 +260,13 @@ def test_summaries_land_in_the_bucket(s3_server, bucket, tmp_path):
 def test_config_record_is_kept_in_the_bucket(s3_server, bucket):
     trainer_dir = f"s3://{bucket}/run"
     text = "klass: 'a.Trainer'\nmax_step: 6\nmodel.dim: 8\n"
-    record_config(trainer_dir, text, allow_change=False, write=True)
+    record_config(RunDir(trainer_dir), text, allow_change=False, write=True)
     assert _get(s3_server, bucket, "run/config.txt") == text.encode()
     # Once the run has a checkpoint, a change that may not happen between restarts is refused.
     file_system.write_text(f"{trainer_dir}/checkpoints/step_00000002/index.json", "{}")
     changed = text.replace("dim: 8", "dim: 16")
     with pytest.raises(ConfigError, match=r"run/config.txt: the config changed .* model.dim"):
-        record_config(trainer_dir, changed, allow_change=False, write=True)
+        record_config(RunDir(trainer_dir), changed, allow_change=False, write=True)
 
 
 def _write_shards(directory) -> list[str]:

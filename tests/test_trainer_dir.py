@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axlearn.common import trainer_dir
+from axlearn.common import run_dir, trainer_dir
 from axlearn.common.base_layer import is_parameter_spec
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import ConfigError
@@ -39,7 +39,7 @@ def _save(directory, step, state):
 
 def test_the_model_parameters_of_a_step_are_restored_without_the_optimizer_state(tmp_path):
     cfg = _trainer_config(tmp_path)
-    (tmp_path / trainer_dir.CONFIG_RECORD).write_text(cfg.debug_string())
+    (tmp_path / run_dir.CONFIG_RECORD).write_text(cfg.debug_string())
     specs = cfg.model.clone(name="model").instantiate(parent=None)
     specs = specs.create_parameter_specs_recursively()
     rng = np.random.RandomState(0)

@@ -21,10 +21,10 @@ from typing import Any
 
 from axlearn.common import file_system, run_record
 from axlearn.common.config import ConfigBase, ConfigError, qualified_name
+from axlearn.common.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
-DATA_RECORD = "data.json"  # The data every input reads, in the trainer directory.
 _TOKEN_SHARDS = "axlearn.common.input_tokens.TokenShardInput"
 _BUILTIN = "axlearn.common.input_builtin.BuiltinTextInput"
 _FAKE = "axlearn.common.input_fake.FakeLmInput"
@@ -178,13 +178,13 @@ def data_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def check_data_record(
-    trainer_dir: str, description: dict[str, Any], *, allow_change: bool
+    run: RunDir, description: dict[str, Any], *, allow_change: bool
 ) -> None:
     """Compares `description` with the data recorded by the run's last start, if any:
     once the run has a checkpoint, a change is an error naming it, unless `allow_change`
     (then a warning); before (a start that failed), the record is simply replaced."""
-    path = file_system.join(trainer_dir, DATA_RECORD)
-    if not file_system.isfile(path) or not run_record.has_checkpoint(trainer_dir):
+    path = run.data_record
+    if not file_system.isfile(path) or not run_record.has_checkpoint(run):
         return
     try:
         old = json.loads(file_system.read_text(path))["sources"]
@@ -206,9 +206,9 @@ def check_data_record(
     )
 
 
-def write_data_record(trainer_dir: str, description: dict[str, Any]) -> None:
+def write_data_record(run: RunDir, description: dict[str, Any]) -> None:
     """Records `description` as the run's data (process 0 only)."""
-    file_system.makedirs(trainer_dir)
+    file_system.makedirs(run.root)
     text = json.dumps({"sources": description}, indent=1, sort_keys=True) + "\n"
-    file_system.write_text(file_system.join(trainer_dir, DATA_RECORD), text)
+    file_system.write_text(run.data_record, text)
 

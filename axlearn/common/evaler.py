@@ -12,7 +12,6 @@ bar counts the batches of the pass (`axlearn.common.progress`).
 """
 
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
@@ -35,6 +34,7 @@ from axlearn.common.config import (
 from axlearn.common.metrics import MetricAccumulator
 from axlearn.common.module import Module, Tensor, functional
 from axlearn.common.progress import progress_bar
+from axlearn.common.run_dir import RunDir
 from axlearn.common.sharding import batch_shards, global_batch, microbatch_count, named_sharding
 from axlearn.common.summary import WeightedScalar
 from axlearn.common.summary_writer import SummaryWriter, flatten_summaries, host_value
@@ -209,11 +209,10 @@ class SpmdEvaler(Module):
         self._cast_fns: dict[Any, Callable] = {}
 
     def _default_summary_dir(self, parent: Optional[Module]) -> Optional[str]:
-        """<parent dir>/summaries/<evaler name> when the parent (the trainer) has a dir."""
-        if parent is None or "dir" not in parent.config:
-            return None
-        parent_dir = parent.config.dir
-        return os.path.join(parent_dir, "summaries", self.name) if parent_dir else None
+        """<run dir>/summaries/<evaler name> when the parent (the trainer) has a run
+        directory (its `run_dir`, a `RunDir`)."""
+        run: Optional[RunDir] = getattr(parent, "run_dir", None)
+        return None if run is None else run.summaries(self.name)
 
     # ----- parameters and batches -----
 

@@ -32,12 +32,8 @@ import numpy as np
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.input_base import BaseInput, Batch, InputError
 from axlearn.common.input_prefetch import prefetch_indexed
-from axlearn.common.input_tokens import (
-    check_same_vocabulary,
-    check_vocabulary,
-    expand_shard_paths,
-    open_shard,
-)
+from axlearn.common.input_token_format import check_vocabulary
+from axlearn.common.input_tokens import check_same_vocabulary, expand_shard_paths, open_shard
 from axlearn.common.module import Module
 
 PAIR_KEYS = tuple(

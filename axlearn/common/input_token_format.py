@@ -343,22 +343,27 @@ class TokenShard:
         self.vocabulary = read_manifest(manifest, header, path=path)
         self.manifest = json.loads(bytes(manifest).decode("utf-8")) if manifest else {}
 
-    def check_vocabulary(
-        self, *, vocab_name: Optional[str] = None, model_vocab_size: Optional[int] = None
-    ) -> None:
-        """Raises if the shard was tokenized with another vocabulary than the model's."""
-        header = self.header
-        if vocab_name is not None and header.vocab_name != vocab_name:
-            raise TokenShardError(
-                f"{self.path}: tokenized with vocabulary '{header.vocab_name}', but the model "
-                f"expects '{vocab_name}'"
-            )
-        if model_vocab_size is not None and header.vocab_size > model_vocab_size:
-            raise TokenShardError(
-                f"{self.path}: vocabulary '{header.vocab_name}' has {header.vocab_size} ids, more "
-                f"than the model's vocab_size {model_vocab_size} (shard vocabulary "
-                f"{self.vocabulary.describe()}); {vocab_size_remedy(header.vocab_size)}"
-            )
+
+def check_vocabulary(
+    path: str,
+    header: ShardHeader,
+    *,
+    vocab_name: Optional[str] = None,
+    model_vocab_size: Optional[int] = None,
+) -> None:
+    """Raises if the shard at `path` (its header) was tokenized with another vocabulary
+    than the model's: another name, or more ids than the model's vocab_size."""
+    if vocab_name is not None and header.vocab_name != vocab_name:
+        raise TokenShardError(
+            f"{path}: tokenized with vocabulary '{header.vocab_name}', but the model "
+            f"expects '{vocab_name}'"
+        )
+    if model_vocab_size is not None and header.vocab_size > model_vocab_size:
+        raise TokenShardError(
+            f"{path}: vocabulary '{header.vocab_name}' has {header.vocab_size} ids, more "
+            f"than the model's vocab_size {model_vocab_size}; "
+            f"{vocab_size_remedy(header.vocab_size)}"
+        )
 
 
 def vocab_size_remedy(shard_vocab_size: int) -> str:

@@ -70,7 +70,6 @@ import contextlib
 import dataclasses
 import gzip
 import hashlib
-import importlib
 import io
 import itertools
 import json
@@ -103,9 +102,9 @@ from axlearn.common.input_token_format import (
     TokenShard,
     TokenShardError,
     VocabularyRecord,
+    check_vocabulary,
     decode_header,
     expand_paths,
-    vocab_size_remedy,
     write_shard,
 )
 from axlearn.common.input_vocab import (
@@ -113,6 +112,7 @@ from axlearn.common.input_vocab import (
     VocabularyError,
     file_sha256,
     load_vocabulary,
+    require_package,
     vocabulary_name,
 )
 from axlearn.common.module import Module
@@ -582,27 +582,6 @@ def _url_store(path: str) -> Any:
     return ts.KvStore.open(spec, context=file_system.context()).result()
 
 
-def check_vocabulary(
-    path: str,
-    header: ShardHeader,
-    *,
-    vocab_name: Optional[str] = None,
-    model_vocab_size: Optional[int] = None,
-) -> None:
-    """Raises if the shard was tokenized with another vocabulary than the model's."""
-    if vocab_name is not None and header.vocab_name != vocab_name:
-        raise TokenShardError(
-            f"{path}: tokenized with vocabulary '{header.vocab_name}', but the model "
-            f"expects '{vocab_name}'"
-        )
-    if model_vocab_size is not None and header.vocab_size > model_vocab_size:
-        raise TokenShardError(
-            f"{path}: vocabulary '{header.vocab_name}' has {header.vocab_size} ids, more "
-            f"than the model's vocab_size {model_vocab_size}; "
-            f"{vocab_size_remedy(header.vocab_size)}"
-        )
-
-
 def check_same_vocabulary(shards: Sequence[tuple[str, ShardHeader]]) -> None:
     """Raises naming the first of (path, header) `shards` made with another vocabulary
     (name, size or EOS id) than the first."""
@@ -649,16 +628,6 @@ def open_shard(path: str, *, verify_checksum: bool = True) -> TokenShard:
 # renames them into place and removes the split's older shards with the same prefix;
 # any failure, Ctrl-C included, removes the temporaries.
 
-def _require(module: str, *, path: str) -> Any:
-    """`module` imported, or an error naming the input that needs it and how to install it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise InputError(
-            f"{path}: reading it needs the '{module}' package: pip install 'axlearn[data]'"
-        ) from None
-
-
 def _compression(path: str) -> str:
     """'gz', 'zst' or '' by the file name's last suffix."""
     for suffix in ("gz", "zst"):
@@ -688,7 +657,9 @@ def _open_input(path: str) -> tuple[BinaryIO, tuple[type, ...]]:
     if compression == "gz":
         return gzip.open(path, "rb"), errors
     if compression == "zst":
-        zstandard = _require("zstandard", path=path)
+        zstandard = require_package(
+            "zstandard", needed_by=f"{path}: reading it", error=InputError
+        )
         raw = open(path, "rb")  # pylint: disable=consider-using-with
         reader = zstandard.ZstdDecompressor().stream_reader(
             raw, read_across_frames=True, closefd=True
@@ -762,8 +733,8 @@ def _whole_file(path: str) -> str:
 
 def _parquet_rows(path: str, *, text_field: str) -> Iterator[str]:
     """Column `text_field` of each row; errors name the file and row (counted from 0)."""
-    pyarrow = _require("pyarrow", path=path)
-    _require("pyarrow.parquet", path=path)
+    pyarrow = require_package("pyarrow", needed_by=f"{path}: reading it", error=InputError)
+    require_package("pyarrow.parquet", needed_by=f"{path}: reading it", error=InputError)
     try:
         parquet = pyarrow.parquet.ParquetFile(path)
     except (pyarrow.ArrowException, OSError) as e:

@@ -57,13 +57,16 @@ def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def _require(module: str, *, purpose: str) -> Any:
-    """`module` imported, or an error saying how to install it."""
+def require_package(
+    module: str, *, needed_by: str, error: type[Exception] = VocabularyError
+) -> Any:
+    """`module` imported, or `error`: "<needed_by> needs the '<module>' package" and how to
+    install it (the data extra). The inputs' one check for an optional package."""
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise VocabularyError(
-            f"{purpose} needs the '{module}' package: pip install 'axlearn[data]'"
+        raise error(
+            f"{needed_by} needs the '{module}' package: pip install 'axlearn[data]'"
         ) from None
 
 
@@ -168,7 +171,7 @@ class SentencePieceVocabulary(Vocabulary):
     kind = "sentencepiece"
 
     def __init__(self, model_file: str, *, eos_token: Optional[str] = None):
-        sentencepiece = _require("sentencepiece", purpose=f"{model_file}: a SentencePiece model")
+        sentencepiece = require_package("sentencepiece", needed_by=f"{model_file}: a SentencePiece model")
         self.model_file = model_file
         self.name = os.path.basename(model_file)
         self._eos_token = eos_token
@@ -229,7 +232,7 @@ class HuggingFaceVocabulary(Vocabulary):
         eos_token: Optional[str] = None,
         bos_token: Optional[str] = None,
     ):
-        tokenizers = _require("tokenizers", purpose=f"{tokenizer_file}: a Hugging Face tokenizer")
+        tokenizers = require_package("tokenizers", needed_by=f"{tokenizer_file}: a Hugging Face tokenizer")
         self.model_file = tokenizer_file
         self.name = os.path.basename(tokenizer_file)
         self._tokens = (eos_token, bos_token)

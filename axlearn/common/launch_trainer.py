@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from absl import flags
 
-from axlearn.common import data_record, file_system
+from axlearn.common import data_record
 from axlearn.common.command_flags import TRUSTED_PACKAGES_HELP
 from axlearn.common.config import (
     ConfigBase,
@@ -42,12 +42,9 @@ from axlearn.common.launch_data import (
     use_data_dir,
     use_fake_data,
 )
-from axlearn.common.mesh_selection import (
-    NO_MESH_RULE,
-    mesh_selector_from_devices,
-    select_mesh_rule,
-)
-from axlearn.common.run_record import CHECKPOINTS, check_trainer_dir, record_config
+from axlearn.common.mesh_selection import mesh_rule_for
+from axlearn.common.run_dir import RunDir
+from axlearn.common.run_record import check_trainer_dir, record_config
 
 log = logging.getLogger(__name__)
 
@@ -389,6 +386,7 @@ def build_trainer_config(
     config_name: str,
     module: Optional[str] = None,
     mesh_selector: Optional[str] = None,
+    devices: Optional[Sequence[Any]] = None,
     data_dir: Optional[str] = None,
     config_overrides: Sequence[str] = (),
     trainer_dir: Optional[str] = None,
@@ -398,7 +396,8 @@ def build_trainer_config(
     trackers: Optional[Sequence[str]] = None,
 ) -> ConfigBase:
     """The whole launch-time recipe: name -> Hugging Face model and weights -> mesh rule
-    -> data dir (which checks the model's vocabulary) -> overrides (max_step carrying
+    (`mesh_selection.mesh_rule_for`: `mesh_selector` checked against `devices`, or named
+    from them; without devices, as given) -> data dir (which checks the model's vocabulary) -> overrides (max_step carrying
     the fields that held the step count with it, `follow_max_step`; the model's
     vocab_size the inputs' copies of it, `follow_vocab_size`)."""
     # pylint: disable-next=import-outside-toplevel
@@ -413,14 +412,10 @@ def build_trainer_config(
         cfg = use_run_checkpoint(cfg, init_from_checkpoint)
     if init_lora_from:
         cfg = use_peft_adapter(cfg, init_lora_from)
-    if mesh_selector and mesh_selector != NO_MESH_RULE:
-        pattern, rule = select_mesh_rule(cfg.mesh_rules, mesh_selector, config_name=config_name)
-        what = type(rule).__qualname__.split(".")[0] if hasattr(rule, "klass") else f"mesh {rule}"
-        log.info(
-            "Mesh selector %s: %s's rule %r, %s (see --print_config)",
-            mesh_selector, config_name, pattern, what,
-        )
-        cfg = apply_mesh_rule(cfg, rule)
+    # The --mesh_selector flag (checked against `devices`, or named from them) -> the rule.
+    chosen = mesh_rule_for(mesh_selector, cfg.mesh_rules, devices=devices, config_name=config_name)
+    if chosen is not None:
+        cfg = apply_mesh_rule(cfg, chosen.rule)
     layouts = None
     if data_dir == FAKE_DATA_DIR:
         cfg = use_fake_data(cfg)
@@ -475,6 +470,19 @@ def _sync_processes() -> None:
 
 
 def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict[str, Any]]:
+    """The launcher's entry point (`launch_trainer_main`, after `launch.setup_from_flags`):
+    the flags -> a trainer config -> a run. Returns None for `--list_configs` and
+    `--print_config` (printed), the metrics of `--eval_only` (also printed, one JSON line
+    an evaler), and otherwise the trainer's `run()` result.
+
+    A run, in order: the named config is looked up before jax looks for devices;
+    `build_trainer_config` applies the Hugging Face model, the mesh rule (for these devices,
+    `mesh_selection.mesh_rule_for`), the data, the overrides; then the trainer directory
+    (`run_dir.RunDir` of `--trainer_dir`) is checked, locked, and given the run's
+    `config.txt` and `data.json` (`run_record`, `data_record`: a restart may not silently
+    change either), and the trainer trains to max_step. Errors are ConfigErrors (one line:
+    `launch_trainer_main.exit_for`), `preemption.Preempted` on SIGTERM or SIGINT.
+    """
     trust_packages(flag_values.trusted_packages)  # Before any config text or override is read.
     if flag_values.list_configs:
         print(list_configs_text(flag_values.module))
@@ -485,15 +493,16 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         )
     # The name is checked before JAX starts looking for devices.
     lookup_named_config(flag_values.config, module=flag_values.module)
-    selector = flag_values.mesh_selector
-    if not (flag_values.print_config and selector and selector != NO_MESH_RULE):
-        # A run checks the selector against its devices; printing a config for other
-        # hardware (e.g. a GPU host's, from a laptop, to review it) does not.
-        selector = mesh_selector_from_devices(selector)
+    devices = None  # Printing a config for other hardware (to review a GPU host's) checks none.
+    if not (flag_values.print_config and flag_values.mesh_selector):
+        import jax  # pylint: disable=import-outside-toplevel
+
+        devices = jax.devices()  # A run checks the selector against them, or names it.
     cfg = build_trainer_config(
         config_name=flag_values.config,
         module=flag_values.module,
-        mesh_selector=selector,
+        mesh_selector=flag_values.mesh_selector,
+        devices=devices,
         data_dir=flag_values.data_dir,
         config_overrides=flag_values.config_override,
         trainer_dir=flag_values.trainer_dir,
@@ -511,44 +520,38 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[dict
         return evaluate_artifact(cfg, flag_values.artifact)
     if not flag_values.trainer_dir:
         raise ConfigError("--trainer_dir is required to train (or pass --print_config)")
-    check_trainer_dir(flag_values.trainer_dir)
+    run = RunDir(flag_values.trainer_dir)  # cfg.dir too (build_trainer_config).
+    check_trainer_dir(run.root)
     check_input_packages(cfg, flag_values.config)
     import jax  # pylint: disable=import-outside-toplevel
 
-    from axlearn.common import run_lock  # pylint: disable=import-outside-toplevel
-
     if flag_values.eval_only:
-        return evaluate_only(cfg, flag_values.trainer_dir, restore_step=flag_values.restore_step)
+        return evaluate_only(cfg, run, restore_step=flag_values.restore_step)
     # Locked before the config is recorded: a second run on the directory fails before it
-    # writes anything there. The trainer holds the lock again while it trains (re-entrant).
-    with run_lock.hold_on_process_0(flag_values.trainer_dir):
+    # writes anything there. The trainer gets `run` locked, and takes the lock no more.
+    with run.lock():
         data = data_record.describe_data(cfg)
-        data_record.check_data_record(
-            flag_values.trainer_dir, data, allow_change=flag_values.allow_data_change
-        )
+        data_record.check_data_record(run, data, allow_change=flag_values.allow_data_change)
         record_config(
-            flag_values.trainer_dir,
+            run,
             cfg.debug_string(),
             allow_change=flag_values.allow_config_change,
             write=jax.process_index() == 0,
             all_have_read=_sync_processes,
         )
         if jax.process_index() == 0:  # After record_config's barrier: all have compared.
-            data_record.write_data_record(flag_values.trainer_dir, data)
-        trainer = cfg.instantiate(parent=None)
+            data_record.write_data_record(run, data)
+        trainer = cfg.instantiate(parent=None, run_dir=run)
         if jax.process_index() == 0:
-            log.info(
-                "Summaries: tensorboard --logdir=%s",
-                file_system.join(flag_values.trainer_dir, "summaries"),
-            )
+            log.info("Summaries: tensorboard --logdir=%s", run.summaries())
         # Raises preemption.Preempted on SIGTERM or SIGINT, once the step it reached is
         # saved; launch_trainer_main turns that into preemption.PREEMPTED_EXIT_CODE.
-        with _checkpoint_errors_as_config_errors(flag_values.trainer_dir):
+        with _checkpoint_errors_as_config_errors(run):
             return trainer.run(restore_step=flag_values.restore_step)
 
 
 @contextlib.contextmanager
-def _checkpoint_errors_as_config_errors(trainer_dir: str) -> Iterator[None]:
+def _checkpoint_errors_as_config_errors(run: RunDir) -> Iterator[None]:
     """Turns the checkpointer's verdict on checkpoints that cannot be restored (every one
     corrupt, one that does not fit the model) into a ConfigError naming what to do."""
     from axlearn.common import checkpointer  # pylint: disable=import-outside-toplevel
@@ -558,7 +561,7 @@ def _checkpoint_errors_as_config_errors(trainer_dir: str) -> Iterator[None]:
     except checkpointer.RestoreStepError:
         raise  # Names the step asked for and the committed ones.
     except (checkpointer.CheckpointCorruptError, checkpointer.CheckpointMismatchError) as e:
-        directory = file_system.join(trainer_dir, CHECKPOINTS)
+        directory = run.checkpoints
         raise ConfigError(
             f"{e}. Move the bad step directories out of {directory} (the run resumes from "
             "the newest one left, or starts afresh), or start a new run in another --trainer_dir"
@@ -570,7 +573,7 @@ EVAL_ONLY_METRICS = ("loss", "perplexity", "bits_per_byte", "accuracy")
 
 
 def evaluate_only(
-    cfg: ConfigBase, trainer_dir: str, *, restore_step: Optional[int] = None
+    cfg: ConfigBase, run: RunDir, *, restore_step: Optional[int] = None
 ) -> dict[str, Any]:
     """--eval_only: every evaler once on the run's latest checkpoint, or `restore_step` (a
     fresh run: its initial weights); prints one JSON line of metrics per evaler (loss, perplexity, bits
@@ -578,12 +581,10 @@ def evaluate_only(
     evaluation is no start of the run."""
     import jax  # pylint: disable=import-outside-toplevel
 
-    from axlearn.common import run_lock  # pylint: disable=import-outside-toplevel
-
     if not cfg.evalers:
         raise ConfigError("--eval_only: the config has no evalers")
-    with run_lock.hold_on_process_0(trainer_dir), _checkpoint_errors_as_config_errors(trainer_dir):
-        trainer = cfg.instantiate(parent=None)
+    with run.lock(), _checkpoint_errors_as_config_errors(run):
+        trainer = cfg.instantiate(parent=None, run_dir=run)
         results = trainer.evaluate(restore_step=restore_step)
     if jax.process_index() == 0:
         for name, metrics in results.items():

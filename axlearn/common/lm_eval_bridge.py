@@ -59,6 +59,7 @@ from axlearn.common.config import (
 from axlearn.common.evaler import every_n_steps_policy
 from axlearn.common.input_vocab import NO_ID, Vocabulary
 from axlearn.common.module import Module, functional
+from axlearn.common.run_dir import RunDir
 from axlearn.common.summary_writer import SummaryWriter
 from axlearn.common.utils import cast_floats
 
@@ -403,8 +404,9 @@ class LmEvalEvaler(Module):
         self._vocab = generate.load_tokenizer(cfg.tokenizer)
         self._policy = cfg.eval_policy.instantiate()
         writer = cfg.summary_writer.clone()
-        if writer.dir is None and parent is not None and getattr(parent.config, "dir", None):
-            writer.dir = f"{parent.config.dir}/summaries/{self.name}"
+        run: Optional[RunDir] = getattr(parent, "run_dir", None)  # The trainer's.
+        if writer.dir is None and run is not None:
+            writer.dir = run.summaries(self.name)
         if writer.dir is not None:
             self._add_child("summary_writer", writer)
 

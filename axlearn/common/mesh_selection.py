@@ -1,12 +1,15 @@
-"""The mesh rule for the devices at hand: the instance type that names a run's devices
-(`gpu-h100-8`, `tpu-v5p-1024`, `cpu`), the check of a `--mesh_selector` against them, and
-the one selector of a config's `mesh_rules` (first full-regex match).
+"""The mesh rule for the devices at hand. `mesh_rule_for` is the one reading of
+`--mesh_selector` (`none` included): from the flag and the devices to the rule of a
+config's `mesh_rules` to apply. Its steps: the instance type that names a run's devices
+(`instance_type`: `gpu-h100-8`, `tpu-v5p-1024`, `cpu`), the check of a selector against
+them (`selector_contradiction`), and the first rule whose regex fully matches it
+(`select_mesh_rule`).
 """
 
 import logging
 import re
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from axlearn.common.config import ConfigError
 
@@ -39,7 +42,7 @@ def _tpu_family(device_kind: str) -> str:
     return _TPU_FAMILIES.get(version, version.replace(" ", ""))
 
 
-def mesh_selector_for_devices(platform: str, device_kind: str, count: int) -> str:
+def instance_type(platform: str, device_kind: str, count: int) -> str:
     """The instance type that names a run's devices, for matching mesh rules: (platform,
     device kind of the first device, number of devices over all processes) ->
     'gpu-h100-8', 'gpu-a100-8', 'tpu-v5p-1024' (TensorCores, as the fleets count them), or
@@ -60,7 +63,7 @@ def selector_contradiction(
 ) -> Optional[str]:
     """Why `selector` cannot name these devices (another platform, another device count),
     or None. Names that do not start with cpu, gpu or tpu are the user's own: not checked."""
-    detected = mesh_selector_for_devices(platform, device_kind, count)
+    detected = instance_type(platform, device_kind, count)
     parts = selector.split("-")
     if parts[0] not in ("cpu", "gpu", "tpu"):
         return None
@@ -76,27 +79,59 @@ def selector_contradiction(
     return None
 
 
-def mesh_selector_from_devices(flag_value: Optional[str]) -> Optional[str]:
-    """The selector a run uses: `flag_value` once checked against the devices JAX sees, or
-    (unset) the name of those devices; None for `none`."""
-    import jax  # pylint: disable=import-outside-toplevel
+class MeshRule(NamedTuple):
+    """The mesh rule a run applies: the selector that chose it, the pattern it matched, and
+    the rule's value (a mesh shape, or a config modifier)."""
 
-    device, count = jax.devices()[0], jax.device_count()
-    detected = mesh_selector_for_devices(device.platform, device.device_kind, count)
-    devices = f"{count} {device.device_kind} device{'s' if count > 1 else ''} ({detected})"
-    if flag_value == NO_MESH_RULE:
-        log.info("--mesh_selector=none: no mesh rule; the config's own mesh_shape on %s", devices)
+    selector: str
+    pattern: str
+    rule: Any
+
+
+def mesh_rule_for(
+    flag_value: Optional[str],
+    mesh_rules: Optional[Sequence[tuple[str, Any]]],
+    *,
+    devices: Optional[Sequence[Any]] = None,
+    config_name: str = "the config",
+) -> Optional[MeshRule]:
+    """The one reading of `--mesh_selector`: the rule of `mesh_rules` to apply, or None
+    for none (`NO_MESH_RULE`: the config's own mesh_shape).
+
+    With `devices` (JAX's, over all processes): a selector is checked against them (one
+    that names other devices is a ConfigError) and, unset, named from them
+    (`instance_type`). Without (printing another host's config, tests): the selector is
+    taken as given, and unset means no rule. The first rule whose regex matches all of the
+    selector applies (`select_mesh_rule`); none matching is a ConfigError.
+    """
+    selector = flag_value or None
+    if devices is not None:
+        device, count = devices[0], len(devices)
+        detected = instance_type(device.platform, device.device_kind, count)
+        described = f"{count} {device.device_kind} device{'s' if count > 1 else ''} ({detected})"
+        if selector is None:
+            log.info("Mesh selector %s, named from this run's devices: %s", detected, described)
+            selector = detected
+        elif selector != NO_MESH_RULE:
+            reason = selector_contradiction(selector, device.platform, device.device_kind, count)
+            if reason:
+                raise ConfigError(
+                    f"--mesh_selector={selector} contradicts this run's devices, {described}: "
+                    f"{reason}; leave the flag out to use {detected}"
+                )
+    if selector == NO_MESH_RULE:
+        on = "" if devices is None else f" on {described}"
+        log.info("--mesh_selector=none: no mesh rule; the config's own mesh_shape%s", on)
         return None
-    if flag_value:
-        reason = selector_contradiction(flag_value, device.platform, device.device_kind, count)
-        if reason:
-            raise ConfigError(
-                f"--mesh_selector={flag_value} contradicts this run's devices, {devices}: "
-                f"{reason}; leave the flag out to use {detected}"
-            )
-        return flag_value
-    log.info("Mesh selector %s, named from this run's devices: %s", detected, devices)
-    return detected
+    if selector is None:
+        return None
+    pattern, rule = select_mesh_rule(mesh_rules, selector, config_name=config_name)
+    what = type(rule).__qualname__.split(".")[0] if hasattr(rule, "klass") else f"mesh {rule}"
+    log.info(
+        "Mesh selector %s: %s's rule %r, %s (see --print_config)",
+        selector, config_name, pattern, what,
+    )
+    return MeshRule(selector, pattern, rule)
 
 
 def select_mesh_rule(

@@ -1308,21 +1308,8 @@ def adafactor_optimizer(
     Ours, not optax.adafactor: optax factors a parameter's two largest axes and takes b2
     only as the exponent of its power-law decay.
     """
-    if weight_decay is not None and weight_decay_scale_by_learning_rate_exponent is None:
-        raise ConfigError(
-            "adafactor_optimizer.weight_decay_scale_by_learning_rate_exponent must be set when "
-            f"weight_decay is (weight_decay={weight_decay!r}; 1: decay scaled by the learning "
-            "rate, 0: not scaled)"
-        )
-    if dtype_momentum is not None:
-        dtype_momentum = jnp.dtype(dtype_momentum)
-        if dtype_momentum not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-            raise ConfigError(
-                f"adafactor_optimizer.dtype_momentum={dtype_momentum.name}: float32, bfloat16 "
-                "or None (the parameter's); AXLearn's quantized int8/int16 momentum is not "
-                "supported"
-            )
     exponent = weight_decay_scale_by_learning_rate_exponent
+    dtype_momentum = _adafactor_momentum_dtype(dtype_momentum, weight_decay, exponent)
     eps_scale = 1e-3 if eps_scale is None else eps_scale
     min_dim_size_to_factor = 128 if min_dim_size_to_factor is None else min_dim_size_to_factor
 
@@ -1369,9 +1356,9 @@ def adafactor_optimizer(
             r, c, v, v_hat = _adafactor_second_moment(
                 axes_of(info), jnp.square(g) + eps, r, c, v, beta
             )
-            step_size = lr_t
-            if multiply_by_parameter_scale:  # A relative step: scaled by the parameter's RMS.
-                step_size = lr_t * jnp.maximum(eps_scale, _rms(p))
+            step_size = (
+                lr_t * jnp.maximum(eps_scale, _rms(p)) if multiply_by_parameter_scale else lr_t
+            )
             u, m = _adafactor_direction(
                 g, v_hat, m, step_size=step_size, clipping_threshold=clipping_threshold, b1=b1
             )
@@ -1390,12 +1377,7 @@ def adafactor_optimizer(
             what="adafactor_optimizer",
         )
         if apply_scale_by_trust_ratio:
-            step = treedef.unflatten(
-                [
-                    _trust_ratio_scaled(s, p, eps)
-                    for s, p in zip(treedef.flatten_up_to(step), _values_list(params))
-                ]
-            )
+            step = _trust_ratio_steps(step, params, eps, treedef)
         new_state = AdafactorState(
             state.count + 1, *(treedef.unflatten(x) for x in (new_r, new_c, new_v, new_m))
         )
@@ -1421,6 +1403,41 @@ def adafactor_optimizer(
 
     return PartitionedGradientTransformation(
         init, update, partition, lambda state: lr(state.count)
+    )
+
+
+def _adafactor_momentum_dtype(
+    dtype_momentum: Any, weight_decay: Optional[float], exponent: Optional[float]
+) -> Any:
+    """adafactor_optimizer's `dtype_momentum` as a dtype (None stays None), once its
+    options are checked: a `weight_decay` needs its learning-rate exponent; the momentum is
+    float32 or bfloat16."""
+    if weight_decay is not None and exponent is None:
+        raise ConfigError(
+            "adafactor_optimizer.weight_decay_scale_by_learning_rate_exponent must be set when "
+            f"weight_decay is (weight_decay={weight_decay!r}; 1: decay scaled by the learning "
+            "rate, 0: not scaled)"
+        )
+    if dtype_momentum is None:
+        return None
+    dtype_momentum = jnp.dtype(dtype_momentum)
+    if dtype_momentum not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ConfigError(
+            f"adafactor_optimizer.dtype_momentum={dtype_momentum.name}: float32, bfloat16 "
+            "or None (the parameter's); AXLearn's quantized int8/int16 momentum is not "
+            "supported"
+        )
+    return dtype_momentum
+
+
+def _trust_ratio_steps(steps: Nested, params: Nested, eps: float, treedef: Any) -> Nested:
+    """Each parameter's step (of the gradients' `treedef`) rescaled to the parameter's
+    norm (`_trust_ratio_scaled`)."""
+    return treedef.unflatten(
+        [
+            _trust_ratio_scaled(s, p, eps)
+            for s, p in zip(treedef.flatten_up_to(steps), _values_list(params))
+        ]
     )
 
 
@@ -1590,46 +1607,11 @@ def muon_optimizer(
     """
     lr = for_update_count(learning_rate)
     adam_lr = for_update_count(adamw_learning_rate) if adamw_learning_rate is not None else lr
-    rules = []
-    muon_rules = muon_rules if muon_rules is not None else DEFAULT_MUON_RULES
-    for i, (pattern, target) in enumerate(muon_rules):
-        if target not in ("muon", "adamw"):
-            raise ConfigError(f"muon_rules[{i}]: target must be 'muon' or 'adamw', got {target!r}")
-        rules.append((re.compile(pattern), target))
-
-    def uses_muon(info: _ParamInfo) -> bool:
-        if _matrix_layout(info) is None:
-            return False
-        for regex, target in rules:
-            if regex.fullmatch(info.path):
-                return target == "muon"
-        return False
-
-    def split(tree, muon_fn, adam_fn):
-        """Three state trees (momentum, mu, nu) from per-parameter constructors."""
-        _, treedef = _flatten_params(tree)
-        momentum, mu, nu = [], [], []
-        for info in _param_infos(tree):
-            muon = uses_muon(info)
-            momentum.append(muon_fn(info) if muon else None)
-            mu.append(None if muon else adam_fn(info))
-            nu.append(None if muon else adam_fn(info))
-        return tuple(treedef.unflatten(x) for x in (momentum, mu, nu))
+    rules = _muon_rules(muon_rules if muon_rules is not None else DEFAULT_MUON_RULES)
 
     def init(params):
         zeros = lambda info: jnp.zeros(info.shape, info.dtype)  # noqa: E731
-        return MuonState(_count_init(), *split(params, zeros, zeros))
-
-    def orthogonalized(info: _ParamInfo, d: Tensor) -> Tensor:
-        perm, batch, fan_in, fan_out = _matrix_layout(info)
-        matrices = jnp.transpose(d, perm).reshape(batch, fan_in, fan_out)
-        o = newton_schulz_orthogonalize(matrices, steps=ns_steps, dtype=ns_dtype)
-        if matched_adamw_rms is None:
-            o = o * np.sqrt(max(1.0, fan_out / fan_in))
-        else:
-            o = o * (matched_adamw_rms * np.sqrt(max(fan_in, fan_out)))
-        permuted_shape = tuple(info.shape[a] for a in perm)
-        return jnp.transpose(o.reshape(permuted_shape), np.argsort(perm))
+        return MuonState(_count_init(), *_muon_layout(params, rules, zeros, zeros))
 
     def update(grads, state, params=None):
         params = _require_params(params, "muon_optimizer")
@@ -1652,16 +1634,18 @@ def muon_optimizer(
         new_buf, new_mu, new_nu, steps = [], [], [], []
         for info, g, w, buf, mu, nu in per_param:
             g32 = g.astype(jnp.float32)
-            if uses_muon(info):
-                buf32 = momentum * buf + (1 - momentum) * g32
-                d = (1 - momentum) * g32 + momentum * buf32 if nesterov else buf32
-                lr_t, d = muon_lr, orthogonalized(info, d)
-                buf = buf32.astype(buf.dtype)
+            if _uses_muon(info, rules):
+                d, buf = _muon_momentum(g32, buf, momentum=momentum, nesterov=nesterov)
+                lr_t = muon_lr
+                d = _muon_orthogonalized(
+                    info, d, ns_steps=ns_steps, ns_dtype=ns_dtype,
+                    matched_adamw_rms=matched_adamw_rms,
+                )
             else:
-                mu = (adamw_b1 * mu + (1 - adamw_b1) * g32).astype(mu.dtype)
-                nu = (adamw_b2 * nu + (1 - adamw_b2) * g32 * g32).astype(nu.dtype)
-                v_hat = _debias(nu, adamw_b2, count)
-                lr_t, d = adamw_lr, _debias(mu, adamw_b1, count) / (jnp.sqrt(v_hat) + adamw_eps)
+                d, mu, nu = _muon_adamw_direction(
+                    g32, mu, nu, b1=adamw_b1, b2=adamw_b2, eps=adamw_eps, count=count
+                )
+                lr_t = adamw_lr
             # Weight decay is scaled by the learning rate of the parameter's group.
             step = lr_t * (d if w is None else d + w)
             steps.append((-step).astype(g.dtype))
@@ -1671,11 +1655,89 @@ def muon_optimizer(
         return treedef.unflatten(steps), new_state
 
     def partition(param_specs):
-        return MuonState(_scalar_spec(), *split(param_specs, _state_spec, _state_spec))
+        specs = _muon_layout(param_specs, rules, _state_spec, _state_spec)
+        return MuonState(_scalar_spec(), *specs)
 
     return PartitionedGradientTransformation(
         init, update, partition, lambda state: lr(state.count)
     )
+
+
+def _muon_rules(muon_rules: Sequence[tuple[str, str]]) -> list[tuple[re.Pattern, str]]:
+    """muon_optimizer's `muon_rules`, compiled; a target other than 'muon' or 'adamw' is
+    a ConfigError naming the rule."""
+    rules = []
+    for i, (pattern, target) in enumerate(muon_rules):
+        if target not in ("muon", "adamw"):
+            raise ConfigError(f"muon_rules[{i}]: target must be 'muon' or 'adamw', got {target!r}")
+        rules.append((re.compile(pattern), target))
+    return rules
+
+
+def _uses_muon(info: _ParamInfo, rules: list[tuple[re.Pattern, str]]) -> bool:
+    """Whether Muon updates this parameter: a matrix whose path the first fully matching
+    rule sends to 'muon' (no rule matching: AdamW)."""
+    if _matrix_layout(info) is None:
+        return False
+    for regex, target in rules:
+        if regex.fullmatch(info.path):
+            return target == "muon"
+    return False
+
+
+def _muon_layout(
+    tree: Nested, rules: list[tuple[re.Pattern, str]], muon_fn: Callable, adam_fn: Callable
+) -> tuple[Nested, Nested, Nested]:
+    """Muon's three state trees (momentum, mu, nu) for the parameters (or specs) `tree`:
+    `muon_fn(info)` in momentum for Muon parameters, `adam_fn(info)` in mu and nu for the
+    others, None elsewhere."""
+    _, treedef = _flatten_params(tree)
+    momentum, mu, nu = [], [], []
+    for info in _param_infos(tree):
+        muon = _uses_muon(info, rules)
+        momentum.append(muon_fn(info) if muon else None)
+        mu.append(None if muon else adam_fn(info))
+        nu.append(None if muon else adam_fn(info))
+    return tuple(treedef.unflatten(x) for x in (momentum, mu, nu))
+
+
+def _muon_momentum(g32: Tensor, buf: Tensor, *, momentum: float, nesterov: bool):
+    """(direction before orthogonalization, new momentum state) of one Muon parameter."""
+    buf32 = momentum * buf + (1 - momentum) * g32
+    d = (1 - momentum) * g32 + momentum * buf32 if nesterov else buf32
+    return d, buf32.astype(buf.dtype)
+
+
+def _muon_orthogonalized(
+    info: _ParamInfo,
+    d: Tensor,
+    *,
+    ns_steps: int,
+    ns_dtype: Any,
+    matched_adamw_rms: Optional[float],
+) -> Tensor:
+    """`d` orthogonalized per [fan_in, fan_out] matrix (`_matrix_layout`) and scaled: by
+    sqrt(max(1, fan_out / fan_in)), or to AdamW's update RMS with `matched_adamw_rms`."""
+    perm, batch, fan_in, fan_out = _matrix_layout(info)
+    matrices = jnp.transpose(d, perm).reshape(batch, fan_in, fan_out)
+    o = newton_schulz_orthogonalize(matrices, steps=ns_steps, dtype=ns_dtype)
+    if matched_adamw_rms is None:
+        o = o * np.sqrt(max(1.0, fan_out / fan_in))
+    else:
+        o = o * (matched_adamw_rms * np.sqrt(max(fan_in, fan_out)))
+    permuted_shape = tuple(info.shape[a] for a in perm)
+    return jnp.transpose(o.reshape(permuted_shape), np.argsort(perm))
+
+
+def _muon_adamw_direction(
+    g32: Tensor, mu: Tensor, nu: Tensor, *, b1: float, b2: float, eps: float, count: Tensor
+):
+    """(direction, new mu, new nu) of a parameter muon_optimizer leaves to AdamW: the
+    debiased first moment over the root of the debiased second moment plus eps."""
+    mu = (b1 * mu + (1 - b1) * g32).astype(mu.dtype)
+    nu = (b2 * nu + (1 - b2) * g32 * g32).astype(nu.dtype)
+    v_hat = _debias(nu, b2, count)
+    return _debias(mu, b1, count) / (jnp.sqrt(v_hat) + eps), mu, nu
 
 
 def learning_rate_at(

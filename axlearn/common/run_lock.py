@@ -1,9 +1,10 @@
 """One trainer per directory: a lock file naming the process that trains there.
 
-While a run trains, `<trainer_dir>/LOCK` holds JSON naming its holder:
-`{"host": ..., "pid": ..., "start_time": ...}` (process 0 of a multi-process run holds
-it). A second trainer started on the directory fails at once with an error naming the
-holder. A lock left by a process of this host that no longer runs (no process has its
+While a run trains, its lock file (`<trainer_dir>/LOCK`: `run_dir.RunDir.lock_file`, whose
+`lock()` holds it through `hold_on_process_0`) holds JSON naming
+its holder: `{"host": ..., "pid": ..., "start_time": ...}` (process 0 of a multi-process
+run holds it). A second trainer started on the directory fails at once with an error
+naming the holder. A lock left by a process of this host that no longer runs (no process has its
 pid, or the one that has started after the lock was taken) is taken over, with a warning
 naming the old holder; a lock of another host cannot be checked, so it is refused, and
 the error says how to delete it. The holder deletes the file when its run returns,
@@ -27,7 +28,6 @@ from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE_NAME = "LOCK"
 # Created exclusively by the one process taking over a stale lock, for the few
 # instructions between checking the stale lock and replacing it.
 TAKEOVER_SUFFIX = ".takeover"
@@ -163,11 +163,11 @@ def _describe(holder: dict[str, Any]) -> str:
 
 
 class RunLock:
-    """The lock file of one trainer directory (not re-entrant: see `hold`)."""
+    """One lock file, `path` (a trainer directory's LOCK; not re-entrant: see `hold`)."""
 
-    def __init__(self, directory: str):
-        self._directory = directory
-        self._path = os.path.join(directory, LOCK_FILE_NAME)
+    def __init__(self, path: str):
+        self._path = path
+        self._directory = os.path.dirname(path) or "."
         self._text: Optional[str] = None  # Our lock file's text while we hold it.
 
     @property
@@ -281,14 +281,13 @@ _HELD_GUARD = threading.Lock()
 
 
 @contextlib.contextmanager
-def hold(directory: str) -> Iterator[None]:
-    """Holds the lock of `directory` while the block runs.
+def hold(path: str) -> Iterator[None]:
+    """Holds the lock file `path` while the block runs.
 
-    Re-entrant within a thread (the launcher holds it around recording the config and
-    the trainer's run, which holds it again); another thread of this process fails as
-    another process would.
+    Re-entrant within a thread; another thread of this process fails as another process
+    would.
     """
-    key = os.path.abspath(os.path.join(directory, LOCK_FILE_NAME))
+    key = os.path.abspath(path)
     with _HELD_GUARD:
         entry = _HELD.get(key)
         if entry is not None and entry[1] != threading.get_ident():
@@ -296,7 +295,7 @@ def hold(directory: str) -> Iterator[None]:
                 f"{key} is held by another thread of this process (pid {os.getpid()})"
             )
         if entry is None:
-            lock = RunLock(directory)
+            lock = RunLock(path)
             lock.acquire()
             entry = _HELD[key] = [lock, threading.get_ident(), 0]
         entry[2] += 1
@@ -324,8 +323,8 @@ def release_all() -> None:
 
 
 @contextlib.contextmanager
-def hold_on_process_0(directory: str) -> Iterator[None]:
-    """`hold(directory)` on process 0 of a run; every process fails if it cannot.
+def hold_on_process_0(path: str) -> Iterator[None]:
+    """`hold(path)` on process 0 of a run; every process fails if it cannot.
 
     The processes of a multi-process run share the directory: process 0 holds the lock,
     and all of them learn whether it could (a broadcast, once a run), so that a refused
@@ -334,7 +333,7 @@ def hold_on_process_0(directory: str) -> Iterator[None]:
     import jax  # pylint: disable=import-outside-toplevel
 
     if jax.process_count() == 1:
-        with hold(directory):
+        with hold(path):
             yield
         return
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
@@ -344,7 +343,7 @@ def hold_on_process_0(directory: str) -> Iterator[None]:
         error: Optional[RunLockError] = None
         if jax.process_index() == 0:
             try:
-                stack.enter_context(hold(directory))
+                stack.enter_context(hold(path))
             except RunLockError as e:
                 error = e
         locked = bool(multihost_utils.broadcast_one_to_all(np.asarray(error is None)))
@@ -352,7 +351,7 @@ def hold_on_process_0(directory: str) -> Iterator[None]:
             raise error
         if not locked:
             raise RunLockError(
-                f"Process 0 could not lock {os.path.join(directory, LOCK_FILE_NAME)}; "
+                f"Process 0 could not lock {path}; "
                 "its log says which process holds it"
             )
         yield

@@ -17,11 +17,10 @@ from typing import Optional, Union
 from axlearn.common import file_system
 from axlearn.common.config import ConfigError
 from axlearn.common.golden_text import flat_lines
+from axlearn.common.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
-CONFIG_RECORD = "config.txt"  # The resolved config in golden text, in the trainer directory.
-CHECKPOINTS = "checkpoints"  # The trainer's checkpoint directory under the trainer directory.
 # Changed keys an error names before it counts the rest.
 MAX_LISTED_CHANGES = 10
 # The line of a recorded config naming the trainer's class: any recorded config has it.
@@ -125,13 +124,13 @@ def check_trainer_dir(trainer_dir: str) -> None:
         ) from problem
 
 
-def has_checkpoint(trainer_dir: str) -> bool:
+def has_checkpoint(run: RunDir) -> bool:
     """Whether the trainer directory holds a committed checkpoint (a step's index)."""
     # pylint: disable-next=import-outside-toplevel
     from axlearn.common.checkpointer import INDEX_FILE
 
     # Not joined whole: `join` percent-encodes a URL's parts, the glob's '*' included.
-    pattern = f"{file_system.join(trainer_dir, CHECKPOINTS).rstrip('/')}/step_*/{INDEX_FILE}"
+    pattern = f"{run.checkpoints.rstrip('/')}/step_*/{INDEX_FILE}"
     return bool(file_system.glob(pattern))
 
 
@@ -169,7 +168,7 @@ def _listed(changes: Sequence[str]) -> str:
 
 
 def record_config(
-    trainer_dir: str,
+    run: RunDir,
     text: str,
     *,
     allow_change: bool,
@@ -186,9 +185,9 @@ def record_config(
     anything this one resumes. `all_have_read` returns once every process has compared (a
     barrier), so that all compare with the same record.
     """
-    path = file_system.join(trainer_dir, CONFIG_RECORD)
+    path = run.config_record
     if file_system.isfile(path):
-        resumes = has_checkpoint(trainer_dir)
+        resumes = has_checkpoint(run)
         try:
             old = read_record(path)
         except ConfigError:
@@ -217,5 +216,5 @@ def record_config(
             )
     all_have_read()
     if write:
-        file_system.makedirs(trainer_dir)
+        file_system.makedirs(run.root)
         file_system.write_text(path, text)  # Readers see the old record or the whole new one.

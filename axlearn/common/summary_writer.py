@@ -50,6 +50,7 @@ import numpy as np
 from axlearn.common import file_system
 from axlearn.common.config import ConfigError, close_names, config_class
 from axlearn.common.module import Module
+from axlearn.common.run_dir import METRICS_JSONL, WANDB_RUN_ID, RunDir
 from axlearn.common.summary import WeightedScalar
 
 # Event files are flushed at least this often even when `max_queue` is not reached, so a
@@ -57,12 +58,12 @@ from axlearn.common.summary import WeightedScalar
 _FLUSH_SECS = 120.0
 # Buckets of a histogram summary.
 _HISTOGRAM_BUCKETS = 30
-JSONL_FILE_NAME = "metrics.jsonl"
+JSONL_FILE_NAME = METRICS_JSONL  # Each writer's JSON lines, in its directory.
 # Where summaries can go (SummaryWriter.Config.trackers), and where they go by default.
 TRACKERS = ("tensorboard", "jsonl", "wandb")
 DEFAULT_TRACKERS = ("tensorboard", "jsonl")
 # The file in the run directory that holds its W&B run's id.
-WANDB_RUN_ID_FILE = "wandb_run_id"
+WANDB_RUN_ID_FILE = WANDB_RUN_ID
 
 
 class SummaryWriteError(RuntimeError):
@@ -306,7 +307,7 @@ class _WandbRun:
     def _start(self, config: Mapping[str, Any]) -> None:
         import wandb  # pylint: disable=import-outside-toplevel
 
-        id_path = file_system.join(self._run_dir, WANDB_RUN_ID_FILE)
+        id_path = RunDir(self._run_dir).wandb_run_id
         try:
             run_id = file_system.read_text(id_path).strip() or None
         except FileNotFoundError:

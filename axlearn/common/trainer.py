@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -39,6 +38,7 @@ from axlearn.common.input_prefetch import prefetch_in_thread
 from axlearn.common.learner import Learner, restore_with_legacy_schedule_step
 from axlearn.common.module import Module, functional
 from axlearn.common.optimizers import SkipClipState, find_states, global_norm
+from axlearn.common.run_dir import TRAIN_SUMMARIES, RunDir
 from axlearn.common.sharding import (
     batch_shards,
     create_mesh,
@@ -262,10 +262,114 @@ class SpmdTrainer(Module):
         # source fails the restore, naming the parameter. None: saved like the others.
         checkpoint_frozen_params: Optional[bool] = None
 
-    def __init__(self, cfg: Config, *, parent: Optional[Module] = None, devices=None):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        parent: Optional[Module] = None,
+        devices=None,
+        run_dir: Optional[RunDir] = None,
+    ):
+        """`run_dir`: the RunDir of `cfg.dir` that the launcher made (and may hold locked);
+        None: one made here."""
         super().__init__(cfg, parent=parent)
         cfg = self._config
         devices = list(jax.devices() if devices is None else devices)
+        self._check_fields()
+        mesh_shape = infer_mesh_shape(cfg.mesh_shape, len(devices))
+        self._mesh = create_mesh(mesh_shape, cfg.mesh_axis_names, devices)
+        self._devices = devices
+        log.info(
+            "Mesh %s over %d %s devices", dict(self._mesh.shape), len(devices), devices[0].platform
+        )
+
+        self._add_child("model", cfg.model)
+        self._add_child("learner", cfg.learner)
+        self._add_child("input", cfg.input.clone(is_training=True))
+        # Every path under the trainer directory comes from it (None: nothing is written).
+        if run_dir is None and cfg.dir is not None:
+            run_dir = RunDir(cfg.dir)
+        if run_dir is not None and run_dir.root != cfg.dir:
+            raise ValueError(f"{self.path()}: run_dir {run_dir.root} is not dir {cfg.dir}")
+        self._run_dir: Optional[RunDir] = run_dir
+        if run_dir is not None:
+            self._add_run_dir_children(run_dir)
+        self._model_param_specs = self.model.create_parameter_specs_recursively()
+        self._check_parameters_split_evenly()
+        # Model parameter paths that checkpoints leave out (checkpoint_frozen_params).
+        self._unsaved_paths: frozenset = frozenset()
+        if cfg.checkpoint_frozen_params is False:
+            self._unsaved_paths = frozen_param_paths(self.learner, self._model_param_specs)
+        self._frozen_fingerprint: Optional[dict[str, int]] = None  # Of the unsaved params.
+        # What a step carries of the weights besides (or instead of) their float32 values.
+        self._weight_copies = WeightCopies(
+            self._model_param_specs,
+            train_dtype=cfg.train_dtype,
+            carry=cfg.carry_train_dtype_weights,
+            split=cfg.split_carried_weights,
+            path=self.path(),
+        )
+        self._evalers = self._add_evalers()
+        self._step = 0
+        self._skipped_steps = 0  # The optimizer's count of skipped steps, as last checked.
+        self._bad_steps = BadStepCounts()
+        self._checked_step: Optional[int] = None  # The last step `_check_finite` checked.
+        self._window_loss = perf.WindowMean()  # Losses checked since the last console line.
+        # (step, its parameter norm or None) of the saved (or restored) step whose verdict
+        # waits for the check of the step after it (`_judge_saved_step`); None: none waits.
+        self._awaiting_verdict: Optional[tuple[int, Optional[float]]] = None
+        # The parameter norm of the newest state judged good (at the start: the restored or
+        # initial state's); None: not known.
+        self._good_param_norm: Optional[float] = None
+        self._checked_param_norm: Optional[float] = None  # Of the last checked step, if known.
+        self._restore_step: Optional[int] = None  # run()'s or evaluate()'s restore_step.
+        self._input_state: Optional[dict[str, Any]] = None  # After the last consumed batch.
+        self._state: Optional[TrainerState] = None
+        self._jit_train_step = None
+        self._jit_parameter_norm = None
+        self._jit_model_params = None
+        self._stop: Optional[preemption.StopRequest] = None  # While run() runs.
+
+    def _add_run_dir_children(self, run: RunDir) -> None:
+        """The children that write under the run directory: the checkpointer and the
+        trainer's summary writer."""
+        cfg = self._config
+        self._add_child("checkpointer", cfg.checkpointer.clone(dir=run.checkpoints))
+        writer_cfg = cfg.summary_writer.clone(dir=run.summaries(TRAIN_SUMMARIES))
+        if "run_dir" in writer_cfg.keys():  # The W&B run's, shared with the evalers.
+            writer_cfg.run_dir = run.root
+        self._add_child("summary_writer", writer_cfg)
+
+    def _add_evalers(self) -> dict[str, Module]:
+        """The evalers of cfg.evalers, as children: over the training batch axes, in the
+        training microbatch size unless they name their own, each writing its summaries
+        under the run directory."""
+        cfg, run = self._config, self._run_dir
+        evalers = {}
+        for name, evaler_cfg in cfg.evalers.items():
+            # Evaluation batches are split over the same mesh axes as training batches.
+            evaler_cfg = evaler_cfg.clone(batch_axis_names=cfg.batch_axis_names)
+            if evaler_cfg.per_device_microbatch_size is None:
+                # Eval batches are as large as training ones: a share that training runs
+                # in microbatches would not fit one forward pass either.
+                evaler_cfg.per_device_microbatch_size = cfg.per_device_microbatch_size
+            if run is not None and "dir" in evaler_cfg.summary_writer.keys():
+                evaler_cfg.summary_writer.dir = run.summaries(name)
+                if "run_dir" in evaler_cfg.summary_writer.keys():  # One W&B run for all.
+                    evaler_cfg.summary_writer.run_dir = run.root
+            evalers[name] = self._add_child(
+                name,
+                evaler_cfg,
+                model=self.model,
+                model_param_partition_specs=self._model_param_specs,
+            )
+        return evalers
+
+    def _check_fields(self) -> None:
+        """ConfigErrors naming the field, for fields that no type annotation checks: the
+        mesh's two lists, the weight copies' options, the bad-step limit, microbatches and
+        gradient accumulation, the preemption grace period."""
+        cfg = self._config
         if len(cfg.mesh_shape) != len(cfg.mesh_axis_names):
             raise ConfigError(
                 f"{self.path()}: mesh_shape {tuple(cfg.mesh_shape)} and mesh_axis_names "
@@ -302,85 +406,17 @@ class SpmdTrainer(Module):
                 f"{self.path()}.preemption_grace_period_s must be None or a positive number "
                 f"of seconds, got {grace!r}"
             )
-        mesh_shape = infer_mesh_shape(cfg.mesh_shape, len(devices))
-        self._mesh = create_mesh(mesh_shape, cfg.mesh_axis_names, devices)
-        self._devices = devices
-        log.info(
-            "Mesh %s over %d %s devices", dict(self._mesh.shape), len(devices), devices[0].platform
-        )
-
-        self._add_child("model", cfg.model)
-        self._add_child("learner", cfg.learner)
-        self._add_child("input", cfg.input.clone(is_training=True))
-        trainer_dir = cfg.dir
-        if trainer_dir is not None:
-            self._add_child(
-                "checkpointer", cfg.checkpointer.clone(dir=os.path.join(trainer_dir, "checkpoints"))
-            )
-            writer_cfg = cfg.summary_writer.clone(
-                dir=os.path.join(trainer_dir, "summaries", "train")
-            )
-            if "run_dir" in writer_cfg.keys():  # The W&B run's, shared with the evalers.
-                writer_cfg.run_dir = trainer_dir
-            self._add_child("summary_writer", writer_cfg)
-        self._model_param_specs = self.model.create_parameter_specs_recursively()
-        self._check_parameters_split_evenly()
-        # Model parameter paths that checkpoints leave out (checkpoint_frozen_params).
-        self._unsaved_paths: frozenset = frozenset()
-        if cfg.checkpoint_frozen_params is False:
-            self._unsaved_paths = frozen_param_paths(self.learner, self._model_param_specs)
-        self._frozen_fingerprint: Optional[dict[str, int]] = None  # Of the unsaved params.
-        # What a step carries of the weights besides (or instead of) their float32 values.
-        self._weight_copies = WeightCopies(
-            self._model_param_specs,
-            train_dtype=cfg.train_dtype,
-            carry=cfg.carry_train_dtype_weights,
-            split=cfg.split_carried_weights,
-            path=self.path(),
-        )
-        self._evalers = {}
-        for name, evaler_cfg in cfg.evalers.items():
-            # Evaluation batches are split over the same mesh axes as training batches.
-            evaler_cfg = evaler_cfg.clone(batch_axis_names=cfg.batch_axis_names)
-            if evaler_cfg.per_device_microbatch_size is None:
-                # Eval batches are as large as training ones: a share that training runs
-                # in microbatches would not fit one forward pass either.
-                evaler_cfg.per_device_microbatch_size = cfg.per_device_microbatch_size
-            if trainer_dir is not None and "dir" in evaler_cfg.summary_writer.keys():
-                evaler_cfg.summary_writer.dir = os.path.join(trainer_dir, "summaries", name)
-                if "run_dir" in evaler_cfg.summary_writer.keys():  # One W&B run for all.
-                    evaler_cfg.summary_writer.run_dir = trainer_dir
-            self._evalers[name] = self._add_child(
-                name,
-                evaler_cfg,
-                model=self.model,
-                model_param_partition_specs=self._model_param_specs,
-            )
-        self._step = 0
-        self._skipped_steps = 0  # The optimizer's count of skipped steps, as last checked.
-        self._bad_steps = BadStepCounts()
-        self._checked_step: Optional[int] = None  # The last step `_check_finite` checked.
-        self._window_loss = perf.WindowMean()  # Losses checked since the last console line.
-        # (step, its parameter norm or None) of the saved (or restored) step whose verdict
-        # waits for the check of the step after it (`_judge_saved_step`); None: none waits.
-        self._awaiting_verdict: Optional[tuple[int, Optional[float]]] = None
-        # The parameter norm of the newest state judged good (at the start: the restored or
-        # initial state's); None: not known.
-        self._good_param_norm: Optional[float] = None
-        self._checked_param_norm: Optional[float] = None  # Of the last checked step, if known.
-        self._restore_step: Optional[int] = None  # run()'s or evaluate()'s restore_step.
-        self._input_state: Optional[dict[str, Any]] = None  # After the last consumed batch.
-        self._state: Optional[TrainerState] = None
-        self._jit_train_step = None
-        self._jit_parameter_norm = None
-        self._jit_model_params = None
-        self._stop: Optional[preemption.StopRequest] = None  # While run() runs.
 
     # ----- properties -----
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
         return self._mesh
+
+    @property
+    def run_dir(self) -> Optional[RunDir]:
+        """The paths under `dir` (None: the trainer writes nothing)."""
+        return self._run_dir
 
     @property
     def step(self) -> int:
@@ -833,8 +869,8 @@ class SpmdTrainer(Module):
         checkpoints are judged bad: the run goes on from the chosen step, and replaces
         them as it reaches their steps.
 
-        Holds the directory's lock while it runs (`run_lock`: a second trainer there fails
-        at once). SIGTERM or SIGINT stops it early: it finishes the current step, saves
+        Holds the directory's lock while it runs (`RunDir.lock`: a second trainer there
+        fails at once), unless its RunDir, the launcher's, is held already. SIGTERM or SIGINT stops it early: it finishes the current step, saves
         it, flushes the summaries and raises `preemption.Preempted` (the launcher exits
         with `preemption.PREEMPTED_EXIT_CODE`) within `preemption_grace_period_s`; a
         second SIGINT exits at once.
@@ -844,8 +880,8 @@ class SpmdTrainer(Module):
         self._restore_step = restore_step
         grace = cfg.preemption_grace_period_s or preemption.DEFAULT_GRACE_PERIOD_S
         with contextlib.ExitStack() as stack:
-            if cfg.dir is not None:
-                stack.enter_context(run_lock.hold_on_process_0(cfg.dir))
+            if self._run_dir is not None:
+                stack.enter_context(self._run_dir.lock())
             self._stop = stack.enter_context(
                 preemption.StopRequest(grace_period_s=grace, on_forced_exit=run_lock.release_all)
             )
@@ -1028,9 +1064,9 @@ class SpmdTrainer(Module):
             and cfg.start_trace_steps
             and self._step in cfg.start_trace_steps
             and jax.process_index() in cfg.start_trace_process_indices
-            and cfg.dir is not None
+            and self._run_dir is not None
         ):
-            trace_dir = os.path.join(cfg.dir, "traces")
+            trace_dir = self._run_dir.traces
             jax.profiler.start_trace(trace_dir)
             tracing_until = self._step + (cfg.start_trace_num_steps or 3)
             log.info("Tracing steps %d-%d into %s", self._step + 1, tracing_until, trace_dir)

@@ -38,12 +38,11 @@ from axlearn.common.input_vocab import (
     file_sha256,
     resolve_vocab_file,
 )
+from axlearn.common.run_dir import RunDir
 from axlearn.common.utils import flatten_with_paths, unflatten_paths
 
 log = logging.getLogger(__name__)
 
-CONFIG_RECORD = "config.txt"  # As launch_trainer writes it.
-CHECKPOINTS = "checkpoints"  # The trainer's checkpoint directory under its dir.
 BYTES_TOKENIZER = BYTES_VOCAB_NAME  # `recorded_tokenizer` for the byte vocabulary.
 # Inputs that read the built-in corpus, tokenized as bytes.
 _BYTE_INPUTS = ("axlearn.common.input_builtin.BuiltinTextInput",)
@@ -55,7 +54,7 @@ _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 def read_trainer_config(trainer_dir: str) -> ConfigBase:
     """The trainer config the run recorded (<trainer_dir>/config.txt), built again."""
-    path = file_system.join(trainer_dir, CONFIG_RECORD)
+    path = RunDir(trainer_dir).config_record
     if not file_system.isfile(path):
         raise ConfigError(
             f"{path}: no such file; is {trainer_dir} the --trainer_dir of a run started by "
@@ -109,7 +108,7 @@ def restore_model_params(
     )
     full_template = template
     template = trainer_lib.drop_paths(template, unsaved) if unsaved else template
-    directory = file_system.join(trainer_dir, CHECKPOINTS)
+    directory = RunDir(trainer_dir).checkpoints
     checkpointer = Checkpointer.default_config().set(name="checkpointer", dir=directory)
     checkpointer = checkpointer.instantiate(parent=None)
     try:
@@ -174,7 +173,7 @@ def _with_frozen_params(
 def latest_restorable_step(trainer_dir: str) -> int:
     """The newest committed checkpoint step of `trainer_dir` not judged bad (the one
     `restore_model_params` takes by default); ConfigError if there is none."""
-    directory = file_system.join(trainer_dir, CHECKPOINTS)
+    directory = RunDir(trainer_dir).checkpoints
     checkpointer = Checkpointer.default_config().set(name="checkpointer", dir=directory)
     checkpointer = checkpointer.instantiate(parent=None)
     try:

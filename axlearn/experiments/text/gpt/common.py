@@ -277,7 +277,52 @@ def model_config(
     `remat_spec`: per-layer rematerialization (None: none; `attention.build_remat_spec()`
     saves the attention projections and context and recomputes the MLP).
     """
-    fsdp_model = (FSDP_AXIS_NAMES, "model")
+    layer = TransformerLayer.default_config()
+    layer.self_attention.set(
+        attention=_attention_config(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, rope_theta=rope_theta,
+            qk_norm=qk_norm, norm_eps=norm_eps,
+        ),
+        norm=rms_norm_config(norm_eps),
+        structure="prenorm",
+    )
+    _set_feed_forward(
+        layer.feed_forward, activation=activation, hidden_dim=hidden_dim, norm_eps=norm_eps,
+        extra_summaries=extra_ffn_summaries,
+    )
+    layer.remat_spec = remat_spec
+    decoder = Decoder.default_config().set(
+        attention_mask=None,  # Causal masking happens inside attention (causal=True).
+        dim=dim,
+        dropout_rate=0.0,
+        eos_token_id=1,
+        pad_token_id=0,
+        vocab_size=vocab_size,
+        logits_partition_spec=ACTIVATION_PARTITION_SPEC,
+        output_norm=rms_norm_config(norm_eps),
+        transformer=_layer_stack(layer, stack=stack, num_layers=num_layers),
+        lm_head=lm_head,
+        logits_soft_cap=logits_soft_cap,
+    )
+    decoder.emb.token_emb.set(
+        param_init=weight_init_config("fan_out"), param_partition_spec=(FSDP_AXIS_NAMES, "model")
+    )
+    return Model.default_config().set(
+        batch_axis_names=MODEL_BATCH_AXIS_NAMES,
+        seq_axis_names=("seq",),
+        decoder=decoder,
+        dtype=jnp.float32,
+        param_init=weight_init_config("fan_in"),
+        z_loss_scale=z_loss_scale,
+        attend_across_documents=attend_across_documents,
+    )
+
+
+def _attention_config(
+    *, num_heads: int, num_kv_heads: int, rope_theta: float, qk_norm: bool, norm_eps: float
+) -> GroupedQueryAttention.Config:
+    """model_config's causal attention: grouped-query, fused QKV under RoPE, optional
+    QK-norm, no biases, weights split over the FSDP and model axes."""
     qkv = FusedGroupedQKVLinear.default_config().set(
         cache_dtype=jnp.bfloat16, num_kv_heads=num_kv_heads
     )
@@ -293,12 +338,19 @@ def model_config(
     if qk_norm:
         attention.query_scale = ScaleQuery.default_config().set(norm=rms_norm_config(norm_eps))
         attention.key_scale = ScaleKey.default_config().set(norm=rms_norm_config(norm_eps))
+    return attention
 
-    layer = TransformerLayer.default_config()
-    layer.self_attention.set(
-        attention=attention, norm=rms_norm_config(norm_eps), structure="prenorm"
-    )
-    ffn = layer.feed_forward
+
+def _set_feed_forward(
+    ffn: ConfigBase,
+    *,
+    activation: Union[str, Sequence[str]],
+    hidden_dim: int,
+    norm_eps: float,
+    extra_summaries: bool,
+) -> None:
+    """model_config's MLP, set on the layer's `ffn`: pre-norm, no biases, activations in
+    ACTIVATION_PARTITION_SPEC; `extra_summaries`: dead neurons and the output's RMS."""
     ffn.set(
         activation=activation,
         hidden_dim=hidden_dim,
@@ -306,51 +358,29 @@ def model_config(
         residual_weight=1.0,
         structure="prenorm",
     )
-    if extra_ffn_summaries:
+    if extra_summaries:
         ffn.set(add_dead_neuron_summary=True, add_value_rms_norm_summary=["linear2_outputs"])
     ffn.linear1.set(
-        bias=False, output_partition_spec=ACTIVATION_PARTITION_SPEC, param_partition_spec=fsdp_model
+        bias=False,
+        output_partition_spec=ACTIVATION_PARTITION_SPEC,
+        param_partition_spec=(FSDP_AXIS_NAMES, "model"),
     )
     ffn.linear2.set(
         bias=False,
         output_partition_spec=ACTIVATION_PARTITION_SPEC,
         param_partition_spec=("model", FSDP_AXIS_NAMES),
     )
-    layer.remat_spec = remat_spec
 
+
+def _layer_stack(layer: ConfigBase, *, stack: str, num_layers: int) -> ConfigBase:
+    """`num_layers` copies of `layer`: 'repeat' (under jax.lax.scan) or 'stack' (unrolled)."""
     if stack == "repeat":
         transformer = RepeatedTransformerLayer.default_config()
     elif stack == "stack":
         transformer = StackedTransformerLayer.default_config()
     else:
         raise ValueError(f"stack must be 'repeat' or 'stack', got {stack!r}")
-    transformer.set(layer=layer, num_layers=num_layers)
-
-    decoder = Decoder.default_config().set(
-        attention_mask=None,  # Causal masking happens inside attention (causal=True).
-        dim=dim,
-        dropout_rate=0.0,
-        eos_token_id=1,
-        pad_token_id=0,
-        vocab_size=vocab_size,
-        logits_partition_spec=ACTIVATION_PARTITION_SPEC,
-        output_norm=rms_norm_config(norm_eps),
-        transformer=transformer,
-        lm_head=lm_head,
-        logits_soft_cap=logits_soft_cap,
-    )
-    decoder.emb.token_emb.set(
-        param_init=weight_init_config("fan_out"), param_partition_spec=fsdp_model
-    )
-    return Model.default_config().set(
-        batch_axis_names=MODEL_BATCH_AXIS_NAMES,
-        seq_axis_names=("seq",),
-        decoder=decoder,
-        dtype=jnp.float32,
-        param_init=weight_init_config("fan_in"),
-        z_loss_scale=z_loss_scale,
-        attend_across_documents=attend_across_documents,
-    )
+    return transformer.set(layer=layer, num_layers=num_layers)
 
 
 # ----- learner -----

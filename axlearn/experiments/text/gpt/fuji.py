@@ -141,9 +141,9 @@ SINGLE_HOST_BATCH_SIZE = 16  # Sequences a step with `single_host`.
 # ----- sizes -----
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Size:
-    """The numbers that distinguish one model size from another."""
+    """The numbers that distinguish one model size from another (named at every use)."""
 
     num_layers: int
     dim: int
@@ -172,15 +172,37 @@ _FSDP = mesh_shape_from_axes(fsdp=-1)
 
 SIZES = {
     "test": Size(
-        4, 8, 4, (8 / 3, 16), 2, Version.V1, True, 6e-4, 0.01, _DATA,
+        num_layers=4, dim=8, num_heads=4, hidden_dim=(8 / 3, 16),
+        num_kv_heads=2, gqa_since=Version.V1, shared_lm_head=True,
+        peak_lr=6e-4, weight_decay=0.01, mesh_shape=_DATA,
         vocab_size=32, max_sequence_length=64, global_batch_size=32, max_step=3000,
         eval_every_n_steps=1500, save_every_n_steps=500,
     ),
-    "1B": Size(16, 2048, 32, 8192, 8, Version.V3, True, 3e-4, 0.1, _DATA_FSDP8),
-    "3B": Size(28, 3072, 24, 8192, 8, Version.V3, True, 3e-4, 0.1, _DATA_FSDP8),
-    "7B": Size(32, 4096, 32, (8 / 3, 256), 8, Version.V3, True, 3e-4, 0.1, _DATA_FSDP8),
-    "8B": Size(32, 4096, 32, (3.5, 256), 8, Version.V3, False, 3e-4, 0.1, _DATA_FSDP8),
-    "70B": Size(80, 8192, 64, (3.5, 256), 8, Version.V2, False, 1.5e-4, 0.1, _FSDP),
+    "1B": Size(
+        num_layers=16, dim=2048, num_heads=32, hidden_dim=8192,
+        num_kv_heads=8, gqa_since=Version.V3, shared_lm_head=True,
+        peak_lr=3e-4, weight_decay=0.1, mesh_shape=_DATA_FSDP8,
+    ),
+    "3B": Size(
+        num_layers=28, dim=3072, num_heads=24, hidden_dim=8192,
+        num_kv_heads=8, gqa_since=Version.V3, shared_lm_head=True,
+        peak_lr=3e-4, weight_decay=0.1, mesh_shape=_DATA_FSDP8,
+    ),
+    "7B": Size(
+        num_layers=32, dim=4096, num_heads=32, hidden_dim=(8 / 3, 256),
+        num_kv_heads=8, gqa_since=Version.V3, shared_lm_head=True,
+        peak_lr=3e-4, weight_decay=0.1, mesh_shape=_DATA_FSDP8,
+    ),
+    "8B": Size(
+        num_layers=32, dim=4096, num_heads=32, hidden_dim=(3.5, 256),
+        num_kv_heads=8, gqa_since=Version.V3, shared_lm_head=False,
+        peak_lr=3e-4, weight_decay=0.1, mesh_shape=_DATA_FSDP8,
+    ),
+    "70B": Size(
+        num_layers=80, dim=8192, num_heads=64, hidden_dim=(3.5, 256),
+        num_kv_heads=8, gqa_since=Version.V2, shared_lm_head=False,
+        peak_lr=1.5e-4, weight_decay=0.1, mesh_shape=_FSDP,
+    ),
 }
 
 
