@@ -19,7 +19,6 @@ from axlearn.common.attention import (
     build_save_matmuls_remat_spec,
 )
 from axlearn.common.input_builtin import BuiltinTextInput
-from axlearn.common.layers import Linear
 from axlearn.common.trainer import SpmdTrainer
 from axlearn.common.trainer_config_modifier import (
     ChainConfigModifier,
@@ -278,15 +277,6 @@ def one_gpu_rule(one_gpu: OneGpu) -> ChainConfigModifier.Config:
     return rule
 
 
-def _lm_head() -> Linear.Config:
-    """An untied LM head as Llama's (weight [dim, vocab], no bias, the layout hf_llama
-    maps to `lm_head.weight`): split over the FSDP axes along dim, vocabulary over
-    'model'."""
-    return Linear.default_config().set(
-        bias=False, param_partition_spec=(common.FSDP_AXIS_NAMES, "model")
-    )
-
-
 def gpt_trainer(
     size_name: str,
     *,
@@ -321,7 +311,7 @@ def gpt_trainer(
         attend_across_documents=None if reference else True,
         qk_norm=reference,
         extra_ffn_summaries=reference,
-        lm_head=_lm_head() if size.untied_lm_head else None,
+        lm_head=common.untied_lm_head() if size.untied_lm_head else None,
     )
     eval_input = common.tfds_text_eval_input(
         dataset_name=EVAL_DATASET,
