@@ -75,7 +75,8 @@ def test_dry_run_builds_every_one_gpu_run_s_config_under_the_h200_rule(capsys):
     assert sweep.main(["--gpus=1", "--dry_run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [run.name for run in sweep.ONE_GPU_RUNS]
-    assert all(f"input.global_batch_size={sweep.ONE_GPU_GLOBAL_BATCH}" in line for line in lines)
+    for run, line in zip(sweep.ONE_GPU_RUNS, lines):
+        assert f"input.global_batch_size={run.global_batch}" in line
 
 
 def test_a_run_s_allocator_share_is_set_in_its_process_environment(monkeypatch):

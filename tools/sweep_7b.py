@@ -150,29 +150,13 @@ ONE_GPU_RUNS = (
 
 # LoRA r16 on the seven maps of a bf16 frozen base (llama_lora, llama3_lora): no weight
 # gradients, so what varies is how many sequences a step holds and what is recomputed.
-_DOTS_SAVED = f"{_LAYER}.remat_spec={{'prevent_cse': False, 'policy': 'dots_with_no_batch_dims_saveable'}}"
 ONE_GPU_RUNS += (
-    _one_gpu("lora_rule", "llama_lora", "config: attention saved, MLP recomputed, 8 sequences", cap_s=150),
+    _one_gpu("lora_config", "llama_lora", "config: 4 sequences, nothing recomputed", global_batch=4, cap_s=150),
     _one_gpu(
-        "lora_b4_noremat", "llama_lora", "no remat, 4 sequences, allocator at 94%",
-        f"{_LAYER}.remat_spec=None", global_batch=4, mem_fraction=0.94, cap_s=150,
+        "lora_b8_ub4", "llama_lora", "8 sequences in 2 microbatches of 4, allocator at 94%",
+        "per_device_microbatch_size=4", mem_fraction=0.94, cap_s=150,
     ),
-    _one_gpu(
-        "lora_b8_ub4_noremat", "llama_lora", "no remat, 2 microbatches of 4, allocator at 94%",
-        f"{_LAYER}.remat_spec=None", "per_device_microbatch_size=4", mem_fraction=0.94, cap_s=150,
-    ),
-    _one_gpu(
-        "lora_b8_dots", "llama_lora", "matmul outputs saved, 8 sequences, allocator at 94%",
-        _DOTS_SAVED, mem_fraction=0.94, cap_s=150,
-    ),
-    _one_gpu(
-        "lora3_b4_noremat", "llama3_lora", "no remat, 4 sequences, allocator at 94%",
-        f"{_LAYER}.remat_spec=None", global_batch=4, mem_fraction=0.94, cap_s=150,
-    ),
-    _one_gpu(
-        "lora3_b8_dots", "llama3_lora", "matmul outputs saved, 8 sequences, allocator at 94%",
-        _DOTS_SAVED, mem_fraction=0.94, cap_s=150,
-    ),
+    _one_gpu("lora3_config", "llama3_lora", "config: 4 sequences, nothing recomputed", global_batch=4, cap_s=150),
 )
 
 # The table: (title, result key, format).
