@@ -369,6 +369,11 @@ class CompiledAhead:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    @property
+    def compiled(self) -> Any:
+        """The executable; None until compiled, or where the compile failed."""
+        return self._compiled
+
     def wait(self) -> None:
         """Returns once the compile has ended, however it ended."""
         self._thread.join()
