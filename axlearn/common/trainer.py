@@ -2,8 +2,11 @@
 
 The trainer builds the mesh, the model, the learner, the input, the evalers, the
 checkpointer and the summary writer from its config; restores the latest committed
-checkpoint in its directory or initializes; then runs one jitted, sharded `train_step`
-per batch until `max_step`, with summaries, evaluation and checkpoints by policy.
+checkpoint in its directory or initializes, while the train step compiles in a thread
+(`compile_ahead`); then runs one jitted, sharded `train_step` per batch until `max_step`,
+with summaries, evaluation and checkpoints by policy. The first step logs where the start
+went (`perf.StartTimes`: process to trainer, state, trackers and first batch, train step
+ready, first step).
 """
 
 import contextlib
