@@ -1027,7 +1027,7 @@ class SpmdTrainer(Module):
         start, self._start_up = self._start_up, None
         if start is not None and start.ahead is not None:
             if not start.ahead.done():
-                log.info("Waiting for the train step's compile to end")
+                log.info("Waiting for the train step's compile (ahead, unused) to end first")
             start.ahead.wait()
 
     def _prepare_to_train(self) -> None:
