@@ -1,5 +1,7 @@
-"""compilation_cache: the cache's place, --jax_config, and (real processes) a second start
-that loads its train step from the cache, or compiles it past damaged entries."""
+"""compilation_cache: the cache's place, --jax_config, compiling ahead in a thread, and
+(real processes) a second start that loads its train step from the cache, compiled ahead,
+and trains as a start that compiles it at the first step, or compiles it past damaged
+entries."""
 
 import os
 import pathlib
@@ -14,6 +16,7 @@ import pytest
 from axlearn.common import compilation_cache
 from axlearn.common.config import ConfigError
 from tests.fresh_python import REPO, fresh_env
+from tests.trainer_script import losses_by_step
 
 
 @pytest.fixture(name="restore_cache")
@@ -114,10 +117,66 @@ def test_without_a_cache_the_outcome_says_so(restore_cache):
     assert outcome.describe() == "no compilation cache"
 
 
+# ----- compiling ahead -----
+
+
+def _abstract(shape, dtype=jnp.float32):
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def test_a_step_compiled_ahead_computes_what_the_jitted_call_does():
+    def step(state, batch):
+        return {"w": state["w"] - 0.1 * batch.mean(axis=0)}, jnp.square(batch).sum()
+
+    jitted = jax.jit(step)
+    ahead = compilation_cache.CompiledAhead(
+        jitted, lambda: ({"w": _abstract((3,))}, _abstract((4, 3))), what="a step",
+        log_fn=lambda message: None,
+    )
+    batch = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+    state = {"w": jnp.ones(3)}
+    got = ahead.result()(state, jnp.asarray(batch))
+    np.testing.assert_allclose(got[0]["w"], 1.0 - 0.1 * batch.mean(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(got[1], np.square(batch).sum(), rtol=1e-5)
+    assert ahead.outcome  # Said where the program came from.
+
+
+def test_an_error_compiling_ahead_is_raised_by_result_as_the_call_raises_it():
+    def step(x):
+        return x @ jnp.ones((5, 2))  # (3,) against (5, 2): a shape error while tracing.
+
+    ahead = compilation_cache.CompiledAhead(
+        jax.jit(step), lambda: (_abstract((3,)),), what="a step", log_fn=lambda message: None
+    )
+    with pytest.raises(TypeError) as direct:
+        jax.jit(step)(jnp.ones(3))
+    with pytest.raises(TypeError) as raised:
+        ahead.result()
+    assert str(raised.value) == str(direct.value)
+
+
+def test_a_mismatch_names_the_first_leaf_that_differs_and_how():
+    expected = {"ids": _abstract((8, 16), jnp.int32), "weights": _abstract((8, 16))}
+    same = {"ids": jnp.zeros((8, 16), jnp.int32), "weights": jnp.zeros((8, 16))}
+    assert compilation_cache.abstract_mismatch(expected, same, "the batch") is None
+    shorter = dict(same, ids=jnp.zeros((8, 12), jnp.int32))
+    assert compilation_cache.abstract_mismatch(expected, shorter, "the batch") == (
+        "the batch['ids'] is int32[8, 12], expected int32[8, 16]"
+    )
+    fewer = {"ids": same["ids"], "mask": same["weights"]}
+    assert compilation_cache.abstract_mismatch(expected, fewer, "the batch") == (
+        "the batch has ['mask'] and lacks ['weights']"
+    )
+    on_host = dict(same, weights=np.zeros((8, 16), np.float32))
+    message = compilation_cache.abstract_mismatch(expected, on_host, "the batch")
+    assert message.startswith("the batch['weights'] is sharded as None, expected ")
+
+
 # ----- real processes -----
 
 
-def _launch(trainer_dir, cache_dir) -> subprocess.CompletedProcess:
+def _launch(trainer_dir, cache_dir, *overrides: str) -> subprocess.CompletedProcess:
     command = [
         sys.executable, "-m", "axlearn.common.launch_trainer_main", "--config=gpt_test",
         "--data_dir=FAKE", f"--trainer_dir={trainer_dir}", "--jax_backend=cpu",
@@ -126,6 +185,8 @@ def _launch(trainer_dir, cache_dir) -> subprocess.CompletedProcess:
         "--config_override=input.max_sequence_length=16",
         "--config_override=evalers={}",
         "--config_override=max_step=2",
+        "--config_override=summary_writer.write_every_n_steps=1",  # Both steps' losses.
+        *(f"--config_override={o}" for o in overrides),
     ]
     env = fresh_env(1)
     env.pop(compilation_cache.CACHE_DIR_ENV, None)
@@ -141,26 +202,37 @@ def _train_step_line(result: subprocess.CompletedProcess) -> str:
     return line
 
 
+def _start_line(result: subprocess.CompletedProcess) -> str:
+    (line,) = [l for l in result.stderr.splitlines() if "Started in " in l]
+    return line
+
+
 @pytest.fixture(name="warm_cache", scope="module")
 def fixture_warm_cache(tmp_path_factory):
-    """A cache that one run of gpt_test filled, and that run's compile line."""
+    """A cache that one run of gpt_test filled, compiling its step at the first step (not
+    ahead); that run's compile line and its trainer directory."""
     root = tmp_path_factory.mktemp("cache_runs")
-    result = _launch(root / "first", root / "cache")
-    return root / "cache", _train_step_line(result)
+    result = _launch(root / "first", root / "cache", "compile_ahead=False")
+    assert "(compiled at the first step: not in the compilation cache)" in _start_line(result)
+    return root / "cache", _train_step_line(result), root / "first"
 
 
 @pytest.mark.slow
 def test_first_start_compiles_and_stores_its_step(warm_cache):
-    cache_dir, line = warm_cache
+    cache_dir, line, _ = warm_cache
     assert line.endswith("(not in the compilation cache)")
     assert any(name.startswith("jit__train_step") for name in os.listdir(cache_dir))
 
 
 @pytest.mark.slow
 def test_second_process_loads_its_step_from_the_cache(warm_cache, tmp_path):
-    cache_dir, _ = warm_cache
-    line = _train_step_line(_launch(tmp_path / "second", cache_dir))
-    assert line.endswith("(loaded from the compilation cache)")
+    cache_dir, _, first_dir = warm_cache
+    result = _launch(tmp_path / "second", cache_dir)
+    assert _train_step_line(result).endswith("(loaded from the compilation cache)")
+    # Compiled ahead, while the state was initialized; the same steps as the first run's.
+    assert "(compiled ahead in " in _start_line(result)
+    assert "does not fit" not in result.stderr
+    assert losses_by_step(str(tmp_path / "second")) == losses_by_step(str(first_dir))
 
 
 @pytest.mark.slow

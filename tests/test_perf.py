@@ -1,8 +1,10 @@
 """The trainer's console beyond the step time: the loss as the mean of the window since the
 last line (perf.WindowMean, perf.progress_line) and the notice of the first step's
-compilation (perf.compile_notice)."""
+compilation (perf.compile_notice); the account of a start (perf.StartTimes,
+perf.process_start_time)."""
 
 import numpy as np
+import pytest
 
 from axlearn.common import perf
 
@@ -37,3 +39,27 @@ def test_the_compile_notice_says_compiling_before_and_the_compile_time_after():
     assert messages == [
         "Compiling the train step...", "dispatched", "Compiled the train step in 4.5s"
     ]
+
+
+# ----- start-up -----
+
+
+def test_the_start_line_lists_each_phase_from_where_the_last_ended():
+    readings = iter([103.5, 104.0, 110.25])
+    times = perf.StartTimes(since=100.0, clock=lambda: next(readings))
+    times.phase("process to trainer")  # 103.5
+    times.phase("state (restore)")  # 104.0
+    times.phase("train step ready", "compiled at the first step", seconds=4.0)  # 108.0
+    times.phase("first step")  # 110.25
+    assert times.line() == (
+        "Started in 10.2 s: process to trainer 3.5 s, state (restore) 0.5 s, train step "
+        "ready 4.0 s (compiled at the first step), first step 2.2 s"
+    )
+
+
+def test_the_process_start_is_the_one_the_system_reports():
+    psutil = pytest.importorskip("psutil")
+    start = perf.process_start_time()
+    assert start is not None
+    # psutil adds the boot time in whole seconds; ours is to 10 ms.
+    assert abs(start - psutil.Process().create_time()) < 1.0

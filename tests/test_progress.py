@@ -55,13 +55,15 @@ class FakeRun:
         self.clock.advance(seconds)
         self.compiling.advance(seconds)
 
-    def step(self, *, compile_s: float = 0.0) -> None:
-        with self.timer.step():
+    def step(self, *, compile_s: float = 0.0, new_program: bool = False) -> None:
+        """`new_program`: the first run of a program compiled before (ahead of the step)."""
+        with self.timer.step(new_program=new_program):
             if compile_s:
                 self.compile(compile_s)
+            if compile_s or new_program:
                 self._pending_first_run = True  # Run when the timer waits.
             self.clock.advance(self.dispatch_s)
-        if not compile_s:
+        if not (compile_s or new_program):
             self.clock.advance(self.run_s)  # The loop waits for the step's loss.
 
 
@@ -77,6 +79,18 @@ def test_the_first_window_leaves_out_the_step_that_compiles():
     assert run.timer.steps == 4
     assert run.timer.mean_step_s() == 1.0  # dispatch 0.25 + run 0.75; no compile, no first run.
     assert run.waits == 1  # Once, after the compiling step.
+
+
+def test_the_first_window_leaves_out_the_first_run_of_a_step_compiled_ahead():
+    run = FakeRun()
+    run.compile(60.0)  # Ahead of the loop, in another thread: not this thread's clock...
+    run.compiling.now = 0.0  # ...(compile clocks are per thread).
+    run.step(new_program=True)
+    for _ in range(4):
+        run.step()
+    assert run.timer.steps == 4
+    assert run.timer.mean_step_s() == 1.0  # The program's first run is left out.
+    assert run.waits == 1
 
 
 def test_a_step_that_recompiles_mid_window_is_left_out():

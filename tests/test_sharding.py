@@ -10,7 +10,9 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from axlearn.common.sharding import batch_axes, batch_shards, create_mesh, global_batch
+from axlearn.common.sharding import (
+    batch_axes, batch_shards, create_mesh, global_batch, global_batch_spec
+)
 
 assert len(jax.devices()) == 8
 mesh = create_mesh((2, 4), ("data", "fsdp"))
@@ -28,6 +30,13 @@ for i, device in enumerate(mesh.devices.flat):
     shard = [s for s in batch["ids"].addressable_shards if s.device == device][0]
     np.testing.assert_array_equal(np.asarray(shard.data), rows[2 * i : 2 * i + 2])
 assert batch["step"].sharding.spec == P() and int(batch["step"]) == 7
+# Without a batch: what global_batch gives one of those shapes and dtypes.
+element_spec = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in
+                {"ids": rows, "step": np.int32(7)}.items()}
+for key, want in global_batch_spec(element_spec, mesh, names).items():
+    got = batch[key]
+    assert (want.shape, want.dtype) == (got.shape, got.dtype), key
+    assert want.sharding == got.sharding, (key, want.sharding, got.sharding)
 
 # Over the 'fsdp' axis alone the rows repeat over 'data'.
 half = global_batch({"ids": rows[:4]}, mesh, "fsdp", path="trainer")
@@ -45,6 +54,7 @@ print("OK")
 
 
 def test_global_batch_splits_rows_over_the_batch_axes_and_names_the_config_on_error():
+    # Also: global_batch_spec gives the shapes, dtypes and shardings without a batch.
     assert_prints_ok(_SCRIPT, devices=8)
 
 

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from axlearn.common.base_layer import (
 from axlearn.common.checkpointer import Checkpointer
 from axlearn.common.config import ConfigError, apply_overrides
 from axlearn.common.input_builtin import BuiltinTextInput
+from axlearn.common.input_fake import FakeLmInput
 from axlearn.common.trainer import NonFiniteLossError, SpmdTrainer, infer_mesh_shape
 from axlearn.common.utils import flatten_with_paths
 from axlearn.experiments.text.gpt import common
@@ -119,16 +121,22 @@ def fixture_reference_run(tmp_path_factory):
     trainer_dir = str(tmp_path_factory.mktemp("reference"))
     cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=6)
     cfg.peak_tflops_per_device = 1.0
+    result, messages = _run_logged(cfg.instantiate(parent=None))
+    return trainer_dir, messages, result
+
+
+def _run_logged(trainer: SpmdTrainer) -> tuple[dict, list[str]]:
+    """trainer.run()'s result, and the trainer's log messages while it ran."""
     logger, records = logging.getLogger("axlearn.common.trainer"), _Records()
     level = logger.level
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
     try:
-        result = cfg.instantiate(parent=None).run()
+        result = trainer.run()
     finally:
         logger.removeHandler(records)
         logger.setLevel(level)
-    return trainer_dir, records.messages, result
+    return result, records.messages
 
 
 def _train_in_two_runs(trainer_dir: str, *, save_input_iterator: bool, before_second_run=None):
@@ -191,6 +199,93 @@ def test_without_the_saved_input_position_a_resumed_run_replays_old_batches(
 
 
 # ----- non-finite losses -----
+
+
+# ----- the train step compiled ahead -----
+
+
+def _start_line(messages: list[str]) -> str:
+    (line,) = [m for m in messages if m.startswith("Started in ")]
+    return line
+
+
+@pytest.fixture(name="first_step_compiled_run", scope="module")
+def fixture_first_step_compiled_run(tmp_path_factory):
+    """The reference run with its step compiled at the first step: (trainer dir, log)."""
+    trainer_dir = str(tmp_path_factory.mktemp("compiled_at_first_step"))
+    cfg = tiny_trainer_config(trainer_dir=trainer_dir, max_step=6).set(compile_ahead=False)
+    _, messages = _run_logged(cfg.instantiate(parent=None))
+    return trainer_dir, messages
+
+
+@pytest.mark.slow
+def test_a_step_compiled_ahead_trains_as_one_compiled_at_the_first_step(
+    reference_run, first_step_compiled_run
+):
+    assert "(compiled ahead in " in _start_line(reference_run[1])
+    assert "(compiled at the first step: " in _start_line(first_step_compiled_run[1])
+    ahead = losses_by_step(reference_run[0])
+    assert sorted(ahead) == list(range(1, 7))
+    assert ahead == losses_by_step(first_step_compiled_run[0])
+
+
+@pytest.mark.slow
+def test_the_start_is_logged_once_naming_its_phases_in_order(reference_run):
+    line = _start_line(reference_run[1])
+    phases = re.findall(r"(?:: |, )([a-z][a-z() ]*?) \d+\.\d s", line)
+    assert phases == [
+        "process to trainer", "state (init)", "trackers and first batch", "train step ready",
+        "first step",
+    ], line
+
+
+@pytest.mark.slow
+def test_a_resumed_run_takes_the_step_compiled_ahead_for_its_restored_state(tmp_path):
+    for max_step in (2, 4):
+        cfg = tiny_trainer_config(trainer_dir=str(tmp_path), max_step=max_step)
+        _, messages = _run_logged(cfg.instantiate(parent=None))
+    line = _start_line(messages)
+    assert "state (restore)" in line and "(compiled ahead in " in line, line
+    assert not [m for m in messages if "does not fit" in m]
+
+
+class _MisdescribedFakeLmInput(FakeLmInput):
+    """FakeLmInput whose element_spec gives input_ids a dtype its batches lack (and that
+    no step can be traced for: the thread's error is not the run's)."""
+
+    def element_spec(self):
+        spec = super().element_spec()
+        spec["input_ids"] = jax.ShapeDtypeStruct((BATCH, SEQ_LEN), np.float32)
+        return spec
+
+
+def test_a_batch_unlike_the_inputs_spec_compiles_at_the_first_step_naming_the_leaf(caplog):
+    input_cfg = _MisdescribedFakeLmInput.default_config().set(
+        is_training=True, global_batch_size=BATCH, max_sequence_length=SEQ_LEN, vocab_size=VOCAB
+    )
+    cfg = tiny_trainer_config(trainer_dir=None, max_step=2, input_cfg=input_cfg)
+    trainer = cfg.instantiate(parent=None)
+    with caplog.at_level(logging.INFO, logger="axlearn.common.trainer"):
+        trainer.run()
+    assert trainer.step == 2
+    assert (
+        "The train step compiled ahead does not fit, so it compiles again: the "
+        "batch['input_ids'] is int32[8, 32], expected float32[8, 32]"
+    ) in caplog.text
+    assert "(compiled at the first step: " in caplog.text
+
+
+def test_an_error_tracing_the_step_ahead_is_raised_by_run_as_at_the_first_step():
+    errors = []
+    for compile_ahead in (None, False):
+        cfg = tiny_trainer_config(trainer_dir=None, max_step=2).set(
+            per_device_microbatch_size=3, compile_ahead=compile_ahead
+        )
+        with pytest.raises(ConfigError) as error:
+            cfg.instantiate(parent=None).run()
+        errors.append(str(error.value))
+    assert errors[0] == errors[1]
+    assert "per_device_microbatch_size=3 does not divide the 8 rows" in errors[0]
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,14 @@ and a compilation cache of its own (`--workdir`/cache, emptied first):
 2. warm, restart: the same run again, resuming from the step the first start saved;
 3. warm, new run: another trainer directory (`--workdir`/new_run), the same config.
 Each start is timed from its launch to its first progress line (the first trained step,
-its loss read back), then stopped with SIGTERM (it saves that step and exits 75). Printed:
+its loss read back), then stopped with SIGTERM (it saves that step and exits 75; its grace
+period is long enough for a slow host). Printed:
 the three times, each warm one as a share of the cold, and each start's compile line for
-the train step (whether it came from the cache). Every start trains with `--max_step`
-steps planned, so that all three compile the same program.
+the train step (whether it came from the cache) and the trainer's own account of where its
+start went ("Started in ...": process to trainer, state, trackers and first batch, train
+step ready, first step; `perf.StartTimes`). Every start trains with `--max_step` steps
+planned, so that all three compile the same program. `--config_override=compile_ahead=False`
+times the starts that compile the train step at the first step instead of ahead.
 """
 
 import os
@@ -34,6 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The trainer's progress line of a step ("step   1/1000 | loss ..."): that step has trained.
 _PROGRESS = re.compile(r"\] step +\d+/\d+ \|")
 _COMPILED = re.compile(r"Compiled the train step in .*")
+_STARTED = re.compile(r"Started in .*")
 
 
 def define_flags(flag_values: flags.FlagValues) -> None:
@@ -56,9 +61,12 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer("timeout_s", 1800, "Seconds a start may take to its first step.", **fv)
 
 
-def time_start(command: Sequence[str], timeout_s: float) -> tuple[float, Optional[str]]:
-    """Seconds from launching `command` to its first progress line, and its compile line
-    for the train step; the start is then stopped (SIGTERM) and waited for."""
+def time_start(
+    command: Sequence[str], timeout_s: float
+) -> tuple[float, Optional[str], Optional[str]]:
+    """Seconds from launching `command` to its first progress line, its compile line for
+    the train step and its start's account; the start is then stopped (SIGTERM) and waited
+    for."""
     path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)
     start = time.monotonic()
@@ -66,13 +74,16 @@ def time_start(command: Sequence[str], timeout_s: float) -> tuple[float, Optiona
         list(command), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, bufsize=1,
     )
-    seconds, compiled, tail = None, None, []
+    seconds, compiled, started, tail = None, None, None, []
     try:
         for line in process.stdout:
             tail = (tail + [line.rstrip()])[-30:]
             found = _COMPILED.search(line)
             if found:
                 compiled = found.group(0)
+            found = _STARTED.search(line)
+            if found:
+                started = found.group(0)
             if _PROGRESS.search(line):
                 seconds = time.monotonic() - start
                 break
@@ -87,7 +98,7 @@ def time_start(command: Sequence[str], timeout_s: float) -> tuple[float, Optiona
     if seconds is None:
         sys.stderr.write("\n".join(tail) + "\n")
         raise SystemExit(f"start_time: {' '.join(command[2:4])}... reached no trained step")
-    return seconds, compiled
+    return seconds, compiled, started
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -108,6 +119,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             f"--trainer_dir={trainer_dir}", f"--jax_compilation_cache_dir={cache}",
             f"--config_override=max_step={args.max_step}",
             "--config_override=log_every_n_steps=1",
+            # Time enough to save the step on a slow host, so that the restart restores.
+            "--config_override=preemption_grace_period_s=900",
             *(f"--config_override={o}" for o in args.config_override),
             *args.launcher_flag,
         ]
@@ -126,9 +139,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             shutil.rmtree(workdir, ignore_errors=True)
     cold = rows[0][1]
     print(f"{args.config}: seconds from launch to the first trained step")
-    for name, seconds, compiled in rows:
+    for name, seconds, compiled, started in rows:
         share = "" if seconds is cold else f"{100 * seconds / cold:.0f}% of cold"
         print(f"{name:<28} {seconds:8.1f} s  {share:<12}  {compiled or '(no compile line)'}")
+        print(f"{'':<28} {started or '(no start line)'}")
 
 
 if __name__ == "__main__":

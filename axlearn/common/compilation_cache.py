@@ -20,14 +20,20 @@ damaged): jax compiles those programs again and overwrites them.
 
 `CacheOutcome` tells a compile that loaded from the cache from one that did not (the
 trainer logs it with the train step's compile time).
+
+`CompiledAhead` compiles (or loads from the cache) a jitted function for abstract
+arguments in a thread while the caller does other work: the trainer's train step, while
+the state is restored or initialized; `abstract_mismatch` says whether the concrete
+arguments are those it was compiled for.
 """
 
+import contextlib
 import logging
 import os
 import threading
 import warnings
-from collections.abc import Sequence
-from typing import Any, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, ContextManager, Optional
 
 from axlearn.common import file_system
 from axlearn.common.config import ConfigError, close_names
@@ -310,3 +316,110 @@ class CacheOutcome:
         if hits:
             return f"{hits} of {hits + misses} programs from the compilation cache"
         return "not in the compilation cache"
+
+
+# ----- compiling ahead -----
+
+
+class CompiledAhead:
+    """`jitted` compiled in a thread for the abstract arguments `args_fn()` returns (a tuple
+    of trees of `jax.ShapeDtypeStruct`s with shardings; computed in the thread, inside
+    `context()`). `result()` waits for the executable and raises what the compile raised,
+    as a first call of `jitted` would have; `wait()` waits without raising. The thread logs
+    the compile as `perf.compile_notice` does (`what`, its seconds and `CacheOutcome`)."""
+
+    def __init__(
+        self,
+        jitted: Any,
+        args_fn: Callable[[], tuple],
+        *,
+        what: str,
+        log_fn: Callable[[str], None],
+        context: Callable[[], ContextManager] = contextlib.nullcontext,
+    ):
+        self.args: Optional[tuple] = None  # The abstract arguments, once computed.
+        self.seconds = 0.0  # Spent compiling (perf.compile_seconds), once done.
+        self.outcome = ""  # Where the programs came from (CacheOutcome.describe), once done.
+        self._compiled = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(
+            target=self._compile,
+            args=(jitted, args_fn, what, log_fn, context),
+            name=f"compile {what}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _compile(self, jitted, args_fn, what, log_fn, context) -> None:
+        from axlearn.common import perf  # pylint: disable=import-outside-toplevel
+
+        outcome = CacheOutcome()
+        before = perf.compile_seconds()
+        try:
+            with context():
+                self.args = args_fn()
+                with perf.compile_notice(what, log_fn, note=outcome.describe):
+                    self._compiled = jitted.lower(*self.args).compile()
+        except BaseException as e:  # pylint: disable=broad-except
+            self._error = e  # Raised by result(), in the caller's thread.
+        finally:
+            self.seconds = perf.compile_seconds() - before
+            self.outcome = outcome.describe()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    @property
+    def compiled(self) -> Any:
+        """The executable; None until compiled, or where the compile failed."""
+        return self._compiled
+
+    def wait(self) -> None:
+        """Returns once the compile has ended, however it ended."""
+        self._thread.join()
+
+    def result(self) -> Any:
+        """The compiled executable (`jax.stages.Compiled`), once ready; the compile's error,
+        raised here, where it failed."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._compiled
+
+
+def _describe_leaf(leaf: Any) -> str:
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        return f"a {type(leaf).__name__}"
+    return f"{np.dtype(dtype).name}{list(shape)}"
+
+
+def abstract_mismatch(expected: Any, actual: Any, what: str) -> Optional[str]:
+    """Where the arrays (or abstract values) `actual` differ from `expected` (a tree of
+    `jax.ShapeDtypeStruct`s with shardings) in structure, shape, dtype or sharding: a few
+    words naming the first leaf of `what` that differs; None where they agree."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    want, want_tree = jax.tree_util.tree_flatten_with_path(expected)
+    got, got_tree = jax.tree_util.tree_flatten_with_path(actual)
+    if want_tree != got_tree:
+        want_paths = {jax.tree_util.keystr(path) for path, _ in want}
+        got_paths = {jax.tree_util.keystr(path) for path, _ in got}
+        parts = []
+        extra, missing = sorted(got_paths - want_paths), sorted(want_paths - got_paths)
+        if extra:
+            parts.append(f"has {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}")
+        if missing:
+            parts.append(f"lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        return f"{what} {' and '.join(parts) or 'is a tree of another kind'}"
+    for (path, w), (_, g) in zip(want, got):
+        name = f"{what}{jax.tree_util.keystr(path)}"
+        if _describe_leaf(g) != _describe_leaf(w):
+            return f"{name} is {_describe_leaf(g)}, expected {_describe_leaf(w)}"
+        sharding = getattr(g, "sharding", None)
+        if sharding is None or not sharding.is_equivalent_to(w.sharding, len(w.shape)):
+            return f"{name} is sharded as {sharding}, expected {w.sharding}"
+    return None

@@ -9,11 +9,15 @@ The step time is `StepTimer`'s: the mean over the steps since the last report, w
 time the host spent compiling or the loop spent evaluating and saving. The console line
 (`progress_line`) adds the time left at that rate and shows the loss as the mean over the
 same window (`WindowMean`); `compile_notice` says when the first step compiles.
+
+A start is accounted for once, at its first trained step (`StartTimes`): the phases the
+trainer waited through from the process's start (`process_start_time`), in one log line.
 """
 
 import contextlib
 import dataclasses
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -198,7 +202,8 @@ class StepTimer:
     its last step (the loop reads the step's loss). A step whose dispatch compiles (the
     first one, or one after a recompilation) is left out whole: its compilation, and its
     run, which is the first of the new program and pays one-time costs (loading kernels,
-    allocating buffers). The timer then calls `wait` (which returns once the dispatched
+    allocating buffers); so is the first run of a program compiled ahead of it
+    (`step(new_program=True)`). The timer then calls `wait` (which returns once the dispatched
     steps have run) and the window goes on from there. Compilation outside the steps (a
     function first called at a report) is left out too. The timer starts paused; the first
     step starts it, so that start-up (reading the first batch) is not step time.
@@ -231,14 +236,16 @@ class StepTimer:
         return (now - self._since[0]) - (compiling - self._since[1])
 
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Wraps the dispatch of one step; the window runs from here if it was paused."""
+    def step(self, *, new_program: bool = False) -> Iterator[None]:
+        """Wraps the dispatch of one step; the window runs from here if it was paused.
+        `new_program`: the step is the first run of a program compiled beforehand (left
+        out like one that compiles)."""
         if self._since is None:
             self._since = self._now()
         before = self._running_s()
         compiled_before = self._compile_clock()
         yield
-        if self._compile_clock() > compiled_before:
+        if new_program or self._compile_clock() > compiled_before:
             # The window stops before this step and goes on once it has run.
             self._counted_s += before
             self._wait()
@@ -291,6 +298,67 @@ def compile_notice(
     seconds = compile_clock() - before
     took = f"{seconds:.1f}s" if seconds < 60 else format_duration(seconds)
     log(f"Compiled {what} in {took}" + (f" ({note()})" if note is not None else ""))
+
+
+# ----- start-up -----
+
+
+def process_start_time() -> Optional[float]:
+    """When this process started, in `time.time()` seconds (to 10 ms, from Linux's /proc);
+    None where that is not known."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+        # Field 22, the start in clock ticks after boot; fields 3.. follow the name's ')'.
+        ticks = int(stat[stat.rindex(b")") + 2 :].split()[19])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StartTimes:
+    """The phases of a start up to its first trained step, in the order its thread waited
+    through them: each phase ends where `phase` is called (or lasts `seconds`) and the next
+    begins there. Work done meanwhile in other threads shows in a phase's note.
+    `line()` is the trainer's one log line of them."""
+
+    def __init__(self, *, since: Optional[float] = None, clock: Callable[[], float] = time.time):
+        """`since`: the clock's reading where the start began (None: now)."""
+        self._clock = clock
+        self._begin = clock() if since is None else since
+        self._end = self._begin
+        self._phases: list[tuple[str, float, Optional[str]]] = []
+
+    @classmethod
+    def from_process_start(cls, first_phase: str) -> "StartTimes":
+        """Times from the process's start, which ends `first_phase` now; where the process's
+        start is not known, from now (without that phase)."""
+        since = process_start_time()
+        times = cls(since=since)
+        if since is not None:
+            times.phase(first_phase)
+        return times
+
+    def phase(self, name: str, note: Optional[str] = None, *, seconds: Optional[float] = None):
+        """Ends the phase `name`: now, or `seconds` after the last phase ended."""
+        end = self._clock() if seconds is None else self._end + seconds
+        self._phases.append((name, end - self._end, note))
+        self._end = end
+
+    @property
+    def phases(self) -> list[tuple[str, float, Optional[str]]]:
+        """[(name, seconds, note or None)] so far."""
+        return list(self._phases)
+
+    def line(self) -> str:
+        """'Started in 11.2 s: process to trainer 3.1 s, state (restore) 2.0 s, ...'."""
+        parts = [
+            f"{name} {seconds:.1f} s" + (f" ({note})" if note else "")
+            for name, seconds, note in self._phases
+        ]
+        return f"Started in {self._end - self._begin:.1f} s: " + ", ".join(parts)
 
 
 class WindowMean:

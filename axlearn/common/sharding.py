@@ -92,20 +92,39 @@ def global_batch(
 
     def to_global(x: Any) -> jax.Array:
         x = np.asarray(x)
-        if x.ndim == 0:
-            replicated = NamedSharding(mesh, PartitionSpec())
-            return jax.make_array_from_process_local_data(replicated, x)
-        global_rows = x.shape[0] * jax.process_count()
-        if global_rows % num_shards:
-            raise ValueError(
-                f"{path}: a batch of {global_rows} rows cannot be split over mesh axes {axes} "
-                f"({num_shards} shards); make the batch size a multiple of {num_shards} or "
-                f"set {path}.batch_axis_names"
-            )
-        spec = PartitionSpec(axes or None, *([None] * (x.ndim - 1)))
-        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x)
+        if x.ndim:
+            global_rows = x.shape[0] * jax.process_count()
+            if global_rows % num_shards:
+                raise ValueError(
+                    f"{path}: a batch of {global_rows} rows cannot be split over mesh axes "
+                    f"{axes} ({num_shards} shards); make the batch size a multiple of "
+                    f"{num_shards} or set {path}.batch_axis_names"
+                )
+        return jax.make_array_from_process_local_data(_batch_sharding(mesh, axes, x.ndim), x)
 
     return jax.tree_util.tree_map(to_global, local_batch)
+
+
+def global_batch_spec(
+    element_spec: Any, mesh: Mesh, names: Optional[Union[str, Sequence[str]]]
+) -> Any:
+    """What `global_batch` makes of batches of `element_spec` (an input's global shapes and
+    dtypes, `jax.ShapeDtypeStruct`s), without a batch: the same shapes and dtypes with the
+    shardings it gives them."""
+    axes = batch_axes(mesh, names)
+    return jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(
+            s.shape, s.dtype, sharding=_batch_sharding(mesh, axes, len(s.shape))
+        ),
+        element_spec,
+    )
+
+
+def _batch_sharding(mesh: Mesh, axes: Sequence[str], ndim: int) -> NamedSharding:
+    """A batch array's sharding: rows split over the batch `axes`; a scalar replicated."""
+    if ndim == 0:
+        return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, PartitionSpec(axes or None, *([None] * (ndim - 1))))
 
 
 def _filter_axes(spec: MeshAxes, known: dict[str, int]) -> PartitionSpec:

@@ -2,8 +2,11 @@
 
 The trainer builds the mesh, the model, the learner, the input, the evalers, the
 checkpointer and the summary writer from its config; restores the latest committed
-checkpoint in its directory or initializes; then runs one jitted, sharded `train_step`
-per batch until `max_step`, with summaries, evaluation and checkpoints by policy.
+checkpoint in its directory or initializes, while the train step compiles in a thread
+(`compile_ahead`); then runs one jitted, sharded `train_step` per batch until `max_step`,
+with summaries, evaluation and checkpoints by policy. The first step logs where the start
+went (`perf.StartTimes`: process to trainer, state, trackers and first batch, train step
+ready, first step).
 """
 
 import contextlib
@@ -11,7 +14,7 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 import jax
@@ -43,6 +46,7 @@ from axlearn.common.sharding import (
     batch_shards,
     create_mesh,
     global_batch,
+    global_batch_spec,
     indivisible_dim,
     microbatch_count,
     named_sharding,
@@ -180,6 +184,36 @@ def _from_state_dict(tree: dict[str, Any]) -> TrainerState:
     return TrainerState(prng_key=tree["prng_key"], model=tree["model"], learner=tree["learner"])
 
 
+@dataclasses.dataclass
+class _StartUp:
+    """A run's start until its first step has trained (`SpmdTrainer._train`)."""
+
+    times: perf.StartTimes  # Its phases (`perf.StartTimes`), logged at the first step.
+    # The train step compiling ahead (`compile_ahead`); None once the first step took it,
+    # or where it is not compiled ahead.
+    ahead: Optional[compilation_cache.CompiledAhead] = None
+
+
+@dataclasses.dataclass
+class _Loop:
+    """What one run() of the loop carries from step to step (`SpmdTrainer._train`)."""
+
+    accounting: perf.StepAccounting
+    log_every: int  # Steps from one progress line to the next.
+    has_writer: bool
+    has_checkpointer: bool
+    batches: Any  # The prefetcher: (input state after the batch, host batch) pairs.
+    timer: perf.StepTimer
+    vote_to_stop: Callable[[bool], bool]  # preemption.StopVote: a stop agreed by all.
+    host_batch: Any = None  # This process's rows of the current batch.
+    # The last logged step's host summaries.
+    last: dict[str, Any] = dataclasses.field(default_factory=dict)
+    pending: Optional[tuple[int, dict[str, Any]]] = None  # A step whose loss waits its check.
+    saved_step: Optional[int] = None  # The last step saved.
+    tracing_until: Optional[int] = None  # The step a running trace ends at.
+    stopping: bool = False  # A stop signal: this step was the last.
+
+
 class SpmdTrainer(Module):
     """Trains a model with one jitted train step over a device mesh."""
 
@@ -261,6 +295,17 @@ class SpmdTrainer(Module):
         # the fingerprint every checkpoint records (`frozen_params_fingerprint`): a changed
         # source fails the restore, naming the parameter. None: saved like the others.
         checkpoint_frozen_params: Optional[bool] = None
+        # False: the train step compiles (or loads from the compilation cache) at the first
+        # step's call. None: it compiles ahead, in a thread that run() starts before it
+        # restores or initializes the state, for the state and batch the first step will
+        # get (from their shardings and the input's element_spec), so that tracing,
+        # lowering and compiling overlap the restore, the initialization and the input's
+        # start; a first step whose state or batch differ from those compiles then
+        # (logged, with the difference).
+        compile_ahead: Optional[bool] = None
+
+    # run()'s start until its first step has trained; None outside it.
+    _start_up: Optional["_StartUp"] = None
 
     def __init__(
         self,
@@ -505,12 +550,20 @@ class SpmdTrainer(Module):
         """Assembles the global batch from this process's rows, split over the batch axes:
         the input dispatcher's partition spec's first entry where it gives one, else
         batch_axis_names."""
-        names = self._config.batch_axis_names
+        return global_batch(local_batch, self._mesh, self._batch_axis_names(), path=self.path())
+
+    def _batch_axis_names(self) -> Union[str, Sequence[str]]:
+        """The mesh axes `global_batch` splits a batch over (its docstring)."""
         dispatcher = self.input.children.get("input_dispatcher")
         spec = None if dispatcher is None else dispatcher.config.partition_spec
         if spec is not None and len(spec) and spec[0] is not None:
-            names = spec[0]
-        return global_batch(local_batch, self._mesh, names, path=self.path())
+            return spec[0]
+        return self._config.batch_axis_names
+
+    def _abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The shapes, dtypes and shardings of the global batches `global_batch` makes of
+        the input's (from its element_spec)."""
+        return global_batch_spec(self.input.element_spec(), self._mesh, self._batch_axis_names())
 
     # ----- state -----
 
@@ -634,7 +687,8 @@ class SpmdTrainer(Module):
         with jax.set_mesh(self._mesh):
             return self._jit_model_params(self._state)
 
-    def _restore_or_init(self) -> None:
+    def _restore_or_init(self) -> bool:
+        """Restores the state (see `run`), or initializes it; True where it restored."""
         cfg = self._config
         seed = 0 if cfg.seed is None else cfg.seed
         if self._restore_step is not None and "checkpointer" not in self.children:
@@ -670,13 +724,23 @@ class SpmdTrainer(Module):
                         "init_params is not read: it initializes fresh runs only, and this "
                         "run resumes from its checkpoints"
                     )
-                return
+                return True
         if cfg.init_params is not None:
             self._state = self.init_state_from(jax.random.PRNGKey(seed), self._loaded_params())
             log.info("Initialized the model parameters with %s", cfg.init_params.klass.__name__)
         else:
             self._state = self.init_state(jax.random.PRNGKey(seed))
         self._step = 0
+        return False
+
+    def _abstract_state(self) -> TrainerState:
+        """The shapes, dtypes and shardings of the state the train step carries."""
+        key = jax.eval_shape(jax.random.PRNGKey, 0)
+        return jax.tree.map(
+            lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+            jax.eval_shape(self._init_fn, key),
+            self._state_shardings(),
+        )
 
     def _with_unsaved_params(self, saved: Any, step: int, extra: Optional[dict]) -> Any:
         """The model parameters of restored checkpoint `step`: its `saved` ones and the
@@ -795,19 +859,89 @@ class SpmdTrainer(Module):
             donate_argnums=(0,),
         )
 
-    def train_step(self, input_batch: dict[str, jax.Array]) -> dict[str, Any]:
-        """Runs one step on a global batch; returns its summaries (device arrays)."""
-        first = self._jit_train_step is None
-        if first:
-            self._jit_train_step = self._compile_train_step()
-        # The first call compiles: said before it starts, with its time after.
-        compiling = (
-            perf.compile_notice(
-                "the train step", log.info, note=compilation_cache.CacheOutcome().describe
-            )
-            if first
-            else None
+    def _compile_ahead(self) -> Optional[compilation_cache.CompiledAhead]:
+        """The train step compiling in a thread for the state and batch the first step will
+        get (`compile_ahead`); None where it is off or the batches are not known ahead."""
+        if self._config.compile_ahead is False:
+            return None
+        try:
+            batch = self._abstract_batch()
+        except Exception as e:  # pylint: disable=broad-except
+            log.info("The train step compiles at the first step: no batch shapes ahead (%s)", e)
+            return None
+        return compilation_cache.CompiledAhead(
+            self._compile_train_step(),
+            lambda: (self._abstract_state(), batch),
+            what="the train step",
+            log_fn=log.info,
+            context=lambda: jax.set_mesh(self._mesh),
         )
+
+    def _take_compiled_ahead(self, input_batch: dict[str, jax.Array]) -> Any:
+        """The step compiled ahead, once ready, where it fits the current state and
+        `input_batch` (`_ahead_mismatch`); None where there is none or it does not fit
+        (logged). Raises the error its compile raised."""
+        start = self._start_up
+        ahead = None if start is None else start.ahead
+        if ahead is None:
+            return None
+        start.ahead = None
+        ahead.wait()
+        reason = self._ahead_mismatch(ahead, input_batch)
+        if reason is not None:
+            start.times.phase("train step compiled ahead, unused")
+            log.info("The train step compiled ahead does not fit, so it compiles again: %s", reason)
+            return None
+        compiled = ahead.result()
+        note = f"compiled ahead in {ahead.seconds:.1f} s: {ahead.outcome}"
+        start.times.phase("train step ready", note)
+        return compiled
+
+    def _ahead_mismatch(
+        self, ahead: compilation_cache.CompiledAhead, input_batch: dict[str, jax.Array]
+    ) -> Optional[str]:
+        """How the state, `input_batch` or the state the step returns differ from the state
+        and batch `ahead` was compiled for; None where they agree, or where its compile
+        failed before it had them (its result() raises)."""
+        if ahead.args is None:
+            return None
+        state, batch = ahead.args
+        new_state = None if ahead.compiled is None else ahead.compiled.out_info[0]
+        return (
+            compilation_cache.abstract_mismatch(batch, input_batch, "the batch")
+            or compilation_cache.abstract_mismatch(state, self._state, "the state")
+            or (
+                new_state is not None
+                and compilation_cache.abstract_mismatch(state, new_state, "the step's new state")
+            )
+            or None
+        )
+
+    @contextlib.contextmanager
+    def _first_call_compiling(self):
+        """Around the jitted step's first call, which compiles: says so before it starts,
+        with its time after (also a phase of the start's times, within run())."""
+        outcome = compilation_cache.CacheOutcome()
+        before = perf.compile_seconds()
+        with perf.compile_notice("the train step", log.info, note=outcome.describe):
+            yield
+        if self._start_up is not None:
+            self._start_up.times.phase(
+                "train step ready",
+                f"compiled at the first step: {outcome.describe()}",
+                seconds=perf.compile_seconds() - before,
+            )
+
+    def train_step(self, input_batch: dict[str, jax.Array]) -> dict[str, Any]:
+        """Runs one step on a global batch; returns its summaries (device arrays). The first
+        call compiles the step, or within run() takes the one compiled ahead
+        (`compile_ahead`) where that was compiled for this state and batch."""
+        compiling = None
+        if self._jit_train_step is None:
+            self._jit_train_step = self._take_compiled_ahead(input_batch)
+        if self._jit_train_step is None:
+            self._jit_train_step = self._compile_train_step()
+            compiling = self._first_call_compiling()
         with jax.set_mesh(self._mesh), compiling or contextlib.nullcontext():
             self._state, summaries = self._jit_train_step(self._state, input_batch)
         self._step += 1
@@ -891,17 +1025,61 @@ class SpmdTrainer(Module):
                 self._stop = None
 
     def _train(self) -> dict[str, Any]:
-        """run()'s loop, with the lock held and the stop signals caught."""
-        cfg = self._config
-        self._restore_or_init()
+        """run()'s loop, with the lock held and the stop signals caught: the state is
+        restored or initialized while the train step compiles (`compile_ahead`), then one
+        step a batch until max_step or a stop signal."""
+        self._start_up = self._begin_start_up()
+        try:
+            restored = self._restore_or_init()
+            self._prepare_to_train()
+            self._start_up.times.phase("state (restore)" if restored else "state (init)")
+            loop = self._open_loop()
+        except BaseException:
+            self._end_start_up()
+            raise
+        try:
+            while self._step < self._config.max_step and not loop.stopping:
+                self._train_one_step(loop)
+            if loop.pending is not None:
+                self._check_finite(*loop.pending)
+        finally:
+            self._end_start_up()
+            self._close_loop(loop)
+        if loop.stopping:
+            raise self._preempted(loop.saved_step)
+        return self._finish(loop)
+
+    def _begin_start_up(self) -> "_StartUp":
+        """The start's times (from the process's start at the trainer's first run) and the
+        train step compiling ahead (`compile_ahead`), unless compiled already."""
+        if self._jit_train_step is not None:
+            return _StartUp(times=perf.StartTimes())
+        times = perf.StartTimes.from_process_start("process to trainer")
+        return _StartUp(times=times, ahead=self._compile_ahead())
+
+    def _end_start_up(self) -> None:
+        """Waits for a compile ahead that no step took (a failed or empty run), so that no
+        compile is left running as the process exits."""
+        start, self._start_up = self._start_up, None
+        if start is not None and start.ahead is not None:
+            if not start.ahead.done():
+                log.info("Waiting for the train step's compile (ahead, unused) to end first")
+            start.ahead.wait()
+
+    def _prepare_to_train(self) -> None:
+        """After the restore or initialization: the norm later ones are measured against,
+        newer checkpoints set aside, later summaries dropped."""
         if "checkpointer" in self.children:
             # What later parameter norms are measured against (_check_finite).
             self._good_param_norm = float(self.parameter_norm())
         self._set_aside_newer_checkpoints()
         self._drop_summaries_after(self._step)
+
+    def _open_loop(self) -> "_Loop":
+        """Logs the model's size, opens the summary writer and starts reading batches."""
+        cfg = self._config
         accounting = perf.StepAccounting.for_trainer(self)
         has_writer = "summary_writer" in self.children
-        has_checkpointer = "checkpointer" in self.children
         log_every = cfg.log_every_n_steps or (
             self.summary_writer.config.write_every_n_steps if has_writer else 100
         )
@@ -921,84 +1099,118 @@ class SpmdTrainer(Module):
         # dispatch and the next. Taken from the reading thread, a batch could land just
         # above a step's large temporary buffer while it was held, and the next step's
         # buffer could then fit neither below nor above it (out of memory).
-        batches = prefetch_in_thread(self._host_batches(), size=2)
-        last: dict[str, Any] = {}
-        pending: Optional[tuple[int, dict[str, Any]]] = None
-        saved_step = None
-        # The step time of each report's window; it waits for the steps by their state.
-        timer = perf.StepTimer(wait=lambda: jax.block_until_ready(self._state))
-        tracing_until = None
-        vote_to_stop = preemption.StopVote.over_mesh(self._mesh)
-        stopping = False
-        try:
-            while self._step < cfg.max_step:
-                tracing_until = self._maybe_trace(tracing_until)
-                # The prefetcher reads ahead, so the position to save travels with the batch.
-                self._input_state, host_batch = next(batches)
-                with timer.step():
-                    summaries = self.train_step(self.global_batch(host_batch))
-                # Check the previous step's loss now: that sync overlaps with this step.
-                if pending is not None:
-                    self._check_finite(*pending)
-                pending = (self._step, summaries)
-                step = self._step
-                self.vlog(1, "Step %d: batch %s", step, _shapes(host_batch))
-                self.vlog(2, "Step %d: loss %s", step, summaries["loss"])
-                # After a stop signal: this step is logged and saved, and the loop ends.
-                stopping = vote_to_stop(self.stop_requested)
-                must_log = step % log_every == 0 or step == cfg.max_step or stopping
-                writer_due = has_writer and self.summary_writer.should_write(step)
-                saving = has_checkpointer and (
-                    self.checkpointer.should_save(step) or step == cfg.max_step or stopping
-                )
-                if must_log or writer_due or saving:
-                    # Never save or report a state whose loss or parameters are not finite.
-                    if "parameter_norm" not in summaries["learner"]:  # Per-variable mode has it.
-                        summaries["learner"]["parameter_norm"] = self.parameter_norm()
-                    self._check_finite(step, summaries)
-                    pending = None
-                if must_log or writer_due:
-                    host = self._host_summaries(summaries)
-                    step_time = timer.mean_step_s()
-                    if step_time is not None:  # None: the window has no step with measured time.
-                        host.update(accounting.metrics(step_time))
-                    timer.restart()
-                    if writer_due:
-                        self.summary_writer(step, host)
-                    if must_log:
-                        mean_loss = self._window_loss.take()
-                        log.info(perf.progress_line(step, cfg.max_step, host, mean_loss=mean_loss))
-                    last = host
-                due = self._due_evalers(step)
-                if due or saving:
-                    timer.pause()  # Evaluation and saving are not step time.
-                    # One join serves the evalers and the checkpoint alike: with split
-                    # weights it writes every weight as a new float32 array, so it happens
-                    # only at these steps and is dropped right after.
-                    model_params = self.model_params()
-                    self._run_evalers(step, due, model_params)
-                    if saving and self._save(step, model_params):
-                        saved_step = step
-                    del model_params
-                if stopping:
-                    break
-            if pending is not None:
-                self._check_finite(*pending)
-        finally:
-            batches.close()
-            if tracing_until is not None:
-                self._stop_trace()
-            if has_checkpointer:
-                self.checkpointer.wait_until_finished()
-            if has_writer:
-                self.summary_writer.flush()
-        if stopping:
-            raise self._preempted(saved_step)
-        if saved_step is not None:
-            log.info("Finished at step %d; latest checkpoint: step %d", self._step, saved_step)
-        if not last and self._step:
-            last = {"step": self._step}
-        return last
+        return _Loop(
+            accounting=accounting,
+            log_every=log_every,
+            has_writer=has_writer,
+            has_checkpointer="checkpointer" in self.children,
+            batches=prefetch_in_thread(self._host_batches(), size=2),
+            # The step time of each report's window; it waits for the steps by their state.
+            timer=perf.StepTimer(wait=lambda: jax.block_until_ready(self._state)),
+            vote_to_stop=preemption.StopVote.over_mesh(self._mesh),
+        )
+
+    def _train_one_step(self, loop: "_Loop") -> None:
+        """One step of the loop: a batch and the step; the previous step's checks; then as
+        due, the reports, evaluation and a checkpoint. After a stop signal (voted on by
+        every process), this step is logged and saved, and `loop.stopping` ends the loop."""
+        cfg = self._config
+        loop.tracing_until = self._maybe_trace(loop.tracing_until)
+        summaries = self._dispatch_step(loop)
+        # Check the previous step's loss now: that sync overlaps with this step.
+        if loop.pending is not None:
+            self._check_finite(*loop.pending)
+        loop.pending = (self._step, summaries)
+        step = self._step
+        self.vlog(1, "Step %d: batch %s", step, _shapes(loop.host_batch))
+        self.vlog(2, "Step %d: loss %s", step, summaries["loss"])
+        loop.stopping = loop.vote_to_stop(self.stop_requested)
+        must_log = step % loop.log_every == 0 or step == cfg.max_step or loop.stopping
+        writer_due = loop.has_writer and self.summary_writer.should_write(step)
+        saving = loop.has_checkpointer and (
+            self.checkpointer.should_save(step) or step == cfg.max_step or loop.stopping
+        )
+        if must_log or writer_due or saving:
+            # Never save or report a state whose loss or parameters are not finite.
+            if "parameter_norm" not in summaries["learner"]:  # Per-variable mode has it.
+                summaries["learner"]["parameter_norm"] = self.parameter_norm()
+            self._check_finite(step, summaries)
+            loop.pending = None
+        if must_log or writer_due:
+            self._report(loop, step, summaries, write=writer_due, log_line=must_log)
+        self._evaluate_and_save(loop, step, saving=saving)
+
+    def _dispatch_step(self, loop: "_Loop") -> dict[str, Any]:
+        """The next batch, put on the devices, and the step on it dispatched; the first step
+        of a run is waited for, and the start's times logged."""
+        # The prefetcher reads ahead, so the position to save travels with the batch.
+        self._input_state, loop.host_batch = next(loop.batches)
+        input_batch = self.global_batch(loop.host_batch)
+        start = self._start_up
+        if start is not None:
+            start.times.phase("trackers and first batch")
+        # A first step's program is new, compiled by the call or ahead of it.
+        with loop.timer.step(new_program=start is not None):
+            summaries = self.train_step(input_batch)
+        if start is not None:
+            jax.block_until_ready(summaries["loss"])
+            start.times.phase("first step")
+            log.info("%s", start.times.line())
+            self._start_up = None
+        return summaries
+
+    def _report(
+        self, loop: "_Loop", step: int, summaries: dict[str, Any], *, write: bool, log_line: bool
+    ) -> None:
+        """The step's summaries with the window's step time and rates: to the summary
+        writer (`write`), and as the console's progress line (`log_line`)."""
+        host = self._host_summaries(summaries)
+        step_time = loop.timer.mean_step_s()
+        if step_time is not None:  # None: the window has no step with measured time.
+            host.update(loop.accounting.metrics(step_time))
+        loop.timer.restart()
+        if write:
+            self.summary_writer(step, host)
+        if log_line:
+            mean_loss = self._window_loss.take()
+            log.info(perf.progress_line(step, self._config.max_step, host, mean_loss=mean_loss))
+        loop.last = host
+
+    def _evaluate_and_save(self, loop: "_Loop", step: int, *, saving: bool) -> None:
+        """The evalers due at `step`, and its checkpoint where `saving`."""
+        due = self._due_evalers(step)
+        if not (due or saving):
+            return
+        loop.timer.pause()  # Evaluation and saving are not step time.
+        # One join serves the evalers and the checkpoint alike: with split weights it
+        # writes every weight as a new float32 array, so it happens only at these steps
+        # and is dropped right after.
+        model_params = self.model_params()
+        self._run_evalers(step, due, model_params)
+        if saving and self._save(step, model_params):
+            loop.saved_step = step
+        del model_params
+
+    def _close_loop(self, loop: "_Loop") -> None:
+        """Stops reading batches and tracing; waits for the checkpoint being written and
+        flushes the summaries."""
+        loop.batches.close()
+        if loop.tracing_until is not None:
+            self._stop_trace()
+        if loop.has_checkpointer:
+            self.checkpointer.wait_until_finished()
+        if loop.has_writer:
+            self.summary_writer.flush()
+
+    def _finish(self, loop: "_Loop") -> dict[str, Any]:
+        """run()'s result: the last logged step's host summaries (or the step alone)."""
+        if loop.saved_step is not None:
+            log.info(
+                "Finished at step %d; latest checkpoint: step %d", self._step, loop.saved_step
+            )
+        if not loop.last and self._step:
+            return {"step": self._step}
+        return loop.last
 
     def _set_aside_newer_checkpoints(self) -> None:
         """After a restore of an explicit restore_step, judges the newer checkpoints bad:
