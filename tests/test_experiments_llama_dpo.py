@@ -1,5 +1,5 @@
 """experiments/llama_dpo.py: as_dpo's trainer (the policy's mesh rule paths, the frozen
-reference), and --init_from_hf filling the policy and the reference copy from one
+reference, refused for a LoRA policy), and --init_from_hf filling the policy and the reference copy from one
 Hugging Face directory."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from axlearn.common import dpo, hf_llama
-from axlearn.common.config import ConfigBase
+from axlearn.common.config import ConfigBase, ConfigError
 from axlearn.common.launch_trainer import use_hf_checkpoint
 from experiments import llama_dpo
 
@@ -41,6 +41,46 @@ def test_reference_is_frozen_and_the_lm_update_rules_move_under_the_policy():
     assert cfg.learner.update_rules == [
         dpo.REFERENCE_UPDATE_RULE, ("policy/decoder/emb/.*", "no_update"), (".*lora.*", "all")
     ]
+
+
+def _lora_lm_trainer():
+    """The tiny LM trainer of llama_dpo_lora_test (LoRA r4 on the seven maps), before DPO."""
+    base = llama_dpo.llama_dpo_lora_test_trainer().clone()
+    base.model = base.model.policy
+    return base
+
+
+# The refusal of a frozen copy for a LoRA policy: it names its first LoRA layer config.
+LORA_FROZEN_COPY_LINE = (
+    "model.reference='frozen_copy': the policy has LoRA adapters (model.policy.decoder."
+    "transformer.layer.feed_forward.linear1, ...), so a frozen copy would duplicate its whole "
+    "frozen base; use reference='adapters_disabled' (the policy's base with the adapters off)"
+)
+
+
+def test_as_dpo_refuses_a_frozen_copy_reference_for_a_lora_config_in_one_line():
+    base = _lora_lm_trainer()
+    with pytest.raises(ConfigError) as e:
+        llama_dpo.as_dpo(base, pairs=base.input, learning_rate=1e-3, max_step=10,
+                         reference="frozen_copy")
+    assert str(e.value) == LORA_FROZEN_COPY_LINE
+
+
+def test_a_lora_dpo_model_overridden_to_a_frozen_copy_is_refused_when_built():
+    cfg = llama_dpo.llama_dpo_lora_test_trainer().model.clone(name="model", reference="frozen_copy")
+    with pytest.raises(ConfigError) as e:
+        cfg.instantiate(parent=None)
+    assert str(e.value) == LORA_FROZEN_COPY_LINE
+
+
+@pytest.mark.parametrize(
+    "config, children",
+    [("llama_dpo_lora_test", {"policy"}), ("llama_dpo_test", {"policy", "reference"})],
+)
+def test_lora_with_adapters_disabled_and_full_with_frozen_copy_build(config, children):
+    cfg = llama_dpo.named_trainer_configs()[config]()
+    model = cfg.model.clone(name="model").instantiate(parent=None)
+    assert set(model.children) == children
 
 
 @pytest.mark.slow
