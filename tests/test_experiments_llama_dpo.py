@@ -142,7 +142,8 @@ def test_the_trainer_logs_the_policy_s_parameters_with_the_frozen_reference_besi
         _tiny_dpo_trainer().run()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Model: ")]
     assert len(lines) == 1
-    assert lines[0].startswith(f"Model: {size:,} parameters (+{size:,} in the frozen DPO reference), ")
+    want = f"Model: {size:,} parameters (+{size:,} in the frozen DPO reference), "
+    assert lines[0].startswith(want)
 
 
 @pytest.mark.slow

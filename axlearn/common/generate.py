@@ -39,8 +39,9 @@ tokens of each chunk as it arrives), and on stderr the time to the first token a
 decoding speed in generated tokens per second (compiling and one warm-up run of each
 program apart), for the prompts given: a batch short of `--batch_size` prompts is padded
 with rows of one token, so that every batch runs the same compiled programs, and the line
-says so ('1 prompt, batch padded to 8'). Nothing in a call compiles but its two programs: the prompts reach the
-device as plain transfers and the PRNG key is made inside the prefill. The command keeps
+says so ('1 prompt, batch padded to 8'). Nothing in a call compiles but its two programs:
+the prompts reach the device as plain transfers and the PRNG key is made inside the
+prefill. The command keeps
 its compiled programs (`--jax_compilation_cache_dir`, `compilation_cache`): a later run with the same model and
 shapes loads them instead of compiling.
 """
