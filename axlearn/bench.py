@@ -42,8 +42,9 @@ r"""Benchmarks named trainer configs and compares git revisions side by side.
 The mesh rule is the one for the devices at hand, as the launcher picks it (gpu-h100-1 on
 one H100); `--mesh_selector` names another.
 
-Every run prints the standard columns: Parameters, Final loss, TFLOP/s/device,
-Tokens/s/device, Avg s/step, Memory %, MFU, JAX version, device; on NVIDIA GPUs also the
+Every run prints the standard columns: Parameters (a DPO run's frozen reference copy in a
+row of its own), Final loss, TFLOP/s/device, Tokens/s/device, Avg s/step, Memory %, MFU,
+JAX version, device; on NVIDIA GPUs also the
 mean SM clock and board power over the timed steps (see GpuSampler); and the tokens and
 gradient-accumulation microbatches a step runs, so that two rows of a comparison are
 known to measure the same step.
@@ -68,6 +69,8 @@ from axlearn.common.config import ConfigError
 
 COLUMNS = (
     ("Parameters", "num_params", "{:,.0f}", +1),
+    # A frozen reference copy's parameters (DPO), not in Parameters; shown where a run has one.
+    ("Frozen DPO reference", "reference_params", "{:,.0f}", 0),
     ("Final loss", "final_loss", "{:.4f}", -1),
     ("TFLOP/s/device", "tflops_per_device", "{:.1f}", +1),
     ("Tokens/s/device", "tokens_per_s_per_device", "{:,.0f}", +1),
@@ -82,6 +85,8 @@ COLUMNS = (
     ("Device", "device", "{}", 0),
 )
 
+# Columns left out of a table where no run has a value (not a dash on every row).
+SHOWN_WHERE_GIVEN = frozenset({"reference_params"})
 
 # The columns of an --input_only run.
 INPUT_COLUMNS = (
@@ -293,6 +298,7 @@ def _benchmark_row(
     return {
         "config": config,
         "num_params": accounting.num_params,
+        "reference_params": accounting.reference_params or None,
         "final_loss": losses[-1],
         "losses": losses,
         "step_times": step_times,
@@ -505,6 +511,8 @@ def format_table(
         rows[0].append(f"Diff ({names[1]} - {names[0]})")
     for title, key, fmt, better in columns:
         values = [results[n].get(key) for n in names]
+        if key in SHOWN_WHERE_GIVEN and all(v is None for v in values):
+            continue
         row = [title, *[_fmt(fmt, v) for v in values]]
         if with_diff:
             row.append(_diff(values[0], values[1], better))

@@ -65,8 +65,8 @@ def as_dpo(
     """The DPO trainer of a causal-LM trainer config `cfg` (see the module docstring):
     `pairs` its input, AdamW at `learning_rate` (10% warmup, cosine to 0) for `max_step`
     steps, `cfg`'s learner update rules kept for the policy (a LoRA config's: then
-    reference='adapters_disabled'); the LM's evalers are dropped (their batches are not
-    pairs)."""
+    reference='adapters_disabled'; 'frozen_copy' is refused, `dpo.check_lora_reference`);
+    the LM's evalers are dropped (their batches are not pairs)."""
     cfg = cfg.clone()
     # The LM's own update rules (a LoRA modifier's) now name parameters under 'policy/'.
     policy_rules = [
@@ -76,6 +76,7 @@ def as_dpo(
     cfg.model = dpo.DPOModel.default_config().set(
         policy=cfg.model, reference=reference, loss_type=loss_type, beta=beta
     )
+    dpo.check_lora_reference(cfg.model, path="model")  # LoRA: reference='adapters_disabled'.
     cfg.learner = c4.adamw_learner_config(
         peak_lr=learning_rate,
         weight_decay=0.0,

@@ -76,6 +76,16 @@ def test_table_has_a_diff_column_that_marks_direction():
     assert lines["MFU"].count("nan") == 2  # Unknown peak: shown, never compared.
 
 
+def test_a_frozen_dpo_reference_has_a_row_of_its_own_only_where_a_run_holds_one():
+    dpo = dict(_result(1000.0, 0.2, 2.0), reference_params=1000)
+    table = bench.format_table({"sft": _result(1000.0, 0.2, 2.0), "dpo": dpo})
+    lines = {line.split("|")[0].strip(): line for line in table.splitlines()}
+    assert [c.strip() for c in lines["Parameters"].split("|")[1:3]] == ["1,000", "1,000"]
+    assert [c.strip() for c in lines["Frozen DPO reference"].split("|")[1:3]] == ["-", "1,000"]
+    plain = bench.format_table({"sft": _result(1000.0, 0.2, 2.0)})
+    assert "Frozen DPO reference" not in plain
+
+
 def test_gpu_rows_show_a_dash_where_nothing_was_sampled():
     with_gpu = dict(_result(1000.0, 0.2, 2.0), sm_clock_mhz=1512.4, gpu_power_w=695.2)
     table = bench.format_table({"h100": with_gpu, "cpu": _result(1000.0, 0.2, 2.0)})

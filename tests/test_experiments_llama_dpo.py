@@ -1,13 +1,17 @@
 """experiments/llama_dpo.py: as_dpo's trainer (the policy's mesh rule paths, the frozen
-reference), and --init_from_hf filling the policy and the reference copy from one
-Hugging Face directory."""
+reference: refused for a LoRA policy, its parameters and FLOPs counted apart from the
+policy's), and --init_from_hf filling the policy and the reference copy from one Hugging
+Face directory."""
+
+import math
 
 import jax
 import numpy as np
 import pytest
 
-from axlearn.common import dpo, hf_llama
-from axlearn.common.config import ConfigBase
+from axlearn import bench
+from axlearn.common import dpo, experiment_registry, hf_llama, perf
+from axlearn.common.config import ConfigBase, ConfigError
 from axlearn.common.launch_trainer import use_hf_checkpoint
 from experiments import llama_dpo
 
@@ -41,6 +45,105 @@ def test_reference_is_frozen_and_the_lm_update_rules_move_under_the_policy():
     assert cfg.learner.update_rules == [
         dpo.REFERENCE_UPDATE_RULE, ("policy/decoder/emb/.*", "no_update"), (".*lora.*", "all")
     ]
+
+
+def _lora_lm_trainer():
+    """The tiny LM trainer of llama_dpo_lora_test (LoRA r4 on the seven maps), before DPO."""
+    base = llama_dpo.llama_dpo_lora_test_trainer().clone()
+    base.model = base.model.policy
+    return base
+
+
+# The refusal of a frozen copy for a LoRA policy: it names its first LoRA layer config.
+LORA_FROZEN_COPY_LINE = (
+    "model.reference='frozen_copy': the policy has LoRA adapters (model.policy.decoder."
+    "transformer.layer.feed_forward.linear1, ...), so a frozen copy would duplicate its whole "
+    "frozen base; use reference='adapters_disabled' (the policy's base with the adapters off)"
+)
+
+
+def test_as_dpo_refuses_a_frozen_copy_reference_for_a_lora_config_in_one_line():
+    base = _lora_lm_trainer()
+    with pytest.raises(ConfigError) as e:
+        llama_dpo.as_dpo(base, pairs=base.input, learning_rate=1e-3, max_step=10,
+                         reference="frozen_copy")
+    assert str(e.value) == LORA_FROZEN_COPY_LINE
+
+
+def test_a_lora_dpo_model_overridden_to_a_frozen_copy_is_refused_when_built():
+    cfg = llama_dpo.llama_dpo_lora_test_trainer().model.clone(name="model", reference="frozen_copy")
+    with pytest.raises(ConfigError) as e:
+        cfg.instantiate(parent=None)
+    assert str(e.value) == LORA_FROZEN_COPY_LINE
+
+
+@pytest.mark.parametrize(
+    "config, children",
+    [("llama_dpo_lora_test", {"policy"}), ("llama_dpo_test", {"policy", "reference"})],
+)
+def test_lora_with_adapters_disabled_and_full_with_frozen_copy_build(config, children):
+    cfg = llama_dpo.named_trainer_configs()[config]()
+    model = cfg.model.clone(name="model").instantiate(parent=None)
+    assert set(model.children) == children
+
+
+def _policy_size(cfg) -> int:
+    """The policy's parameters: the sizes of its own specs, built apart from DPO."""
+    policy = cfg.model.policy.clone(name="policy").instantiate(parent=None)
+    specs = jax.tree.leaves(policy.create_parameter_specs_recursively(),
+                            is_leaf=lambda x: hasattr(x, "shape"))
+    return sum(math.prod(spec.shape) for spec in specs)
+
+
+def _tiny_dpo_trainer():
+    cfg = llama_dpo.llama_dpo_test_trainer()
+    return cfg.set(dir=None, max_step=0, compile_ahead=False).instantiate(parent=None)
+
+
+def test_the_step_accounting_counts_the_policy_and_the_frozen_reference_apart():
+    size = _policy_size(llama_dpo.llama_dpo_test_trainer())
+    accounting = perf.StepAccounting.for_trainer(_tiny_dpo_trainer())
+    assert (accounting.num_params, accounting.reference_params) == (size, size)
+    assert accounting.params_text() == (
+        f"{size:,} parameters (+{size:,} in the frozen DPO reference)"
+    )
+
+
+def test_the_frozen_reference_forward_counts_2_flops_a_matmul_parameter_a_token():
+    # The tiny Llama by hand (head_dim 8, tied head): q, k, v, o, the gated MLP, the head.
+    dim, layers, seq_len = 32, 2, 32
+    matmul = layers * (dim * (4 + 2 + 2) * 8 + 4 * 8 * dim + 3 * dim * 64) + 128 * dim
+    accounting = perf.StepAccounting.for_trainer(_tiny_dpo_trainer())
+    # DESIGN.md: the policy trains (6 a parameter, 6 x layers x seq_len x d_model of
+    # attention), the reference runs forward only (2 and 2).
+    per_token = (6 + 2) * matmul + (6 + 2) * layers * seq_len * dim
+    assert accounting.tokens_per_step == 2 * 8 * seq_len  # 8 pairs: 16 rows.
+    assert accounting.flops_per_step == per_token * accounting.tokens_per_step
+
+
+def test_the_bench_row_holds_the_policy_s_parameters_and_the_reference_apart():
+    size = _policy_size(llama_dpo.llama_dpo_test_trainer())
+    accounting = perf.StepAccounting.for_trainer(_tiny_dpo_trainer())
+    row = bench._benchmark_row(  # pylint: disable=protected-access
+        "llama_dpo_test", accounting, 1, losses=[0.7], step_times=[0.5], gpu_samples={}
+    )
+    assert (row["num_params"], row["reference_params"]) == (size, size)
+
+
+def test_list_configs_counts_a_dpo_config_s_policy_alone():
+    cfg = llama_dpo.llama_dpo_test_trainer()
+    assert experiment_registry.parameter_count(cfg) == _policy_size(cfg)
+
+
+@pytest.mark.slow  # Initializes the trainer's state (jitted): seconds of the quick suite's budget.
+def test_the_trainer_logs_the_policy_s_parameters_with_the_frozen_reference_beside(caplog):
+    size = _policy_size(llama_dpo.llama_dpo_test_trainer())
+    with caplog.at_level("INFO", logger="axlearn.common.trainer"):
+        _tiny_dpo_trainer().run()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Model: ")]
+    assert len(lines) == 1
+    want = f"Model: {size:,} parameters (+{size:,} in the frozen DPO reference), "
+    assert lines[0].startswith(want)
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """generate: batched decoding against transformers' `generate`, and the command."""
 
+import io
 import json
 import subprocess
 import sys
@@ -181,6 +182,28 @@ def test_the_command_streams_a_completion_in_pieces_that_make_the_printed_text(t
     text_writes = out.writes[: out.writes.index("\n")]
     assert "".join(text_writes) == completion
     assert len(text_writes) == 4
+
+
+@pytest.mark.slow  # Loads and compiles the command's model: 9 s of CPU.
+def test_the_speed_line_counts_one_prompt_and_names_the_batch_it_was_padded_to(tmp_path):
+    hf = _save_hf_dir(tmp_path, seed=9)
+    fv = generate.parse_flags([
+        f"--hf_dir={tmp_path}", "--prompt=w3 ! w7", "--max_new_tokens=3", "--dtype=float32",
+    ])  # --batch_size: its default, 8.
+    out, err = io.StringIO(), io.StringIO()
+    generate.run(fv, out=out, err=err)
+    assert "tokens/s (1 prompt, batch padded to 8; 1 device(s); " in err.getvalue()
+    words = ["!" if i == 0 else f"w{i - 3}" for i in _hf_greedy(hf, [1, 6, 0, 10], 3, None)]
+    assert out.getvalue() == " ".join(["w3", "!", "w7", *words]) + "\n\n"  # The text alone.
+
+
+def test_the_stats_count_the_prompts_and_the_padded_last_batch():
+    hf = _hf_model(seed=10)
+    cfg = hf_llama.llama_config_from_hf(hf.config)
+    generator = generate.Generator(cfg, hf_llama.params_from_hf(hf.state_dict(), cfg))
+    _, stats = generator.generate([[1, 2], [3], [4, 5]], max_new_tokens=2, batch_size=2)
+    assert (stats.prompts, stats.batches, stats.batch_rows) == (3, 2, 2)
+    assert stats.rows_text() == "3 prompts in 2 batches of 2, the last padded from 1"
 
 
 @pytest.mark.slow

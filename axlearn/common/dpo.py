@@ -20,6 +20,7 @@ The log-probabilities of the reference come from `reference`:
   initialized to the policy's starting weights (`initialize_parameters_recursively`, or
   `PolicyWeights` for loaded weights) and run under stop_gradient. It must be frozen by the
   learner's `update_rules` (`REFERENCE_UPDATE_RULE`): then it has no optimizer state.
+  Refused for a LoRA policy (`check_lora_reference`): its reference is 'adapters_disabled'.
 - 'batch': `reference_chosen_logps` / `reference_rejected_logps` [B] in the batch
   (computed ahead, e.g. by `DPOModel.reference_log_probs` over the pairs once).
 - 'adapters_disabled': the policy itself inside `lora.adapters_disabled()` (the frozen
@@ -154,6 +155,7 @@ class DPOModel(BaseLayer):
             )
         if cfg.reference_dtype is not None and cfg.reference != "frozen_copy":
             raise ConfigError(f"{path}.reference_dtype is only for reference='frozen_copy'")
+        check_lora_reference(cfg, path=path)
         self._add_child("policy", cfg.policy)
         if cfg.reference == "frozen_copy":
             reference = cfg.policy.clone()
@@ -292,6 +294,25 @@ class DPOModel(BaseLayer):
         if self.config.reference == "frozen_copy":
             flops += 2.0 * matmul_parameter_count(self.reference_specs())
         return flops
+
+
+def check_lora_reference(cfg: DPOModel.Config, *, path: str = "model") -> None:
+    """A ConfigError (one line, naming `path`.reference) for a LoRA policy (one with
+    `lora` layers, as `lora.LoraConfigModifier` makes it) under reference='frozen_copy':
+    that would build a second full copy of the frozen base, where 'adapters_disabled'
+    runs the base itself with the adapters off."""
+    if cfg.reference != "frozen_copy":
+        return
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import lora  # Only LoRA runs need it.
+
+    adapted = sorted(lora.lora_layer_configs(cfg.policy))
+    if adapted:
+        raise ConfigError(
+            f"{path}.reference='frozen_copy': the policy has LoRA adapters ({path}.policy."
+            f"{adapted[0]}, ...), so a frozen copy would duplicate its whole frozen base; "
+            "use reference='adapters_disabled' (the policy's base with the adapters off)"
+        )
 
 
 def copy_as_reference(policy_params: Any, reference_specs: Any, shardings: Any = None) -> Any:

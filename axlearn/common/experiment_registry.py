@@ -150,10 +150,13 @@ def config_description(module: str, config_name: str, builder: Builder) -> str:
 
 
 def parameter_count(cfg: ConfigBase) -> int:
-    """The model's parameters, counted from its parameter specs (no weights are made)."""
+    """The model's parameters, counted from its parameter specs (no weights are made); a
+    DPO model's are its policy's, without the frozen reference copy (as the trainer logs)."""
     from axlearn.common.causal_lm import count_parameters  # pylint: disable=import-outside-toplevel
+    from axlearn.common.perf import reference_param_count  # pylint: disable=import-outside-toplevel
 
-    return count_parameters(cfg.model.clone(name="model").instantiate(parent=None))
+    model = cfg.model.clone(name="model").instantiate(parent=None)
+    return count_parameters(model) - reference_param_count(model)
 
 
 def list_configs_text(module: Optional[str] = None) -> str:

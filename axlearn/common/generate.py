@@ -37,8 +37,11 @@ token reads half the bytes of bf16 weights.
 Prints each completion on stdout, the text alone (at batch size 1, `--stream` prints the
 tokens of each chunk as it arrives), and on stderr the time to the first token and the
 decoding speed in generated tokens per second (compiling and one warm-up run of each
-program apart). Nothing in a call compiles but its two programs: the prompts reach the
-device as plain transfers and the PRNG key is made inside the prefill. The command keeps
+program apart), for the prompts given: a batch short of `--batch_size` prompts is padded
+with rows of one token, so that every batch runs the same compiled programs, and the line
+says so ('1 prompt, batch padded to 8'). Nothing in a call compiles but its two programs:
+the prompts reach the device as plain transfers and the PRNG key is made inside the
+prefill. The command keeps
 its compiled programs (`--jax_compilation_cache_dir`, `compilation_cache`): a later run with the same model and
 shapes loads them instead of compiling.
 """
@@ -116,6 +119,22 @@ class GenerationStats:
     compile_seconds: float = 0.0  # Compiling and one warm-up run per program.
     batches: int = 0  # Batches run (each has one prefill).
     new_tokens_after_first: int = 0  # new_tokens less each generating row's first token.
+    prompts: int = 0  # Prompts decoded: the rows that hold one.
+    # Rows of every batch: batch_size, the rows past the prompts padding (one token each),
+    # so that every batch, and the next run through the compilation cache, runs the same
+    # two compiled programs.
+    batch_rows: int = 0
+
+    def rows_text(self) -> str:
+        """The prompts and, where the batches hold padding rows, the batch size: '1 prompt,
+        batch padded to 8', '16 prompts in 2 batches of 8', '10 prompts in 2 batches of 8,
+        the last padded from 2'."""
+        text = f"{self.prompts:,} prompt" + ("" if self.prompts == 1 else "s")
+        last = self.prompts - (self.batches - 1) * self.batch_rows
+        if self.batches > 1:
+            text += f" in {self.batches:,} batches of {self.batch_rows:,}"
+            return text if last == self.batch_rows else f"{text}, the last padded from {last:,}"
+        return text if last == self.batch_rows else f"{text}, batch padded to {self.batch_rows:,}"
 
     @property
     def tokens_per_second(self) -> float:
@@ -563,7 +582,7 @@ class Generator:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("Every prompt needs at least one token")
-        stats = GenerationStats()
+        stats = GenerationStats(prompts=len(prompts), batch_rows=batch_size)
         outputs: list[list[int]] = []
         # The first token comes from prefill; the rest from chunks of equal size.
         num_chunks = math.ceil((max_new_tokens - 1) / chunk_size)
@@ -997,7 +1016,7 @@ def run(fv: flags.FlagValues, out=None, err=None) -> GenerationStats:
     out.flush()
     err.write(
         f"{stats.new_tokens} tokens generated in {stats.decode_seconds:.2f} s: "
-        f"{stats.tokens_per_second:,.1f} tokens/s (batch {fv.batch_size}, {devices} device(s); "
+        f"{stats.tokens_per_second:,.1f} tokens/s ({stats.rows_text()}; {devices} device(s); "
         f"first token after {stats.first_token_seconds * 1000:,.1f} ms, then "
         f"{stats.decode_tokens_per_second:,.1f} tokens/s; compile and warm-up "
         f"{stats.compile_seconds:.1f} s apart)\n"

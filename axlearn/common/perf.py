@@ -64,6 +64,24 @@ def model_flops_per_token(model: Any, seq_len: int) -> Optional[float]:
     return None
 
 
+@runtime_checkable
+class HoldsFrozenReference(Protocol):
+    """A model that holds, beside the model it trains, a frozen copy of it that only
+    scores (`dpo.DPOModel`'s reference='frozen_copy'): the copy's parameters are not the
+    model's own count."""
+
+    def reference_specs(self) -> Optional[Any]:
+        """The frozen copy's parameter specs; None where the model holds none."""
+
+
+def reference_param_count(model: Any) -> int:
+    """The parameters of `model`'s frozen reference copy (`HoldsFrozenReference`), else 0."""
+    if isinstance(model, HoldsFrozenReference):
+        specs = model.reference_specs()
+        return 0 if specs is None else tree_size(specs)
+    return 0
+
+
 def tree_size(tree: Any) -> int:
     """The number of elements of a tree of arrays or of ParameterSpecs (anything with a
     `shape`): a model's parameter count from its specs, nothing allocated."""
@@ -86,17 +104,19 @@ def input_rows_shape(element_spec: dict[str, Any]) -> tuple[int, int]:
 class StepAccounting:
     """Turns a step time into the standard columns."""
 
-    num_params: int
+    num_params: int  # The trained model's (DPO: the policy's), a frozen reference apart.
     tokens_per_step: int
     flops_per_step: Optional[float]  # None: the model does not count its FLOPs.
     num_devices: int
     peak_tflops_per_device: Optional[float]
+    reference_params: int = 0  # Of a frozen reference copy (`HoldsFrozenReference`).
 
     @classmethod
     def for_trainer(cls, trainer) -> "StepAccounting":
         """The accounting of `trainer`'s steps: its input's [batch, seq_len] tokens, its
         model's parameters and FLOPs per token (less 2 a token for each matmul parameter the
-        learner freezes), its mesh's devices."""
+        learner freezes: a frozen DPO reference's forward counts 2 a token), its mesh's
+        devices. `num_params` leaves out a frozen reference copy: `reference_params`."""
         batch, seq_len = input_rows_shape(trainer.input.element_spec())
         flops_per_token = model_flops_per_token(trainer.model, seq_len)
         frozen = getattr(trainer, "frozen_matmul_parameter_count", None)
@@ -105,13 +125,23 @@ class StepAccounting:
             flops_per_token -= 2.0 * frozen()
         tokens = batch * seq_len
         peak = trainer.config.peak_tflops_per_device or peak_tflops(trainer.mesh.devices.flat[0])
+        reference = reference_param_count(trainer.model)
         return cls(
-            num_params=tree_size(trainer.model_param_specs),
+            num_params=tree_size(trainer.model_param_specs) - reference,
             tokens_per_step=tokens,
             flops_per_step=None if flops_per_token is None else flops_per_token * tokens,
             num_devices=trainer.mesh.devices.size,
             peak_tflops_per_device=peak,
+            reference_params=reference,
         )
+
+    def params_text(self) -> str:
+        """'N parameters', and where a frozen reference copy exists, its count beside:
+        '1,073,741,824 parameters (+1,073,741,824 in the frozen DPO reference)'."""
+        text = f"{self.num_params:,} parameters"
+        if self.reference_params:
+            text += f" (+{self.reference_params:,} in the frozen DPO reference)"
+        return text
 
     def metrics(self, step_time_s: float) -> dict[str, Any]:
         """tokens/s/device, TFLOP/s/device and MFU (where FLOPs and peak are known), step

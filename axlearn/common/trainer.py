@@ -1085,7 +1085,7 @@ class SpmdTrainer(Module):
         )
         flops = accounting.flops_per_step
         log.info(
-            "Model: %s parameters, %s", f"{accounting.num_params:,}",
+            "Model: %s, %s", accounting.params_text(),
             "no FLOPs count (no TFLOP/s or MFU)" if flops is None
             else f"{flops:.3g} model FLOPs per step",
         )
