@@ -748,30 +748,14 @@ def params_to_hf(
     framework 'pt': float32 torch tensors (for `load_state_dict`); 'np': numpy arrays.
     fused: experts in transformers 5's fused tensors (its state dict), else one tensor per
     expert (the Hub's files)."""
-    if framework not in ("pt", "np"):
-        raise ValueError(f"framework must be 'pt' or 'np', got {framework!r}")
-    features, dims = model_dims(cfg, model_type=model_type)
-    decoder = hf_checkpoint.map_views(hf_checkpoint.to_float32, params["decoder"])
-    transformer = decoder["transformer"]
-    sd = {"model.embed_tokens.weight": decoder["emb"]["token_emb"]["weight"]}
-    for i in range(dims.num_layers):
-        if dims.repeated:
-            layer = hf_llama._unstack_layer(  # pylint: disable=protected-access
-                transformer["repeat"]["layer"], i
-            )
-        else:
-            layer = transformer[f"layer{i}"]
-        sd.update(_layer_to_hf(layer, i, dims, features, fused=fused))
-    sd["model.norm.weight"] = decoder["output_norm"]["scale"]
-    sd["lm_head.weight"] = (
-        sd["model.embed_tokens.weight"] if dims.tied else decoder["lm_head"]["weight"].T
-    )
-    sd = {name: np.array(value, dtype=np.float32, order="C") for name, value in sd.items()}
-    if framework == "np":
-        return sd
-    import torch  # pylint: disable=import-outside-toplevel
+    features, _ = model_dims(cfg, model_type=model_type)
 
-    return {name: torch.from_numpy(value) for name, value in sd.items()}
+    def layer_to_hf(layer: dict[str, Any], i: int, dims: LlamaDims) -> dict[str, Any]:
+        return _layer_to_hf(layer, i, dims, features, fused=fused)
+
+    return hf_llama.params_to_hf(
+        params, llama_view(cfg), framework=framework, layer_to_hf=layer_to_hf
+    )
 
 
 # ----- export -----
