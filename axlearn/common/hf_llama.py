@@ -942,10 +942,42 @@ def write_hf_model(
     `source` fields of the model it started from, `source_fields`),
     generation_config.json, safetensors weights in `dtype` (sharded above
     `max_shard_size` bytes) and, given a tokenizer file, its files. Returns the names."""
-    if dtype not in _EXPORT_DTYPES:
-        raise ConfigError(f"--dtype={dtype}: expected one of {_EXPORT_DTYPES}")
+    check_export_dtype(dtype)
     # Refuses non-Llama configs before any write.
     config = hf_config_dict(cfg, dtype=dtype, source=source)
+    return write_hf_directory(
+        directory,
+        config,
+        lambda: params_to_hf(params, cfg, framework="np"),
+        cfg=cfg,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        tokenizer=tokenizer,
+        source=source,
+    )
+
+
+def check_export_dtype(dtype: str) -> None:
+    """Refuses an export `dtype` outside `_EXPORT_DTYPES`, naming --dtype."""
+    if dtype not in _EXPORT_DTYPES:
+        raise ConfigError(f"--dtype={dtype}: expected one of {_EXPORT_DTYPES}")
+
+
+def write_hf_directory(
+    directory: str,
+    config: dict[str, Any],
+    state_dict: Callable[[], dict[str, np.ndarray]],
+    *,
+    cfg: Model.Config,
+    dtype: str,
+    max_shard_size: int,
+    tokenizer: Optional[str],
+    source: Optional[Mapping[str, Any]],
+) -> list[str]:
+    """Writes the Hugging Face directory of `cfg` (any family): `config` as config.json,
+    `generation_config_dict(cfg, source=source)`, the weights `state_dict()` gives (called
+    once the directory is known to hold none) in `dtype` and the tokenizer's files, as
+    `write_hf_model` says. Returns the names written."""
     if os.path.isdir(directory):
         # Weights left by an earlier export would mix with these (a stale index wins).
         old = sorted(f for f in os.listdir(directory) if "safetensors" in f)
@@ -954,13 +986,13 @@ def write_hf_model(
                 f"{directory} already holds weights ({', '.join(old)}): export into a new "
                 "directory"
             )
-    state_dict = params_to_hf(params, cfg, framework="np")
+    weights = state_dict()
     if config["tie_word_embeddings"]:
-        del state_dict["lm_head.weight"]  # Tied: transformers takes the token table.
+        del weights["lm_head.weight"]  # Tied: transformers takes the token table.
     numpy_dtype = np.dtype(jnp.dtype(dtype))
-    state_dict = {name: value.astype(numpy_dtype) for name, value in state_dict.items()}
+    weights = {name: value.astype(numpy_dtype) for name, value in weights.items()}
     os.makedirs(directory, exist_ok=True)
-    written = hf_checkpoint.write_safetensors(state_dict, directory, max_shard_size=max_shard_size)
+    written = hf_checkpoint.write_safetensors(weights, directory, max_shard_size=max_shard_size)
     hf_checkpoint.write_json(os.path.join(directory, hf_checkpoint.CONFIG_FILE), config)
     hf_checkpoint.write_json(
         os.path.join(directory, hf_checkpoint.GENERATION_CONFIG_FILE),
@@ -970,6 +1002,24 @@ def write_hf_model(
     if tokenizer is not None:
         written += hf_checkpoint.copy_tokenizer(tokenizer, directory)
     return written
+
+
+def export_tokenizer(trainer_cfg: Any, tokenizer: Optional[str]) -> Optional[str]:
+    """The tokenizer file an export of the run `trainer_cfg` copies: `tokenizer` if given,
+    else the one recorded with the run's data (`trainer_dir.recorded_tokenizer`); None,
+    with a warning, for bytes or a run that records none."""
+    if tokenizer is not None:
+        return tokenizer
+    # pylint: disable-next=import-outside-toplevel
+    from axlearn.common import trainer_dir as trainer_dir_lib
+
+    tokenizer = trainer_dir_lib.recorded_tokenizer(trainer_cfg)
+    if tokenizer == trainer_dir_lib.BYTES_TOKENIZER:
+        log.warning("The run's data is bytes: Hugging Face has no tokenizer file for it")
+        return None
+    if tokenizer is None:
+        log.warning("The run records no tokenizer file: none exported (--tokenizer=PATH)")
+    return tokenizer
 
 
 def export_trainer_dir(
@@ -1021,13 +1071,7 @@ def export_trainer_dir(
     if init_params is not None and "source" in init_params.keys():
         init_params = init_params.source  # The language model's (dpo.PolicyWeights).
     source = getattr(init_params, "source_fields", None) if init_params is not None else None
-    if tokenizer is None:
-        tokenizer = trainer_dir_lib.recorded_tokenizer(trainer_cfg)
-        if tokenizer == trainer_dir_lib.BYTES_TOKENIZER:
-            log.warning("The run's data is bytes: Hugging Face has no tokenizer file for it")
-            tokenizer = None
-        elif tokenizer is None:
-            log.warning("The run records no tokenizer file: none exported (--tokenizer=PATH)")
+    tokenizer = export_tokenizer(trainer_cfg, tokenizer)
     restored_step, _, params = trainer_dir_lib.restore_language_model(
         trainer_dir, step=step, frozen=not adapters_only  # Adapters need no base.
     )
@@ -1093,14 +1137,23 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.mark_flags_as_required(["trainer_dir", "output"], flag_values=flag_values)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """`export`: writes a trainer directory's model as a Hugging Face Llama directory."""
-    program = "axlearn.common.hf_llama"
+def run_export_command(
+    argv: Optional[Sequence[str]],
+    *,
+    program: str,
+    doc: Optional[str],
+    export: Callable[..., tuple[int, Optional[str], str, list[str]]],
+) -> None:
+    """The `export` command of `program` (`hf_llama`'s and `hf_models`'): parses `argv` for
+    `define_flags` (`doc`: its --help), calls `export(trainer_dir, output, step=..., dtype=...,
+    max_shard_size=..., tokenizer=..., merge_lora=...)`, which returns (step, the family
+    written or None, the weights' dtype, the files written), and prints what was written.
+    A refusal exits with one line, "<module> export: <why>"."""
     args, commands = parse_command_flags(
         define_flags,
         argv,
         program=program,
-        doc=__doc__,
+        doc=doc,
         positional=COMMANDS,
         reads_config_text=True,
     )
@@ -1109,7 +1162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # Its backend probes.
     try:
-        step, dtype, written = export_trainer_dir(
+        step, family, dtype, written = export(
             args.trainer_dir,
             args.output,
             step=args.step,
@@ -1119,11 +1172,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             merge_lora=args.merge_lora,
         )
     except (ConfigError, ValueError, KeyError, CheckpointCorruptError) as e:
-        raise SystemExit(f"hf_llama export: {e}") from e
+        raise SystemExit(f"{program.rsplit('.', 1)[-1]} export: {e}") from e
+    family = f" as {family}" if family else ""
     print(
-        f"Exported step {step} of {args.trainer_dir} to {args.output} ({dtype} weights): "
+        f"Exported step {step} of {args.trainer_dir} to {args.output}{family} ({dtype} weights): "
         f"{', '.join(written)}"
     )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """`export`: writes a trainer directory's model as a Hugging Face Llama directory."""
+
+    def export(*args, **kwargs) -> tuple[int, None, str, list[str]]:
+        step, dtype, written = export_trainer_dir(*args, **kwargs)
+        return step, None, dtype, written
+
+    run_export_command(argv, program="axlearn.common.hf_llama", doc=__doc__, export=export)
 
 
 if __name__ == "__main__":

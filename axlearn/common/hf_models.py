@@ -48,7 +48,6 @@ with QK-norm: Qwen3-MoE, q/k/v biases: Qwen2, a sliding window: Mistral, else Ll
 
 import dataclasses
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -63,8 +62,6 @@ from axlearn.common.attention import (
     StackedTransformerLayer,
 )
 from axlearn.common.causal_lm import Model
-from axlearn.common.checkpointer import CheckpointCorruptError
-from axlearn.common.command_flags import parse_command_flags, usage_error
 from axlearn.common.config import (
     REQUIRED,
     ConfigBase,
@@ -751,30 +748,14 @@ def params_to_hf(
     framework 'pt': float32 torch tensors (for `load_state_dict`); 'np': numpy arrays.
     fused: experts in transformers 5's fused tensors (its state dict), else one tensor per
     expert (the Hub's files)."""
-    if framework not in ("pt", "np"):
-        raise ValueError(f"framework must be 'pt' or 'np', got {framework!r}")
-    features, dims = model_dims(cfg, model_type=model_type)
-    decoder = hf_checkpoint.map_views(hf_checkpoint.to_float32, params["decoder"])
-    transformer = decoder["transformer"]
-    sd = {"model.embed_tokens.weight": decoder["emb"]["token_emb"]["weight"]}
-    for i in range(dims.num_layers):
-        if dims.repeated:
-            layer = hf_llama._unstack_layer(  # pylint: disable=protected-access
-                transformer["repeat"]["layer"], i
-            )
-        else:
-            layer = transformer[f"layer{i}"]
-        sd.update(_layer_to_hf(layer, i, dims, features, fused=fused))
-    sd["model.norm.weight"] = decoder["output_norm"]["scale"]
-    sd["lm_head.weight"] = (
-        sd["model.embed_tokens.weight"] if dims.tied else decoder["lm_head"]["weight"].T
-    )
-    sd = {name: np.array(value, dtype=np.float32, order="C") for name, value in sd.items()}
-    if framework == "np":
-        return sd
-    import torch  # pylint: disable=import-outside-toplevel
+    features, _ = model_dims(cfg, model_type=model_type)
 
-    return {name: torch.from_numpy(value) for name, value in sd.items()}
+    def layer_to_hf(layer: dict[str, Any], i: int, dims: LlamaDims) -> dict[str, Any]:
+        return _layer_to_hf(layer, i, dims, features, fused=fused)
+
+    return hf_llama.params_to_hf(
+        params, llama_view(cfg), framework=framework, layer_to_hf=layer_to_hf
+    )
 
 
 # ----- export -----
@@ -800,34 +781,20 @@ def write_hf_model(
             params, cfg, directory, dtype=dtype, max_shard_size=max_shard_size,
             tokenizer=tokenizer, source=source,
         )
-    if dtype not in hf_llama._EXPORT_DTYPES:  # pylint: disable=protected-access
-        raise ConfigError(f"--dtype={dtype}: expected one of {hf_llama._EXPORT_DTYPES}")
+    hf_llama.check_export_dtype(dtype)
     config = hf_config_dict(cfg, model_type=features.model_type, dtype=dtype, source=source)
-    if os.path.isdir(directory):
-        old = sorted(f for f in os.listdir(directory) if "safetensors" in f)
-        if old:
-            raise ConfigError(
-                f"{directory} already holds weights ({', '.join(old)}): export into a new "
-                "directory"
-            )
-    state_dict = params_to_hf(
-        params, cfg, model_type=features.model_type, framework="np", fused=False
+    return hf_llama.write_hf_directory(
+        directory,
+        config,
+        lambda: params_to_hf(
+            params, cfg, model_type=features.model_type, framework="np", fused=False
+        ),
+        cfg=cfg,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        tokenizer=tokenizer,
+        source=source,
     )
-    if config["tie_word_embeddings"]:
-        del state_dict["lm_head.weight"]
-    numpy_dtype = np.dtype(jnp.dtype(dtype))
-    state_dict = {name: value.astype(numpy_dtype) for name, value in state_dict.items()}
-    os.makedirs(directory, exist_ok=True)
-    written = hf_checkpoint.write_safetensors(state_dict, directory, max_shard_size=max_shard_size)
-    hf_checkpoint.write_json(os.path.join(directory, hf_checkpoint.CONFIG_FILE), config)
-    hf_checkpoint.write_json(
-        os.path.join(directory, hf_checkpoint.GENERATION_CONFIG_FILE),
-        hf_llama.generation_config_dict(cfg, source=source),
-    )
-    written += [hf_checkpoint.CONFIG_FILE, hf_checkpoint.GENERATION_CONFIG_FILE]
-    if tokenizer is not None:
-        written += hf_checkpoint.copy_tokenizer(tokenizer, directory)
-    return written
 
 
 def export_trainer_dir(
@@ -868,13 +835,7 @@ def export_trainer_dir(
         dtype = jnp.dtype(trainer_cfg.model.dtype or jnp.float32).name
         log.info("Writing %s weights, the run's parameter dtype (--dtype to choose)", dtype)
     source = getattr(init_params, "source_fields", None) if init_params is not None else None
-    if tokenizer is None:
-        tokenizer = trainer_dir_lib.recorded_tokenizer(trainer_cfg)
-        if tokenizer == trainer_dir_lib.BYTES_TOKENIZER:
-            log.warning("The run's data is bytes: Hugging Face has no tokenizer file for it")
-            tokenizer = None
-        elif tokenizer is None:
-            log.warning("The run records no tokenizer file: none exported (--tokenizer=PATH)")
+    tokenizer = hf_llama.export_tokenizer(trainer_cfg, tokenizer)
     restored_step, params = trainer_dir_lib.restore_model_params(trainer_dir, step=step)
     written = write_hf_model(
         params, trainer_cfg.model, output, model_type=features.model_type, dtype=dtype,
@@ -883,39 +844,15 @@ def export_trainer_dir(
     return restored_step, features.model_type, dtype, written
 
 
-COMMANDS = ("export",)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """`export`: writes a trainer directory's model as a Hugging Face directory."""
-    program = "axlearn.common.hf_models"
-    args, commands = parse_command_flags(
-        hf_llama.define_flags,
-        argv,
-        program=program,
-        doc=__doc__,
-        positional=COMMANDS,
-        reads_config_text=True,
-    )
-    if commands != ["export"]:
-        usage_error(program, f"give one command, {' or '.join(COMMANDS)}")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    try:
-        step, model_type, dtype, written = export_trainer_dir(
-            args.trainer_dir,
-            args.output,
-            step=args.step,
-            dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
-            tokenizer=args.tokenizer,
-            merge_lora=args.merge_lora,
-        )
-    except (ConfigError, ValueError, KeyError, CheckpointCorruptError) as e:
-        raise SystemExit(f"hf_models export: {e}") from e
-    print(
-        f"Exported step {step} of {args.trainer_dir} to {args.output} as "
-        f"{FAMILIES[model_type][0]} ({dtype} weights): {', '.join(written)}"
+
+    def export(*args, **kwargs) -> tuple[int, str, str, list[str]]:
+        step, model_type, dtype, written = export_trainer_dir(*args, **kwargs)
+        return step, FAMILIES[model_type][0], dtype, written
+
+    hf_llama.run_export_command(
+        argv, program="axlearn.common.hf_models", doc=__doc__, export=export
     )
 
 

@@ -68,6 +68,7 @@ The loader's throughput for a named config: `python -m axlearn.bench --input_onl
 
 import contextlib
 import dataclasses
+import functools
 import gzip
 import hashlib
 import io
@@ -83,7 +84,7 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, BinaryIO, Optional
 
 import numpy as np
@@ -1043,11 +1044,6 @@ def build_splits(
     if validation_fraction and "validation" not in prefixes:
         raise ValueError("validation_fraction needs a 'validation' prefix")
     record = vocabulary_record(vocab)
-    staging = _Staging()
-    writers = {
-        split: _SplitWriter(prefix, record, tokens_per_shard, staging)
-        for split, prefix in prefixes.items()
-    }
 
     def with_splits() -> Iterator[tuple[str, str]]:
         for text, split in documents:
@@ -1056,8 +1052,8 @@ def build_splits(
                 split = "validation" if is_validation else "train"
             yield text, split
 
-    num_read = 0
-    try:
+    def fill(writers: dict[str, _SplitWriter]) -> int:
+        num_read = 0
         chunks = tokenize_documents(
             with_splits(),
             vocab=vocab,
@@ -1073,11 +1069,43 @@ def build_splits(
                 num_read += len(splits)
                 if bar is not None:  # Tokens, each document's EOS too.
                     bar.update(int(ends[-1]) + len(splits), num_read)
+        return num_read
+
+    return _write_splits(
+        prefixes,
+        fill,
+        new_writer=functools.partial(
+            _SplitWriter, vocabulary=record, tokens_per_shard=tokens_per_shard
+        ),
+        validation_fraction=validation_fraction,
+        sources=sources,
+    )
+
+
+def _write_splits(
+    prefixes: dict[str, str],
+    fill: Callable[[dict[str, _SplitWriter]], int],
+    *,
+    new_writer: Callable[..., _SplitWriter],
+    validation_fraction: float,
+    sources: Sequence[str],
+    records: bool = False,
+) -> BuildSummary:
+    """The shards of each split of `prefixes`, all or none: `fill(writers)` adds every
+    document to its split's `new_writer(prefix, staging=...)` and returns how many documents
+    (`records`: chat records, each one or more documents) it read. A split left without
+    any is refused, naming `sources`; on any failure the shards written so far are
+    removed. Then the shards are renamed into place, and an earlier build's shards of the
+    same prefixes that this one did not write are removed."""
+    staging = _Staging()
+    writers = {split: new_writer(prefix, staging=staging) for split, prefix in prefixes.items()}
+    try:
+        num_read = fill(writers)
         for split, writer in writers.items():
             writer.flush()
             if not writer.num_docs:
                 message = _empty_split_message(split, num_read, validation_fraction, sources)
-                raise InputError(message)
+                raise InputError(message.replace("documents", "records") if records else message)
         staging.commit()
     except BaseException:
         staging.discard()
@@ -1087,10 +1115,11 @@ def build_splits(
         for path in _stale_shards(writer.prefix, writer.paths):
             os.remove(path)
             removed.append(path)
+    num_docs = sum(writer.num_docs for writer in writers.values())
     return BuildSummary(
         paths={split: writer.paths for split, writer in writers.items()},
         documents_read=num_read,
-        documents_skipped=num_read - sum(writer.num_docs for writer in writers.values()),
+        documents_skipped=0 if records else num_read - num_docs,
         removed_stale=removed,
     )
 
@@ -1166,25 +1195,12 @@ def build_chat_splits(
         extra = {"pairs": dict(about, max_sequence_length=max_sequence_length)}
     else:
         extra = {"chat": dict(about, train_on=train_on)}
-    staging = _Staging()
-    writers = {
-        split: _SplitWriter(
-            prefix,
-            record,
-            tokens_per_shard,
-            staging,
-            loss_masks=True,
-            pairs=pairs,
-            manifest_extra=extra,
-        )
-        for split, prefix in prefixes.items()
-    }
-    num_read = 0
-    chunks = _record_chunks(records)
-    try:
+
+    def fill(writers: dict[str, _SplitWriter]) -> int:
+        num_read = 0
         encoded_chunks = map_in_order(
             _encode_record_chunk,
-            chunks,
+            _record_chunks(records),
             initializer=chat.init_record_worker,
             initargs=(template, vocab, train_on, pairs, max_sequence_length),
             num_workers=num_workers,
@@ -1204,25 +1220,22 @@ def build_chat_splits(
                 num_read += len(chunk)
                 if bar is not None:
                     bar.update(tokens, num_read)
-        for split, writer in writers.items():
-            writer.flush()
-            if not writer.num_docs:
-                message = _empty_split_message(split, num_read, validation_fraction, sources)
-                raise InputError(message.replace("documents", "records"))
-        staging.commit()
-    except BaseException:
-        staging.discard()
-        raise
-    removed = []
-    for writer in writers.values():
-        for path in _stale_shards(writer.prefix, writer.paths):
-            os.remove(path)
-            removed.append(path)
-    return BuildSummary(
-        paths={split: writer.paths for split, writer in writers.items()},
-        documents_read=num_read,
-        documents_skipped=0,
-        removed_stale=removed,
+        return num_read
+
+    return _write_splits(
+        prefixes,
+        fill,
+        new_writer=functools.partial(
+            _SplitWriter,
+            vocabulary=record,
+            tokens_per_shard=tokens_per_shard,
+            loss_masks=True,
+            pairs=pairs,
+            manifest_extra=extra,
+        ),
+        validation_fraction=validation_fraction,
+        sources=sources,
+        records=True,
     )
 
 
