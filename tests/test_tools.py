@@ -29,11 +29,17 @@ def test_start_time_times_a_cold_start_and_two_that_load_the_train_step_from_the
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = proc.stdout.splitlines()[-3:]
+    # Each start: its row, then the trainer's "Started in ..." line of its phases.
+    lines = proc.stdout.splitlines()[-6:]
+    rows, starts = lines[0::2], lines[1::2]
     assert rows[0].startswith("cold (empty cache)") and "(not in the compilation cache)" in rows[0]
     for row, name in zip(rows[1:], ("warm: restart of the run", "warm: new run, same config")):
         assert row.startswith(name) and "% of cold" in row
         assert row.endswith("(loaded from the compilation cache)")
+    assert "state (init)" in starts[0] and "not in the compilation cache" in starts[0]
+    assert "state (restore)" in starts[1] and "state (init)" in starts[2]
+    for start in starts:
+        assert start.strip().startswith("Started in ") and "train step ready" in start
 
 
 @pytest.mark.slow
