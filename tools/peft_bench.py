@@ -245,10 +245,12 @@ def run(args: flags.FlagValues) -> dict[str, Any]:
 
 def _columns() -> tuple[tuple, ...]:
     """bench's columns, with the peak memory in GiB, the trainable parameters and the
-    libraries' versions beside its JAX version."""
+    libraries' versions beside its JAX version (no DPO reference row: LoRA has none)."""
     columns = []
     for column in BENCH_COLUMNS:
         title = column[0]
+        if column[1] == "reference_params":
+            continue
         if title == "JAX version":
             columns.append(("Versions", "versions", "{}", 0))
             continue
