@@ -146,6 +146,17 @@ def test_the_trainer_logs_the_policy_s_parameters_with_the_frozen_reference_besi
     assert lines[0].startswith(want)
 
 
+def _loaded_init_params(cfg):
+    """The parameters `cfg.init_params` loads for `cfg.model`, on the CPU."""
+    model = cfg.model.clone(name="model").instantiate(parent=None)
+    specs = model.create_parameter_specs_recursively()
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    shardings = jax.tree.map(lambda _: cpu, specs, is_leaf=lambda x: hasattr(x, "shape"))
+    return cfg.init_params.instantiate().load(
+        model_config=cfg.model, param_specs=specs, shardings=shardings
+    )
+
+
 @pytest.mark.slow
 def test_init_from_hf_loads_the_policy_and_an_equal_reference(tmp_path):
     lm = hf_llama.llama_model_config(
@@ -158,13 +169,7 @@ def test_init_from_hf_loads_the_policy_and_an_equal_reference(tmp_path):
     hf_llama.write_hf_model(params, lm, str(tmp_path), dtype="float32")
     cfg = use_hf_checkpoint(llama_dpo.llama_dpo_test_trainer(), str(tmp_path))
     assert cfg.model.policy.decoder.transformer.num_layers == 2
-    model = cfg.model.clone(name="model").instantiate(parent=None)
-    specs = model.create_parameter_specs_recursively()
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    shardings = jax.tree.map(lambda _: cpu, specs, is_leaf=lambda x: hasattr(x, "shape"))
-    loaded = cfg.init_params.instantiate().load(
-        model_config=cfg.model, param_specs=specs, shardings=shardings
-    )
+    loaded = _loaded_init_params(cfg)
     # float32 weights travel exactly; the reference equals them too.
     jax.tree.map(np.testing.assert_array_equal, loaded["policy"], params)
     jax.tree.map(np.testing.assert_array_equal, loaded["reference"], params)
@@ -190,13 +195,7 @@ def test_init_from_checkpoint_starts_the_policy_and_reference_from_another_runs_
     assert result.returncode == 0, result.stderr[-3000:]
     _, _, expected = trainer_dir.restore_language_model(str(source))
     cfg = use_run_checkpoint(llama_dpo.llama_dpo_test_trainer(), str(source))
-    model = cfg.model.clone(name="model").instantiate(parent=None)
-    specs = model.create_parameter_specs_recursively()
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    shardings = jax.tree.map(lambda _: cpu, specs, is_leaf=lambda x: hasattr(x, "shape"))
-    loaded = cfg.init_params.instantiate().load(
-        model_config=cfg.model, param_specs=specs, shardings=shardings
-    )
+    loaded = _loaded_init_params(cfg)
     jax.tree.map(np.testing.assert_array_equal, loaded["policy"], expected)
     jax.tree.map(np.testing.assert_array_equal, loaded["reference"], expected)
 
