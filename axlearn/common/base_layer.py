@@ -172,12 +172,16 @@ class QuantizedWeight:
         moved to hold the contracted axes (where `scale` is 1) last."""
         return cls(jnp.transpose(values, _rows_last_order(scale.shape)), scale, dtype, True)
 
+    def weight_layout_values(self) -> Tensor:
+        """`values` in the weight's own layout (moved back where `rows_last`)."""
+        if not self.rows_last:
+            return self.values
+        return jnp.transpose(self.values, np.argsort(_rows_last_order(self.scale.shape)))
+
     def dequantized(self) -> Tensor:
         """The weight it stands for, in `dtype` (in the weight's own layout)."""
-        values = self.values
-        if self.rows_last:
-            values = jnp.transpose(values, np.argsort(_rows_last_order(self.scale.shape)))
-        return (values.astype(jnp.float32) * self.scale.astype(jnp.float32)).astype(self.dtype)
+        values = self.weight_layout_values().astype(jnp.float32)
+        return (values * self.scale.astype(jnp.float32)).astype(self.dtype)
 
 
 def _rows_last_order(scale_shape: Sequence[int]) -> list[int]:
@@ -211,26 +215,25 @@ def _multiply_reduce(spec: str, x: Tensor, values: Tensor) -> Tensor:
     """jnp.einsum(spec, x, values) in float32 as a broadcast multiply and a sum."""
     x_axes, weight_axes, out_axes, leading = _einsum_axes(spec, x)
     # Every named axis once, the summed ones last: the sum then runs along the minor axes.
-    axes = list(dict.fromkeys(x_axes + weight_axes))
-    axes = [a for a in axes if a in out_axes] + [a for a in axes if a not in out_axes]
+    named = list(dict.fromkeys(x_axes + weight_axes))
+    kept = [a for a in named if a in out_axes]
+    axes = kept + [a for a in named if a not in out_axes]
 
     def spread(t: Tensor, t_axes: str, offset: int) -> Tensor:
         # t's axes in the order of `axes`, with a 1 for each axis t lacks.
         order = [axis for axis in axes if axis in t_axes]
         t = jnp.transpose(t, [*range(offset), *(offset + t_axes.index(a) for a in order)])
-        return t.reshape(*t.shape[:offset], *(t.shape[offset + order.index(a)] if a in t_axes
-                                              else 1 for a in axes))
+        sizes = [t.shape[offset + order.index(a)] if a in t_axes else 1 for a in axes]
+        return t.reshape(*t.shape[:offset], *sizes)
 
     product = spread(x, x_axes, leading).astype(jnp.float32) * spread(
         values, weight_axes, 0
     ).astype(jnp.float32)
-    summed = [leading + i for i, axis in enumerate(axes) if axis not in out_axes]
-    y = jnp.sum(product, axis=tuple(summed))
-    # y's axes: x's leading ones, then the kept named ones in the order of `axes`.
-    remaining = [axis for axis in axes if axis in out_axes]
+    y = jnp.sum(product, axis=tuple(range(leading + len(kept), leading + len(axes))))
+    # y's axes: x's leading ones, then `kept`; the output's order puts '...' where it says.
     order = []
     for axis in spec.split("->")[1].replace("...", "."):
-        order.extend(range(leading) if axis == "." else [leading + remaining.index(axis)])
+        order.extend(range(leading) if axis == "." else [leading + kept.index(axis)])
     return jnp.transpose(y, order)
 
 
@@ -293,10 +296,8 @@ def weight_take(weight: Union[Tensor, WeightWithCopy, QuantizedWeight], ids: Ten
     into a bf16 table, where a frequent token's hundreds of rows lose ~2% of their sum.
     """
     if isinstance(weight, QuantizedWeight):
-        values = weight.values
-        if weight.rows_last:  # Back to the table's layout (a table's rows are already last).
-            values = jnp.transpose(values, np.argsort(_rows_last_order(weight.scale.shape)))
-        rows = jnp.take(values, ids, axis=0).astype(jnp.float32)
+        # A table's rows are already last: rows_last leaves it in its layout.
+        rows = jnp.take(weight.weight_layout_values(), ids, axis=0).astype(jnp.float32)
         return (rows * jnp.take(weight.scale, ids, axis=0).astype(jnp.float32)).astype(weight.dtype)
     if not isinstance(weight, WeightWithCopy):
         return jnp.take(weight, ids, axis=0)
