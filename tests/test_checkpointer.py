@@ -5,6 +5,7 @@ import concurrent.futures
 import errno
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import tensorstore as ts
 
 from axlearn.common import checkpointer as checkpointer_lib
 from axlearn.common.checkpointer import (
@@ -754,6 +756,33 @@ def test_fsdp8_checkpoint_restores_onto_other_meshes(
         assert len(restored[f"{name}.shard_shapes"]) == devices
     for name, shape in shard_shapes.items():
         assert {tuple(s) for s in restored[f"{name}.shard_shapes"]} == {shape}
+
+
+def test_restore_reads_what_tensorstores_zarr_reader_reads(make_checkpointer, monkeypatch):
+    # Chunks of at most 64 bytes: several per array, the last ones padded past its edge.
+    monkeypatch.setattr(checkpointer_lib, "_TARGET_CHUNK_BYTES", 64)
+    rng = np.random.default_rng(3)
+    state = {
+        "f32": jnp.asarray(rng.normal(size=(7, 5)).astype(np.float32)),
+        "bf16": jnp.asarray(rng.normal(size=(3, 11, 2)).astype(ml_dtypes.bfloat16)),
+        "int4": jnp.asarray(rng.integers(-8, 8, size=(17, 5)), jnp.int4),
+        "fp8": jnp.asarray(rng.normal(size=(13,)).astype(ml_dtypes.float8_e4m3fn)),
+        "scalar": jnp.float32(2.5),
+    }
+    checkpointer = make_checkpointer()
+    checkpointer.save(1, state)
+    checkpointer.wait_until_finished()
+    step_dir = os.path.join(checkpointer.directory, step_dir_name(1))
+    with open(os.path.join(step_dir, INDEX_FILE), encoding="utf-8") as f:
+        arrays = json.load(f)["arrays"]
+    assert [n for n, meta in arrays.items() if math.prod(meta["chunks"] or [1]) < math.prod(
+        meta["shape"] or [1])] == ["bf16", "f32", "int4"]  # Several chunks each.
+    _, restored, _ = checkpointer.restore(state=_template(state))
+    for name, meta in arrays.items():
+        spec = TensorStoreStateStorage._spec(step_dir, name, meta)
+        expected = ts.open(spec, open=True).result().read().result()
+        np.testing.assert_array_equal(np.asarray(restored[name]), expected, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(state[name]))
 
 
 def test_sharded_save_writes_one_chunk_per_shard(fsdp8_checkpoint):

@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
@@ -199,29 +200,12 @@ def _file_checksum(path: str) -> dict[str, int]:
     return {"size": size, "crc32": crc}
 
 
-def _file_checksum_if_present(path: str) -> Optional[dict[str, int]]:
-    try:
-        return _file_checksum(path)
-    except FileNotFoundError:
-        return None
-
-
-def _checksums(
-    root: str,
-    relative_paths: Sequence[str],
-    checksum: Callable[[str], Any] = _file_checksum,
-    *,
-    on_each: Callable[[], Any] = lambda: None,
-) -> dict[str, Any]:
-    """{path: checksum(root/path)} of the files; `on_each()` is called as each one is summed."""
+def _checksums(root: str, relative_paths: Sequence[str]) -> dict[str, dict[str, int]]:
+    """{path: {'size', 'crc32'}} of the files under `root`, summed in parallel."""
     workers = min(32, (os.cpu_count() or 1) * 2)
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        sums = pool.map(lambda p: checksum(file_system.join(root, p)), relative_paths)
-        out = {}
-        for path, value in zip(relative_paths, sums):
-            out[path] = value
-            on_each()
-        return out
+        sums = pool.map(lambda p: _file_checksum(file_system.join(root, p)), relative_paths)
+        return dict(zip(relative_paths, sums))
 
 
 def _index_digest(index: dict[str, Any]) -> str:
@@ -522,14 +506,17 @@ class TensorStoreStateStorage(Configurable):
 
     # --- restore ---
 
-    def verify_and_read(
+    def read(
         self, step_dir: str, index: dict[str, Any], template: Any, *, subset: bool = False
-    ) -> Callable[[], Any]:
-        """Checks the template against the index and the files this process needs.
+    ) -> Any:
+        """The leaves of `template` read from `step_dir` into its shardings.
 
-        Returns `read`, a call that loads the arrays into the template's shardings.
-        `subset`: the template may leave out leaves of the checkpoint, which are not read.
-        Raises ValueError for a template that does not match (the caller's mistake) and
+        Each file is read once (`_FileRead`): its bytes checked against the size and CRC32
+        the index records, then copied into the host regions that need them (read into
+        place where a chunk is a contiguous piece of one); the leaves go to their devices
+        in batches as their files come in. `subset`: the template may leave out leaves of
+        the checkpoint, which are not read. Raises CheckpointMismatchError for a template
+        that does not match (the caller's mistake), before reading anything, and
         CheckpointCorruptError for files that disagree with the index.
         """
         index_path = file_system.join(step_dir, INDEX_FILE)
@@ -543,43 +530,243 @@ class TensorStoreStateStorage(Configurable):
                 f"missing from the checkpoint: {missing or 'none'}; "
                 f"in the checkpoint but not in the template: {unexpected or 'none'}"
             )
-        plans = []
-        needed_files = set()
+        leaves = []
         for path, leaf in entries:
-            meta = arrays[path]
-            _check_leaf_matches(path, leaf, meta, index_path)
-            regions = _regions_to_read(leaf, meta)
-            array_dir = _array_dir_name(path)
-            needed_files.add(f"arrays/{array_dir}/.zarray")
-            for bounds in regions.values():
-                needed_files.update(
-                    f"arrays/{array_dir}/{f}" for f in _chunk_files(meta["chunks"], bounds)
-                )
-            plans.append((path, leaf, meta, array_dir, regions))
-        _verify_files(step_dir, index["files"], sorted(needed_files))
-        return lambda: self._read(step_dir, template, plans)
-
-    def _read(self, step_dir: str, template: Any, plans: list) -> Any:
-        cfg = self.config
-        opened = [
-            ts.open(self._spec(step_dir, array_dir, meta), open=True, context=self._context)
-            for _, _, meta, array_dir, _ in plans
-        ]
-        reads = []
-        for (_, _, _, _, regions), future in zip(plans, opened):
-            array = future.result(timeout=cfg.timeout_secs)
-            unique = {bounds: None for bounds in regions.values()}
-            for bounds in unique:
-                unique[bounds] = array[tuple(slice(a, b) for a, b in bounds)].read()
-            reads.append(unique)
-        values = []
-        step_name = os.path.basename(step_dir)
-        with progress_bar(total=len(plans), desc=f"Reading {step_name}", unit="array") as bar:
-            for (path, leaf, meta, _, regions), unique in zip(plans, reads):
-                host = {b: f.result(timeout=cfg.timeout_secs) for b, f in unique.items()}
-                values.append(_to_template_type(leaf, meta, regions, host))
-                bar.update()
+            _check_leaf_matches(path, leaf, arrays[path], index_path)
+            leaves.append(_LeafRead(path, leaf, arrays[path]))
+        files = _file_reads(step_dir, index["files"], leaves)
+        workers = min(32, os.cpu_count() or 1)
+        step_name = os.path.basename(step_dir.rstrip("/"))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool, progress_bar(
+            total=len(leaves), desc=f"Reading {step_name}", unit="array"
+        ) as bar:
+            # Leaf by leaf, in order: each leaf's files are waited for as a batch is placed.
+            futures = {name: pool.submit(read.run) for name, read in files.items()}
+            try:
+                values = _place_in_batches(leaves, futures, self.config.timeout_secs, bar)
+            finally:
+                for future in futures.values():
+                    future.cancel()
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), values)
+
+
+# Leaves go to their devices in batches of about this many bytes: one device_put call for
+# many arrays transfers several times faster than one call each, and batches let the
+# transfers of the first leaves overlap the reading of the later ones.
+_PLACE_BATCH_BYTES = 1 << 30
+
+
+class _LeafRead:
+    """One leaf of a restore: the regions of its stored array its devices need, each a
+    host buffer the leaf's files are copied into."""
+
+    def __init__(self, path: str, leaf: Any, meta: dict[str, Any]):
+        self.path, self.leaf, self.meta = path, leaf, meta
+        self.array_dir = _array_dir_name(path)
+        self.regions = _regions_to_read(leaf, meta)
+        dtype = _stored_dtype(meta["stored_dtype"])
+        self.host = {
+            bounds: np.empty([b - a for a, b in bounds], dtype)
+            for bounds in dict.fromkeys(self.regions.values())
+        }
+
+    def chunk_files(self) -> list[str]:
+        """The files (relative to the step directory) this leaf reads: its metadata, and
+        every chunk under one of its regions."""
+        names = {f"arrays/{self.array_dir}/.zarray": None}
+        for bounds in self.host:
+            for f in _chunk_files(self.meta["chunks"], bounds):
+                names[f"arrays/{self.array_dir}/{f}"] = None
+        return list(names)
+
+    def small_value(self) -> Any:
+        """The value of a leaf that `_place_leaves` does not batch (`_small_value`)."""
+        return _small_value(self.leaf, self.meta, next(iter(self.host.values())))
+
+
+class _FileRead:
+    """Reads one file of a checkpoint once, checks it against the index and copies its
+    chunk into the regions of the leaf that need it."""
+
+    def __init__(self, step_dir: str, name: str, recorded: dict[str, int], index_path: str):
+        self.path = file_system.join(step_dir, name)
+        self.recorded, self.index_path = recorded, index_path
+        self.name = name
+        # (leaf, chunk index): where the file's chunk goes, for a chunk file.
+        self.chunk: Optional[tuple[_LeafRead, tuple[int, ...]]] = None
+
+    def run(self) -> None:
+        chunk_shape = () if self.chunk is None else tuple(self.chunk[0].meta["chunks"])
+        target = self._read_in_place_target(chunk_shape)
+        data = self._read(target)
+        if self.chunk is None or target is not None:
+            return
+        leaf, chunk_index = self.chunk
+        dtype = _stored_dtype(leaf.meta["stored_dtype"])
+        if data.size != math.prod(chunk_shape) * dtype.itemsize:
+            raise CheckpointCorruptError(
+                f"{self.path} holds {data.size} bytes, not one chunk {list(chunk_shape)} of "
+                f"{dtype} (index {self.index_path})"
+            )
+        values = data.view(dtype).reshape(chunk_shape)
+        for bounds, host in leaf.host.items():
+            overlap = _chunk_overlap(chunk_index, chunk_shape, bounds)
+            if overlap is not None:
+                in_chunk, in_region = overlap
+                host[in_region] = values[in_chunk]
+
+    def _read_in_place_target(self, chunk_shape: tuple[int, ...]) -> Optional[np.ndarray]:
+        """The bytes of the one region that this chunk fills contiguously, if any: the
+        file is then read straight into it."""
+        if self.chunk is None or not file_system.is_local(self.path):
+            return None
+        leaf, chunk_index = self.chunk
+        targets = []
+        for bounds, host in leaf.host.items():
+            overlap = _chunk_overlap(chunk_index, chunk_shape, bounds)
+            if overlap is not None:
+                in_chunk, in_region = overlap
+                whole = all(s.stop - s.start == n for s, n in zip(in_chunk, chunk_shape))
+                targets.append((whole, host[(*in_region, ...)]))
+        if len(targets) != 1 or not targets[0][0] or not targets[0][1].flags.c_contiguous:
+            return None
+        return targets[0][1].reshape(-1).view(np.uint8)
+
+    def _read(self, into: Optional[np.ndarray]) -> np.ndarray:
+        """The file's bytes (in `into`, where given), checked against the index."""
+        expected = self.recorded["size"]
+        try:
+            if file_system.is_local(self.path):
+                local = file_system.local_path(self.path)
+                size = os.path.getsize(local)
+                # A torn file is not read at all.
+                data = _read_local(local, into) if size == expected else np.empty(size, np.uint8)
+            else:
+                data = np.frombuffer(file_system.read_bytes(self.path), np.uint8)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(
+                f"{self.path} is missing (listed in {self.index_path})"
+            ) from None
+        if data.size != expected:
+            raise CheckpointCorruptError(
+                f"{self.path} has {data.size} bytes, {self.index_path} records {expected} "
+                "(torn or truncated)"
+            )
+        if zlib.crc32(data) != self.recorded["crc32"]:  # Releases the GIL.
+            raise CheckpointCorruptError(
+                f"{self.path} fails its CRC32 check against {self.index_path} (altered or "
+                "corrupted)"
+            )
+        return data
+
+
+def _read_local(path: str, into: Optional[np.ndarray]) -> np.ndarray:
+    """A local file's bytes: into `into` (uint8) if the file has its size, else a new buffer."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = into if into is not None and into.size == size else np.empty(size, np.uint8)
+        view, done = memoryview(data), 0
+        while done < size:
+            n = f.readinto(view[done:])
+            if not n:
+                return data[:done]  # Shrank while read.
+            done += n
+    return data
+
+
+def _file_reads(
+    step_dir: str, recorded: dict[str, dict], leaves: Sequence[_LeafRead]
+) -> dict[str, _FileRead]:
+    """The reads of every file the leaves need, each file once."""
+    index_path = file_system.join(step_dir, INDEX_FILE)
+    reads: dict[str, _FileRead] = {}
+    for leaf in leaves:
+        for name in leaf.chunk_files():
+            if name not in recorded:
+                raise CheckpointCorruptError(f"{index_path} lists no checksum for {name}")
+            read = _FileRead(step_dir, name, recorded[name], index_path)
+            base = os.path.basename(name)
+            if base != ".zarray":
+                chunk_index = tuple(int(i) for i in base.split(".")) if leaf.meta["chunks"] else ()
+                read.chunk = (leaf, chunk_index)
+            reads[name] = read
+    return reads
+
+
+def _place_in_batches(
+    leaves: Sequence[_LeafRead],
+    futures: dict[str, concurrent.futures.Future],
+    timeout: float,
+    bar: Any,
+) -> list[Any]:
+    """Each leaf's value on its devices: leaves whose files are read are placed together
+    once about _PLACE_BATCH_BYTES of them are waiting, and the rest at the end."""
+    values: list[Any] = []
+    batch: list[_LeafRead] = []
+    batch_bytes = 0
+
+    def place() -> None:
+        values.extend(_place_leaves(batch))
+        bar.update(len(batch))
+        batch.clear()
+
+    for leaf in leaves:
+        for name in leaf.chunk_files():
+            futures[name].result(timeout=timeout)
+        batch.append(leaf)
+        batch_bytes += sum(h.nbytes for h in leaf.host.values())
+        if batch_bytes >= _PLACE_BATCH_BYTES:
+            place()
+            batch_bytes = 0
+    place()
+    return values
+
+
+def _place_leaves(leaves: Sequence[_LeafRead]) -> list[Any]:
+    """The leaves' values: the device arrays among them put on their devices in one call."""
+    pieces, devices, owners = [], [], []
+    for i, leaf in enumerate(leaves):
+        is_array = isinstance(leaf.leaf, (jax.Array, jax.ShapeDtypeStruct))
+        if is_array and "prng_key_impl" not in leaf.meta:
+            for device, bounds in leaf.regions.items():
+                pieces.append(leaf.host[bounds])
+                devices.append(device)
+                owners.append(i)
+    placed = jax.device_put(pieces, devices) if pieces else []
+    by_leaf: dict[int, list] = {}
+    for i, piece in zip(owners, placed):
+        by_leaf.setdefault(i, []).append(piece)
+    out = []
+    for i, leaf in enumerate(leaves):
+        if i in by_leaf:
+            out.append(
+                jax.make_array_from_single_device_arrays(
+                    tuple(leaf.meta["shape"]), _sharding_of(leaf.leaf), by_leaf[i]
+                )
+            )
+        else:
+            out.append(leaf.small_value())
+    return out
+
+
+def _stored_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a zarr dtype string ('<f4', or an extension type's name)."""
+    return np.dtype(name) if name[:1] in "<>|" else jnp.dtype(name)
+
+
+def _chunk_overlap(
+    chunk_index: tuple[int, ...], chunk_shape: tuple[int, ...], bounds: tuple[tuple[int, int], ...]
+) -> Optional[tuple[tuple[slice, ...], tuple[slice, ...]]]:
+    """(slices of the chunk, slices of the region) where chunk `chunk_index` and the
+    region `bounds` of the stored array meet, or None where they do not."""
+    in_chunk, in_region = [], []
+    for i, n, (start, stop) in zip(chunk_index, chunk_shape, bounds):
+        lo, hi = max(i * n, start), min((i + 1) * n, stop)
+        if lo >= hi:
+            return None
+        in_chunk.append(slice(lo - i * n, hi - i * n))
+        in_region.append(slice(lo - start, hi - start))
+    return tuple(in_chunk), tuple(in_region)
 
 
 def _check_leaf_matches(path: str, leaf: Any, meta: dict, index_path: str) -> None:
@@ -610,46 +797,20 @@ def _regions_to_read(leaf: Any, meta: dict) -> dict[Any, tuple[tuple[int, int], 
     }
 
 
-def _to_template_type(leaf: Any, meta: dict, regions: dict, host: dict) -> Any:
-    if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-        value = host[next(iter(regions.values()))]
-        return type(leaf)(value.item()) if isinstance(leaf, (bool, int, float)) else value
-    sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
+def _sharding_of(leaf: Any) -> jax.sharding.Sharding:
+    """The leaf's sharding; one on the first local device for a leaf without one."""
+    return getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
         jax.local_devices()[0]
     )
-    shape = tuple(meta["shape"])
-    if "prng_key_impl" in meta:
-        data = host[next(iter(regions.values()))]
-        keys = jax.random.wrap_key_data(data, impl=meta["prng_key_impl"])
-        return jax.device_put(keys, sharding)
-    pieces = [jax.device_put(host[bounds], device) for device, bounds in regions.items()]
-    return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
 
-def _verify_files(step_dir: str, recorded: dict[str, dict], needed: Sequence[str]) -> None:
-    index_path = file_system.join(step_dir, INDEX_FILE)
-    unrecorded = [f for f in needed if f not in recorded]
-    if unrecorded:
-        raise CheckpointCorruptError(f"{index_path} lists no checksum for {unrecorded[:5]}")
-    # Each file is read once (on an object store, its size is known only by reading it).
-    step_name = os.path.basename(step_dir.rstrip("/"))
-    with progress_bar(total=len(needed), desc=f"Checking {step_name}", unit="file") as bar:
-        sums = _checksums(step_dir, needed, _file_checksum_if_present, on_each=bar.update)
-    for name in needed:
-        path = file_system.join(step_dir, name)
-        if sums[name] is None:
-            raise CheckpointCorruptError(f"{path} is missing (listed in {index_path})")
-        if sums[name]["size"] != recorded[name]["size"]:
-            raise CheckpointCorruptError(
-                f"{path} has {sums[name]['size']} bytes, {index_path} records "
-                f"{recorded[name]['size']} (torn or truncated)"
-            )
-    for name in needed:
-        if sums[name]["crc32"] != recorded[name]["crc32"]:
-            raise CheckpointCorruptError(
-                f"{file_system.join(step_dir, name)} fails its CRC32 check against {index_path} "
-                "(altered or corrupted)"
-            )
+def _small_value(leaf: Any, meta: dict, host: np.ndarray) -> Any:
+    """The value of a leaf that is no device array (a number or numpy value), or of a
+    PRNG key leaf (tiny: put on its devices whole)."""
+    if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        return type(leaf)(host.item()) if isinstance(leaf, (bool, int, float)) else host
+    keys = jax.random.wrap_key_data(host, impl=meta["prng_key_impl"])
+    return jax.device_put(keys, _sharding_of(leaf))
 
 
 # ----- the checkpointer -----
@@ -1089,9 +1250,10 @@ class Checkpointer(Module):
         for candidate in candidates:
             step_dir = file_system.join(self._dir, step_dir_name(candidate))
             error: Optional[CheckpointCorruptError] = None
+            restored = None
             try:
                 index = self._load_index(step_dir)
-                read = self._storage.verify_and_read(step_dir, index, state, subset=subset)
+                restored = self._storage.read(step_dir, index, state, subset=subset)
             except CheckpointCorruptError as e:
                 error = e
             except KeyError as e:  # An index (checksum recomputed) that lacks a field.
@@ -1112,7 +1274,6 @@ class Checkpointer(Module):
                 problems.append(str(error))
                 self._failed_steps[candidate] = str(error)
                 continue
-            restored = read()
             self._last_save_time = time.monotonic()
             return candidate, restored, index.get("extra")
         if problems:
