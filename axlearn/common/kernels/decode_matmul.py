@@ -2,15 +2,16 @@
 
 A decoding step multiplies a handful of vectors by each weight matrix, so the matmul's
 cost is one read of the weight. XLA reads an int8 weight in a reduction (cuBLAS takes no
-int8 x bf16 product) that reaches a fraction of the bandwidth. This kernel streams the
+int8 x bf16 product) that stays well under HBM's bandwidth. This kernel streams the
 weight as it lies, rows last ([N, K]: each output's K values contiguous, as
 `QuantizedWeight.rows_last` stores them), converts each block to the product's dtype in
 registers, sums in float32 and applies the per-row scales once at the end.
 `base_layer.weight_einsum` takes it for int8 weights where `dispatch.kernel_mode` says so.
 
 Each program computes `block_n` outputs of every row, walking K in steps of `block_k`.
-Up to `REDUCE_MAX_ROWS` rows the products are elementwise on the CUDA cores; above, a
-tensor-core dot with x padded to `DOT_ROWS` rows (Triton's smallest dot operand).
+Up to `REDUCE_MAX_ROWS` rows the products are elementwise on the CUDA cores, summed
+along each weight row; above, a tensor-core dot with x padded to `DOT_ROWS` rows
+(Triton's smallest dot operand). Blocks past the weight's edges are masked.
 """
 
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from axlearn.common.module import Tensor
 DOT_ROWS = 16
 # The most rows the kernel takes: up to a dot operand's rows, W is still read once.
 MAX_ROWS = DOT_ROWS
-# Up to this many rows, elementwise products (an accumulator of [block_n, block_k] a row).
+# Up to this many rows, elementwise products and sums (each row costs CUDA-core work a weight).
 REDUCE_MAX_ROWS = 1
 
 # Outputs a program computes at most: 32 rows of int8 at block_k 512 are a 16 KiB load.
@@ -156,7 +157,10 @@ def decode_matmul(
             w_block = w_block.astype(jnp.float32)
             x_mask = None if k_mask is None else k_mask[None, :]
             return tuple(
-                acc + w_block * load(x_ref, (pl.ds(r, 1), columns), x_mask).astype(jnp.float32)
+                acc + jnp.sum(
+                    w_block * load(x_ref, (pl.ds(r, 1), columns), x_mask).astype(jnp.float32),
+                    axis=1,
+                )
                 for r, acc in enumerate(accs)
             )
 
@@ -165,10 +169,9 @@ def decode_matmul(
             zeros = jnp.zeros((DOT_ROWS, block_n), jnp.float32)
             y_blocks = [(slice(None), jax.lax.fori_loop(0, steps, dot_step, zeros))]
         else:
-            zeros = (jnp.zeros((block_n, block_k), jnp.float32),) * rows
-            # Each row's sum over K once, after the loop: the loop only multiplies and adds.
+            zeros = (jnp.zeros((block_n,), jnp.float32),) * rows
             accs = jax.lax.fori_loop(0, steps, reduce_step, zeros)
-            y_blocks = [(pl.ds(r, 1), jnp.sum(acc, axis=1)[None, :]) for r, acc in enumerate(accs)]
+            y_blocks = [(pl.ds(r, 1), acc[None, :]) for r, acc in enumerate(accs)]
         scale_block = load(scale_ref[0], (outputs,), n_mask) if scale_ref else None
         y_mask = None if n_mask is None else n_mask[None, :]
         for y_rows, y in y_blocks:
