@@ -153,7 +153,8 @@ class QuantizedWeight:
     contracts). `weight_einsum` multiplies by the int8 values converted and scales the
     product; `weight_take` scales the rows it reads. With `rows_last`, `values` holds
     those contracted axes last (`rows_last_layout`): each row is contiguous, so a decoding
-    step's matmul (`_multiply_reduce`) sums along memory instead of across it.
+    step's matmul (the `kernels.decode_matmul` kernel on a GPU, else `_multiply_reduce`)
+    sums along memory instead of across it.
     """
 
     def __init__(self, values: Tensor, scale: Tensor, dtype: Any, rows_last: bool = False):
@@ -257,7 +258,7 @@ def _decode_matmul_einsum(spec: str, x: Tensor, values: Tensor, scale: Tensor) -
     if (
         not jnp.issubdtype(x.dtype, jnp.floating)
         or list(weight_axes) != kept + contracted
-        or any(a in x_axes for a in kept)  # A batched product (weight axes x and y share).
+        or any(a in x_axes for a in kept)  # A batched product (an axis of x, w and y).
         or any(a not in x_axes for a in contracted)
         or any(a not in out_axes for a in x_kept)
     ):
