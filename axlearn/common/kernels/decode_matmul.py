@@ -77,9 +77,9 @@ def decode_matmul_supported(x_shape: Sequence[int], n: int) -> bool:
     Blocks that overhang the weight's edges need Triton's masked loads, which only
     `jax.experimental.pallas.triton` offers; where it does not import, only weights the
     default blocks tile exactly run the kernel (interpreted)."""
-    rows, k = x_shape
-    if len(x_shape) != 2 or not 1 <= rows <= MAX_ROWS:
+    if len(x_shape) != 2 or not 1 <= x_shape[0] <= MAX_ROWS:
         return False
+    rows, k = x_shape
     block_n, block_k = _blocks(n, k, block_n=None, block_k=None, dot=rows > REDUCE_MAX_ROWS)
     return (n % block_n == 0 and k % block_k == 0) or pallas_triton() is not None
 
