@@ -45,10 +45,11 @@ def _int8_weight(n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("n, k", [(256, 512), (100, 300)])  # Tiled by the blocks; ragged.
 @pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
-def test_int8_weight_with_row_scales_matches_numpy(rows, n, k, x_dtype):
+@pytest.mark.parametrize("dot", [True, False])  # The tensor-core or the elementwise product.
+def test_int8_weight_with_row_scales_matches_numpy(rows, n, k, x_dtype, dot):
     values, scale = _int8_weight(n, k)
     x = jnp.asarray(RNG.normal(size=(rows, k)), x_dtype)
-    y = decode_matmul(x, jnp.asarray(values), jnp.asarray(scale), interpret=True)
+    y = decode_matmul(x, jnp.asarray(values), jnp.asarray(scale), dot=dot, interpret=True)
     assert y.shape == (rows, n) and y.dtype == x_dtype
     _assert_close(y, x, values, scale)
 
@@ -65,10 +66,10 @@ def test_bf16_weight_matches_numpy(rows, n, k):
 
 @pytest.mark.parametrize(
     "rows, dot, blocks",
-    [(1, True, dict(block_n=64, block_k=128)), (3, False, dict(block_n=16, block_k=64))],
+    [(1, True, dict(block_n=64, block_k=128)), (3, False, dict(block_n=8, block_k=64))],
 )
-def test_either_product_and_any_blocks_give_the_same_matmul(rows, dot, blocks):
-    # The benchmark's sweep: the tensor-core dot for one row, elementwise for three.
+def test_other_blocks_give_the_same_matmul(rows, dot, blocks):
+    # The benchmark's sweep of block sizes, for either product.
     values, scale = _int8_weight(192, 640)
     x = jnp.asarray(RNG.normal(size=(rows, 640)), jnp.float32)
     y = decode_matmul(

@@ -9,9 +9,10 @@ registers, sums in float32 and applies the per-row scales once at the end.
 `base_layer.weight_einsum` takes it for int8 weights where `dispatch.kernel_mode` says so.
 
 Each program computes `block_n` outputs of every row, walking K in steps of `block_k`.
-Up to `REDUCE_MAX_ROWS` rows the products are elementwise on the CUDA cores, summed
-along each weight row; above, a tensor-core dot with x padded to `DOT_ROWS` rows
-(Triton's smallest dot operand). Blocks past the weight's edges are masked.
+The product is a tensor-core dot with x padded to `DOT_ROWS` rows (Triton's smallest dot
+operand; the padding is not read), or with `dot=False` (by default up to
+`REDUCE_MAX_ROWS` rows) elementwise products on the CUDA cores summed along each weight
+row. Blocks past the weight's edges are masked.
 """
 
 from collections.abc import Sequence
@@ -27,8 +28,9 @@ from axlearn.common.module import Tensor
 DOT_ROWS = 16
 # The most rows the kernel takes: up to a dot operand's rows, W is still read once.
 MAX_ROWS = DOT_ROWS
-# Up to this many rows, elementwise products and sums (each row costs CUDA-core work a weight).
-REDUCE_MAX_ROWS = 1
+# Up to this many rows, elementwise products and sums (`dot=False`); none by default:
+# Triton pipelines only a dot's loads (cp.async), and the sums hold many registers.
+REDUCE_MAX_ROWS = 0
 
 # Outputs a program computes at most: 32 rows of int8 at block_k 512 are a 16 KiB load.
 _BLOCK_N = 32
@@ -143,9 +145,14 @@ def decode_matmul(
                           None if k_mask is None else k_mask[None, :])
             return columns, k_mask, load(w_ref, (outputs, columns), w_mask)
 
+        # x's padding rows masked off: Triton then reads only its real rows (of L2).
+        row_mask = None
+        if rows < DOT_ROWS and pallas_triton() is not None:
+            row_mask = (jnp.arange(DOT_ROWS) < rows)[:, None]
+
         def dot_step(i, acc):
             columns, k_mask, w_block = step_blocks(i)
-            x_mask = None if k_mask is None else k_mask[None, :]
+            x_mask = _and(row_mask, None if k_mask is None else k_mask[None, :])
             x_block = load(x_ref, (slice(None), columns), x_mask)
             return acc + jax.lax.dot_general(
                 x_block, w_block.astype(x.dtype), (((1,), (1,)), ((), ())),
