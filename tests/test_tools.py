@@ -40,6 +40,8 @@ def test_start_time_times_a_cold_start_and_two_that_load_the_train_step_from_the
     assert "state (restore)" in starts[1] and "state (init)" in starts[2]
     for start in starts:
         assert start.strip().startswith("Started in ") and "train step ready" in start
+    for log, start in zip(("cold", "restart", "new_run"), starts):  # Each start's whole output.
+        assert start.strip() in (tmp_path / "work" / "logs" / f"{log}.log").read_text()
 
 
 @pytest.mark.slow

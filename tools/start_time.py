@@ -8,6 +8,7 @@ and a compilation cache of its own (`--workdir`/cache, emptied first):
 1. cold: a new run (`--workdir`/run), with the cache empty;
 2. warm, restart: the same run again, resuming from the step the first start saved;
 3. warm, new run: another trainer directory (`--workdir`/new_run), the same config.
+Each start's whole output is kept in `--workdir`/logs (cold.log, restart.log, new_run.log).
 Each start is timed from its launch to its first progress line (the first trained step,
 its loss read back), then stopped with SIGTERM (it saves that step and exits 75; its grace
 period is long enough for a slow host). Printed:
@@ -62,11 +63,11 @@ def define_flags(flag_values: flags.FlagValues) -> None:
 
 
 def time_start(
-    command: Sequence[str], timeout_s: float
+    command: Sequence[str], timeout_s: float, log_path: str
 ) -> tuple[float, Optional[str], Optional[str]]:
     """Seconds from launching `command` to its first progress line, its compile line for
     the train step and its start's account; the start is then stopped (SIGTERM) and waited
-    for."""
+    for. Its output goes to `log_path`."""
     path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)
     start = time.monotonic()
@@ -75,8 +76,10 @@ def time_start(
         text=True, bufsize=1,
     )
     seconds, compiled, started, tail = None, None, None, []
+    log = open(log_path, "w", encoding="utf-8")  # pylint: disable=consider-using-with
     try:
         for line in process.stdout:
+            log.write(line)
             tail = (tail + [line.rstrip()])[-30:]
             found = _COMPILED.search(line)
             if found:
@@ -93,8 +96,10 @@ def time_start(
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
         for line in process.stdout:  # Until it has saved and exited.
+            log.write(line)
             tail = (tail + [line.rstrip()])[-30:]
         process.wait()
+        log.close()
     if seconds is None:
         sys.stderr.write("\n".join(tail) + "\n")
         raise SystemExit(f"start_time: {' '.join(command[2:4])}... reached no trained step")
@@ -111,6 +116,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
     cache = os.path.join(workdir, "cache")
+    os.makedirs(os.path.join(workdir, "logs"))
 
     def command(trainer_dir: str) -> list[str]:
         return [
@@ -126,14 +132,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         ]
 
     starts = (
-        ("cold (empty cache)", os.path.join(workdir, "run")),
-        ("warm: restart of the run", os.path.join(workdir, "run")),
-        ("warm: new run, same config", os.path.join(workdir, "new_run")),
+        ("cold (empty cache)", "run", "cold"),
+        ("warm: restart of the run", "run", "restart"),
+        ("warm: new run, same config", "new_run", "new_run"),
     )
     rows = []
     try:
-        for name, trainer_dir in starts:
-            rows.append((name, *time_start(command(trainer_dir), args.timeout_s)))
+        for name, trainer_dir, log in starts:
+            log_path = os.path.join(workdir, "logs", f"{log}.log")
+            command_line = command(os.path.join(workdir, trainer_dir))
+            rows.append((name, *time_start(command_line, args.timeout_s, log_path)))
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
