@@ -12,8 +12,7 @@ whose weights are drawn at random on the devices, each device drawing its own sh
 (`tensor_parallel_shardings`): a 70B model never exists whole on the host or on one
 device. `--via_hf_dir` instead writes the weights as a Hugging Face directory
 (our export) and loads it the way `generate --hf_dir` does. `--quantize=int8` decodes
-with int8 weights and per-row scales, as `generate --quantize=int8` does; there
-`--nodecode_matmul_kernel` keeps the int8 matmuls on XLA (`base_layer.DECODE_MATMUL_KERNEL`).
+with int8 weights and per-row scales, as `generate --quantize=int8` does.
 
 The runs use `generate.Generator`, the command's decoding, with an EOS id the model
 cannot produce (so every row decodes `--new_tokens`). Per (shape, devices, batch size):
@@ -46,7 +45,7 @@ import numpy as np
 from absl import flags
 
 from axlearn.bench import gpu_kernel_times
-from axlearn.common import base_layer, generate, hf_llama
+from axlearn.common import generate, hf_llama
 from axlearn.common.command_flags import parse_command_flags
 from axlearn.common.config import ConfigBase, ConfigError
 from axlearn.common.utils import flatten_with_paths
@@ -79,10 +78,6 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer("profile_top", 0, "Trace a call per row; print its top N kernels.", **fv)
     flags.DEFINE_string(
         "quantize", None, "int8: decode with int8 weights (generate --quantize=int8).", **fv
-    )
-    flags.DEFINE_bool(
-        "decode_matmul_kernel", base_layer.DECODE_MATMUL_KERNEL, "With --quantize=int8: "
-        "the int8 matmuls through the decode_matmul kernel on a GPU (else XLA's).", **fv
     )
 
 
@@ -267,7 +262,6 @@ def run(fv: flags.FlagValues) -> list[dict[str, Any]]:
         raise ConfigError("--keep_hf_dir applies to --via_hf_dir with one shape")
     if fv.quantize and any(int(d) > 1 for d in fv.devices):
         raise ConfigError(f"--quantize={fv.quantize} decodes on one device: pass --devices=1")
-    base_layer.DECODE_MATMUL_KERNEL = fv.decode_matmul_kernel
     batch_sizes = [int(b) for b in fv.batch_sizes]
     device_counts = [int(d) for d in fv.devices]
     device = jax.local_devices()[0]
@@ -277,8 +271,6 @@ def run(fv: flags.FlagValues) -> list[dict[str, Any]]:
         cfg = llama_config(shape)
         for num_devices in device_counts:
             base = dict(shape=shape, devices=num_devices, weights=fv.quantize or "bf16")
-            if fv.quantize:
-                base["decode_matmul_kernel"] = fv.decode_matmul_kernel
             if num_devices > len(jax.local_devices()) or not _fits(cfg, num_devices):
                 for batch in batch_sizes:
                     rows.append(dict(base, batch=batch, skipped="does not fit / too few devices"))

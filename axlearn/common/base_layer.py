@@ -33,8 +33,6 @@ from axlearn.common.config import (
     import_name,
     maybe_instantiate,
 )
-from axlearn.common.kernels.decode_matmul import decode_matmul, decode_matmul_supported
-from axlearn.common.kernels.dispatch import kernel_mode
 from axlearn.common.module import Module, Tensor, child_prng_key
 from axlearn.common.param_init import DefaultInitializer, FanAxes, Initializer
 from axlearn.common.sharding import gathered_for_matmul
@@ -153,8 +151,7 @@ class QuantizedWeight:
     contracts). `weight_einsum` multiplies by the int8 values converted and scales the
     product; `weight_take` scales the rows it reads. With `rows_last`, `values` holds
     those contracted axes last (`rows_last_layout`): each row is contiguous, so a decoding
-    step's matmul (the `kernels.decode_matmul` kernel on a GPU, else `_multiply_reduce`)
-    sums along memory instead of across it.
+    step's matmul (`_multiply_reduce`) sums along memory instead of across it.
     """
 
     def __init__(self, values: Tensor, scale: Tensor, dtype: Any, rows_last: bool = False):
@@ -197,9 +194,6 @@ def _rows_last_order(scale_shape: Sequence[int]) -> list[int]:
 # multiply and a sum, which XLA emits as one reduction reading the int8 values: cuBLAS
 # takes no int8 x bf16 matmul, and its convert would write a bf16 copy of the weight.
 MULTIPLY_REDUCE_MAX_ROWS = 4
-# Whether an int8 matmul with rows-last values takes the decoding kernel
-# (`kernels.decode_matmul`) where `dispatch.kernel_mode` says a kernel applies.
-DECODE_MATMUL_KERNEL = True
 
 
 def _einsum_axes(spec: str, x: Tensor) -> tuple[str, str, str, int]:
@@ -236,45 +230,11 @@ def _multiply_reduce(spec: str, x: Tensor, values: Tensor) -> Tensor:
         values, weight_axes, 0
     ).astype(jnp.float32)
     y = jnp.sum(product, axis=tuple(range(leading + len(kept), leading + len(axes))))
-    return _in_output_order(spec, y, leading, kept)
-
-
-def _in_output_order(spec: str, y: Tensor, leading: int, kept: Sequence[str]) -> Tensor:
-    """y, whose axes are x's `leading` ones then those named `kept`, in the order of
-    spec's output (which puts '...' where it says)."""
+    # y's axes: x's leading ones, then `kept`; the output's order puts '...' where it says.
     order = []
     for axis in spec.split("->")[1].replace("...", "."):
         order.extend(range(leading) if axis == "." else [leading + kept.index(axis)])
     return jnp.transpose(y, order)
-
-
-def _decode_matmul_einsum(spec: str, x: Tensor, values: Tensor, scale: Tensor) -> Optional[Tensor]:
-    """jnp.einsum(spec, x, values) times the row scales, through the decoding kernel, for
-    values whose contracted axes come last (rows last); None where it does not apply."""
-    x_axes, weight_axes, out_axes, leading = _einsum_axes(spec, x)
-    kept = [a for a in weight_axes if a in out_axes]
-    contracted = [a for a in weight_axes if a not in out_axes]
-    x_kept = [a for a in x_axes if a not in weight_axes]
-    if (
-        not jnp.issubdtype(x.dtype, jnp.floating)
-        or list(weight_axes) != kept + contracted
-        or any(a in x_axes for a in kept)  # A batched product (an axis of x, w and y).
-        or any(a not in x_axes for a in contracted)
-        or any(a not in out_axes for a in x_kept)
-    ):
-        return None
-    n = math.prod(values.shape[: len(kept)])
-    # x as [rows, K]: its kept axes first, then the contracted ones in the values' order.
-    order = [*range(leading), *(leading + x_axes.index(a) for a in x_kept + contracted)]
-    x_moved = jnp.transpose(x, order)
-    rows_shape = x_moved.shape[: leading + len(x_kept)]
-    x_rows = x_moved.reshape(math.prod(rows_shape), -1)
-    interpret = kernel_mode(x_rows, fits=lambda block: decode_matmul_supported(block, n))
-    if interpret is None:
-        return None
-    y = decode_matmul(x_rows, values.reshape(n, -1), scale.reshape(n), interpret=interpret)
-    y = y.reshape(*rows_shape, *values.shape[: len(kept)])
-    return _in_output_order(spec, y, leading, x_kept + kept)
 
 
 def _quantized_einsum(
@@ -295,10 +255,6 @@ def _quantized_einsum(
         values = weight.values
         stored_axes = "".join(weight_axes[i] for i in _rows_last_order(weight.scale.shape))
         spec = f"{x_axes},{stored_axes}->{out_axes}"
-        if DECODE_MATMUL_KERNEL:
-            y = _decode_matmul_einsum(spec, x, values, weight.scale)
-            if y is not None:
-                return y
     else:
         values = gathered_for_matmul(weight.values, partition_spec)
     if _rows_of(spec, x) <= MULTIPLY_REDUCE_MAX_ROWS:

@@ -72,11 +72,11 @@ def kernel_mode(
 
 def compiled_kernels_available() -> bool:
     """Whether the kernels can compile here: a GPU, and a jax with Pallas's Triton backend."""
-    return jax.devices()[0].platform == "gpu" and pallas_triton() is not None
+    return jax.devices()[0].platform == "gpu" and _pallas_triton() is not None
 
 
 @functools.cache
-def pallas_triton() -> Any:
+def _pallas_triton() -> Any:
     """jax.experimental.pallas.triton, or None in a jax without it."""
     try:
         from jax.experimental.pallas import triton  # pylint: disable=import-outside-toplevel
@@ -85,16 +85,14 @@ def pallas_triton() -> Any:
     return triton
 
 
-def compiler_params(num_warps: int, interpret: bool, num_stages: Optional[int] = None) -> Any:
-    """A kernel's Triton compiler parameters (`num_stages`: how many iterations of its
-    loops' loads Triton keeps in flight; None: Triton's default); None when interpreted,
-    which needs no Triton."""
+def compiler_params(num_warps: int, interpret: bool) -> Any:
+    """A kernel's Triton compiler parameters; None when interpreted, which needs no Triton."""
     if interpret:
         return None
-    triton = pallas_triton()
+    triton = _pallas_triton()
     if triton is None:
         raise RuntimeError(
             f"jax {jax.__version__} has no Pallas Triton backend to compile the kernel; "
             "run it with interpret=True"
         )
-    return triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return triton.CompilerParams(num_warps=num_warps)
