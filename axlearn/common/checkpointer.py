@@ -36,6 +36,7 @@ import dataclasses
 import errno
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -271,19 +272,27 @@ def _chunk_shape(
     return chunks
 
 
-def _chunk_files(chunks: Sequence[int], bounds: tuple[tuple[int, int], ...]) -> list[str]:
-    """Names of the zarr chunk files that hold the region `bounds`."""
-    if not chunks:
-        return ["0"]
+def _chunk_indices(
+    chunks: Sequence[int], bounds: tuple[tuple[int, int], ...]
+) -> list[tuple[int, ...]]:
+    """The grid indices of the zarr chunks that hold the region `bounds` (a 0-d array's
+    one chunk: ())."""
     ranges = []
     for chunk, (start, stop) in zip(chunks, bounds):
         if stop <= start:
             return []
         ranges.append(range(start // chunk, -(-stop // chunk)))
-    names = [""]
-    for dim, r in enumerate(ranges):
-        names = [f"{n}.{i}" if dim else str(i) for n in names for i in r]
-    return names
+    return list(itertools.product(*ranges))
+
+
+def _chunk_file(chunk_index: tuple[int, ...]) -> str:
+    """The zarr file name of a chunk: its indices joined by '.' ('0' for a 0-d array)."""
+    return ".".join(map(str, chunk_index)) or "0"
+
+
+def _chunk_files(chunks: Sequence[int], bounds: tuple[tuple[int, int], ...]) -> list[str]:
+    """Names of the zarr chunk files that hold the region `bounds`."""
+    return [_chunk_file(i) for i in _chunk_indices(chunks, bounds)]
 
 
 # ----- storage -----
@@ -568,23 +577,26 @@ class _LeafRead:
     host buffer the leaf's files are copied into."""
 
     def __init__(self, path: str, leaf: Any, meta: dict[str, Any]):
-        self.path, self.leaf, self.meta = path, leaf, meta
-        self.array_dir = _array_dir_name(path)
+        self.leaf, self.meta = leaf, meta
         self.regions = _regions_to_read(leaf, meta)
-        dtype = _stored_dtype(meta["stored_dtype"])
+        self.dtype = _stored_dtype(meta["stored_dtype"])
+        self.chunk_shape = tuple(meta["chunks"])
         self.host = {
-            bounds: np.empty([b - a for a, b in bounds], dtype)
+            bounds: np.empty([b - a for a, b in bounds], self.dtype)
             for bounds in dict.fromkeys(self.regions.values())
         }
+        array_dir = f"arrays/{_array_dir_name(path)}"
+        self.metadata_file = f"{array_dir}/.zarray"
+        # {file (relative to the step directory): grid index} of every chunk a region needs.
+        self.chunk_files = {
+            f"{array_dir}/{_chunk_file(i)}": i
+            for bounds in self.host
+            for i in _chunk_indices(self.chunk_shape, bounds)
+        }
 
-    def chunk_files(self) -> list[str]:
-        """The files (relative to the step directory) this leaf reads: its metadata, and
-        every chunk under one of its regions."""
-        names = {f"arrays/{self.array_dir}/.zarray": None}
-        for bounds in self.host:
-            for f in _chunk_files(self.meta["chunks"], bounds):
-                names[f"arrays/{self.array_dir}/{f}"] = None
-        return list(names)
+    def files(self) -> list[str]:
+        """Every file this leaf reads: its metadata and its chunks."""
+        return [self.metadata_file, *self.chunk_files]
 
     def small_value(self) -> Any:
         """The value of a leaf that `_place_leaves` does not batch (`_small_value`)."""
@@ -592,73 +604,59 @@ class _LeafRead:
 
 
 class _FileRead:
-    """Reads one file of a checkpoint once, checks it against the index and copies its
-    chunk into the regions of the leaf that need it."""
+    """Reads one file of a checkpoint once, checks it against the index and, for a chunk
+    file, copies the chunk into the regions of its leaf that need it."""
 
-    def __init__(self, step_dir: str, name: str, recorded: dict[str, int], index_path: str):
-        self.path = file_system.join(step_dir, name)
-        self.recorded, self.index_path = recorded, index_path
-        self.name = name
-        # (leaf, chunk index): where the file's chunk goes, for a chunk file.
-        self.chunk: Optional[tuple[_LeafRead, tuple[int, ...]]] = None
+    def __init__(
+        self,
+        path: str,
+        recorded: dict[str, int],
+        index_path: str,
+        chunk: Optional[tuple[_LeafRead, tuple[int, ...]]] = None,
+    ):
+        self.path, self.recorded, self.index_path = path, recorded, index_path
+        self.chunk = chunk  # (leaf, grid index) of a chunk file; None for metadata.
 
     def run(self) -> None:
-        chunk_shape = () if self.chunk is None else tuple(self.chunk[0].meta["chunks"])
-        target = self._read_in_place_target(chunk_shape)
-        data = self._read(target)
-        if self.chunk is None or target is not None:
+        if self.chunk is None:
+            self._read(into=None)
             return
         leaf, chunk_index = self.chunk
-        dtype = _stored_dtype(leaf.meta["stored_dtype"])
-        if data.size != math.prod(chunk_shape) * dtype.itemsize:
+        # (chunk slices, region slices, region buffer) where the chunk meets each region.
+        pieces = []
+        for bounds, host in leaf.host.items():
+            overlap = _chunk_overlap(chunk_index, leaf.chunk_shape, bounds)
+            if overlap is not None:
+                pieces.append((*overlap, host))
+        target = _whole_contiguous_target(pieces, leaf.chunk_shape)
+        if target is not None and file_system.is_local(self.path):
+            self._read(into=target)  # Straight into the one region it fills.
+            return
+        data = self._read(into=None)
+        if data.size != math.prod(leaf.chunk_shape) * leaf.dtype.itemsize:
             raise CheckpointCorruptError(
-                f"{self.path} holds {data.size} bytes, not one chunk {list(chunk_shape)} of "
-                f"{dtype} (index {self.index_path})"
+                f"{self.path} holds {data.size} bytes, not one chunk {list(leaf.chunk_shape)} "
+                f"of {leaf.dtype} (index {self.index_path})"
             )
-        values = data.view(dtype).reshape(chunk_shape)
-        for bounds, host in leaf.host.items():
-            overlap = _chunk_overlap(chunk_index, chunk_shape, bounds)
-            if overlap is not None:
-                in_chunk, in_region = overlap
-                host[in_region] = values[in_chunk]
-
-    def _read_in_place_target(self, chunk_shape: tuple[int, ...]) -> Optional[np.ndarray]:
-        """The bytes of the one region that this chunk fills contiguously, if any: the
-        file is then read straight into it."""
-        if self.chunk is None or not file_system.is_local(self.path):
-            return None
-        leaf, chunk_index = self.chunk
-        targets = []
-        for bounds, host in leaf.host.items():
-            overlap = _chunk_overlap(chunk_index, chunk_shape, bounds)
-            if overlap is not None:
-                in_chunk, in_region = overlap
-                whole = all(s.stop - s.start == n for s, n in zip(in_chunk, chunk_shape))
-                targets.append((whole, host[(*in_region, ...)]))
-        if len(targets) != 1 or not targets[0][0] or not targets[0][1].flags.c_contiguous:
-            return None
-        return targets[0][1].reshape(-1).view(np.uint8)
+        values = data.view(leaf.dtype).reshape(leaf.chunk_shape)
+        for in_chunk, in_region, host in pieces:
+            host[in_region] = values[in_chunk]
 
     def _read(self, into: Optional[np.ndarray]) -> np.ndarray:
         """The file's bytes (in `into`, where given), checked against the index."""
-        expected = self.recorded["size"]
         try:
             if file_system.is_local(self.path):
-                local = file_system.local_path(self.path)
-                size = os.path.getsize(local)
-                # A torn file is not read at all.
-                data = _read_local(local, into) if size == expected else np.empty(size, np.uint8)
+                with open(file_system.local_path(self.path), "rb", buffering=0) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    self._check_size(size)  # A torn file is not read at all.
+                    data = _read_into(f, into if into is not None else np.empty(size, np.uint8))
             else:
                 data = np.frombuffer(file_system.read_bytes(self.path), np.uint8)
         except FileNotFoundError:
             raise CheckpointCorruptError(
                 f"{self.path} is missing (listed in {self.index_path})"
             ) from None
-        if data.size != expected:
-            raise CheckpointCorruptError(
-                f"{self.path} has {data.size} bytes, {self.index_path} records {expected} "
-                "(torn or truncated)"
-            )
+        self._check_size(data.size)  # An object's, or a file's that shrank while read.
         if zlib.crc32(data) != self.recorded["crc32"]:  # Releases the GIL.
             raise CheckpointCorruptError(
                 f"{self.path} fails its CRC32 check against {self.index_path} (altered or "
@@ -666,18 +664,36 @@ class _FileRead:
             )
         return data
 
+    def _check_size(self, size: int) -> None:
+        expected = self.recorded["size"]
+        if size != expected:
+            raise CheckpointCorruptError(
+                f"{self.path} has {size} bytes, {self.index_path} records {expected} "
+                "(torn or truncated)"
+            )
 
-def _read_local(path: str, into: Optional[np.ndarray]) -> np.ndarray:
-    """A local file's bytes: into `into` (uint8) if the file has its size, else a new buffer."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        data = into if into is not None and into.size == size else np.empty(size, np.uint8)
-        view, done = memoryview(data), 0
-        while done < size:
-            n = f.readinto(view[done:])
-            if not n:
-                return data[:done]  # Shrank while read.
-            done += n
+
+def _whole_contiguous_target(
+    pieces: list, chunk_shape: tuple[int, ...]
+) -> Optional[np.ndarray]:
+    """The bytes of the region a chunk fills whole and contiguously, where it meets just
+    that one region (`_FileRead.run`'s pieces); else None."""
+    if len(pieces) != 1:
+        return None
+    in_chunk, in_region, host = pieces[0]
+    target = host[(*in_region, ...)]
+    whole = all(s.stop - s.start == n for s, n in zip(in_chunk, chunk_shape))
+    return target.reshape(-1).view(np.uint8) if whole and target.flags.c_contiguous else None
+
+
+def _read_into(f: Any, data: np.ndarray) -> np.ndarray:
+    """`data` (uint8) filled from the open file `f`; cut short where the file ends first."""
+    view, done = memoryview(data), 0
+    while done < data.size:
+        n = f.readinto(view[done:])
+        if not n:
+            return data[:done]
+        done += n
     return data
 
 
@@ -688,15 +704,12 @@ def _file_reads(
     index_path = file_system.join(step_dir, INDEX_FILE)
     reads: dict[str, _FileRead] = {}
     for leaf in leaves:
-        for name in leaf.chunk_files():
+        for name in leaf.files():
             if name not in recorded:
                 raise CheckpointCorruptError(f"{index_path} lists no checksum for {name}")
-            read = _FileRead(step_dir, name, recorded[name], index_path)
-            base = os.path.basename(name)
-            if base != ".zarray":
-                chunk_index = tuple(int(i) for i in base.split(".")) if leaf.meta["chunks"] else ()
-                read.chunk = (leaf, chunk_index)
-            reads[name] = read
+            chunk = (leaf, leaf.chunk_files[name]) if name in leaf.chunk_files else None
+            path = file_system.join(step_dir, name)
+            reads[name] = _FileRead(path, recorded[name], index_path, chunk)
     return reads
 
 
@@ -718,7 +731,7 @@ def _place_in_batches(
         batch.clear()
 
     for leaf in leaves:
-        for name in leaf.chunk_files():
+        for name in leaf.files():
             futures[name].result(timeout=timeout)
         batch.append(leaf)
         batch_bytes += sum(h.nbytes for h in leaf.host.values())
@@ -731,26 +744,22 @@ def _place_in_batches(
 
 def _place_leaves(leaves: Sequence[_LeafRead]) -> list[Any]:
     """The leaves' values: the device arrays among them put on their devices in one call."""
-    pieces, devices, owners = [], [], []
-    for i, leaf in enumerate(leaves):
-        is_array = isinstance(leaf.leaf, (jax.Array, jax.ShapeDtypeStruct))
-        if is_array and "prng_key_impl" not in leaf.meta:
-            for device, bounds in leaf.regions.items():
-                pieces.append(leaf.host[bounds])
-                devices.append(device)
-                owners.append(i)
-    placed = jax.device_put(pieces, devices) if pieces else []
-    by_leaf: dict[int, list] = {}
-    for i, piece in zip(owners, placed):
-        by_leaf.setdefault(i, []).append(piece)
+    batched = [
+        isinstance(leaf.leaf, (jax.Array, jax.ShapeDtypeStruct))
+        and "prng_key_impl" not in leaf.meta
+        for leaf in leaves
+    ]
+    on_devices = [leaf for leaf, b in zip(leaves, batched) if b]
+    pieces = [leaf.host[bounds] for leaf in on_devices for bounds in leaf.regions.values()]
+    devices = [device for leaf in on_devices for device in leaf.regions]
+    placed = iter(jax.device_put(pieces, devices) if pieces else [])
     out = []
-    for i, leaf in enumerate(leaves):
-        if i in by_leaf:
-            out.append(
-                jax.make_array_from_single_device_arrays(
-                    tuple(leaf.meta["shape"]), _sharding_of(leaf.leaf), by_leaf[i]
-                )
-            )
+    for leaf, b in zip(leaves, batched):
+        if b:
+            shards = [next(placed) for _ in leaf.regions]
+            shape = tuple(leaf.meta["shape"])
+            sharding = _sharding_of(leaf.leaf)
+            out.append(jax.make_array_from_single_device_arrays(shape, sharding, shards))
         else:
             out.append(leaf.small_value())
     return out
