@@ -76,30 +76,29 @@ def time_start(
         text=True, bufsize=1,
     )
     seconds, compiled, started, tail = None, None, None, []
-    log = open(log_path, "w", encoding="utf-8")  # pylint: disable=consider-using-with
-    try:
-        for line in process.stdout:
-            log.write(line)
-            tail = (tail + [line.rstrip()])[-30:]
-            found = _COMPILED.search(line)
-            if found:
-                compiled = found.group(0)
-            found = _STARTED.search(line)
-            if found:
-                started = found.group(0)
-            if _PROGRESS.search(line):
-                seconds = time.monotonic() - start
-                break
-            if time.monotonic() - start > timeout_s:
-                break
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        for line in process.stdout:  # Until it has saved and exited.
-            log.write(line)
-            tail = (tail + [line.rstrip()])[-30:]
-        process.wait()
-        log.close()
+    with open(log_path, "w", encoding="utf-8") as log:
+        try:
+            for line in process.stdout:
+                log.write(line)
+                tail = (tail + [line.rstrip()])[-30:]
+                found = _COMPILED.search(line)
+                if found:
+                    compiled = found.group(0)
+                found = _STARTED.search(line)
+                if found:
+                    started = found.group(0)
+                if _PROGRESS.search(line):
+                    seconds = time.monotonic() - start
+                    break
+                if time.monotonic() - start > timeout_s:
+                    break
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            for line in process.stdout:  # Until it has saved and exited.
+                log.write(line)
+                tail = (tail + [line.rstrip()])[-30:]
+            process.wait()
     if seconds is None:
         sys.stderr.write("\n".join(tail) + "\n")
         raise SystemExit(f"start_time: {' '.join(command[2:4])}... reached no trained step")
