@@ -13,7 +13,8 @@ Each start is timed from its launch to its first progress line (the first traine
 its loss read back), then stopped with SIGTERM (it saves that step and exits 75; its grace
 period is long enough for a slow host). Printed:
 the three times, each warm one as a share of the cold, and each start's compile line for
-the train step (whether it came from the cache) and the trainer's own account of where its
+the train step (whether it came from the cache; the restart loads it whole from the run
+directory, `executable_store`) and the trainer's own account of where its
 start went ("Started in ...": process to trainer, state, trackers and first batch, train
 step ready, first step; `perf.StartTimes`). Every start trains with `--max_step` steps
 planned, so that all three compile the same program. `--config_override=compile_ahead=False`
@@ -38,7 +39,8 @@ from axlearn.common.command_flags import parse_command_flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The trainer's progress line of a step ("step   1/1000 | loss ..."): that step has trained.
 _PROGRESS = re.compile(r"\] step +\d+/\d+ \|")
-_COMPILED = re.compile(r"Compiled the train step in .*")
+# Its compile (from the cache or not), or its load as an earlier start stored it.
+_COMPILED = re.compile(r"(Compiled the train step in|Loaded the train step as) .*")
 _STARTED = re.compile(r"Started in .*")
 
 

@@ -23,7 +23,9 @@ trainer logs it with the train step's compile time).
 
 `CompiledAhead` compiles (or loads from the cache) a jitted function for abstract
 arguments in a thread while the caller does other work: the trainer's train step, while
-the state is restored or initialized; `abstract_mismatch` says whether the concrete
+the state is restored or initialized; with an `executable_store.ExecutableStore` it loads
+the executable an earlier start stored for those arguments instead, skipping the trace
+too, and stores the one it compiles. `abstract_mismatch` says whether the concrete
 arguments are those it was compiled for.
 """
 
@@ -31,11 +33,12 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, ContextManager, Optional
 
-from axlearn.common import file_system
+from axlearn.common import executable_store, file_system
 from axlearn.common.config import ConfigError, close_names
 
 log = logging.getLogger(__name__)
@@ -326,7 +329,8 @@ class CompiledAhead:
     of trees of `jax.ShapeDtypeStruct`s with shardings; computed in the thread, inside
     `context()`). `result()` waits for the executable and raises what the compile raised,
     as a first call of `jitted` would have; `wait()` waits without raising. The thread logs
-    the compile as `perf.compile_notice` does (`what`, its seconds and `CacheOutcome`)."""
+    the compile as `perf.compile_notice` does (`what`, its seconds and `CacheOutcome`), or
+    the load from `store` where that holds the executable for these arguments."""
 
     def __init__(
         self,
@@ -336,8 +340,11 @@ class CompiledAhead:
         what: str,
         log_fn: Callable[[str], None],
         context: Callable[[], ContextManager] = contextlib.nullcontext,
+        store: Optional["executable_store.ExecutableStore"] = None,
     ):
         self.args: Optional[tuple] = None  # The abstract arguments, once computed.
+        # Where an earlier start's executable is loaded from and this one's is stored.
+        self.store = store
         self.seconds = 0.0  # Spent compiling (perf.compile_seconds), once done.
         self.outcome = ""  # Where the programs came from (CacheOutcome.describe), once done.
         self._compiled = None
@@ -355,16 +362,30 @@ class CompiledAhead:
 
         outcome = CacheOutcome()
         before = perf.compile_seconds()
+        loaded_in = None
         try:
             with context():
                 self.args = args_fn()
+                if self.store is not None:
+                    start = time.perf_counter()
+                    self._compiled = self.store.load(self.args)
+                    if self._compiled is not None:
+                        loaded_in = time.perf_counter() - start
+                        log_fn(f"Loaded {what} as compiled by an earlier start in {loaded_in:.1f}s")
+                        return
                 with perf.compile_notice(what, log_fn, note=outcome.describe):
                     self._compiled = jitted.lower(*self.args).compile()
+                if self.store is not None:
+                    self.store.save(self.args, self._compiled)
         except BaseException as e:  # pylint: disable=broad-except
             self._error = e  # Raised by result(), in the caller's thread.
         finally:
-            self.seconds = perf.compile_seconds() - before
-            self.outcome = outcome.describe()
+            if loaded_in is None:
+                self.seconds = perf.compile_seconds() - before
+                self.outcome = outcome.describe()
+            else:
+                self.seconds = loaded_in
+                self.outcome = f"loaded whole from {self.store.directory}, not traced"
 
     def done(self) -> bool:
         return not self._thread.is_alive()

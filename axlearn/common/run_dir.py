@@ -9,6 +9,7 @@ what a run writes there, and the holder of its lock.
       summaries/train/         the trainer's summary writer: TensorBoard events, metrics.jsonl
       summaries/<evaler>/      each evaler's summary writer, the same
       traces/                  jax.profiler traces (`start_trace_steps`)
+      compiled/                the train step compiled, for restarts (`executable_store`)
       wandb_run_id, wandb/     the W&B run that all the summary writers share
 
     run = RunDir(trainer_dir)
@@ -34,6 +35,7 @@ CHECKPOINTS = "checkpoints"  # The checkpointer's directory: one step_* director
 SUMMARIES = "summaries"  # One directory per summary writer, named for its owner.
 TRAIN_SUMMARIES = "train"  # The trainer's own summary writer, under SUMMARIES.
 TRACES = "traces"  # jax.profiler traces.
+COMPILED = "compiled"  # Executables that restarts load instead of compiling.
 METRICS_JSONL = "metrics.jsonl"  # A summary writer's JSON lines, in its directory.
 WANDB_RUN_ID = "wandb_run_id"  # The id of the W&B run its summary writers share.
 
@@ -49,6 +51,7 @@ class RunDir:
         self.lock_file = file_system.join(root, LOCK)
         self.checkpoints = file_system.join(root, CHECKPOINTS)
         self.traces = file_system.join(root, TRACES)
+        self.compiled = file_system.join(root, COMPILED)
         self.wandb_run_id = file_system.join(root, WANDB_RUN_ID)
         self._locking_thread: Optional[int] = None  # That of the `lock()` block running.
 

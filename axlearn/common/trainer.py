@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from axlearn.common import compilation_cache, fp8, perf, preemption, run_lock
+from axlearn.common import compilation_cache, executable_store, fp8, perf, preemption, run_lock
 from axlearn.common.base_layer import BaseLayer, ParameterSpec, is_parameter_spec
 from axlearn.common.checkpointer import (
     Checkpointer,
@@ -875,6 +875,17 @@ class SpmdTrainer(Module):
             what="the train step",
             log_fn=log.info,
             context=lambda: jax.set_mesh(self._mesh),
+            store=self._train_step_store(),
+        )
+
+    def _train_step_store(self) -> Optional[executable_store.ExecutableStore]:
+        """Where a restart of this run finds the train step compiled by its last start
+        (`executable_store`): the run directory's, unless the run has none or compiles
+        without a cache (--jax_compilation_cache_dir=none)."""
+        if self._run_dir is None or not jax.config.values.get("jax_compilation_cache_dir"):
+            return None
+        return executable_store.ExecutableStore(
+            self._run_dir.compiled, "train_step", self._config.debug_string()
         )
 
     def _take_compiled_ahead(self, input_batch: dict[str, jax.Array]) -> Any:
@@ -1004,7 +1015,8 @@ class SpmdTrainer(Module):
         them as it reaches their steps.
 
         Holds the directory's lock while it runs (`RunDir.lock`: a second trainer there
-        fails at once), unless its RunDir, the launcher's, is held already. SIGTERM or SIGINT stops it early: it finishes the current step, saves
+        fails at once), unless its RunDir, the launcher's, is held already.
+        SIGTERM or SIGINT stops it early: it finishes the current step, saves
         it, flushes the summaries and raises `preemption.Preempted` (the launcher exits
         with `preemption.PREEMPTED_EXIT_CODE`) within `preemption_grace_period_s`; a
         second SIGINT exits at once.
