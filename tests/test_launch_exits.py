@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 
+import jax
 import pytest
 
 from axlearn.common.launch_trainer_main import STORAGE_EXIT_CODE, exit_for
@@ -135,6 +136,17 @@ def test_a_permission_error_in_the_trainer_dir_is_a_storage_exit(tmp_path):
 def test_a_permission_error_elsewhere_is_no_storage_exit(tmp_path):
     error = PermissionError(13, "Permission denied", str(tmp_path / "data" / "train-00000.tok"))
     assert exit_for(error, trainer_dir=str(tmp_path / "run")) == (1, None)
+
+
+def test_a_device_out_of_memory_is_one_line_saying_what_frees_memory(tmp_path):
+    error = jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 47.32GiB with allocator "
+        "GPU_0_bfc on device 0. [executable_name='jit__train_step']\nmore detail"
+    )
+    status, line = exit_for(error, trainer_dir=str(tmp_path / "run"))
+    assert status == 1 and "\n" not in line
+    assert "a device ran out of memory (RESOURCE_EXHAUSTED: Out of memory" in line
+    assert "per_device_microbatch_size" in line and "XLA_PYTHON_CLIENT_MEM_FRACTION" in line
 
 
 def test_a_full_disk_is_a_storage_exit(tmp_path):

@@ -10,7 +10,8 @@ Exit status (every failure but an unexpected one ends with one line naming its c
 - 0: the run reached max_step.
 - 1: a config error (a flag, an override, a restart on a changed config or on other data:
   --allow_config_change, --allow_data_change), a directory another trainer holds, data
-  that cannot be read, a diverged run, or an unexpected failure (with its traceback).
+  that cannot be read, a diverged run, a device out of memory (the line says what frees
+  some), or an unexpected failure (with its traceback).
 - 69 (`peer_watch.PEER_LOST_EXIT_CODE`): another process of a multi-process run is gone
   (killed, out of memory, its host lost); every survivor exits within a minute. Restart
   the whole run: it resumes from its last checkpoint.
@@ -185,6 +186,14 @@ def exit_for(error: Exception, trainer_dir: Optional[str] = None) -> tuple[int, 
     if _is_divergence(error):
         # The run stopped on a bad loss: the message names the step and the last good checkpoint.
         return 1, f"launch_trainer_main: {error}"
+    if _is_device_out_of_memory(error):
+        first = str(error).strip().splitlines()[0]
+        return 1, (
+            f"launch_trainer_main: a device ran out of memory ({first[:300]}): train fewer "
+            "sequences at a time (--config_override=per_device_microbatch_size=N), recompute "
+            "more (the layers' remat_spec), or give jax more of the card than its default 75% "
+            "(XLA_PYTHON_CLIENT_MEM_FRACTION=0.94)"
+        )
     return 1, None
 
 
@@ -239,6 +248,17 @@ def _is_storage_error(error: BaseException) -> bool:
     writer = sys.modules.get("axlearn.common.summary_writer")
     return (checkpointer is not None and isinstance(error, checkpointer.CheckpointSaveError)) or (
         writer is not None and isinstance(error, writer.SummaryWriteError)
+    )
+
+
+def _is_device_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is jax's runtime error for an allocation a device could not make
+    (a program's buffers, or an array put on it), not a full disk."""
+    text = str(error)
+    return (
+        type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+        and text.startswith("RESOURCE_EXHAUSTED")
+        and "Out of memory" in text
     )
 
 
