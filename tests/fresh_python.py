@@ -8,7 +8,7 @@ imports jax (or the caller passes `devices=N`).
 import os
 import subprocess
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,3 +47,27 @@ def assert_prints_ok(script: str, *args: str, marker: str = "OK", **kwargs) -> s
         result.stdout[-1000:] + result.stderr[-3000:]
     )
     return result.stdout
+
+
+def launch_gpt_test(trainer_dir: Any, cache_dir: Any, *overrides: str) -> subprocess.CompletedProcess:
+    """Trains gpt_test for two steps through the launcher, in a process of its own on one
+    CPU device, with the compilation cache at `cache_dir` (the suite's own left out) and
+    `overrides` (--config_override values); checks that it exits 0."""
+    command = [
+        sys.executable, "-m", "axlearn.common.launch_trainer_main", "--config=gpt_test",
+        "--data_dir=FAKE", f"--trainer_dir={trainer_dir}", "--jax_backend=cpu",
+        f"--jax_compilation_cache_dir={cache_dir}",
+        "--config_override=input.global_batch_size=2",
+        "--config_override=input.max_sequence_length=16",
+        "--config_override=evalers={}",
+        "--config_override=max_step=2",
+        "--config_override=summary_writer.write_every_n_steps=1",  # Both steps' losses.
+        *(f"--config_override={o}" for o in overrides),
+    ]
+    env = fresh_env(1)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    result = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

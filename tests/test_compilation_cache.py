@@ -6,7 +6,6 @@ entries."""
 import os
 import pathlib
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,7 @@ import pytest
 
 from axlearn.common import compilation_cache
 from axlearn.common.config import ConfigError
-from tests.fresh_python import REPO, fresh_env
+from tests.fresh_python import launch_gpt_test
 from tests.trainer_script import losses_by_step
 
 
@@ -176,25 +175,6 @@ def test_a_mismatch_names_the_first_leaf_that_differs_and_how():
 # ----- real processes -----
 
 
-def _launch(trainer_dir, cache_dir, *overrides: str) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "-m", "axlearn.common.launch_trainer_main", "--config=gpt_test",
-        "--data_dir=FAKE", f"--trainer_dir={trainer_dir}", "--jax_backend=cpu",
-        f"--jax_compilation_cache_dir={cache_dir}",
-        "--config_override=input.global_batch_size=2",
-        "--config_override=input.max_sequence_length=16",
-        "--config_override=evalers={}",
-        "--config_override=max_step=2",
-        "--config_override=summary_writer.write_every_n_steps=1",  # Both steps' losses.
-        *(f"--config_override={o}" for o in overrides),
-    ]
-    env = fresh_env(1)
-    env.pop(compilation_cache.CACHE_DIR_ENV, None)
-    result = subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def _train_step_line(result: subprocess.CompletedProcess) -> str:
@@ -212,7 +192,7 @@ def fixture_warm_cache(tmp_path_factory):
     """A cache that one run of gpt_test filled, compiling its step at the first step (not
     ahead); that run's compile line and its trainer directory."""
     root = tmp_path_factory.mktemp("cache_runs")
-    result = _launch(root / "first", root / "cache", "compile_ahead=False")
+    result = launch_gpt_test(root / "first", root / "cache", "compile_ahead=False")
     assert "(compiled at the first step: not in the compilation cache)" in _start_line(result)
     return root / "cache", _train_step_line(result), root / "first"
 
@@ -227,7 +207,7 @@ def test_first_start_compiles_and_stores_its_step(warm_cache):
 @pytest.mark.slow
 def test_second_process_loads_its_step_from_the_cache(warm_cache, tmp_path):
     cache_dir, _, first_dir = warm_cache
-    result = _launch(tmp_path / "second", cache_dir)
+    result = launch_gpt_test(tmp_path / "second", cache_dir)
     assert _train_step_line(result).endswith("(loaded from the compilation cache)")
     # Compiled ahead, while the state was initialized; the same steps as the first run's.
     assert "(compiled ahead in " in _start_line(result)
@@ -241,7 +221,7 @@ def test_damaged_cache_compiles_with_one_warning(warm_cache, tmp_path):
     # that the cache is whole again for the other tests.
     for entry in pathlib.Path(warm_cache[0]).iterdir():
         entry.write_bytes(b"not an executable")
-    result = _launch(tmp_path / "third", warm_cache[0])
+    result = launch_gpt_test(tmp_path / "third", warm_cache[0])
     assert _train_step_line(result).endswith("(not in the compilation cache)")
     warnings = [l for l in result.stderr.splitlines() if "cannot load" in l]
     assert len(warnings) == 1, result.stderr[-3000:]

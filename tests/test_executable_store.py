@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axlearn.common import compilation_cache, executable_store
-from tests.fresh_python import REPO, fresh_env
+from axlearn.common import executable_store
+from tests.fresh_python import launch_gpt_test
 from tests.trainer_script import losses_by_step
 
 
@@ -120,24 +120,6 @@ def test_the_store_saves_loads_and_keeps_one_entry(tmp_path, caplog):
 # ----- real processes -----
 
 
-def _launch(trainer_dir, cache_dir) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "-m", "axlearn.common.launch_trainer_main", "--config=gpt_test",
-        "--data_dir=FAKE", f"--trainer_dir={trainer_dir}", "--jax_backend=cpu",
-        f"--jax_compilation_cache_dir={cache_dir}",
-        "--config_override=input.global_batch_size=2",
-        "--config_override=input.max_sequence_length=16",
-        "--config_override=evalers={}",
-        "--config_override=max_step=2",
-        "--config_override=summary_writer.write_every_n_steps=1",  # Both steps' losses.
-    ]
-    env = fresh_env(1)
-    env.pop(compilation_cache.CACHE_DIR_ENV, None)
-    result = subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def _start_again(trainer_dir, cache_dir) -> subprocess.CompletedProcess:
@@ -145,14 +127,14 @@ def _start_again(trainer_dir, cache_dir) -> subprocess.CompletedProcess:
     losses = losses_by_step(str(trainer_dir))
     subprocess.run(["rm", "-rf", str(trainer_dir / "checkpoints"), str(trainer_dir / "summaries")],
                    check=True)
-    result = _launch(trainer_dir, cache_dir)
+    result = launch_gpt_test(trainer_dir, cache_dir)
     assert losses_by_step(str(trainer_dir)) == losses
     return result
 
 
 @pytest.mark.slow
 def test_a_start_of_the_same_run_loads_its_step_without_tracing(tmp_path):
-    first = _launch(tmp_path / "run", tmp_path / "cache")
+    first = launch_gpt_test(tmp_path / "run", tmp_path / "cache")
     assert "Stored train_step for restarts: " in first.stderr
     (entry,) = os.listdir(tmp_path / "run" / "compiled")
     again = _start_again(tmp_path / "run", tmp_path / "cache")
