@@ -386,6 +386,32 @@ def test_a_sigterm_right_after_the_launcher_starts_exits_with_the_preempted_stat
     assert not os.path.exists(tmp_path / "run")  # Nothing was written.
 
 
+_SIGTERM_AS_THE_HANDLER_LANDS = """
+import os, signal, time
+from axlearn.common import preemption
+install = signal.signal
+def install_then_signal(signum, handler):
+    previous = install(signum, handler)
+    if signum == signal.SIGTERM:
+        os.kill(os.getpid(), signal.SIGTERM)  # Handled before the next line of install().
+    return previous
+signal.signal = install_then_signal
+preemption.exit_on_stop_signals()
+time.sleep(5)
+print("still running")
+"""
+
+
+def test_a_sigterm_the_moment_its_early_handler_lands_exits():
+    result = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_AS_THE_HANDLER_LANDS], cwd=REPO, env=fresh_env(),
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == PREEMPTED_EXIT_CODE, result.stdout + result.stderr[-2000:]
+    assert "SIGTERM received before training started" in result.stderr
+    assert "still running" not in result.stdout
+
+
 def test_a_sigterm_while_joining_other_processes_exits_at_once(tmp_path):
     # Process 1 of 2 waits in jax.distributed's C++ connect for a coordinator that never
     # comes (300 s by default): Python's own handler would run only once that returns.

@@ -69,12 +69,14 @@ class _EarlyExit:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("exit_on_stop_signals must be called in the main thread")
         self._on_exit = on_exit
+        first = not self._installed
+        # Before the handlers: a signal the moment one is in place already exits.
+        self._installed = True
         for signum in STOP_SIGNALS:
             if signal.getsignal(signum) is not signal.SIG_IGN:  # e.g. nohup's SIGINT.
                 signal.signal(signum, self._handle)
-        if self._installed:
+        if not first:
             return
-        self._installed = True
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         try:
