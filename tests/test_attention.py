@@ -204,6 +204,7 @@ def test_explicit_positions_drive_rope():
     np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.slow
 def test_segment_ids_mask_attention_across_documents():
     layer, params = _build(_layer_config().set(input_dim=16))
     params = _randomize(params)

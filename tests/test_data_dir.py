@@ -91,6 +91,7 @@ def test_a_nonexistent_path_is_an_error_naming_it(tmp_path):
         build_trainer_config(config_name="gpt_test", data_dir=str(missing))
 
 
+@pytest.mark.slow
 def test_main_job_stops_on_a_nonexistent_data_dir_with_one_line_naming_it(tmp_path):
     missing = tmp_path / "nowhere"
     result = subprocess.run(

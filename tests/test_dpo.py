@@ -259,6 +259,7 @@ def test_frozen_reference_gets_no_gradient():
     assert any(np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(grads["policy"]))
 
 
+@pytest.mark.slow
 def test_batch_reference_without_its_keys_names_them():
     model = _model(reference="batch")
     params = {"policy": model.policy.initialize_parameters_recursively(jax.random.PRNGKey(0))}

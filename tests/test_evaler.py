@@ -325,6 +325,7 @@ print("RESULTS" + json.dumps(results))
 """
 
 
+@pytest.mark.slow
 def test_eval_on_a_data_fsdp_mesh_matches_the_reference():
     proc = run_python(_MESH_SCRIPT, devices=8)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -343,6 +344,7 @@ with jax.set_mesh(create_mesh((8,), ("data",))):
 """
 
 
+@pytest.mark.slow
 def test_a_batch_that_the_mesh_cannot_split_is_an_error_with_the_fix():
     proc = run_python(_INDIVISIBLE_SCRIPT, devices=8)
     assert proc.returncode != 0

@@ -51,6 +51,7 @@ def test_prompt_lengths_count_pad_ids_inside_a_prompt():
     np.testing.assert_array_equal(prompt_lengths_of(prompts, None), [5, 5, 5])
 
 
+@pytest.mark.slow
 def test_batched_greedy_generation_equals_transformers_with_a_list_of_eos_ids():
     hf = _hf_model()
     # Prompts of different lengths holding token 0 (a real token: there is no pad id).
@@ -122,6 +123,7 @@ def test_the_command_generates_from_a_hf_directory_with_its_tokenizer(tmp_path, 
         assert " ".join(text.split() + words) in printed
 
 
+@pytest.mark.slow
 def test_streaming_delivers_the_first_token_after_prefill_then_each_chunk():
     hf = _hf_model(seed=4)
     prompt = [3, 9, 27]
@@ -197,6 +199,7 @@ def test_the_speed_line_counts_one_prompt_and_names_the_batch_it_was_padded_to(t
     assert out.getvalue() == " ".join(["w3", "!", "w7", *words]) + "\n\n"  # The text alone.
 
 
+@pytest.mark.slow
 def test_the_stats_count_the_prompts_and_the_padded_last_batch():
     hf = _hf_model(seed=10)
     cfg = hf_llama.llama_config_from_hf(hf.config)
@@ -241,6 +244,7 @@ def test_the_command_refuses_a_device_count_in_one_line(tmp_path, devices, messa
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_help_exits_zero_and_lists_the_flags():
     result = subprocess.run(
         [sys.executable, "-m", "axlearn.common.generate", "--help"], cwd=REPO,
@@ -326,6 +330,7 @@ def test_the_benchmark_s_kernel_profile_counts_per_generated_token(monkeypatch):
     assert len(lines) == 1 and lines[0].split() == ["2000.00", "us/token", "2.00/token", "gemm"]
 
 
+@pytest.mark.slow
 def test_the_split_qkv_layout_for_several_devices_decodes_as_transformers():
     hf = _hf_model(seed=9)
     prompts = [[5, 0, 17], [40, 2, 2, 9]]

@@ -223,6 +223,7 @@ def test_every_klass_and_fn_imports_and_is_implemented(qualified_name):
         assert config_for_function(obj).fn is obj
 
 
+@pytest.mark.slow
 def test_every_named_config_model_learner_and_outputs_instantiate(tmp_path):
     # As configured, not only by default: the model (its module tree only, no parameters),
     # the learner, the checkpointer and the summary writer build without error.

@@ -300,6 +300,7 @@ def test_interrupted_build_leaves_nothing_behind(tmp_path):
     assert _listing(output) == ["keep.txt"]
 
 
+@pytest.mark.slow
 def test_command_reports_bad_input_in_one_line_and_fails(tmp_path):
     bad = _bad_jsonl(tmp_path, b"[1, 2]")
     result = subprocess.run(
@@ -504,6 +505,7 @@ def test_a_build_off_a_terminal_ends_with_its_throughput_and_no_blank_line(tmp_p
     assert f", {len(texts):,} documents, " in text
 
 
+@pytest.mark.slow
 def test_the_build_command_stores_its_tokenizer_where_a_run_finds_it(tmp_path):
     pytest.importorskip("tokenizers")
     from axlearn.common import trainer_dir  # pylint: disable=import-outside-toplevel

@@ -82,6 +82,7 @@ _IMPORT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_importing_the_layers_and_trainer_loads_no_pallas_or_triton_module():
     # The kernels import Pallas only when they build a kernel, so a CPU run never loads it.
     assert_prints_ok(_IMPORT_SCRIPT)

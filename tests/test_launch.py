@@ -74,6 +74,7 @@ def _main(*argv: str, devices: int = 1, timeout: int = 300, **popen_kwargs):
 # ----- --print_config, --config and --module -----
 
 
+@pytest.mark.slow
 def test_print_config_prints_the_flat_config_and_does_not_train(tmp_path):
     trainer_dir = tmp_path / "never_created"
     result = _main(
@@ -90,6 +91,7 @@ def test_print_config_prints_the_flat_config_and_does_not_train(tmp_path):
     assert not trainer_dir.exists()
 
 
+@pytest.mark.slow
 def test_unknown_config_name_fails_listing_close_names_without_a_traceback():
     with pytest.raises(ConfigError, match="Unknown config 'gpt_tst'.*Did you mean: gpt_test"):
         build_named_config("gpt_tst")
@@ -527,6 +529,7 @@ def test_tf_data_inputs_name_the_packages_they_miss(monkeypatch):
     assert missing_input_packages(build_named_config("gpt_test")) == (None, [])
 
 
+@pytest.mark.slow
 def test_main_job_without_tensorflow_datasets_stops_with_one_line_saying_what_to_pass(tmp_path):
     # tensorflow_datasets made unimportable, as on a machine without it.
     script = (
@@ -929,6 +932,7 @@ def test_a_trainer_dir_that_is_a_file_or_cannot_be_made_is_refused(tmp_path):
     assert (tmp_path / "new" / "run").is_dir()
 
 
+@pytest.mark.slow
 def test_main_job_stops_on_a_trainer_dir_that_is_a_file_with_one_line(tmp_path):
     file = tmp_path / "file"
     file.write_text("")

@@ -192,6 +192,7 @@ SPLIT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_strided_microbatches_of_a_sharded_batch_stay_on_their_devices():
     assert_prints_ok(SPLIT_SCRIPT, devices=8)
 

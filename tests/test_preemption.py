@@ -412,6 +412,7 @@ def test_a_sigterm_the_moment_its_early_handler_lands_exits():
     assert "still running" not in result.stdout
 
 
+@pytest.mark.slow
 def test_a_sigterm_while_joining_other_processes_exits_at_once(tmp_path):
     # Process 1 of 2 waits in jax.distributed's C++ connect for a coordinator that never
     # comes (300 s by default): Python's own handler would run only once that returns.

@@ -53,6 +53,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_global_batch_splits_rows_over_the_batch_axes_and_names_the_config_on_error():
     # Also: global_batch_spec gives the shapes, dtypes and shardings without a batch.
     assert_prints_ok(_SCRIPT, devices=8)

@@ -259,6 +259,7 @@ class _MisdescribedFakeLmInput(FakeLmInput):
         return spec
 
 
+@pytest.mark.slow
 def test_a_batch_unlike_the_inputs_spec_compiles_at_the_first_step_naming_the_leaf(caplog):
     input_cfg = _MisdescribedFakeLmInput.default_config().set(
         is_training=True, global_batch_size=BATCH, max_sequence_length=SEQ_LEN, vocab_size=VOCAB
@@ -882,6 +883,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_a_mesh_that_cannot_split_a_parameter_is_a_config_error_naming_it():
     assert_prints_ok(_INDIVISIBLE_MESH_SCRIPT, devices=8)
 
