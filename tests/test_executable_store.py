@@ -122,24 +122,30 @@ def test_the_store_saves_loads_and_keeps_one_entry(tmp_path, caplog):
 
 
 
+# Two microbatches of one row: the count is logged by a start that loads the step too.
+_MICROBATCHES = "per_device_microbatch_size=1"
+_MICROBATCH_LINE = "Each step accumulates gradients over 2 microbatches of 1 rows a device"
+
+
 def _start_again(trainer_dir, cache_dir) -> subprocess.CompletedProcess:
     """The same run started again from its first step (its checkpoints removed)."""
     losses = losses_by_step(str(trainer_dir))
     subprocess.run(["rm", "-rf", str(trainer_dir / "checkpoints"), str(trainer_dir / "summaries")],
                    check=True)
-    result = launch_gpt_test(trainer_dir, cache_dir)
+    result = launch_gpt_test(trainer_dir, cache_dir, _MICROBATCHES)
     assert losses_by_step(str(trainer_dir)) == losses
     return result
 
 
 @pytest.mark.slow
 def test_a_start_of_the_same_run_loads_its_step_without_tracing(tmp_path):
-    first = launch_gpt_test(tmp_path / "run", tmp_path / "cache")
+    first = launch_gpt_test(tmp_path / "run", tmp_path / "cache", _MICROBATCHES)
     assert "Stored train_step for restarts: " in first.stderr
     (entry,) = os.listdir(tmp_path / "run" / "compiled")
     again = _start_again(tmp_path / "run", tmp_path / "cache")
     assert "Loaded the train step as compiled by an earlier start" in again.stderr
     assert "Compiling the train step" not in again.stderr  # Neither traced nor compiled.
+    assert again.stderr.count(_MICROBATCH_LINE) == first.stderr.count(_MICROBATCH_LINE) == 1
     assert "not traced" in [l for l in again.stderr.splitlines() if "Started in " in l][0]
     assert os.listdir(tmp_path / "run" / "compiled") == [entry]
 

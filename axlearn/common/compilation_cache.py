@@ -347,6 +347,7 @@ class CompiledAhead:
         self.store = store
         self.seconds = 0.0  # Spent compiling (perf.compile_seconds), once done.
         self.outcome = ""  # Where the programs came from (CacheOutcome.describe), once done.
+        self.loaded = False  # Whether `store` held the executable (nothing was traced).
         self._compiled = None
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(
@@ -384,6 +385,7 @@ class CompiledAhead:
                 self.seconds = perf.compile_seconds() - before
                 self.outcome = outcome.describe()
             else:
+                self.loaded = True
                 self.seconds = loaded_in
                 self.outcome = f"loaded whole from {self.store.directory}, not traced"
 

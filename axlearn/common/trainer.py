@@ -825,13 +825,7 @@ class SpmdTrainer(Module):
         if partition is not None:
             input_batch = partition(input_batch)
         global_batch_size = jax.tree.leaves(input_batch)[0].shape[0]
-        num_microbatches = self.num_microbatches(global_batch_size)
-        if num_microbatches > 1:  # Logged once a compile, as the step is traced.
-            log.info(
-                "Each step accumulates gradients over %d microbatches of %d rows a device",
-                num_microbatches,
-                self._config.per_device_microbatch_size,
-            )
+        num_microbatches = self._log_microbatches(global_batch_size)  # Once a trace.
         loss_fn = functools.partial(
             self._loss_fn,
             weight_copies=state.weight_copies,
@@ -849,6 +843,18 @@ class SpmdTrainer(Module):
             )
         summaries = dict(loss=loss, learner=learner_summaries, model=aux["summaries"])
         return self._carried_state(prng_key, new_params, new_learner_state), summaries
+
+    def _log_microbatches(self, global_batch_size: int) -> int:
+        """The step's microbatch count for `global_batch_size`, logged where over one (as
+        the step is traced, or loaded untraced)."""
+        num_microbatches = self.num_microbatches(global_batch_size)
+        if num_microbatches > 1:
+            log.info(
+                "Each step accumulates gradients over %d microbatches of %d rows a device",
+                num_microbatches,
+                self._config.per_device_microbatch_size,
+            )
+        return num_microbatches
 
     def _compile_train_step(self):
         shardings = self._state_shardings()
@@ -904,6 +910,8 @@ class SpmdTrainer(Module):
             log.info("The train step compiled ahead does not fit, so it compiles again: %s", reason)
             return None
         compiled = ahead.result()
+        if ahead.loaded:  # Not traced: said here instead.
+            self._log_microbatches(jax.tree.leaves(input_batch)[0].shape[0])
         note = f"compiled ahead in {ahead.seconds:.1f} s: {ahead.outcome}"
         start.times.phase("train step ready", note)
         return compiled
