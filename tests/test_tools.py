@@ -35,7 +35,9 @@ def test_start_time_times_a_cold_start_and_two_that_load_the_train_step_from_the
     assert rows[0].startswith("cold (empty cache)") and "(not in the compilation cache)" in rows[0]
     for row, name in zip(rows[1:], ("warm: restart of the run", "warm: new run, same config")):
         assert row.startswith(name) and "% of cold" in row
-        assert row.endswith("(loaded from the compilation cache)")
+    # The restart loads the step its cold start stored (untraced); the new run, from the cache.
+    assert "Loaded the train step as compiled by an earlier start" in rows[1]
+    assert rows[2].endswith("(loaded from the compilation cache)")
     assert "state (init)" in starts[0] and "not in the compilation cache" in starts[0]
     assert "state (restore)" in starts[1] and "state (init)" in starts[2]
     for start in starts:

@@ -32,7 +32,6 @@ import logging
 import os
 import pickle
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -193,7 +192,6 @@ class ExecutableStore:
         self.directory = directory
         self.name = name
         self._salt = salt
-        self._saving: Optional[threading.Thread] = None
 
     def path(self, key: str) -> str:
         """The entry of `key` for this process."""
@@ -223,21 +221,11 @@ class ExecutableStore:
             return None
 
     def save(self, args: Any, compiled: Any) -> None:
-        """Stores `compiled` for `args` in a thread of its own (`wait` joins it; the
-        process waits for it at exit), removing this process's older entries; an entry
-        that cannot be made or written is logged and forgotten."""
+        """Stores `compiled` for `args` (a few MB: well under a second), removing this
+        process's older entries; an entry that cannot be made or written is logged and
+        forgotten. In the caller's thread: a thread of its own could be cut off inside
+        jax's serializer as the process exits, which aborts it."""
         key = entry_key(self._salt, args)
-        self._saving = threading.Thread(
-            target=self._save, args=(key, compiled), name=f"store {self.name}"
-        )
-        self._saving.start()
-
-    def wait(self) -> None:
-        """Returns once the last `save` has ended."""
-        if self._saving is not None:
-            self._saving.join()
-
-    def _save(self, key: str, compiled: Any) -> None:
         path = self.path(key)
         try:
             data = encode_entry(key, compiled)
