@@ -100,18 +100,19 @@ def test_the_source_digest_follows_a_loaded_module_outside_the_installation(
 
 def test_the_store_saves_loads_and_keeps_one_entry(tmp_path, caplog):
     store = executable_store.ExecutableStore(str(tmp_path), "step", "a: 1")
-    assert store.load(_ARGS) is None  # Nothing stored yet: no warning either.
-    store.save(_ARGS, jax.jit(_step).lower(*_ARGS).compile())
+    assert store.key(_ARGS) == executable_store.entry_key("a: 1", _ARGS)
+    assert store.load(store.key(_ARGS)) is None  # Nothing stored yet: no warning either.
+    store.save(store.key(_ARGS), jax.jit(_step).lower(*_ARGS).compile())
     longer = ({"w": _abstract((3,))}, _abstract((5, 3)))
-    store.save(longer, jax.jit(_step).lower(*longer).compile())
-    entry = store.path(executable_store.entry_key("a: 1", longer))
+    store.save(store.key(longer), jax.jit(_step).lower(*longer).compile())
+    entry = store.path(store.key(longer))
     assert os.listdir(tmp_path) == [os.path.basename(entry)]  # The older one removed.
-    assert store.load(_ARGS) is None
-    assert store.load(longer) is not None
+    assert store.load(store.key(_ARGS)) is None
+    assert store.load(store.key(longer)) is not None
     with open(entry, "wb") as f:
         f.write(b"not an entry")
     with caplog.at_level(logging.WARNING, logger="axlearn.common.executable_store"):
-        assert store.load(longer) is None
+        assert store.load(store.key(longer)) is None
     assert "cannot be loaded (not an entry of this format): compiling step" in caplog.text
 
 

@@ -363,31 +363,30 @@ class CompiledAhead:
 
         outcome = CacheOutcome()
         before = perf.compile_seconds()
-        loaded_in = None
         try:
             with context():
                 self.args = args_fn()
-                if self.store is not None:
+                key = None if self.store is None else self.store.key(self.args)
+                if key is not None:
                     start = time.perf_counter()
-                    self._compiled = self.store.load(self.args)
+                    self._compiled = self.store.load(key)
                     if self._compiled is not None:
-                        loaded_in = time.perf_counter() - start
-                        log_fn(f"Loaded {what} as compiled by an earlier start in {loaded_in:.1f}s")
+                        self.loaded = True
+                        self.seconds = time.perf_counter() - start
+                        self.outcome = f"loaded whole from {self.store.directory}, not traced"
+                        took = f"{self.seconds:.1f}s"
+                        log_fn(f"Loaded {what} as compiled by an earlier start in {took}")
                         return
                 with perf.compile_notice(what, log_fn, note=outcome.describe):
                     self._compiled = jitted.lower(*self.args).compile()
-                if self.store is not None:
-                    self.store.save(self.args, self._compiled)
+                if key is not None:
+                    self.store.save(key, self._compiled)
         except BaseException as e:  # pylint: disable=broad-except
             self._error = e  # Raised by result(), in the caller's thread.
         finally:
-            if loaded_in is None:
+            if not self.loaded:
                 self.seconds = perf.compile_seconds() - before
                 self.outcome = outcome.describe()
-            else:
-                self.loaded = True
-                self.seconds = loaded_in
-                self.outcome = f"loaded whole from {self.store.directory}, not traced"
 
     def done(self) -> bool:
         return not self._thread.is_alive()

@@ -8,10 +8,11 @@ what the last start compiled; `ExecutableStore` keeps that executable
 instead of tracing, lowering and compiling again:
 
     store = ExecutableStore(run.compiled, "train_step", config_text)
-    compiled = store.load(abstract_args)  # None: nothing stored for these arguments
+    key = store.key(abstract_args)
+    compiled = store.load(key)  # None: nothing stored for these arguments
     if compiled is None:
         compiled = jitted.lower(*abstract_args).compile()
-        store.save(abstract_args, compiled)
+        store.save(key, compiled)
 
 An entry's key (`entry_key`) digests all that decides the program: the config text, the
 abstract arguments (tree, shapes, dtypes, shardings), the source of every module of the
@@ -199,10 +200,13 @@ class ExecutableStore:
 
         return file_system.join(self.directory, f"{self.name}-p{jax.process_index()}-{key}.bin")
 
-    def load(self, args: Any) -> Optional[Any]:
-        """The executable stored for the abstract arguments `args`; None where none is,
-        or where the stored one cannot be read or loaded (a warning)."""
-        key = entry_key(self._salt, args)
+    def key(self, args: Any) -> str:
+        """The key of the program compiled for the abstract arguments `args` (`entry_key`)."""
+        return entry_key(self._salt, args)
+
+    def load(self, key: str) -> Optional[Any]:
+        """The executable stored under `key`; None where none is, or where the stored one
+        cannot be read or loaded (a warning)."""
         path = self.path(key)
         try:
             data = file_system.read_bytes(path)
@@ -220,12 +224,11 @@ class ExecutableStore:
             )
             return None
 
-    def save(self, args: Any, compiled: Any) -> None:
-        """Stores `compiled` for `args` (a few MB: well under a second), removing this
+    def save(self, key: str, compiled: Any) -> None:
+        """Stores `compiled` under `key` (a few MB: well under a second), removing this
         process's older entries; an entry that cannot be made or written is logged and
         forgotten. In the caller's thread: a thread of its own could be cut off inside
         jax's serializer as the process exits, which aborts it."""
-        key = entry_key(self._salt, args)
         path = self.path(key)
         try:
             data = encode_entry(key, compiled)
