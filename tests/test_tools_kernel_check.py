@@ -19,6 +19,18 @@ def test_swiglu_reference_is_the_vjp_of_silu_times_b():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_decode_attention_reference_is_jax_s_attention_over_each_row_s_length():
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(2, 4, 8)).astype(np.float32)
+    k, v = (rng.normal(size=(2, 10, 2, 8)).astype(np.float32) for _ in range(2))
+    lengths = np.array([10, 3], np.int32)
+    want = jax.nn.dot_product_attention(
+        q[:, None], k, v, scale=1.0, key_value_seq_lengths=jnp.asarray(lengths)
+    )[:, 0]
+    got = kernel_check.decode_attention_reference(q, k, v, lengths)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_rms_norm_reference_is_the_vjp_of_the_residual_and_its_norms():
     rng = np.random.default_rng(0)
     x, dres, dy0, dy1 = (rng.normal(size=(8, 16)).astype(np.float32) for _ in range(4))
@@ -36,16 +48,20 @@ def test_rms_norm_reference_is_the_vjp_of_the_residual_and_its_norms():
 @pytest.mark.slow
 def test_each_case_matches_the_reference_or_reports_why_it_failed(tmp_path):
     out = tmp_path / "kernels.json"
-    kernel_check.main(["--tokens=64", "--hidden=128", "--mlp_hidden=256", f"--json_out={out}"])
+    kernel_check.main([
+        "--tokens=64", "--hidden=128", "--mlp_hidden=256", "--decode_batch=2", "--heads=4",
+        "--kv_heads=2", "--head_dim=32", "--cache=64", "--length=40", f"--json_out={out}",
+    ])
     results = json.loads(out.read_text())
     cases = {k: v for k, v in results.items() if k not in ("jax_version", "device")}
     assert set(cases) == {
         "gated_product xla", "gated_product kernel",
         "rms_norm 1 dy: xla", "rms_norm 1 dy: kernel",
         "rms_norm 2 dy: xla", "rms_norm 2 dy: kernel",
+        "decode_attention xla", "decode_attention cudnn", "decode_attention kernel",
     }
     for name, entry in cases.items():
         if name.endswith("xla"):
             assert entry["max_rel_err"] < 2e-2, (name, entry)
-        else:  # The kernels compile only on a GPU.
+        else:  # The kernels and cuDNN compile only on a GPU.
             assert "error" in entry or entry["max_rel_err"] < 2e-2, (name, entry)

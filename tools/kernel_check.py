@@ -1,18 +1,21 @@
 r"""Checks the model's GPU kernels against XLA, for correctness and speed.
 
-The layers use two Pallas (Triton) kernels on GPU (`axlearn.common.kernels`): the
+The layers use three Pallas (Triton) kernels on GPU (`axlearn.common.kernels`): the
 gated MLP's backward (`gated_product_backward`, SwiGLU's two input cotangents in one
-pass) and RMSNorm's (`rms_norm_backward`, the residual's and the norm's input gradient
-and the scale's gradient, for one or two consumers of the normalized input). Run this on
+pass), RMSNorm's (`rms_norm_backward`, the residual's and the norm's input gradient
+and the scale's gradient, for one or two consumers of the normalized input), and a
+decoding step's attention (`decode_attention`, against cuDNN's kernel too). Run this on
 new hardware, or after a jax or Triton upgrade, to see whether they still compile, still
 agree with a float64 reference as closely as XLA does, and still beat XLA; `--sweep`
 also times other block shapes and warp counts, to retune their defaults for a new card:
 
     PYTHONPATH=. python tools/kernel_check.py [--tokens=16384 --hidden=2048 --mlp_hidden=8192] \
+        [--decode_batch=1 --heads=16 --kv_heads=8 --head_dim=128 --cache=256 --length=200] \
         [--sweep] [--json_out=kernels.json]
 
 The defaults are gpt_1b's shapes (16,384 tokens a step, model dim 2048, MLP hidden
-8192); give another config's to check it. One line per case: GPU ms per call (kernel
+8192; 16 heads of 128 over 8 key/value heads, a cache of 256 keys of which 200 are
+filled); give another config's to check it. One line per case: GPU ms per call (kernel
 time in a profiler trace of 20 calls, so no dispatch overhead), the bandwidth the op's
 minimal traffic implies (each input read once, each output written once) and the
 largest error against a float64 NumPy reference, in units of the reference's largest
@@ -35,6 +38,7 @@ from absl import flags
 from axlearn.bench import gpu_time_ms, write_json
 from axlearn.common import layers
 from axlearn.common.command_flags import parse_command_flags
+from axlearn.common.kernels.decode_attention import decode_attention
 from axlearn.common.kernels.gated_product import gated_product_backward
 from axlearn.common.kernels.rms_norm import rms_norm_backward
 
@@ -175,12 +179,86 @@ def check_rms_norm(tokens: int, hidden: int, *, sweep: bool) -> dict[str, Any]:
     return results
 
 
+# ----- A decoding step's attention -----
+
+
+def decode_attention_reference(q, k, v, lengths) -> np.ndarray:
+    """In float64, each head's softmax(q k^T) v over the first lengths[b] keys: q [B,N,H],
+    k/v [B,S,K,H], head n reading kv head n // (N / K)."""
+    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
+    group = q.shape[1] // k.shape[2]
+    out = np.zeros(q.shape)
+    for b, length in enumerate(np.asarray(lengths)):
+        keys = np.repeat(k[b, :length], group, axis=1)  # [length, N, H]
+        values = np.repeat(v[b, :length], group, axis=1)
+        logits = np.einsum("nh,snh->ns", q[b], keys)
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        out[b] = np.einsum("ns,snh->nh", probs / probs.sum(axis=1, keepdims=True), values)
+    return out
+
+
+def _xla_decode_attention(q, k, v, lengths):
+    """The einsum path a decoding step takes without a kernel: masked logits, softmax."""
+    batch, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    qg = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    logits = jnp.einsum("bkgh,bskh->bkgs", qg, k, preferred_element_type=jnp.float32)
+    valid = jnp.arange(k.shape[1])[None, :] < lengths[:, None]
+    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgs,bskh->bkgh", probs, v).reshape(q.shape)
+
+
+def check_decode_attention(
+    batch: int, heads: int, kv_heads: int, head_dim: int, cache: int, length: int, *, sweep: bool
+) -> dict[str, Any]:
+    """XLA's, cuDNN's (on a GPU) and the kernel's attention of one bf16 query a row against
+    a cache of `cache` keys, the first `length` filled."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(batch, heads, head_dim)) * head_dim**-0.5, jnp.bfloat16)
+    k, v = (
+        jnp.asarray(rng.normal(size=(batch, cache, kv_heads, head_dim)), jnp.bfloat16)
+        for _ in range(2)
+    )
+    lengths = jnp.full((batch,), length, jnp.int32)
+    cases = {
+        "decode_attention xla": jax.jit(_xla_decode_attention),
+        "decode_attention cudnn": jax.jit(
+            lambda q_, k_, v_, n: jax.nn.dot_product_attention(
+                q_[:, None], k_, v_, scale=1.0, key_value_seq_lengths=n, implementation="cudnn"
+            )[:, 0]
+        ),
+        "decode_attention kernel": jax.jit(decode_attention),
+    }
+    if sweep:
+        for block in (32, 64, 128, 256):
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3):
+                    cases[
+                        f"decode_attention kernel block={block} warps={warps} stages={stages}"
+                    ] = jax.jit(
+                        lambda *t, bl=block, w=warps, st=stages: decode_attention(
+                            *t, block_keys=bl, num_warps=w, num_stages=st
+                        )
+                    )
+    want = [decode_attention_reference(q, k, v, lengths)]
+    single = {name: (lambda *t, fn=fn: [fn(*t)]) for name, fn in cases.items()}
+    min_bytes = 2 * q.nbytes + 2 * batch * length * kv_heads * head_dim * k.dtype.itemsize
+    return _time_cases(single, (q, k, v, lengths), want, min_bytes=min_bytes)
+
+
 def define_flags(flag_values: flags.FlagValues) -> None:
     """The check's flags."""
     fv = dict(flag_values=flag_values)
     flags.DEFINE_integer("tokens", 16384, "Tokens (rows) of a step.", **fv)
     flags.DEFINE_integer("hidden", 2048, "Model dim (the normalized rows' width).", **fv)
     flags.DEFINE_integer("mlp_hidden", 8192, "The gated MLP's hidden dim.", **fv)
+    flags.DEFINE_integer("decode_batch", 1, "Rows of a decoding step.", **fv)
+    flags.DEFINE_integer("heads", 16, "Query heads.", **fv)
+    flags.DEFINE_integer("kv_heads", 8, "Key/value heads.", **fv)
+    flags.DEFINE_integer("head_dim", 128, "Dims a head.", **fv)
+    flags.DEFINE_integer("cache", 256, "Keys the decoding cache holds.", **fv)
+    flags.DEFINE_integer("length", 200, "Keys of the cache filled (attended to).", **fv)
     flags.DEFINE_bool("sweep", False, "Also time other block shapes.", **fv)
     flags.DEFINE_string("json_out", None, "Write every entry as JSON.", **fv)
 
@@ -194,6 +272,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     results = {"jax_version": jax.__version__, "device": jax.devices()[0].device_kind}
     results.update(check_gated_product(args.tokens, args.mlp_hidden, sweep=args.sweep))
     results.update(check_rms_norm(args.tokens, args.hidden, sweep=args.sweep))
+    results.update(
+        check_decode_attention(
+            args.decode_batch, args.heads, args.kv_heads, args.head_dim, args.cache,
+            args.length, sweep=args.sweep,
+        )
+    )
     write_json(args.json_out, results)
     return results
 

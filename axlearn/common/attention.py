@@ -52,6 +52,7 @@ from axlearn.common.config import (
     register_configurable,
 )
 from axlearn.common.fp8 import Fp8Matmul
+from axlearn.common.kernels.decode_attention import decode_attention, decode_attention_mode
 from axlearn.common.kv_cache.kv_cache import KVCache
 from axlearn.common.layers import (
     Dropout,
@@ -780,7 +781,9 @@ class MultiheadAttention(BaseLayer):
         # 'xla', 'cudnn' (jax.nn.dot_product_attention's flash kernel, GPU, bf16/fp16),
         # or None: cuDNN where it applies, XLA elsewhere. On cuDNN, segment ids become
         # a [B,1,T,S] mask (the public API has no packed-segment mode); decoding
-        # (extend_step) uses it one token at a time, the XLA path for longer steps.
+        # (extend_step) uses it one token at a time, the XLA path for longer steps. None
+        # decodes a token through `kernels.decode_attention` where it applies (GPU, small
+        # batches), cuDNN elsewhere.
         attention_implementation: Optional[str] = None
         # The key/value cache for decoding (child `kv_cache`); None: a default KVCache.
         kv_cache: Optional[BaseLayer.Config] = None
@@ -918,9 +921,9 @@ class MultiheadAttention(BaseLayer):
         cfg = self._config
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         # Decoding one token: the keys it may see are the first q_index + 1 (causal), all
-        # written (kv_lengths), so a length is the whole mask. One cuDNN kernel instead of
-        # the einsum path's five (two matmuls, three softmax passes): docs/performance.md's
-        # generation figures.
+        # written (kv_lengths), so a length is the whole mask. One kernel (ours, or cuDNN's
+        # where so configured) instead of the einsum path's five (two matmuls, three
+        # softmax passes): docs/performance.md's generation figures.
         if (
             q.shape[1] == 1
             and q_index is not None
@@ -928,12 +931,19 @@ class MultiheadAttention(BaseLayer):
             and cfg.causal
             and segment_ids is None
             and logit_biases is None
-            and self._use_cudnn(q, k, decoding=True)
+            and cfg.atten_logit_cap is None
         ):
             lengths = jnp.minimum(q_index[:, 0] + 1, kv_lengths).astype(jnp.int32)
-            return jax.nn.dot_product_attention(
-                q, k, v, scale=1.0, key_value_seq_lengths=lengths, implementation="cudnn"
+            # Unconfigured, the step's own kernel (one launch, no padding of the query group).
+            interpret = (
+                decode_attention_mode(q[:, 0], k) if cfg.attention_implementation is None else None
             )
+            if interpret is not None:
+                return decode_attention(q[:, 0], k, v, lengths, interpret=interpret)[:, None]
+            if self._use_cudnn(q, k, decoding=True):
+                return jax.nn.dot_product_attention(
+                    q, k, v, scale=1.0, key_value_seq_lengths=lengths, implementation="cudnn"
+                )
         if q_index is None and kv_valid is None and self._use_cudnn(q, k):
             mask = None
             if segment_ids is not None:

@@ -35,6 +35,11 @@ def interpreted():
         _interpret_everywhere = before
 
 
+def interpreting_everywhere() -> bool:
+    """Whether the layers are within `interpreted()`."""
+    return _interpret_everywhere
+
+
 def several_devices() -> bool:
     """Whether the current mesh (`jax.set_mesh`) has more than one device."""
     return math.prod(current_mesh_axes().values()) > 1
@@ -65,18 +70,18 @@ def kernel_mode(
     block = local_shape(a.shape, spec)
     if block is None or not fits(block):
         return None
-    if _interpret_everywhere:
+    if interpreting_everywhere():
         return True
     return False if compiled_kernels_available() else None
 
 
 def compiled_kernels_available() -> bool:
     """Whether the kernels can compile here: a GPU, and a jax with Pallas's Triton backend."""
-    return jax.devices()[0].platform == "gpu" and _pallas_triton() is not None
+    return jax.devices()[0].platform == "gpu" and pallas_triton() is not None
 
 
 @functools.cache
-def _pallas_triton() -> Any:
+def pallas_triton() -> Any:
     """jax.experimental.pallas.triton, or None in a jax without it."""
     try:
         from jax.experimental.pallas import triton  # pylint: disable=import-outside-toplevel
@@ -85,14 +90,17 @@ def _pallas_triton() -> Any:
     return triton
 
 
-def compiler_params(num_warps: int, interpret: bool) -> Any:
-    """A kernel's Triton compiler parameters; None when interpreted, which needs no Triton."""
+def compiler_params(num_warps: int, interpret: bool, *, num_stages: Optional[int] = None) -> Any:
+    """A kernel's Triton compiler parameters (num_stages None: Triton's default); None when
+    interpreted, which needs no Triton."""
     if interpret:
         return None
-    triton = _pallas_triton()
+    triton = pallas_triton()
     if triton is None:
         raise RuntimeError(
             f"jax {jax.__version__} has no Pallas Triton backend to compile the kernel; "
             "run it with interpret=True"
         )
-    return triton.CompilerParams(num_warps=num_warps)
+    if num_stages is None:
+        return triton.CompilerParams(num_warps=num_warps)
+    return triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
