@@ -12,26 +12,9 @@ from axlearn.common.kernels.decode_attention import (
     decode_attention_mode,
     decode_attention_supported,
 )
+from tools import kernel_check
 
 RNG = np.random.default_rng(0)
-
-
-def _np_attention(q, k, v, lengths):
-    """Each head's softmax(q k^T) v over the first lengths[b] keys, in float64 (zeros for an
-    empty row); head n reads kv head n // (N / K)."""
-    batch, num_heads, _ = q.shape
-    group = num_heads // k.shape[2]
-    out = np.zeros(q.shape)
-    for b in range(batch):
-        for n in range(num_heads):
-            keys = k[b, : lengths[b], n // group].astype(np.float64)
-            values = v[b, : lengths[b], n // group].astype(np.float64)
-            if not len(keys):
-                continue
-            logits = keys @ q[b, n].astype(np.float64)
-            probs = np.exp(logits - logits.max())
-            out[b, n] = probs / probs.sum() @ values
-    return out
 
 
 @pytest.mark.parametrize(
@@ -51,7 +34,7 @@ def test_decode_attention_equals_numpy_over_each_row_s_length(
     lengths = RNG.integers(0, keys + 1, size=batch).astype(np.int32)
     lengths[0] = keys  # One full row; the others may be empty.
     got = decode_attention(*map(jnp.asarray, (q, k, v, lengths)), block_keys=block, interpret=True)
-    np.testing.assert_allclose(np.asarray(got), _np_attention(q, k, v, lengths), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), kernel_check.decode_attention_reference(q, k, v, lengths), atol=1e-5)
 
 
 @pytest.mark.parametrize(

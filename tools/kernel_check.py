@@ -183,12 +183,14 @@ def check_rms_norm(tokens: int, hidden: int, *, sweep: bool) -> dict[str, Any]:
 
 
 def decode_attention_reference(q, k, v, lengths) -> np.ndarray:
-    """In float64, each head's softmax(q k^T) v over the first lengths[b] keys: q [B,N,H],
-    k/v [B,S,K,H], head n reading kv head n // (N / K)."""
+    """In float64, each head's softmax(q k^T) v over the first lengths[b] keys (zeros for a
+    row of none): q [B,N,H], k/v [B,S,K,H], head n reading kv head n // (N / K)."""
     q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
     group = q.shape[1] // k.shape[2]
     out = np.zeros(q.shape)
     for b, length in enumerate(np.asarray(lengths)):
+        if not length:
+            continue
         keys = np.repeat(k[b, :length], group, axis=1)  # [length, N, H]
         values = np.repeat(v[b, :length], group, axis=1)
         logits = np.einsum("nh,snh->ns", q[b], keys)

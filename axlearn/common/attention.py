@@ -934,7 +934,7 @@ class MultiheadAttention(BaseLayer):
             and cfg.atten_logit_cap is None
         ):
             lengths = jnp.minimum(q_index[:, 0] + 1, kv_lengths).astype(jnp.int32)
-            # Unconfigured, the step's own kernel (one launch, no padding of the query group).
+            # Unconfigured, our kernel where it applies (one launch, no key past the length).
             interpret = (
                 decode_attention_mode(q[:, 0], k) if cfg.attention_implementation is None else None
             )

@@ -25,7 +25,7 @@ _NUM_STAGES = 2
 # A Triton matmul takes at least 16 rows: the group of queries sharing a head is padded.
 _MIN_ROWS = 16
 # The most rows a step takes the kernel for: on an H200 at gpt_1b's heads it beats cuDNN's
-# at batch 1 (6.2 against 8.1 µs) and loses at batch 32 (10.6 against 10.0).
+# at batch 1 (6.3 against 8.0 µs) and loses at batch 32 (10.6 against 10.0).
 MAX_BATCH = 8
 
 
@@ -49,9 +49,7 @@ def decode_attention_mode(q: Tensor, k: Tensor) -> Optional[bool]:
     Pallas's Triton backend, on one device)."""
     if dispatch.several_devices() or not decode_attention_supported(q.shape, k.shape):
         return None
-    if dispatch.interpreting_everywhere():
-        return True
-    return False if dispatch.compiled_kernels_available() else None
+    return dispatch.interpret_flag()
 
 
 def decode_attention(

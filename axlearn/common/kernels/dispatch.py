@@ -35,11 +35,6 @@ def interpreted():
         _interpret_everywhere = before
 
 
-def interpreting_everywhere() -> bool:
-    """Whether the layers are within `interpreted()`."""
-    return _interpret_everywhere
-
-
 def several_devices() -> bool:
     """Whether the current mesh (`jax.set_mesh`) has more than one device."""
     return math.prod(current_mesh_axes().values()) > 1
@@ -70,7 +65,13 @@ def kernel_mode(
     block = local_shape(a.shape, spec)
     if block is None or not fits(block):
         return None
-    if interpreting_everywhere():
+    return interpret_flag()
+
+
+def interpret_flag() -> Optional[bool]:
+    """A kernel's `interpret` flag where its layer takes it: True within `interpreted()`,
+    False where it compiles (`compiled_kernels_available`), else None (plain XLA)."""
+    if _interpret_everywhere:
         return True
     return False if compiled_kernels_available() else None
 
