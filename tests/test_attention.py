@@ -656,20 +656,54 @@ def test_extend_step_matches_forward(kind):
     params = _randomize(params, scale=0.3)
     x = jnp.asarray(RNG.normal(size=(2, 7, 16)), jnp.float32)
     expected = _call(layer, params, data=x)
-    cache = _call(layer, params, method="init_states", batch_size=2, max_len=10)
-    # Prefill three tokens, then decode one at a time.
-    cache, prefill = _call(
-        layer, params, method="extend_step", cached_states=cache, data=x[:, :3],
-        time_step=jnp.zeros(2, jnp.int32),
+    outputs = _prefill_then_decode(layer, params, x, prefill=3, max_len=10)
+    np.testing.assert_allclose(outputs, expected, rtol=1e-5, atol=1e-5)
+
+
+def _prefill_then_decode(layer, params, x, *, prefill, max_len):
+    """The outputs [B,T,D] of extend_step over x [B,T,D]: its first `prefill` tokens in
+    one step, then one token a step."""
+    batch = x.shape[0]
+    cache = _call(layer, params, method="init_states", batch_size=batch, max_len=max_len)
+    cache, out = _call(
+        layer, params, method="extend_step", cached_states=cache, data=x[:, :prefill],
+        time_step=jnp.zeros(batch, jnp.int32),
     )
-    outputs = [prefill]
-    for t in range(3, 7):
+    outputs = [out]
+    for t in range(prefill, x.shape[1]):
         cache, out = _call(
             layer, params, method="extend_step", cached_states=cache, data=x[:, t : t + 1],
-            time_step=jnp.full(2, t, jnp.int32),
+            time_step=jnp.full(batch, t, jnp.int32),
         )
         outputs.append(out)
-    np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), expected, rtol=1e-5, atol=1e-5)
+    return jnp.concatenate(outputs, axis=1)
+
+
+def test_decoding_in_one_kernel_matches_forward(monkeypatch):
+    """Steps of one token through `decode_step_attention` (RoPE, cache write, attention)
+    and the RMSNorm forward kernel, interpreted, give the forward pass's outputs."""
+    from axlearn.common import layers  # pylint: disable=import-outside-toplevel
+    from axlearn.common.kernels import dispatch  # pylint: disable=import-outside-toplevel
+
+    # No QK-norm (the kernel takes a query scale alone); heads of 16, a cache of 16 keys.
+    cfg = _layer_config(qk_norm=False).set(input_dim=64)
+    layer, params = _build(cfg)
+    params = _randomize(params, scale=0.3)
+    x = jnp.asarray(RNG.normal(size=(2, 6, 64)), jnp.float32)
+    expected = _call(layer, params, data=x)
+    steps, norms = [], []
+    original_step, original_norm = attn.decode_step_attention, layers.rms_norm_forward
+    monkeypatch.setattr(
+        attn, "decode_step_attention", lambda *a, **k: steps.append(1) or original_step(*a, **k)
+    )
+    monkeypatch.setattr(
+        layers, "rms_norm_forward", lambda *a, **k: norms.append(1) or original_norm(*a, **k)
+    )
+    with dispatch.interpreted():
+        outputs = _prefill_then_decode(layer, params, x, prefill=2, max_len=16)
+    assert steps and norms  # Traced once (the steps share a jitted program).
+    # float32 throughout; the online softmax sums in another order than the einsum path.
+    _assert_trees_close(outputs, expected, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -45,6 +45,17 @@ def test_rms_norm_reference_is_the_vjp_of_the_residual_and_its_norms():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_rotated_reference_is_the_layers_rotation():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 3, 8)).astype(np.float32)
+    angles = rng.uniform(0, 6, size=(2, 4))
+    sin_cos = np.concatenate([np.sin(angles), np.cos(angles)], axis=-1).astype(np.float32)
+    # Rotating (x[i], x[i + 4]) by an angle: a complex product, written independently.
+    pairs = (x[..., :4] + 1j * x[..., 4:]) * np.exp(1j * angles)[:, None]
+    want = np.concatenate([pairs.real, pairs.imag], axis=-1)
+    np.testing.assert_allclose(kernel_check.rotated_reference(x, sin_cos), want, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_each_case_matches_the_reference_or_reports_why_it_failed(tmp_path):
     out = tmp_path / "kernels.json"
@@ -59,6 +70,7 @@ def test_each_case_matches_the_reference_or_reports_why_it_failed(tmp_path):
         "rms_norm 1 dy: xla", "rms_norm 1 dy: kernel",
         "rms_norm 2 dy: xla", "rms_norm 2 dy: kernel",
         "decode_attention xla", "decode_attention cudnn", "decode_attention kernel",
+        "decode_step xla", "decode_step kernel", "rms_norm forward xla", "rms_norm forward kernel",
     }
     for name, entry in cases.items():
         if name.endswith("xla"):

@@ -1,10 +1,12 @@
 r"""Checks the model's GPU kernels against XLA, for correctness and speed.
 
-The layers use three Pallas (Triton) kernels on GPU (`axlearn.common.kernels`): the
+The layers use five Pallas (Triton) kernels on GPU (`axlearn.common.kernels`): the
 gated MLP's backward (`gated_product_backward`, SwiGLU's two input cotangents in one
 pass), RMSNorm's (`rms_norm_backward`, the residual's and the norm's input gradient
-and the scale's gradient, for one or two consumers of the normalized input), and a
-decoding step's attention (`decode_attention`, against cuDNN's kernel too). Run this on
+and the scale's gradient, for one or two consumers of the normalized input), and for
+decoding RMSNorm's forward over a step's rows (`rms_norm_forward`), a step's attention
+(`decode_attention`, against cuDNN's kernel too) and the whole step's, rotation and cache
+write included (`decode_step_attention`, against XLA's rotation, writes and attention). Run this on
 new hardware, or after a jax or Triton upgrade, to see whether they still compile, still
 agree with a float64 reference as closely as XLA does, and still beat XLA; `--sweep`
 also times other block shapes and warp counts, to retune their defaults for a new card:
@@ -38,9 +40,10 @@ from absl import flags
 from axlearn.bench import gpu_time_ms, write_json
 from axlearn.common import layers
 from axlearn.common.command_flags import parse_command_flags
-from axlearn.common.kernels.decode_attention import decode_attention
+from axlearn.common.attention import apply_rotary_position_embeddings
+from axlearn.common.kernels.decode_attention import decode_attention, decode_step_attention
 from axlearn.common.kernels.gated_product import gated_product_backward
-from axlearn.common.kernels.rms_norm import rms_norm_backward
+from axlearn.common.kernels.rms_norm import rms_norm_backward, rms_norm_forward
 
 _EPS = 1e-5  # RMSNorm's epsilon in the GPT configs.
 
@@ -249,6 +252,79 @@ def check_decode_attention(
     return _time_cases(single, (q, k, v, lengths), want, min_bytes=min_bytes)
 
 
+def rotated_reference(x, sin_cos) -> np.ndarray:
+    """In float64, x [..., H] rotated by the angles of sin_cos [..., H] (sines first)
+    broadcast over its heads: pairs (x[i], x[i + H/2]), as the layers rotate."""
+    x, sin_cos = np.asarray(x, np.float64), np.asarray(sin_cos, np.float64)
+    half = x.shape[-1] // 2
+    sin, cos = sin_cos[..., None, :half], sin_cos[..., None, half:]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _xla_decode_step(qkv, key_cache, value_cache, steps, sin_cos, *, heads, scale):
+    """What a layer emits without the step kernel: slices of the fused projection, the
+    rotation, two cache writes, the einsum attention."""
+    kv_heads = key_cache.shape[2]
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    q = apply_rotary_position_embeddings(q[:, None], sin_cos[:, None])[:, 0]
+    k = apply_rotary_position_embeddings(k[:, None], sin_cos[:, None])
+    write = jax.vmap(lambda c, n, t: jax.lax.dynamic_update_slice(c, n, (t, 0, 0)))
+    key_cache, value_cache = write(key_cache, k, steps), write(value_cache, v[:, None], steps)
+    q = q * jnp.asarray(scale, q.dtype)
+    return _xla_decode_attention(q, key_cache, value_cache, steps + 1)
+
+
+def check_decode_step(
+    batch: int, heads: int, kv_heads: int, head_dim: int, cache: int, length: int
+) -> dict[str, Any]:
+    """XLA's and the kernel's whole decoding step (rotation, cache write, attention) of one
+    bf16 token a row at position `length` - 1 of a cache of `cache` keys."""
+    rng = np.random.default_rng(0)
+    qkv = jnp.asarray(rng.normal(size=(batch, heads + 2 * kv_heads, head_dim)), jnp.bfloat16)
+    key_cache, value_cache = (
+        jnp.asarray(rng.normal(size=(batch, cache, kv_heads, head_dim)), jnp.bfloat16)
+        for _ in range(2)
+    )
+    steps = jnp.full((batch,), length - 1, jnp.int32)
+    angles = rng.uniform(0, 2 * np.pi, size=(batch, head_dim // 2))
+    sin_cos = jnp.asarray(np.concatenate([np.sin(angles), np.cos(angles)], axis=-1), jnp.float32)
+    scale = head_dim**-0.5
+    cases = {
+        "decode_step xla": jax.jit(
+            functools.partial(_xla_decode_step, heads=heads, scale=scale)
+        ),
+        "decode_step kernel": jax.jit(
+            lambda *t: decode_step_attention(*t, num_heads=heads, query_scale=scale)[0]
+        ),
+    }
+    q = rotated_reference(np.asarray(qkv[:, :heads]), sin_cos) * scale
+    k = rotated_reference(np.asarray(qkv[:, heads : heads + kv_heads]), sin_cos)
+    keys, values = np.array(key_cache, np.float64), np.array(value_cache, np.float64)
+    keys[:, length - 1], values[:, length - 1] = k, np.asarray(qkv[:, heads + kv_heads :])
+    want = [decode_attention_reference(q, keys, values, np.asarray(steps) + 1)]
+    single = {name: (lambda *t, fn=fn: [fn(*t)]) for name, fn in cases.items()}
+    min_bytes = 2 * qkv.nbytes + 2 * batch * length * kv_heads * head_dim * 2
+    inputs = (qkv, key_cache, value_cache, steps, sin_cos)
+    return _time_cases(single, inputs, want, min_bytes=min_bytes)
+
+
+def check_rms_norm_forward(batch: int, hidden: int) -> dict[str, Any]:
+    """XLA's and the kernel's RMSNorm forward (float32 inside) of a decoding step's
+    [batch, hidden] bf16 rows."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(batch, hidden)), jnp.bfloat16)
+    scale = jnp.asarray(1 + 0.1 * rng.normal(size=(hidden,)), jnp.bfloat16)
+    cases = {
+        # pylint: disable-next=protected-access
+        "rms_norm forward xla": jax.jit(lambda x_, s: [layers._rms_norm(x_, s, _EPS, jnp.float32)]),
+        "rms_norm forward kernel": jax.jit(lambda x_, s: [rms_norm_forward(x_, s, eps=_EPS)]),
+    }
+    x64, scale64 = np.asarray(x, np.float64), np.asarray(scale, np.float64)
+    want = [x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + _EPS) * scale64]
+    return _time_cases(cases, (x, scale), want, min_bytes=2 * x.nbytes)
+
+
 def define_flags(flag_values: flags.FlagValues) -> None:
     """The check's flags."""
     fv = dict(flag_values=flag_values)
@@ -280,6 +356,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             args.length, sweep=args.sweep,
         )
     )
+    results.update(
+        check_decode_step(
+            args.decode_batch, args.heads, args.kv_heads, args.head_dim, args.cache, args.length
+        )
+    )
+    results.update(check_rms_norm_forward(args.decode_batch, args.hidden))
     write_json(args.json_out, results)
     return results
 

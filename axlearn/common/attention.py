@@ -52,7 +52,12 @@ from axlearn.common.config import (
     register_configurable,
 )
 from axlearn.common.fp8 import Fp8Matmul
-from axlearn.common.kernels.decode_attention import decode_attention, decode_attention_mode
+from axlearn.common.kernels.decode_attention import (
+    decode_attention,
+    decode_attention_mode,
+    decode_step_attention,
+    decode_step_mode,
+)
 from axlearn.common.kv_cache.kv_cache import KVCache
 from axlearn.common.layers import (
     Dropout,
@@ -209,6 +214,11 @@ class BaseQKVLinear(BaseLayer):
     def cache_dtype(self) -> Optional[jnp.dtype]:
         return self._config.cache_dtype
 
+    def joined_unrotated(self, query: Tensor) -> Tensor:
+        """Self-attention's projections of query [B,T,D] before any rotary embedding,
+        joined along heads: [B, T, N + 2K, H], query heads then key then value heads."""
+        return jnp.concatenate(self(query), axis=2)
+
     def _kv_inputs(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor]):
         if (key is None) != (value is None):
             raise ValueError(f"{self.path()}: give both key and value, or neither")
@@ -336,6 +346,10 @@ class FusedGroupedQKVLinear(BaseQKVLinear):
             raise ValueError(f"{self.path()}: a fused projection supports self-attention only")
         n, k = self._config.num_heads, self.num_kv_heads
         return QKV(*split_heads(self.qkv_proj(query), (n, k, k)))
+
+    def joined_unrotated(self, query: Tensor) -> Tensor:
+        """The projection's output itself (see `BaseQKVLinear.joined_unrotated`)."""
+        return self.qkv_proj(query)
 
 
 @jax.custom_vjp
@@ -640,6 +654,15 @@ class RoFormerQKVLinear(_WrappedQKVLinear):
             v = apply_rotary_position_embeddings(v, k_emb)
         return QKV(q, k, v)
 
+    def joined_unrotated(self, query: Tensor) -> Tensor:
+        """The wrapped projection's, which rotates nothing (see
+        `BaseQKVLinear.joined_unrotated`)."""
+        return self.i_proj.joined_unrotated(query)
+
+    def angles(self, positions: Tensor) -> Tensor:
+        """The rotary angles at positions [B,T]: sin_cos [B,T,H], sines first."""
+        return self.rope_pos_emb_layer(positions)
+
 
 class QKNormQKVLinear(_WrappedQKVLinear):
     """Any QKV projection (child `i_proj`) whose query and key heads are then normalized
@@ -721,6 +744,15 @@ class BaseScaleQK(BaseLayer):
     def _default_scale(self) -> float:
         raise NotImplementedError(type(self))
 
+    @property
+    def constant_scale(self) -> Optional[float]:
+        """The factor, where the processing is a constant multiply alone (no norm, no
+        learned scale); else None."""
+        cfg = self._config
+        if cfg.norm is not None or cfg.per_dim_scale is not None:
+            return None
+        return cfg.scale_factor if cfg.scale_factor is not None else self._default_scale()
+
     def forward(self, proj: Tensor) -> Tensor:
         cfg = self.config
         if cfg.norm is not None:
@@ -751,6 +783,8 @@ class ScaleKey(BaseScaleQK):
 # ----- attention -----
 
 _IMPLEMENTATIONS = (None, "xla", "cudnn")
+# Self-attention projections that take no positions (nothing to rotate).
+_POSITIONLESS_PROJECTIONS = (QKVLinear, FusedGroupedQKVLinear, FusedQKVLinear)
 
 
 class MultiheadAttention(BaseLayer):
@@ -783,7 +817,8 @@ class MultiheadAttention(BaseLayer):
         # a [B,1,T,S] mask (the public API has no packed-segment mode); decoding
         # (extend_step) uses it one token at a time, the XLA path for longer steps. None
         # decodes a token through `kernels.decode_attention` where it applies (GPU, small
-        # batches), cuDNN elsewhere.
+        # batches, short caches): the whole step (RoPE, cache write, attention) in one
+        # kernel where the layer allows it (`_decodes_in_one_kernel`), cuDNN elsewhere.
         attention_implementation: Optional[str] = None
         # The key/value cache for decoding (child `kv_cache`); None: a default KVCache.
         kv_cache: Optional[BaseLayer.Config] = None
@@ -1045,8 +1080,10 @@ class MultiheadAttention(BaseLayer):
         keeps time_step + S <= max_len). Returns (new cache, outputs [B,S,output_dim]).
         attention_logit_biases [B,1|N,S,max_len]: added to the logits against the cache.
         """
-        steps = query.shape[1]
         time_step = time_step.astype(jnp.int32)
+        if attention_logit_biases is None and self._decodes_in_one_kernel(cached_states, query):
+            return self._decode_in_one_kernel(cached_states, query, time_step)
+        steps = query.shape[1]
         q_index = time_step[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
         q, k, v = self._project(query, key=None, value=None, query_positions=q_index)
         new_states, cached = self.kv_cache.extend_step(
@@ -1057,6 +1094,49 @@ class MultiheadAttention(BaseLayer):
             kv_lengths=cached.kv_lengths, logit_biases=attention_logit_biases,
         )
         return new_states, self._output(context)
+
+    def _decodes_in_one_kernel(self, cached_states: dict[str, Tensor], query: Tensor) -> bool:
+        """Whether a step of one token a row runs as `decode_step_attention` (rotation, cache
+        write and attention in one kernel): unconfigured attention, causal, uncapped, with
+        the plain KVCache and a query scale alone, over a rotary projection that leaves
+        values unrotated or one that takes no positions, where the kernel applies."""
+        cfg = self._config
+        proj = self.i_proj
+        rotary = isinstance(proj, RoFormerQKVLinear)
+        if (
+            query.shape[1] != 1
+            or not cfg.causal
+            or cfg.atten_logit_cap is not None
+            or cfg.attention_implementation is not None
+            or type(self.kv_cache) is not KVCache  # pylint: disable=unidiomatic-typecheck
+            or self.scale_query.constant_scale is None
+            or self.scale_key.constant_scale != 1.0
+            or (rotary and proj.config.rotary_value)
+            or not (rotary or isinstance(proj, _POSITIONLESS_PROJECTIONS))
+        ):
+            return False
+        key_cache = cached_states["key"]
+        q_shape = (query.shape[0], cfg.num_heads, self._per_head_dim)
+        return (
+            key_cache.dtype == cached_states["value"].dtype == query.dtype
+            and decode_step_mode(q_shape, key_cache) is not None
+        )
+
+    def _decode_in_one_kernel(
+        self, cached_states: dict[str, Tensor], query: Tensor, time_step: Tensor
+    ) -> tuple[dict[str, Tensor], Tensor]:
+        sin_cos = None
+        if isinstance(self.i_proj, RoFormerQKVLinear):
+            sin_cos = self.i_proj.angles(time_step[:, None])[:, 0]
+        qkv = self.i_proj.joined_unrotated(query)[:, 0]
+        key_cache, value_cache = cached_states["key"], cached_states["value"]
+        q_shape = (query.shape[0], self._config.num_heads, self._per_head_dim)
+        context, key, value = decode_step_attention(
+            qkv, key_cache, value_cache, time_step, sin_cos, num_heads=q_shape[1],
+            query_scale=self.scale_query.constant_scale,
+            interpret=decode_step_mode(q_shape, key_cache),
+        )
+        return dict(key=key, value=value), self._output(context[:, None])
 
 
 class GroupedQueryAttention(MultiheadAttention):
@@ -1145,7 +1225,9 @@ class TransformerAttentionLayer(BaseLayer):
             y = self.postnorm(attend(normed))
         else:
             y = attend(target)
-        y = residual_add(target, self.stochastic_depth(self.dropout(y)))
+        y = residual_add(
+            target, self.stochastic_depth(self.dropout(y)), is_training=self.is_training
+        )
         return self.norm(y) if structure == "postnorm" else y
 
     def forward(
@@ -1329,7 +1411,7 @@ class TransformerFeedForwardLayer(BaseLayer):
         y = self.stochastic_depth(self.dropout2(y))
         if cfg.residual_weight != 1.0:
             y = y * cfg.residual_weight
-        y = residual_add(inputs, y)
+        y = residual_add(inputs, y, is_training=self.is_training)
         return self.norm(y) if cfg.structure == "postnorm" else y
 
 

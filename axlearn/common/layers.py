@@ -25,12 +25,17 @@ from axlearn.common.base_layer import (
 )
 from axlearn.common.config import REQUIRED, ConfigError, Required, config_class
 from axlearn.common.fp8 import Fp8Matmul
-from axlearn.common.kernels.dispatch import kernel_mode
+from axlearn.common.kernels.dispatch import interpret_flag, kernel_mode, several_devices
 from axlearn.common.kernels.gated_product import (
     gated_product_supported,
     sharded_gated_product_backward,
 )
-from axlearn.common.kernels.rms_norm import rms_norm_supported, sharded_rms_norm_backward
+from axlearn.common.kernels.rms_norm import (
+    rms_norm_forward,
+    rms_norm_forward_supported,
+    rms_norm_supported,
+    sharded_rms_norm_backward,
+)
 from axlearn.common.module import Tensor
 from axlearn.common.param_init import FanAxes, constant_initializer
 from axlearn.common.sharding import maybe_shard
@@ -122,15 +127,16 @@ def gated_product_cotangents(
 gated_product.defvjp(_gated_product_fwd, _gated_product_bwd)
 
 
-def residual_add(x: Tensor, branch: Tensor) -> Tensor:
-    """x + branch, with the branch kept out of its producer's matmul.
+def residual_add(x: Tensor, branch: Tensor, *, is_training: bool) -> Tensor:
+    """x + branch; in training, with the branch kept out of its producer's matmul.
 
     Left alone, XLA folds the add into the cuBLAS call that computes the branch (C = x,
     beta = 1) and writes the sum over x's buffer; x is still needed for the backward
     pass, so it first copies x: one extra read and write of the residual stream per
-    residual.
+    residual. Without a backward pass (decoding) the add may join the branch's last
+    kernel, one launch fewer a residual.
     """
-    return x + jax.lax.optimization_barrier(branch)
+    return x + (jax.lax.optimization_barrier(branch) if is_training else branch)
 
 
 # ----- linear maps -----
@@ -381,8 +387,24 @@ class RMSNorm(BaseNormalizationLayer):
     def forward(self, x: Tensor) -> Tensor:
         cfg = self.config
         x = self._shard_input(x)
-        y = _rms_norm(x, self.parameters["scale"], cfg.eps, cfg.forward_dtype)
+        interpret = self._forward_kernel_mode(x)
+        if interpret is not None:
+            y = rms_norm_forward(x, self.parameters["scale"], eps=cfg.eps, interpret=interpret)
+        else:
+            y = _rms_norm(x, self.parameters["scale"], cfg.eps, cfg.forward_dtype)
         return self._shard_output(y)
+
+    def _forward_kernel_mode(self, x: Tensor) -> Optional[bool]:
+        """The `interpret` flag of `rms_norm_forward` where a forward pass takes it (outside
+        training, a decoding step's few rows in float32 on one device), else None."""
+        if (
+            self.is_training
+            or jnp.dtype(self.config.forward_dtype or x.dtype) != jnp.float32
+            or several_devices()
+            or not rms_norm_forward_supported(x.shape)
+        ):
+            return None
+        return interpret_flag()
 
     def residual_and_norm(
         self, x: Tensor, *, partition_spec: Optional[MeshAxes] = None, consumers: int = 1
@@ -395,6 +417,8 @@ class RMSNorm(BaseNormalizationLayer):
             return block[-1] == x.shape[-1] and rms_norm_supported(block)
 
         x = self._shard_input(x)
+        if self._forward_kernel_mode(x) is not None:  # Decoding: nothing to differentiate.
+            return (x,) + (self.forward(x),) * consumers
         interpret = kernel_mode(x, partition_spec, fits=whole_rows)
         scale = self.parameters["scale"]
         if interpret is None:

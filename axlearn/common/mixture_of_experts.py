@@ -470,7 +470,7 @@ class BaseTransformerFeedForwardMoE(BaseLayer):
             y = y * cfg.residual_weight
         if cfg.structure == "nonorm":
             return y
-        y = residual_add(inputs, y)
+        y = residual_add(inputs, y, is_training=self.is_training)
         return self.norm(y) if cfg.structure == "postnorm" else y
 
     def _router_logits(self, x: Tensor) -> Tensor:

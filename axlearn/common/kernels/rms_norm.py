@@ -1,10 +1,14 @@
-"""The backward pass of a pre-norm block's RMSNorm as one Pallas kernel.
+"""A pre-norm block's RMSNorm as Pallas kernels: its backward pass, and its forward pass
+over the few rows of a decoding step.
 
 An RMSNorm's backward needs a sum over each row before any of the row's outputs, which
 XLA emits as a reduction pass and an elementwise pass that read the row twice. This
 kernel holds whole rows and reads each input once, summing the cotangents of the norm's
 consumers and of the block's residual in the same pass. `layers.RMSNorm.residual_and_norm`
 takes it where `dispatch.kernel_mode` says so.
+
+At a decoding step's few rows the forward pass costs launches, not bytes: XLA emits a
+reduction and then the scaling, two kernels, where `rms_norm_forward` is one.
 """
 
 import math
@@ -27,6 +31,10 @@ _NORM_PROGRAM_ELEMENTS = 131072
 _NORM_NUM_WARPS = 8
 # The widest row a program holds: a few [rows, hidden] float32 tiles in registers.
 _NORM_MAX_HIDDEN = 8192
+# The most rows `rms_norm_forward` takes (a decoding step's batch), one program a row, and
+# its warps.
+FORWARD_MAX_ROWS = 8
+_FORWARD_NUM_WARPS = 4
 
 
 def _norm_rows(hidden: int) -> tuple[int, int]:
@@ -154,3 +162,49 @@ def rms_norm_backward(
         name="rms_norm_backward",
     )(x, scale, dresidual, *dys)
     return dx, jnp.sum(partial, axis=0).astype(scale.dtype)
+
+
+def rms_norm_forward_supported(shape: Sequence[int]) -> bool:
+    """Whether `rms_norm_forward` takes an array of `shape` ([..., hidden]): at most
+    `FORWARD_MAX_ROWS` rows of a power of two up to `_NORM_MAX_HIDDEN`."""
+    hidden = shape[-1]
+    return (
+        math.prod(shape[:-1]) <= FORWARD_MAX_ROWS
+        and hidden & (hidden - 1) == 0
+        and hidden <= _NORM_MAX_HIDDEN
+    )
+
+
+def rms_norm_forward(
+    x: Tensor,
+    scale: Tensor,
+    *,
+    eps: float,
+    num_warps: int = _FORWARD_NUM_WARPS,
+    interpret: bool = False,
+) -> Tensor:
+    """x * rsqrt(mean(x^2) + eps) * scale over the last axis of x [..., hidden], one
+    program a row, in float32 (as `layers.RMSNorm` with its default forward_dtype), in
+    x's dtype."""
+    from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+
+    flat = rows(x)
+    num_rows, hidden = flat.shape
+
+    def kernel(x_ref, scale_ref, y_ref):
+        y = x_ref[...].astype(jnp.float32)
+        y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=1, keepdims=True) + eps)
+        y_ref[...] = (y * scale_ref[...].astype(jnp.float32)).astype(y_ref.dtype)
+
+    row = pl.BlockSpec((1, hidden), lambda i: (i, 0))
+    y = pl.pallas_call(
+        kernel,
+        grid=(num_rows,),
+        in_specs=[row, pl.BlockSpec((1, hidden), lambda i: (0, 0))],
+        out_specs=row,
+        out_shape=jax.ShapeDtypeStruct(flat.shape, x.dtype),
+        compiler_params=compiler_params(num_warps, interpret),
+        interpret=interpret,
+        name="rms_norm_forward",
+    )(flat, scale.reshape(1, hidden))
+    return y.reshape(x.shape)
