@@ -818,7 +818,7 @@ class MultiheadAttention(BaseLayer):
         # (extend_step) uses it one token at a time, the XLA path for longer steps. None
         # decodes a token through `kernels.decode_attention` where it applies (GPU, small
         # batches, short caches): the whole step (RoPE, cache write, attention) in one
-        # kernel where the layer allows it (`_decodes_in_one_kernel`), cuDNN elsewhere.
+        # kernel where the layer allows it (`_one_kernel_mode`), cuDNN elsewhere.
         attention_implementation: Optional[str] = None
         # The key/value cache for decoding (child `kv_cache`); None: a default KVCache.
         kv_cache: Optional[BaseLayer.Config] = None
@@ -1081,8 +1081,9 @@ class MultiheadAttention(BaseLayer):
         attention_logit_biases [B,1|N,S,max_len]: added to the logits against the cache.
         """
         time_step = time_step.astype(jnp.int32)
-        if attention_logit_biases is None and self._decodes_in_one_kernel(cached_states, query):
-            return self._decode_in_one_kernel(cached_states, query, time_step)
+        interpret = self._one_kernel_mode(cached_states, query, attention_logit_biases)
+        if interpret is not None:
+            return self._decode_in_one_kernel(cached_states, query, time_step, interpret)
         steps = query.shape[1]
         q_index = time_step[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
         q, k, v = self._project(query, key=None, value=None, query_positions=q_index)
@@ -1095,16 +1096,20 @@ class MultiheadAttention(BaseLayer):
         )
         return new_states, self._output(context)
 
-    def _decodes_in_one_kernel(self, cached_states: dict[str, Tensor], query: Tensor) -> bool:
-        """Whether a step of one token a row runs as `decode_step_attention` (rotation, cache
-        write and attention in one kernel): unconfigured attention, causal, uncapped, with
-        the plain KVCache and a query scale alone, over a rotary projection that leaves
-        values unrotated or one that takes no positions, where the kernel applies."""
+    def _one_kernel_mode(
+        self, cached_states: dict[str, Tensor], query: Tensor, logit_biases: Optional[Tensor]
+    ) -> Optional[bool]:
+        """The `interpret` flag of `decode_step_attention` (rotation, cache write and
+        attention in one kernel) where a step of one token a row takes it, else None: no
+        logit biases, unconfigured attention, causal, uncapped, with the plain KVCache and a
+        query scale alone, over a rotary projection that leaves values unrotated or one
+        that takes no positions, where the kernel applies."""
         cfg = self._config
         proj = self.i_proj
         rotary = isinstance(proj, RoFormerQKVLinear)
         if (
-            query.shape[1] != 1
+            logit_biases is not None
+            or query.shape[1] != 1
             or not cfg.causal
             or cfg.atten_logit_cap is not None
             or cfg.attention_implementation is not None
@@ -1114,27 +1119,24 @@ class MultiheadAttention(BaseLayer):
             or (rotary and proj.config.rotary_value)
             or not (rotary or isinstance(proj, _POSITIONLESS_PROJECTIONS))
         ):
-            return False
+            return None
         key_cache = cached_states["key"]
+        if not key_cache.dtype == cached_states["value"].dtype == query.dtype:
+            return None
         q_shape = (query.shape[0], cfg.num_heads, self._per_head_dim)
-        return (
-            key_cache.dtype == cached_states["value"].dtype == query.dtype
-            and decode_step_mode(q_shape, key_cache) is not None
-        )
+        return decode_step_mode(q_shape, key_cache)
 
     def _decode_in_one_kernel(
-        self, cached_states: dict[str, Tensor], query: Tensor, time_step: Tensor
+        self, cached_states: dict[str, Tensor], query: Tensor, time_step: Tensor, interpret: bool
     ) -> tuple[dict[str, Tensor], Tensor]:
         sin_cos = None
         if isinstance(self.i_proj, RoFormerQKVLinear):
             sin_cos = self.i_proj.angles(time_step[:, None])[:, 0]
         qkv = self.i_proj.joined_unrotated(query)[:, 0]
-        key_cache, value_cache = cached_states["key"], cached_states["value"]
-        q_shape = (query.shape[0], self._config.num_heads, self._per_head_dim)
         context, key, value = decode_step_attention(
-            qkv, key_cache, value_cache, time_step, sin_cos, num_heads=q_shape[1],
-            query_scale=self.scale_query.constant_scale,
-            interpret=decode_step_mode(q_shape, key_cache),
+            qkv, cached_states["key"], cached_states["value"], time_step, sin_cos,
+            num_heads=self._config.num_heads, query_scale=self.scale_query.constant_scale,
+            interpret=interpret,
         )
         return dict(key=key, value=value), self._output(context[:, None])
 

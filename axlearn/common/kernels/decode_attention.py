@@ -103,7 +103,7 @@ def decode_attention(
     num_keys, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     rows = max(_MIN_ROWS, 1 << (group - 1).bit_length())
-    block = min(block_keys, 1 << (num_keys.bit_length() - 1))
+    block = _keys_a_block(block_keys, num_keys)
     queries = q.reshape(batch, num_kv_heads, group, head_dim)
     if rows != group:
         queries = jnp.pad(queries, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
@@ -135,6 +135,12 @@ def decode_attention(
         interpret=interpret,
     )(lengths.astype(jnp.int32), queries, k.astype(q.dtype), v.astype(q.dtype))
     return out[:, :, :group].reshape(batch, num_heads, head_dim)
+
+
+def _keys_a_block(block_keys: int, num_keys: int) -> int:
+    """The keys a program reads at a time: `block_keys`, or the largest power of two in a
+    shorter cache."""
+    return min(block_keys, 1 << (num_keys.bit_length() - 1))
 
 
 def _key_block(i: Tensor, block: int, num_keys: int, length: Tensor) -> tuple[Any, Tensor]:
@@ -182,6 +188,15 @@ def _masked_load(interpret: bool):
     return lambda ref, mask: triton.load(ref, mask=mask, other=0)
 
 
+@functools.cache
+def _masked_store(interpret: bool):
+    """ref, value, mask -> writes value where mask is True and nothing elsewhere."""
+    if interpret:
+        return lambda ref, value, mask: ref.__setitem__(..., jnp.where(mask, value, ref[...]))
+    triton = dispatch.pallas_triton()
+    return lambda ref, value, mask: triton.store(ref, value, mask=mask)
+
+
 def decode_step_attention(
     qkv: Tensor,
     key_cache: Tensor,
@@ -213,7 +228,7 @@ def decode_step_attention(
     batch, _, head_dim = qkv.shape
     num_keys, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group, half = num_heads // num_kv_heads, head_dim // 2
-    block = min(block_keys, 1 << (num_keys.bit_length() - 1))
+    block = _keys_a_block(block_keys, num_keys)
     # A head's group of queries is a window of _MIN_ROWS rows (the matmul's least), masked
     # to the group; the rows are padded to at least that many.
     rows_total = max(qkv.shape[1], _MIN_ROWS)
@@ -294,12 +309,3 @@ def decode_step_attention(
         interpret=interpret,
     )(time_step.astype(jnp.int32), sin_cos.astype(jnp.float32), qkv, key_cache, value_cache)
     return context[:, :num_heads], key_cache, value_cache
-
-
-@functools.cache
-def _masked_store(interpret: bool):
-    """ref, value, mask -> writes value where mask is True and nothing elsewhere."""
-    if interpret:
-        return lambda ref, value, mask: ref.__setitem__(..., jnp.where(mask, value, ref[...]))
-    triton = dispatch.pallas_triton()
-    return lambda ref, value, mask: triton.store(ref, value, mask=mask)

@@ -43,15 +43,15 @@ def _norm_rows(hidden: int) -> tuple[int, int]:
     return block_rows, max(block_rows, _NORM_PROGRAM_ELEMENTS // hidden)
 
 
+def _holds_rows_of(hidden: int) -> bool:
+    """Whether a program can hold rows of `hidden`: a power of two up to `_NORM_MAX_HIDDEN`."""
+    return hidden & (hidden - 1) == 0 and hidden <= _NORM_MAX_HIDDEN
+
+
 def rms_norm_supported(shape: Sequence[int]) -> bool:
     """Whether the norm kernel takes an array of `shape` ([..., hidden]) whole rows at a time."""
     hidden, num_rows = shape[-1], math.prod(shape[:-1])
-    return (
-        len(shape) >= 2
-        and hidden & (hidden - 1) == 0
-        and hidden <= _NORM_MAX_HIDDEN
-        and num_rows % _norm_rows(hidden)[0] == 0
-    )
+    return len(shape) >= 2 and _holds_rows_of(hidden) and num_rows % _norm_rows(hidden)[0] == 0
 
 
 def sharded_rms_norm_backward(
@@ -167,12 +167,7 @@ def rms_norm_backward(
 def rms_norm_forward_supported(shape: Sequence[int]) -> bool:
     """Whether `rms_norm_forward` takes an array of `shape` ([..., hidden]): at most
     `FORWARD_MAX_ROWS` rows of a power of two up to `_NORM_MAX_HIDDEN`."""
-    hidden = shape[-1]
-    return (
-        math.prod(shape[:-1]) <= FORWARD_MAX_ROWS
-        and hidden & (hidden - 1) == 0
-        and hidden <= _NORM_MAX_HIDDEN
-    )
+    return math.prod(shape[:-1]) <= FORWARD_MAX_ROWS and _holds_rows_of(shape[-1])
 
 
 def rms_norm_forward(
