@@ -679,29 +679,41 @@ def _prefill_then_decode(layer, params, x, *, prefill, max_len):
     return jnp.concatenate(outputs, axis=1)
 
 
-def test_decoding_in_one_kernel_matches_forward(monkeypatch):
-    """Steps of one token through `decode_step_attention` (RoPE, cache write, attention)
-    and the RMSNorm forward kernel, interpreted, give the forward pass's outputs."""
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_decoding_in_one_kernel_matches_forward(monkeypatch, qkv_bias):
+    """Steps of one token through `decode_step_attention` (RoPE, cache write, attention),
+    interpreted, give the forward pass's outputs; each prenorm RMSNorm is left unfinished
+    to the step kernel and the activations, but where the QKV projection has a bias
+    (its outputs then do not scale with its input): there the norm is its own kernel."""
     from axlearn.common import layers  # pylint: disable=import-outside-toplevel
     from axlearn.common.kernels import dispatch  # pylint: disable=import-outside-toplevel
 
     # No QK-norm (the kernel takes a query scale alone); heads of 16, a cache of 16 keys.
     cfg = _layer_config(qk_norm=False).set(input_dim=64)
+    cfg.self_attention.attention.input_linear.input_linear.layer.bias = qkv_bias
     layer, params = _build(cfg)
     params = _randomize(params, scale=0.3)
     x = jnp.asarray(RNG.normal(size=(2, 6, 64)), jnp.float32)
     expected = _call(layer, params, data=x)
-    steps, norms = [], []
+    steps, norms = [], []  # Whether each step finished a norm; each norm kernel's input.
     original_step, original_norm = attn.decode_step_attention, layers.rms_norm_forward
-    monkeypatch.setattr(
-        attn, "decode_step_attention", lambda *a, **k: steps.append(1) or original_step(*a, **k)
-    )
-    monkeypatch.setattr(
-        layers, "rms_norm_forward", lambda *a, **k: norms.append(1) or original_norm(*a, **k)
-    )
+
+    def step(*args, **kwargs):
+        steps.append(args[5] is not None)  # The sixth argument: norm_input.
+        return original_step(*args, **kwargs)
+
+    def norm(x, *args, **kwargs):
+        norms.append(x.shape)
+        return original_norm(x, *args, **kwargs)
+
+    monkeypatch.setattr(attn, "decode_step_attention", step)
+    monkeypatch.setattr(layers, "rms_norm_forward", norm)
     with dispatch.interpreted():
         outputs = _prefill_then_decode(layer, params, x, prefill=2, max_len=16)
-    assert steps and norms  # Traced once (the steps share a jitted program).
+    # Traced once (the steps share a jitted program). The prefill's attention norms its
+    # 2 x 2 rows in the kernel, the activations finish the feed-forward's norms.
+    assert steps == [not qkv_bias]
+    assert norms == [(2, 2, 64)] + [(2, 1, 64)] * qkv_bias
     # float32 throughout; the online softmax sums in another order than the einsum path.
     _assert_trees_close(outputs, expected, rtol=1e-5)
 

@@ -78,11 +78,19 @@ def _rotate_halves(x, sin, cos):
         (2, 64, 4, 4, 16, 16, True),  # Multi-head (groups of one).
     ],
 )
+@pytest.mark.parametrize("unfinished_norm", [False, True])
 def test_decode_step_attention_equals_numpy_and_writes_only_the_token_s_cache_row(
-    batch, keys, kv_heads, heads, head_dim, block, rotary
+    batch, keys, kv_heads, heads, head_dim, block, rotary, unfinished_norm
 ):
     q = RNG.normal(size=(batch, heads, head_dim)).astype(np.float32)
     k, v = (RNG.normal(size=(batch, kv_heads, head_dim)).astype(np.float32) for _ in "kv")
+    projected = np.concatenate([q, k, v], axis=1)
+    norm_args, eps = [], 1e-5
+    if unfinished_norm:  # The projections of x * scale: the kernel divides them by rms(x).
+        x = RNG.normal(size=(batch, 256)).astype(np.float32) * 3
+        inverse_rms = 1 / np.sqrt(np.mean(np.float64(x) ** 2, axis=-1) + eps)
+        q, k, v = (t * inverse_rms[:, None, None] for t in (q, k, v))
+        norm_args = [jnp.asarray(x)]
     caches = [RNG.normal(size=(batch, keys, kv_heads, head_dim)).astype(np.float32) for _ in "kv"]
     steps = RNG.integers(0, keys, size=batch).astype(np.int32)
     steps[0] = keys - 1  # One row at the cache's last slot, one maybe at its first.
@@ -90,9 +98,9 @@ def test_decode_step_attention_equals_numpy_and_writes_only_the_token_s_cache_ro
     sin_cos = np.concatenate([np.sin(angles), np.cos(angles)], axis=-1).astype(np.float32)
     scale = 0.25
     context, key_cache, value_cache = decode_step_attention(
-        jnp.asarray(np.concatenate([q, k, v], axis=1)), *map(jnp.asarray, caches),
-        jnp.asarray(steps), jnp.asarray(sin_cos) if rotary else None, num_heads=heads,
-        query_scale=scale, block_keys=block, interpret=True,
+        jnp.asarray(projected), *map(jnp.asarray, caches), jnp.asarray(steps),
+        jnp.asarray(sin_cos) if rotary else None, *norm_args, num_heads=heads,
+        query_scale=scale, norm_eps=eps, block_keys=block, interpret=True,
     )
     sin, cos = (sin_cos[:, None, : head_dim // 2], sin_cos[:, None, head_dim // 2 :])
     if rotary:
@@ -101,7 +109,10 @@ def test_decode_step_attention_equals_numpy_and_writes_only_the_token_s_cache_ro
     for b, t in enumerate(steps):
         expected_k[b, t], expected_v[b, t] = k[b], v[b]
     np.testing.assert_allclose(np.asarray(key_cache), expected_k, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(value_cache), expected_v)
+    if unfinished_norm:  # Scaled in float32 here, in float64 by NumPy.
+        np.testing.assert_allclose(np.asarray(value_cache), expected_v, rtol=1e-6)
+    else:
+        np.testing.assert_array_equal(np.asarray(value_cache), expected_v)
     expected = kernel_check.decode_attention_reference(q * scale, expected_k, expected_v, steps + 1)
     np.testing.assert_allclose(np.asarray(context), expected, atol=1e-5)
 

@@ -63,9 +63,11 @@ from axlearn.common.layers import (
     Dropout,
     LayerNorm,
     Linear,
+    RMSNorm,
     StochasticDepth,
     gated_product,
     get_activation_fn,
+    inverse_rms,
     residual_add,
     rms,
 )
@@ -214,6 +216,12 @@ class BaseQKVLinear(BaseLayer):
     def cache_dtype(self) -> Optional[jnp.dtype]:
         return self._config.cache_dtype
 
+    @property
+    def scales_with_input(self) -> bool:
+        """Whether multiplying a row of the input by c multiplies that row's
+        `joined_unrotated` projections by c (matmuls alone: no bias, no FP8 scaling)."""
+        return False
+
     def joined_unrotated(self, query: Tensor) -> Tensor:
         """Self-attention's projections of query [B,T,D] before any rotary embedding,
         joined along heads: [B, T, N + 2K, H], query heads then key then value heads."""
@@ -223,6 +231,11 @@ class BaseQKVLinear(BaseLayer):
         if (key is None) != (value is None):
             raise ValueError(f"{self.path()}: give both key and value, or neither")
         return (query, query) if key is None else (key, value)
+
+
+def _plain_matmuls(layer: MultiheadInputLinear.Config) -> bool:
+    """Whether a projection `layer` configures is its matmul alone (`scales_with_input`)."""
+    return layer.klass is MultiheadInputLinear and not layer.bias and layer.fp8 is None
 
 
 class QKVLinear(BaseQKVLinear):
@@ -245,6 +258,10 @@ class QKVLinear(BaseQKVLinear):
                 name,
                 cfg.layer.clone(model_dim=dim, num_heads=heads, per_head_dim=cfg.per_head_dim),
             )
+
+    @property
+    def scales_with_input(self) -> bool:
+        return _plain_matmuls(self._config.layer)
 
     def forward(
         self,
@@ -332,6 +349,10 @@ class FusedGroupedQKVLinear(BaseQKVLinear):
     def num_kv_heads(self) -> int:
         return self._config.num_kv_heads
 
+    @property
+    def scales_with_input(self) -> bool:
+        return _plain_matmuls(self._config.layer)
+
     def forward(
         self,
         query: Tensor,
@@ -403,6 +424,10 @@ class FusedQKVLinear(BaseQKVLinear):
                 model_dim=cfg.query_dim, num_heads=cfg.num_heads, per_head_dim=cfg.per_head_dim
             ),
         )
+
+    @property
+    def scales_with_input(self) -> bool:
+        return _plain_matmuls(self._config.layer)
 
     def create_parameter_specs_recursively(self) -> dict[str, Any]:
         specs = super().create_parameter_specs_recursively()
@@ -658,6 +683,10 @@ class RoFormerQKVLinear(_WrappedQKVLinear):
         """The wrapped projection's, which rotates nothing (see
         `BaseQKVLinear.joined_unrotated`)."""
         return self.i_proj.joined_unrotated(query)
+
+    @property
+    def scales_with_input(self) -> bool:
+        return self.i_proj.scales_with_input
 
     def angles(self, positions: Tensor) -> Tensor:
         """The rotary angles at positions [B,T]: sin_cos [B,T,H], sines first."""
@@ -1073,15 +1102,26 @@ class MultiheadAttention(BaseLayer):
         *,
         time_step: Tensor,
         attention_logit_biases: Optional[Tensor] = None,
+        norm_input: Optional[Tensor] = None,
+        norm_eps: float = 0.0,
     ) -> tuple[dict[str, Tensor], Tensor]:
         """Self-attention for query [B,S,D] at positions time_step[b] + arange(S).
 
         The new keys/values are written into the cache at those positions (the caller
         keeps time_step + S <= max_len). Returns (new cache, outputs [B,S,output_dim]).
         attention_logit_biases [B,1|N,S,max_len]: added to the logits against the cache.
+        norm_input [B,1,D]: query is `layers.RMSNorm.unfinished(norm_input)` (an RMSNorm
+        of epsilon `norm_eps`), which the step kernel finishes; only where
+        `takes_unfinished_norm` says so.
         """
         time_step = time_step.astype(jnp.int32)
         interpret = self._one_kernel_mode(cached_states, query, attention_logit_biases)
+        if norm_input is not None:
+            if not self.takes_unfinished_norm(cached_states, query, attention_logit_biases):
+                raise ValueError(f"{self.path()}: this step cannot finish a norm of its query")
+            return self._decode_in_one_kernel(
+                cached_states, query, time_step, interpret, (norm_input[:, 0], norm_eps)
+            )
         if interpret is not None:
             return self._decode_in_one_kernel(cached_states, query, time_step, interpret)
         steps = query.shape[1]
@@ -1095,6 +1135,17 @@ class MultiheadAttention(BaseLayer):
             kv_lengths=cached.kv_lengths, logit_biases=attention_logit_biases,
         )
         return new_states, self._output(context)
+
+    def takes_unfinished_norm(
+        self,
+        cached_states: dict[str, Tensor],
+        query: Tensor,
+        attention_logit_biases: Optional[Tensor] = None,
+    ) -> bool:
+        """Whether `extend_step` can take its query as an unfinished RMSNorm (`norm_input`):
+        where the step is one kernel and the projections scale with their input."""
+        interpret = self._one_kernel_mode(cached_states, query, attention_logit_biases)
+        return interpret is not None and self.i_proj.scales_with_input
 
     def _one_kernel_mode(
         self, cached_states: dict[str, Tensor], query: Tensor, logit_biases: Optional[Tensor]
@@ -1127,16 +1178,23 @@ class MultiheadAttention(BaseLayer):
         return decode_step_mode(q_shape, key_cache)
 
     def _decode_in_one_kernel(
-        self, cached_states: dict[str, Tensor], query: Tensor, time_step: Tensor, interpret: bool
+        self,
+        cached_states: dict[str, Tensor],
+        query: Tensor,
+        time_step: Tensor,
+        interpret: bool,
+        unfinished_norm: Optional[tuple[Tensor, float]] = None,
     ) -> tuple[dict[str, Tensor], Tensor]:
+        """`unfinished_norm`: (x [B,D], epsilon) of an RMSNorm the kernel is to finish."""
+        norm_input, norm_eps = unfinished_norm or (None, 0.0)
         sin_cos = None
         if isinstance(self.i_proj, RoFormerQKVLinear):
             sin_cos = self.i_proj.angles(time_step[:, None])[:, 0]
         qkv = self.i_proj.joined_unrotated(query)[:, 0]
         context, key, value = decode_step_attention(
-            qkv, cached_states["key"], cached_states["value"], time_step, sin_cos,
+            qkv, cached_states["key"], cached_states["value"], time_step, sin_cos, norm_input,
             num_heads=self._config.num_heads, query_scale=self.scale_query.constant_scale,
-            interpret=interpret,
+            norm_eps=norm_eps, interpret=interpret,
         )
         return dict(key=key, value=value), self._output(context[:, None])
 
@@ -1274,17 +1332,34 @@ class TransformerAttentionLayer(BaseLayer):
             attention_logit_biases=attention_logit_biases
         )
 
-        def attend(x: Tensor) -> Tensor:
+        def attend(x: Tensor, **norm) -> Tensor:
             states, out = self.attention.extend_step(
-                cached_states, x, time_step=time_step, **biases
+                cached_states, x, time_step=time_step, **biases, **norm
             )
             new_states.update(states)
             return out
 
-        return new_states, self._residual(target, attend)
+        # A prenorm RMSNorm's division by the RMS is left to the attention's kernel.
+        unfinished = None
+        if (
+            self._config.structure == "prenorm"
+            and isinstance(self.norm, RMSNorm)
+            and self.attention.takes_unfinished_norm(cached_states, target, **biases)
+        ):
+            unfinished = self.norm.unfinished(target)
+        if unfinished is None:
+            return new_states, self._residual(target, attend)
+        y = attend(unfinished, norm_input=target, norm_eps=self.norm.config.eps)
+        y = self.stochastic_depth(self.dropout(y))
+        return new_states, residual_add(target, y, is_training=self.is_training)
 
 
 HiddenDim = Union[int, InstantiableConfig]
+
+
+def _plain_linear(cfg: Linear.Config) -> bool:
+    """Whether `cfg` configures a Linear that is its matmul alone (no bias, no FP8)."""
+    return cfg.klass is Linear and not cfg.bias and cfg.fp8 is None
 
 
 class TransformerFeedForwardLayer(BaseLayer):
@@ -1369,8 +1444,12 @@ class TransformerFeedForwardLayer(BaseLayer):
         if name in (self._config.add_value_rms_norm_summary or ()):
             self.add_summary(f"rms_norm/{name}", rms(x))
 
-    def _hidden(self, xs: Sequence[Tensor]) -> Tensor:
+    def _hidden(self, xs: Sequence[Tensor], row_scale: Optional[Tensor] = None) -> Tensor:
+        """The hidden units of inputs xs (one for each linear1), whose projections are
+        multiplied by `row_scale` [..., 1] first if given (finishing an unfinished norm)."""
         pre = [getattr(self, name)(x) for (name, _), x in zip(self._activations, xs)]
+        if row_scale is not None:
+            pre = [(p.astype(jnp.float32) * row_scale).astype(p.dtype) for p in pre]
         (name, activation), a = self._activations[0], pre[0]
         # Only the activated branch can die; a gate's linear partner cannot.
         if self._config.add_dead_neuron_summary:
@@ -1394,7 +1473,15 @@ class TransformerFeedForwardLayer(BaseLayer):
         # The normalized inputs go to each input projection as a copy of its own, so
         # that the norm's backward can sum their gradients itself.
         consumers = len(self._activations)
-        if cfg.structure == "prenorm":
+        # Decoding: a prenorm RMSNorm's division by the RMS is left to the activations'
+        # kernel, its statistic to the residual add's.
+        unfinished, row_scale = None, None
+        prenorm = cfg.structure == "prenorm"
+        if prenorm and isinstance(self.norm, RMSNorm) and _plain_linear(cfg.linear1):
+            unfinished = self.norm.unfinished(inputs)
+        if unfinished is not None:
+            xs, row_scale = [unfinished] * consumers, inverse_rms(inputs, self.norm.config.eps)
+        elif prenorm:
             inputs, *xs = self.norm.residual_and_norm(
                 inputs, partition_spec=residual_spec, consumers=consumers
             )
@@ -1404,7 +1491,7 @@ class TransformerFeedForwardLayer(BaseLayer):
             )
         else:
             xs = [inputs] * consumers
-        h = self._hidden(xs)
+        h = self._hidden(xs, row_scale)
         self._add_rms_summary("linear1_outputs", h)
         y = self.linear2(self.dropout1(h))
         self._add_rms_summary("linear2_outputs", y)

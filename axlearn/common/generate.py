@@ -523,8 +523,9 @@ class Generator:
         self, batch_size: int, prompt_len: int, max_len: int, steps: int, sampling: Sampling
     ) -> tuple[Any, Any, float]:
         """(prefill, chunk) jitted for these shapes, compiled and run once on the first
-        call (the first execution sets up CUDA graphs and workspaces: compile cost, not
-        decoding speed), and the seconds that took."""
+        call, their tokens read back as a run reads them (the first execution sets up CUDA
+        graphs and workspaces, the first reads their transfers: compile cost, not decoding
+        speed), and the seconds that took."""
         key = (batch_size, prompt_len, max_len, steps, dataclasses.astuple(sampling)[:3])
         if key in self._programs:
             return (*self._programs[key], 0.0)
@@ -538,8 +539,10 @@ class Generator:
                 seed=0, offset=0,
             ),
         )
+        np.asarray(state["token"])
         if max_len > prompt_len + 1:  # Else no chunk follows the prefill.
-            state = chunk(self.params, state)
+            state, tokens, all_done = chunk(self.params, state)
+            np.asarray(tokens), bool(all_done)
         jax.block_until_ready(state)
         self._programs[key] = (prefill, chunk)
         return prefill, chunk, time.perf_counter() - start

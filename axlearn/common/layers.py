@@ -328,6 +328,12 @@ class BaseNormalizationLayer(BaseLayer):
         return (x,) + (self.forward(x),) * consumers
 
 
+def inverse_rms(x: Tensor, eps: float) -> Tensor:
+    """rsqrt(mean(x^2) + eps) over x's last axis, in float32, kept as an axis of 1."""
+    x = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
 def _rms_norm(x: Tensor, scale: Tensor, eps: float, forward_dtype: Optional[jnp.dtype]) -> Tensor:
     y = x.astype(forward_dtype or x.dtype)
     y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + eps)
@@ -393,6 +399,18 @@ class RMSNorm(BaseNormalizationLayer):
         else:
             y = _rms_norm(x, self.parameters["scale"], cfg.eps, cfg.forward_dtype)
         return self._shard_output(y)
+
+    def unfinished(self, x: Tensor) -> Optional[Tensor]:
+        """x * scale, the norm short of its division by x's RMS, where a decoding step may
+        finish it after a linear map W: RMSNorm(x) @ W = (x * scale) @ W * inverse_rms(x),
+        the statistic then computed in a kernel the step runs anyway (the residual add's, the
+        attention's) rather than in one of its own. None where `forward` would not take its
+        kernel (training, many rows, several devices)."""
+        if self._forward_kernel_mode(x) is None:
+            return None
+        return (x.astype(jnp.float32) * self.parameters["scale"].astype(jnp.float32)).astype(
+            x.dtype
+        )
 
     def _forward_kernel_mode(self, x: Tensor) -> Optional[bool]:
         """The `interpret` flag of `rms_norm_forward` where a forward pass takes it (outside

@@ -203,9 +203,11 @@ def decode_step_attention(
     value_cache: Tensor,
     time_step: Tensor,
     sin_cos: Optional[Tensor] = None,
+    norm_input: Optional[Tensor] = None,
     *,
     num_heads: int,
     query_scale: float = 1.0,
+    norm_eps: float = 0.0,
     block_keys: int = _BLOCK_KEYS,
     num_warps: int = _NUM_WARPS,
     num_stages: int = _NUM_STAGES,
@@ -219,8 +221,12 @@ def decode_step_attention(
     writes no slices of it); sin_cos [B,H]: the rotary angles' sines then cosines (None:
     no rotation); the query is multiplied by `query_scale` after rotating.
     key_cache/value_cache [B,S,K,H], in qkv's dtype; time_step [B]: the token's position,
-    where its key and value go (< S), attending to keys 0..time_step. Rounds as the
-    layers do: the rotation in float32, then to qkv's dtype, then the scale. Returns
+    where its key and value go (< S), attending to keys 0..time_step. norm_input [B,D]
+    (None: qkv is complete): the input x of an RMSNorm that qkv's projection took
+    unfinished, as x * scale; each row's projections are multiplied by
+    rsqrt(mean(x^2) + norm_eps) first, in float32, which finishes it (`layers.RMSNorm.
+    unfinished` says why). Rounds as the layers do: the rotation in float32, then to qkv's
+    dtype, then the query scale. Returns
     (context [B,N,H], key_cache, value_cache), the caches updated in place.
     """
     from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
@@ -234,7 +240,7 @@ def decode_step_attention(
     rows_total = max(qkv.shape[1], _MIN_ROWS)
     if rows_total != qkv.shape[1]:
         qkv = jnp.pad(qkv, ((0, 0), (0, rows_total - qkv.shape[1]), (0, 0)))
-    rotate = sin_cos is not None
+    rotate, finish_norm = sin_cos is not None, norm_input is not None
     if not rotate:
         sin_cos = jnp.zeros((batch, head_dim), jnp.float32)
     load, store = _masked_load(interpret), _masked_store(interpret)
@@ -242,15 +248,20 @@ def decode_step_attention(
     scale = float(np.asarray(query_scale).astype(dtype))  # The scale as the layers round it.
     halves = (pl.ds(0, half), pl.ds(half, half))  # The pairs a rotation mixes.
 
-    def rotated(pair, sin, cos):
+    def rotated(pair, sin, cos, row_scale):
         # [x1 cos - x2 sin, x2 cos + x1 sin] in float32, rounded to the cache's dtype.
-        first, second = (x.astype(jnp.float32) for x in pair)
+        first, second = (x.astype(jnp.float32) * row_scale for x in pair)
         if rotate:
             first, second = first * cos - second * sin, second * cos + first * sin
         return first.astype(dtype), second.astype(dtype)
 
-    def kernel(step_ref, sc_ref, qkv_ref, kc_ref, vc_ref, o_ref, kc_out, vc_out):
+    def kernel(step_ref, *refs):
+        *norm_ref, sc_ref, qkv_ref, kc_ref, vc_ref, o_ref, kc_out, vc_out = refs
         position = step_ref[0]
+        row_scale = 1.0
+        if finish_norm:
+            x = norm_ref[0][...].astype(jnp.float32)
+            row_scale = jax.lax.rsqrt(jnp.mean(x * x) + norm_eps)
         head = pl.program_id(1)
         first_row = head * group
         start = jnp.minimum(first_row, rows_total - _MIN_ROWS)
@@ -258,10 +269,16 @@ def decode_step_attention(
         in_group = ((rows >= first_row) & (rows < first_row + group))[:, None]
         window = pl.ds(start, _MIN_ROWS)
         sin, cos = (sc_ref[h][None] for h in halves)
-        query = rotated([load(qkv_ref.at[window, h], in_group) for h in halves], sin, cos)
+        query = rotated(
+            [load(qkv_ref.at[window, h], in_group) for h in halves], sin, cos, row_scale
+        )
         query = [(x.astype(jnp.float32) * scale).astype(dtype) for x in query]
-        own_key = rotated([qkv_ref[pl.ds(num_heads + head, 1), h] for h in halves], sin, cos)
+        own_key = rotated(
+            [qkv_ref[pl.ds(num_heads + head, 1), h] for h in halves], sin, cos, row_scale
+        )
         own_value = qkv_ref[pl.ds(num_heads + num_kv_heads + head, 1), :]
+        if finish_norm:
+            own_value = (own_value.astype(jnp.float32) * row_scale).astype(dtype)
         at = pl.ds(position, 1)
         for h, key_half in zip(halves, own_key):
             kc_out[at, h] = key_half
@@ -290,11 +307,15 @@ def decode_step_attention(
 
     cache_block = pl.BlockSpec((None, num_keys, None, head_dim), lambda b, h: (b, 0, h, 0))
     per_row = pl.BlockSpec((None, rows_total, head_dim), lambda b, h: (b, 0, 0))
+    norm_args = [] if norm_input is None else [norm_input]
+    norm_specs = [pl.BlockSpec((None, x.shape[-1]), lambda b, h: (b, 0)) for x in norm_args]
+    caches_at = 3 + len(norm_args)  # The operands' indices of the two caches.
     context, key_cache, value_cache = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads),
         in_specs=[
             pl.BlockSpec((1,), lambda b, h: (b,)),
+            *norm_specs,
             pl.BlockSpec((None, head_dim), lambda b, h: (b, 0)),
             per_row, cache_block, cache_block,
         ],
@@ -304,8 +325,11 @@ def decode_step_attention(
             jax.ShapeDtypeStruct(key_cache.shape, key_cache.dtype),
             jax.ShapeDtypeStruct(value_cache.shape, value_cache.dtype),
         ],
-        input_output_aliases={3: 1, 4: 2},
+        input_output_aliases={caches_at: 1, caches_at + 1: 2},
         compiler_params=dispatch.compiler_params(num_warps, interpret, num_stages=num_stages),
         interpret=interpret,
-    )(time_step.astype(jnp.int32), sin_cos.astype(jnp.float32), qkv, key_cache, value_cache)
+    )(
+        time_step.astype(jnp.int32), *norm_args, sin_cos.astype(jnp.float32), qkv, key_cache,
+        value_cache,
+    )
     return context[:, :num_heads], key_cache, value_cache
