@@ -6,8 +6,8 @@ pass), RMSNorm's (`rms_norm_backward`, the residual's and the norm's input gradi
 and the scale's gradient, for one or two consumers of the normalized input), and for
 decoding RMSNorm's forward over a step's rows (`rms_norm_forward`), a step's attention
 (`decode_attention`, against cuDNN's kernel too) and the whole step's, rotation and cache
-write included (`decode_step_attention`, against XLA's rotation, writes and attention). Run this on
-new hardware, or after a jax or Triton upgrade, to see whether they still compile, still
+write included (`decode_step_attention`, against XLA's rotation, writes and attention; also
+finishing the projections' RMSNorm). Run this on new hardware, or after a jax or Triton upgrade, to see whether they still compile, still
 agree with a float64 reference as closely as XLA does, and still beat XLA; `--sweep`
 also times other block shapes and warp counts, to retune their defaults for a new card:
 
@@ -276,10 +276,12 @@ def _xla_decode_step(qkv, key_cache, value_cache, steps, sin_cos, *, heads, scal
 
 
 def check_decode_step(
-    batch: int, heads: int, kv_heads: int, head_dim: int, cache: int, length: int
+    batch: int, heads: int, kv_heads: int, head_dim: int, cache: int, length: int, hidden: int
 ) -> dict[str, Any]:
     """XLA's and the kernel's whole decoding step (rotation, cache write, attention) of one
-    bf16 token a row at position `length` - 1 of a cache of `cache` keys."""
+    bf16 token a row at position `length` - 1 of a cache of `cache` keys; then again with
+    the projections' RMSNorm left to the step (`unfinished norm`: the kernel reads the
+    [batch, hidden] input and divides by its RMS; XLA scales the projections first)."""
     rng = np.random.default_rng(0)
     qkv = jnp.asarray(rng.normal(size=(batch, heads + 2 * kv_heads, head_dim)), jnp.bfloat16)
     key_cache, value_cache = (
@@ -298,15 +300,37 @@ def check_decode_step(
             lambda *t: decode_step_attention(*t, num_heads=heads, query_scale=scale)[0]
         ),
     }
-    q = rotated_reference(np.asarray(qkv[:, :heads]), sin_cos) * scale
-    k = rotated_reference(np.asarray(qkv[:, heads : heads + kv_heads]), sin_cos)
-    keys, values = np.array(key_cache, np.float64), np.array(value_cache, np.float64)
-    keys[:, length - 1], values[:, length - 1] = k, np.asarray(qkv[:, heads + kv_heads :])
-    want = [decode_attention_reference(q, keys, values, np.asarray(steps) + 1)]
+
+    def reference(projected: np.ndarray) -> list[np.ndarray]:
+        q = rotated_reference(projected[:, :heads], sin_cos) * scale
+        k = rotated_reference(projected[:, heads : heads + kv_heads], sin_cos)
+        keys, values = np.array(key_cache, np.float64), np.array(value_cache, np.float64)
+        keys[:, length - 1], values[:, length - 1] = k, projected[:, heads + kv_heads :]
+        return [decode_attention_reference(q, keys, values, np.asarray(steps) + 1)]
+
     single = {name: (lambda *t, fn=fn: [fn(*t)]) for name, fn in cases.items()}
     min_bytes = 2 * qkv.nbytes + 2 * batch * length * kv_heads * head_dim * 2
     inputs = (qkv, key_cache, value_cache, steps, sin_cos)
-    return _time_cases(single, inputs, want, min_bytes=min_bytes)
+    results = _time_cases(single, inputs, reference(np.asarray(qkv, np.float64)), min_bytes)
+    x = jnp.asarray(rng.normal(size=(batch, hidden)), jnp.bfloat16)
+
+    def xla_unfinished(qkv_, *rest):
+        row_scale = layers.inverse_rms(rest[-1], _EPS)[:, :, None]
+        qkv_ = (qkv_.astype(jnp.float32) * row_scale).astype(qkv_.dtype)
+        return [_xla_decode_step(qkv_, *rest[:-1], heads=heads, scale=scale)]
+
+    def kernel_unfinished(*t):
+        return [decode_step_attention(*t, num_heads=heads, query_scale=scale, norm_eps=_EPS)[0]]
+
+    unfinished = {
+        "decode_step unfinished norm: xla": jax.jit(xla_unfinished),
+        "decode_step unfinished norm: kernel": jax.jit(kernel_unfinished),
+    }
+    x64 = np.asarray(x, np.float64)
+    row_scale = 1 / np.sqrt(np.mean(x64 * x64, axis=-1) + _EPS)
+    want = reference(np.asarray(qkv, np.float64) * row_scale[:, None, None])
+    results.update(_time_cases(unfinished, inputs + (x,), want, min_bytes + x.nbytes))
+    return results
 
 
 def check_rms_norm_forward(batch: int, hidden: int) -> dict[str, Any]:
@@ -358,7 +382,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     )
     results.update(
         check_decode_step(
-            args.decode_batch, args.heads, args.kv_heads, args.head_dim, args.cache, args.length
+            args.decode_batch, args.heads, args.kv_heads, args.head_dim, args.cache, args.length,
+            args.hidden,
         )
     )
     results.update(check_rms_norm_forward(args.decode_batch, args.hidden))
