@@ -9,8 +9,10 @@ where `decode_attention_mode` says so.
 `decode_step_attention` does the whole step in the kernel: it rotates the token's query
 and key (RoPE), writes its key and value into the cache in place and attends, where XLA
 would emit the rotation, two cache writes and the slices of the fused projection as
-kernels of their own. `MultiheadAttention.extend_step` takes it where
-`decode_step_mode` says so, and `decode_attention` for the steps it does not take.
+kernels of their own; given the projection's input, it also finishes the RMSNorm the
+projection took unfinished (`layers.RMSNorm.unfinished`), a norm kernel fewer a layer.
+`MultiheadAttention.extend_step` takes it where `decode_step_mode` says so, and
+`decode_attention` for the steps it does not take.
 """
 
 import functools
