@@ -7,8 +7,9 @@ and the scale's gradient, for one or two consumers of the normalized input), and
 decoding RMSNorm's forward over a step's rows (`rms_norm_forward`), a step's attention
 (`decode_attention`, against cuDNN's kernel too) and the whole step's, rotation and cache
 write included (`decode_step_attention`, against XLA's rotation, writes and attention; also
-finishing the projections' RMSNorm). Run this on new hardware, or after a jax or Triton upgrade, to see whether they still compile, still
-agree with a float64 reference as closely as XLA does, and still beat XLA; `--sweep`
+finishing the projections' RMSNorm). Run this on new hardware, or after a jax or Triton
+upgrade, to see whether they still compile, still agree with a float64 reference as closely
+as XLA does, and still beat XLA; `--sweep`
 also times other block shapes and warp counts, to retune their defaults for a new card:
 
     PYTHONPATH=. python tools/kernel_check.py [--tokens=16384 --hidden=2048 --mlp_hidden=8192] \
@@ -315,7 +316,7 @@ def check_decode_step(
     x = jnp.asarray(rng.normal(size=(batch, hidden)), jnp.bfloat16)
 
     def xla_unfinished(qkv_, *rest):
-        row_scale = layers.inverse_rms(rest[-1], _EPS)[:, :, None]
+        row_scale = layers.inverse_rms(rest[-1].astype(jnp.float32), _EPS)[:, :, None]
         qkv_ = (qkv_.astype(jnp.float32) * row_scale).astype(qkv_.dtype)
         return [_xla_decode_step(qkv_, *rest[:-1], heads=heads, scale=scale)]
 

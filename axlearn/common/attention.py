@@ -1120,7 +1120,7 @@ class MultiheadAttention(BaseLayer):
             if not self.takes_unfinished_norm(cached_states, query, attention_logit_biases):
                 raise ValueError(f"{self.path()}: this step cannot finish a norm of its query")
             return self._decode_in_one_kernel(
-                cached_states, query, time_step, interpret, (norm_input[:, 0], norm_eps)
+                cached_states, query, time_step, interpret, norm_input[:, 0], norm_eps
             )
         if interpret is not None:
             return self._decode_in_one_kernel(cached_states, query, time_step, interpret)
@@ -1183,10 +1183,11 @@ class MultiheadAttention(BaseLayer):
         query: Tensor,
         time_step: Tensor,
         interpret: bool,
-        unfinished_norm: Optional[tuple[Tensor, float]] = None,
+        norm_input: Optional[Tensor] = None,
+        norm_eps: float = 0.0,
     ) -> tuple[dict[str, Tensor], Tensor]:
-        """`unfinished_norm`: (x [B,D], epsilon) of an RMSNorm the kernel is to finish."""
-        norm_input, norm_eps = unfinished_norm or (None, 0.0)
+        """`norm_input` [B,D]: the input of an RMSNorm (epsilon `norm_eps`) the kernel is
+        to finish."""
         sin_cos = None
         if isinstance(self.i_proj, RoFormerQKVLinear):
             sin_cos = self.i_proj.angles(time_step[:, None])[:, 0]
@@ -1480,7 +1481,8 @@ class TransformerFeedForwardLayer(BaseLayer):
         if prenorm and isinstance(self.norm, RMSNorm) and _plain_linear(cfg.linear1):
             unfinished = self.norm.unfinished(inputs)
         if unfinished is not None:
-            xs, row_scale = [unfinished] * consumers, inverse_rms(inputs, self.norm.config.eps)
+            row_scale = inverse_rms(inputs.astype(jnp.float32), self.norm.config.eps)
+            xs = [unfinished] * consumers
         elif prenorm:
             inputs, *xs = self.norm.residual_and_norm(
                 inputs, partition_spec=residual_spec, consumers=consumers

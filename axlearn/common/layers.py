@@ -329,14 +329,13 @@ class BaseNormalizationLayer(BaseLayer):
 
 
 def inverse_rms(x: Tensor, eps: float) -> Tensor:
-    """rsqrt(mean(x^2) + eps) over x's last axis, in float32, kept as an axis of 1."""
-    x = x.astype(jnp.float32)
+    """rsqrt(mean(x^2) + eps) over x's last axis, in x's dtype, kept as an axis of 1."""
     return jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
 
 
 def _rms_norm(x: Tensor, scale: Tensor, eps: float, forward_dtype: Optional[jnp.dtype]) -> Tensor:
     y = x.astype(forward_dtype or x.dtype)
-    y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + eps)
+    y = y * inverse_rms(y, eps)
     return (y * scale).astype(x.dtype)
 
 
@@ -402,10 +401,10 @@ class RMSNorm(BaseNormalizationLayer):
 
     def unfinished(self, x: Tensor) -> Optional[Tensor]:
         """x * scale, the norm short of its division by x's RMS, where a decoding step may
-        finish it after a linear map W: RMSNorm(x) @ W = (x * scale) @ W * inverse_rms(x),
-        the statistic then computed in a kernel the step runs anyway (the residual add's, the
-        attention's) rather than in one of its own. None where `forward` would not take its
-        kernel (training, many rows, several devices)."""
+        finish it after a linear map W: RMSNorm(x) @ W = (x * scale) @ W * inverse_rms(x) (in
+        float32), the statistic then computed in a kernel the step runs anyway (the residual
+        add's, the attention's) rather than in one of its own. None where `forward` would not
+        take its kernel (training, many rows, several devices)."""
         if self._forward_kernel_mode(x) is None:
             return None
         return (x.astype(jnp.float32) * self.parameters["scale"].astype(jnp.float32)).astype(
